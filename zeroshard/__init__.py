@@ -1,0 +1,46 @@
+"""zeroshard: ZeRO data-parallel training driven by a DeepSpeed ds_config.json.
+
+    engine, optimizer, loader, scheduler = zeroshard.initialize(model=..., config="ds_config.json")
+
+Names are imported on first use, so `zeroshard launch` (which needs none of them) starts
+without importing torch or the runtime.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "initialize": "zeroshard.runtime.initialize",
+    "ZeroEngine": "zeroshard.runtime.engine",
+    "Config": "zeroshard.config",
+    "load_config": "zeroshard.config",
+    "init_distributed": "zeroshard.comm",
+    "add_config_arguments": "zeroshard.arguments",
+    "ZeroshardError": "zeroshard.errors",
+    "ConfigError": "zeroshard.errors",
+    "NotSupportedError": "zeroshard.errors",
+    "CommError": "zeroshard.errors",
+    "LaunchError": "zeroshard.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from zeroshard.arguments import add_config_arguments
+    from zeroshard.comm import init_distributed
+    from zeroshard.config import Config, load_config
+    from zeroshard.errors import CommError, ConfigError, LaunchError, NotSupportedError, ZeroshardError
+    from zeroshard.runtime.engine import ZeroEngine
+    from zeroshard.runtime.initialize import initialize
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

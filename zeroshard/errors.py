@@ -1,0 +1,23 @@
+"""Exception hierarchy. Every error zeroshard raises on purpose derives from ZeroshardError."""
+
+from __future__ import annotations
+
+
+class ZeroshardError(Exception):
+    """Base class of every error zeroshard raises deliberately."""
+
+
+class ConfigError(ZeroshardError, ValueError):
+    """A ds_config value is wrong: unknown key, wrong type or range, unresolvable "auto"."""
+
+
+class NotSupportedError(ConfigError):
+    """A valid DeepSpeed key whose feature zeroshard does not implement yet."""
+
+
+class CommError(ZeroshardError, RuntimeError):
+    """A collective failed or timed out; the message names each rank's last collective."""
+
+
+class LaunchError(ZeroshardError, RuntimeError):
+    """The launcher was given something it cannot run (hostfile, port, script)."""
