@@ -1,0 +1,495 @@
+"""Unit tests for zeroshard.config: schema defaults, every error path, "auto", batch triad, provenance."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zeroshard.config import Config, load_config
+from zeroshard.config.batch import solve_batch
+from zeroshard.config.fields import get_dotted
+from zeroshard.errors import ConfigError, NotSupportedError
+
+ABSENT = object()
+"""Override value that removes a key from the base config."""
+
+BASE: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2}
+
+
+def make_raw(**overrides: Any) -> dict[str, Any]:
+    """The base ds_config with overrides; `a__b=1` sets {"a": {"b": 1}}, ABSENT deletes."""
+    raw = copy.deepcopy(BASE)
+    for name, value in overrides.items():
+        *parents, leaf = name.split("__")
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is ABSENT:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return raw
+
+
+def make_config(*, world_size: int = 1, hidden_size: int | None = None,
+                auto_values: dict[str, Any] | None = None, **overrides: Any) -> Config:
+    """load_config on make_raw(**overrides)."""
+    return load_config(make_raw(**overrides), dp_world_size=world_size, hidden_size=hidden_size,
+                       auto_values=auto_values)
+
+
+def config_error(**kwargs: Any) -> str:
+    """The message of the plain ConfigError (not NotSupportedError) make_config raises."""
+    with pytest.raises(ConfigError) as info:
+        make_config(**kwargs)
+    assert type(info.value) is ConfigError, f"expected ConfigError, got {type(info.value).__name__}"
+    return str(info.value)
+
+
+# --- defaults ---------------------------------------------------------------------------------
+
+DEEPSPEED_DEFAULTS: dict[str, Any] = {
+    "gradient_clipping": 0.0, "steps_per_print": 10, "wall_clock_breakdown": False, "dump_state": False,
+    "communication_data_type": None, "prescale_gradients": False, "gradient_predivide_factor": 1.0,
+    "zero_allow_untested_optimizer": False, "zero_force_ds_cpu_optimizer": True,
+    "fp16.enabled": False, "fp16.auto_cast": False, "fp16.loss_scale": 0, "fp16.initial_scale_power": 16,
+    "fp16.loss_scale_window": 1000, "fp16.hysteresis": 2, "fp16.consecutive_hysteresis": False,
+    "fp16.min_loss_scale": 1, "bf16.enabled": False, "data_types.grad_accum_dtype": None,
+    "zero_optimization.stage": 0, "zero_optimization.contiguous_gradients": True,
+    "zero_optimization.reduce_scatter": True, "zero_optimization.reduce_bucket_size": 500_000_000,
+    "zero_optimization.allgather_partitions": True, "zero_optimization.allgather_bucket_size": 500_000_000,
+    "zero_optimization.overlap_comm": False, "zero_optimization.load_from_fp32_weights": True,
+    "zero_optimization.elastic_checkpoint": False, "zero_optimization.sub_group_size": 1_000_000_000,
+    "zero_optimization.stage3_prefetch_bucket_size": 50_000_000,
+    "zero_optimization.stage3_param_persistence_threshold": 100_000,
+    "zero_optimization.stage3_max_live_parameters": 1_000_000_000,
+    "zero_optimization.stage3_max_reuse_distance": 1_000_000_000,
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
+    "zero_optimization.ignore_unused_parameters": True, "zero_optimization.round_robin_gradients": False,
+    "zero_optimization.zero_hpz_partition_size": 1, "zero_optimization.zero_quantized_weights": False,
+    "zero_optimization.zero_quantized_gradients": False, "zero_optimization.memory_efficient_linear": True,
+    "zero_optimization.offload_optimizer.device": "none", "zero_optimization.offload_optimizer.pin_memory": False,
+    "zero_optimization.offload_optimizer.buffer_count": 4, "zero_optimization.offload_optimizer.fast_init": False,
+    "zero_optimization.offload_optimizer.ratio": 1.0, "zero_optimization.offload_param.device": "none",
+    "zero_optimization.offload_param.buffer_count": 5, "zero_optimization.offload_param.buffer_size": 100_000_000,
+    "zero_optimization.offload_param.max_in_cpu": 1_000_000_000, "zero_optimization.offload_param.pin_memory": False,
+    "tensorboard.enabled": False, "tensorboard.output_path": "", "tensorboard.job_name": "DeepSpeedJobName",
+    "csv_monitor.enabled": False, "wandb.enabled": False, "wandb.project": "deepspeed", "wandb.team": None,
+    "comms_logger.enabled": False, "comms_logger.verbose": False, "comms_logger.prof_all": True,
+    "comms_logger.debug": False, "comms_logger.prof_ops": (),
+    "aio.block_size": 1048576, "aio.queue_depth": 8, "aio.intra_op_parallelism": 1, "aio.single_submit": False,
+    "aio.overlap_events": True, "aio.use_gds": False, "checkpoint.tag_validation": "Warn",
+    "activation_checkpointing.partition_activations": False, "activation_checkpointing.number_checkpoints": None,
+}
+
+
+def test_defaults_equal_deepspeeds() -> None:
+    cfg = make_config()
+    got = {key: get_dotted(cfg, key) for key in DEEPSPEED_DEFAULTS}
+    assert got == DEEPSPEED_DEFAULTS
+    assert cfg.optimizer is None and cfg.scheduler is None and cfg.precision == "fp32"
+
+
+def test_optimizer_and_scheduler_defaults_equal_deepspeeds() -> None:
+    cfg = make_config(optimizer={"type": "Adam"}, scheduler={"type": "OneCycle", "params": {
+        "cycle_min_lr": 0.0, "cycle_max_lr": 0.1}})
+    assert dataclasses.asdict(cfg.optimizer.params) == {
+        "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "bias_correction": True,
+        "adam_w_mode": True, "torch_adam": False, "amsgrad": False}
+    assert dataclasses.asdict(cfg.scheduler.params) == {
+        "cycle_min_lr": 0.0, "cycle_max_lr": 0.1, "decay_lr_rate": 0.0, "cycle_first_step_size": 2000,
+        "cycle_second_step_size": None, "cycle_first_stair_count": 0, "cycle_second_stair_count": None,
+        "decay_step_size": 0, "cycle_momentum": True, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9,
+        "decay_mom_rate": 0.0, "last_batch_iteration": -1}
+    lamb = make_config(optimizer={"type": "lamb"}).optimizer
+    assert (lamb.type, lamb.params.max_coeff, lamb.params.min_coeff) == ("Lamb", 10.0, 0.01)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000,
+                  "warmup_type": "log", "last_batch_iteration": -1}),
+    ("WarmupDecayLR", {"total_num_steps": 10, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
+                       "warmup_num_steps": 1000, "warmup_type": "log", "last_batch_iteration": -1}),
+    ("WarmupCosineLR", {"total_num_steps": 10, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
+                        "cos_min_ratio": 0.0001, "warmup_type": "log", "last_batch_iteration": -1}),
+    ("LRRangeTest", {"lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 2000,
+                     "lr_range_test_step_rate": 1.0, "lr_range_test_staircase": False,
+                     "last_batch_iteration": -1}),
+])
+def test_scheduler_defaults(name: str, expected: dict[str, Any]) -> None:
+    params = {"total_num_steps": 10} if "total_num_steps" in expected else {}
+    cfg = make_config(scheduler={"type": name, "params": params})
+    assert cfg.scheduler.type == name
+    assert dataclasses.asdict(cfg.scheduler.params) == expected
+
+
+def test_config_pickles_copies_and_converts_to_dict() -> None:
+    cfg = make_config(optimizer={"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                      scheduler={"type": "WarmupLR"})
+    assert pickle.loads(pickle.dumps(cfg)) == cfg == copy.deepcopy(cfg)
+    as_dict = dataclasses.asdict(cfg)
+    assert as_dict["optimizer"]["params"] == {"lr": 0.1, "momentum": 0.9}
+    assert as_dict["zero_optimization"]["offload_param"]["device"] == "none"
+    assert hash(cfg.optimizer.params) == hash(copy.deepcopy(cfg.optimizer.params))
+
+
+def test_config_is_frozen_and_source_not_mutated() -> None:
+    raw = make_raw(zero_optimization={"reduce_bucket_size": "auto"})
+    before = copy.deepcopy(raw)
+    cfg = load_config(raw, dp_world_size=1, hidden_size=8)
+    assert raw == before
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.zero_optimization.stage = 2  # type: ignore[misc]
+
+
+# --- unknown, aliased and removed keys --------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"train_batch_sise": 4}, 'train_batch_sise: unknown key. Did you mean "train_batch_size"?'),
+    ({"zero_optimization__overlap_comms": True},
+     'zero_optimization.overlap_comms: unknown key. Did you mean "overlap_comm"?'),
+    ({"zero_optimization__offload_optimizer__pin_memroy": True},
+     'zero_optimization.offload_optimizer.pin_memroy: unknown key. Did you mean "pin_memory"?'),
+    ({"fp16__loss_scale_windows": 10}, 'fp16.loss_scale_windows: unknown key. Did you mean "loss_scale_window"?'),
+    ({"optimizer": {"type": "AdamW", "params": {"weight_decy": 0.1}}},
+     'optimizer.params.weight_decy: unknown key. Did you mean "weight_decay"?'),
+    ({"optimizer": {"type": "SGD", "params": {"momentun": 0.9}}},
+     'optimizer.params.momentun: unknown parameter of SGD. Did you mean "momentum"?'),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 5}}},
+     'scheduler.params.warmup_num_step: unknown key. Did you mean "warmup_num_steps"?'),
+    ({"optimizer": {"type": "AdamW", "param": {}}}, 'optimizer.param: unknown key. Did you mean "params"?'),
+    ({"optimizer": {"type": "Adam", "adam_w_mode": True}},
+     'optimizer.adam_w_mode: unknown key; adam_w_mode is a parameter of the optimizer: move it into "params".'),
+])
+def test_unknown_key_names_path_and_near_match(overrides: dict[str, Any], message: str) -> None:
+    assert config_error(**overrides) == message
+
+
+@pytest.mark.parametrize("key, message", [
+    ("cpu_offload", 'zero_optimization.cpu_offload: removed; use "offload_optimizer": {"device": "cpu"}.'),
+    ("cpu_offload_param", 'zero_optimization.cpu_offload_param: removed; use "offload_param": {"device": "cpu"}.'),
+])
+def test_removed_keys_say_what_replaces_them(key: str, message: str) -> None:
+    assert config_error(zero_optimization={key: True}) == message
+
+
+def test_removed_boolean_zero_optimization() -> None:
+    assert '"zero_optimization": {"stage": 1}' in config_error(zero_optimization=True)
+
+
+def test_legacy_aliases() -> None:
+    raw = make_raw(bfloat16={"enabled": True},
+                   zero_optimization={"stage3_gather_fp16_weights_on_model_save": False})
+    cfg = load_config(raw, dp_world_size=1)
+    assert cfg.bf16.enabled and cfg.precision == "bf16"
+    both = {"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}
+    with pytest.raises(ConfigError, match="bfloat16 and bf16 are two spellings of one key"):
+        load_config({**BASE, **both}, dp_world_size=1)
+
+
+# --- types and ranges -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    ({"zero_optimization__stage": 4}, r"^zero_optimization\.stage: got 4, expected one of 0, 1, 2, 3\."),
+    ({"zero_optimization__stage": True}, r"zero_optimization\.stage: got true, expected one of"),
+    ({"zero_optimization__reduce_bucket_size": -1},
+     r"^zero_optimization\.reduce_bucket_size: got -1, expected an integer >= 0\. Default: 500000000\."),
+    ({"zero_optimization__reduce_bucket_size": 2.5e3 + 0.5}, r"got 2500\.5, expected an integer"),
+    ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}},
+     r"optimizer\.params\.betas: got \[0\.9\], expected a pair of numbers, each >= 0\.0 and < 1\.0\."),
+    ({"optimizer": {"type": "Adam", "params": {"betas": 0.9}}}, r"optimizer\.params\.betas: got 0\.9"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": -0.001}}},
+     r"optimizer\.params\.lr: got -0\.001, expected a number >= 0\.0\. Default: 0\.001\."),
+    ({"optimizer": {"type": "SGD", "params": {"lr": -1}}}, r"optimizer\.params\.lr: got -1, expected a number >= 0"),
+    ({"optimizer": {"type": "SGD", "params": {"nesterov": "yes"}}}, r"nesterov: got \"yes\", expected true or false"),
+    ({"fp16__loss_scale_window": 0}, r"fp16\.loss_scale_window: got 0, expected an integer >= 1\. Default: 1000\."),
+    ({"fp16__enabled": "true"}, r'fp16\.enabled: got "true", expected true or false\.'),
+    ({"train_micro_batch_size_per_gpu": True}, r"train_micro_batch_size_per_gpu: got true, expected an integer"),
+    ({"train_micro_batch_size_per_gpu": 0}, r"train_micro_batch_size_per_gpu: got 0, expected an integer >= 1"),
+    ({"data_types__grad_accum_dtype": "fp8"},
+     r'data_types\.grad_accum_dtype: got "fp8", expected one of "fp32", "fp16", "bf16" or null'),
+    ({"communication_data_type": "float16"}, r'communication_data_type: got "float16", expected one of'),
+    ({"zero_optimization__offload_optimizer__device": "gpu"},
+     r'offload_optimizer\.device: got "gpu", expected one of "none", "cpu", "nvme"\. Did you mean "cpu"\?'),
+    ({"zero_optimization": [1, 2]}, r"zero_optimization: got \[1, 2\], expected an object"),
+    ({"gradient_clipping": -1.0}, r"gradient_clipping: got -1\.0, expected a number >= 0\.0"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}},
+     r'warmup_type: got "cubic", expected one of "log", "linear"'),
+])
+def test_type_and_range_errors_name_key_value_and_expectation(overrides: dict[str, Any], pattern: str) -> None:
+    assert re.search(pattern, config_error(**overrides))
+
+
+def test_fp16_and_bf16_are_exclusive() -> None:
+    message = config_error(fp16={"enabled": True}, bf16={"enabled": True})
+    assert message.startswith("fp16.enabled and bf16.enabled are both true; choose one")
+
+
+def test_integral_floats_are_ints_and_case_insensitive_literals() -> None:
+    cfg = make_config(zero_optimization={"reduce_bucket_size": 3e8},
+                      communication_data_type="BF16", checkpoint={"tag_validation": "warn"})
+    assert cfg.zero_optimization.reduce_bucket_size == 300_000_000
+    assert type(cfg.zero_optimization.reduce_bucket_size) is int
+    assert (cfg.communication_data_type, cfg.checkpoint.tag_validation) == ("bf16", "Warn")
+
+
+def test_steps_per_print_infinity_means_never(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 4, "steps_per_print": Infinity}')
+    assert load_config(path, dp_world_size=1).steps_per_print is None
+    assert make_config(steps_per_print=2_000_000).steps_per_print == 2_000_000
+    assert make_config(steps_per_print=float("inf")).steps_per_print is None
+
+
+def test_nvme_needs_a_path() -> None:
+    with pytest.raises(ConfigError, match=r'offload_optimizer\.nvme_path: required when device is "nvme"'):
+        make_config(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme"}})
+
+
+# --- optimizer and scheduler types ------------------------------------------------------------
+
+
+def test_optimizer_types_are_case_insensitive_and_torch_classes_are_checked() -> None:
+    assert make_config(optimizer={"type": "adamw", "params": {"lr": 3e-4}}).optimizer.type == "AdamW"
+    sgd = make_config(optimizer={"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9}}).optimizer
+    assert sgd.type == "SGD" and dict(sgd.params) == {"lr": 0.1, "momentum": 0.9}
+    rms = make_config(optimizer={"type": "RMSprop", "params": {"alpha": 0.9}}).optimizer
+    assert rms.type == "RMSprop"
+
+
+def test_unknown_optimizer_and_scheduler_types() -> None:
+    assert re.search(r'optimizer\.type: unknown optimizer "Adamw8bit"\. Did you mean "AdamW"\? Known: Adam, '
+                     r"AdamW, Lamb, or a torch\.optim class: ASGD, ", config_error(optimizer={"type": "Adamw8bit"}))
+    assert re.search(r'scheduler\.type: unknown scheduler "WarmupLRR"\. Did you mean "WarmupLR"',
+                     config_error(scheduler={"type": "WarmupLRR"}))
+    assert "optimizer.type: required" in config_error(optimizer={"params": {"lr": 1.0}})
+
+
+def test_scheduler_required_params_and_torch_schedulers() -> None:
+    assert re.search(r"scheduler\.params\.total_num_steps: required by WarmupDecayLR",
+                     config_error(scheduler={"type": "WarmupDecayLR"}))
+    step = make_config(scheduler={"type": "steplr", "params": {"step_size": 10, "gamma": 0.5}}).scheduler
+    assert step.type == "StepLR" and dict(step.params) == {"step_size": 10, "gamma": 0.5}
+    assert "step_size: required by StepLR" in config_error(scheduler={"type": "StepLR"})
+
+
+# --- "auto" -----------------------------------------------------------------------------------
+
+
+def test_auto_from_hidden_size() -> None:
+    cfg = make_config(hidden_size=768, zero_optimization={"reduce_bucket_size": "auto"})
+    assert cfg.zero_optimization.reduce_bucket_size == 768 * 768
+    assert cfg.source_of("zero_optimization.reduce_bucket_size") == "auto (model hidden_size=768)"
+
+
+def test_auto_stage3_sizes_from_hidden_size_are_checked_before_stage_support() -> None:
+    with pytest.raises(NotSupportedError, match=r"zero_optimization\.stage=3"):
+        make_config(hidden_size=1024, zero_optimization={
+            "stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto"})
+
+
+def test_auto_values_win_over_the_model_rule() -> None:
+    cfg = make_config(hidden_size=768, auto_values={"zero_optimization.reduce_bucket_size": 1000},
+                      zero_optimization={"reduce_bucket_size": "auto"})
+    assert cfg.zero_optimization.reduce_bucket_size == 1000
+    assert cfg.source_of("zero_optimization.reduce_bucket_size") == "auto (from initialize arguments)"
+
+
+def test_unresolvable_auto_says_how_to_resolve_it() -> None:
+    assert config_error(zero_optimization={"reduce_bucket_size": "auto"}) == (
+        'zero_optimization.reduce_bucket_size: is "auto" but the model has no config.hidden_size; '
+        "set it to a number of elements, e.g. 5e8.")
+    assert config_error(gradient_clipping="auto").startswith(
+        'gradient_clipping: is "auto" but initialize() supplied no value for it; set it to a maximum')
+    assert "optimizer.params.lr" in config_error(optimizer={"type": "AdamW", "params": {"lr": "auto"}})
+
+
+def test_auto_values_are_type_checked() -> None:
+    message = config_error(gradient_clipping="auto", auto_values={"gradient_clipping": "big"})
+    assert message.startswith('gradient_clipping: got "big", expected a number') and "supplied" in message
+
+
+def test_auto_precision_flags_default_off() -> None:
+    cfg = make_config(fp16={"enabled": "auto"}, bf16={"enabled": "auto"})
+    assert cfg.precision == "fp32" and cfg.source_of("fp16.enabled").startswith("auto (off")
+    cfg = make_config(fp16={"enabled": "auto"}, bf16={"enabled": "auto"}, auto_values={"bf16.enabled": True})
+    assert cfg.precision == "bf16"
+
+
+def test_auto_optimizer_and_scheduler_values() -> None:
+    cfg = make_config(
+        optimizer={"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        scheduler={"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                       "total_num_steps": 100}},
+        gradient_clipping="auto",
+        auto_values={"optimizer.params.lr": 1e-3, "optimizer.params.weight_decay": 0.01,
+                     "gradient_clipping": 1.0, "unused.key": 5},
+    )
+    assert cfg.optimizer.params.lr == 1e-3 and cfg.optimizer.params.weight_decay == 0.01
+    assert cfg.scheduler.params.warmup_max_lr == 1e-3 and cfg.scheduler.params.warmup_min_lr == 0.0
+    assert cfg.gradient_clipping == 1.0
+    assert cfg.source_of("scheduler.params.warmup_max_lr") == "auto (optimizer.params.lr)"
+
+
+def test_warmup_max_lr_auto_from_client_optimizer_lr() -> None:
+    cfg = make_config(scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}},
+                      auto_values={"optimizer.params.lr": 0.02})
+    assert cfg.scheduler.params.warmup_max_lr == 0.02
+    assert "warmup_max_lr" in config_error(scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}})
+
+
+# --- batch triad ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tbs, micro, gas, world, expected", [
+    (32, None, None, 4, (32, 8, 1)),
+    (None, 4, None, 2, (8, 4, 1)),
+    (32, 4, None, 2, (32, 4, 4)),
+    (32, None, 2, 2, (32, 8, 2)),
+    (None, 4, 2, 2, (16, 4, 2)),
+    (16, 4, 2, 2, (16, 4, 2)),
+])
+def test_batch_triad_rules(tbs: int | None, micro: int | None, gas: int | None, world: int,
+                           expected: tuple[int, int, int]) -> None:
+    got = solve_batch(tbs, micro, gas, world)
+    assert (got.train_batch_size, got.train_micro_batch_size_per_gpu, got.gradient_accumulation_steps) == expected
+
+
+def test_batch_triad_mismatch_message() -> None:
+    message = config_error(world_size=2, train_batch_size=32, train_micro_batch_size_per_gpu=4,
+                           gradient_accumulation_steps=2)
+    assert message == (
+        "train_batch_size: 32 != train_micro_batch_size_per_gpu (4) * gradient_accumulation_steps (2)\n"
+        "  * data-parallel world size (2) = 16. Set it to 16, or set one of the three to \"auto\".")
+
+
+def test_batch_triad_not_divisible_and_missing() -> None:
+    assert config_error(world_size=2, train_batch_size=30, train_micro_batch_size_per_gpu=4).startswith(
+        "train_batch_size: 30 is not divisible by train_micro_batch_size_per_gpu (4) * data-parallel world "
+        "size (2) = 8, so gradient_accumulation_steps cannot be derived. Set train_batch_size to a "
+        "multiple of 8 (e.g. 24 or 32)")
+    assert "are both missing" in config_error(train_micro_batch_size_per_gpu=ABSENT)
+    assert "are both missing" in config_error(train_micro_batch_size_per_gpu=ABSENT, gradient_accumulation_steps=4)
+
+
+def test_batch_auto_is_derived_or_taken_from_initialize() -> None:
+    cfg = make_config(world_size=2, train_batch_size="auto", train_micro_batch_size_per_gpu=4,
+                      gradient_accumulation_steps=3)
+    assert cfg.train_batch_size == 24 and cfg.source_of("train_batch_size") == "derived (batch triad)"
+    cfg = make_config(train_batch_size="auto", train_micro_batch_size_per_gpu="auto",
+                      auto_values={"train_micro_batch_size_per_gpu": 8})
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (8, 1)
+    assert cfg.source_of("train_micro_batch_size_per_gpu") == "auto (from initialize arguments)"
+
+
+# --- stage applicability and not-supported ----------------------------------------------------
+
+
+@pytest.mark.parametrize("zero, message", [
+    ({"stage": 2, "offload_param": {"device": "cpu"}},
+     "zero_optimization.offload_param applies to stage 3 only; you chose stage 2. Remove it or set stage to 3."),
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}},
+     "zero_optimization.offload_optimizer applies to stages 1, 2 and 3; you chose stage 0. "
+     "Remove it or set stage to 1, 2 or 3."),
+    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}},
+     'zero_optimization.offload_optimizer.device = "nvme" applies to stage 3 only; you chose stage 2. '
+     "Remove it or set stage to 3."),
+    ({"stage": 1, "stage3_max_live_parameters": 3e7},
+     "zero_optimization.stage3_max_live_parameters = 30000000 applies to stage 3 only; you chose stage 1. "
+     "Remove it or set stage to 3."),
+    ({"stage": 0, "allgather_bucket_size": 2e8},
+     "zero_optimization.allgather_bucket_size = 200000000 applies to stages 1 and 2 only; you chose stage 0. "
+     "Remove it or set stage to 1 or 2."),
+    ({"stage": 3, "reduce_scatter": False},
+     "zero_optimization.reduce_scatter = false applies to stages 1 and 2 only; you chose stage 3. "
+     "Remove it or set stage to 1 or 2."),
+    ({"stage": 0, "zero_quantized_weights": True}, "zero_optimization.zero_quantized_weights = true applies to "
+     "stage 3 only; you chose stage 0. Remove it or set stage to 3."),
+])
+def test_stage_inapplicable_keys(zero: dict[str, Any], message: str) -> None:
+    assert config_error(zero_optimization=zero) == message
+
+
+def test_stage0_accepts_its_keys_and_common_defaults() -> None:
+    cfg = make_config(zero_optimization={
+        "stage": 0, "overlap_comm": True, "contiguous_gradients": False, "reduce_bucket_size": 1e6,
+        "offload_param": {"device": "none", "pin_memory": True}, "stage3_max_live_parameters": 1e9,
+        "allgather_bucket_size": 5e8})
+    assert cfg.zero_optimization.reduce_bucket_size == 1_000_000 and cfg.zero_optimization.overlap_comm
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"zero_optimization__stage": 2}, "not supported yet: zero_optimization.stage=2. zeroshard implements stage 0"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+     "not supported yet: zero_optimization.stage=3."),
+    ({"wandb__enabled": True}, "not supported yet: wandb.enabled=true."),
+    ({"fp16": {"enabled": True, "auto_cast": True}}, "not supported yet: fp16.auto_cast=true."),
+    ({"aio__block_size": 2097152}, "not supported yet: aio.block_size=2097152."),
+    ({"activation_checkpointing__partition_activations": True},
+     "not supported yet: activation_checkpointing.partition_activations=true."),
+    ({"checkpoint__tag_validation": "Fail"}, 'not supported yet: checkpoint.tag_validation="Fail".'),
+    ({"flops_profiler": {"enabled": True}}, 'not supported yet: flops_profiler={"enabled": true}.'),
+    ({"optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 400}}},
+     'not supported yet: optimizer.type="OneBitAdam".'),
+    ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}},
+     "not supported yet: optimizer.params.bias_correction=false."),
+])
+def test_not_supported_yet(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(NotSupportedError) as info:
+        make_config(**overrides)
+    assert str(info.value).startswith(message)
+
+
+def test_not_supported_sections_load_at_their_defaults() -> None:
+    cfg = make_config(
+        aio={"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True},
+        activation_checkpointing={"partition_activations": False, "cpu_checkpointing": False},
+        wandb={"enabled": False, "project": "mine"}, flops_profiler={"enabled": False}, amp=None,
+        fp16={"enabled": True, "auto_cast": False}, checkpoint={"tag_validation": "Warn"})
+    assert cfg.precision == "fp16" and cfg.fp16.dynamic_loss_scale and cfg.fp16.initial_loss_scale == 65536.0
+
+
+def test_stage_checks_run_before_not_supported() -> None:
+    with pytest.raises(ConfigError) as info:
+        make_config(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}})
+    assert not isinstance(info.value, NotSupportedError)
+
+
+# --- provenance, describe, files --------------------------------------------------------------
+
+
+def test_describe_marks_non_defaults_with_their_source() -> None:
+    cfg = make_config(world_size=2, hidden_size=768, train_batch_size=8, gradient_clipping="auto",
+                      auto_values={"gradient_clipping": 1.0}, zero_optimization={"reduce_bucket_size": "auto"})
+    text = cfg.describe()
+    assert re.search(r"\n  reduce_bucket_size = 589824 +# auto \(model hidden_size=768\)\n", text)
+    assert re.search(r"\ngradient_accumulation_steps = 2 +# derived \(batch triad\)\n", text)
+    assert re.search(r"\ngradient_clipping = 1\.0 +# auto \(from initialize arguments\)\n", text)
+    assert re.search(r"\ntrain_batch_size = 8 +# file\n", text)
+    assert re.search(r"\n  loss_scale_window = 1000\n", text)
+    short = cfg.describe(non_default_only=True)
+    assert "loss_scale_window" not in short and "fp16:" not in short and "reduce_bucket_size" in short
+    assert cfg.source_of("fp16.hysteresis") == "default"
+
+
+def test_load_from_file_and_file_errors(tmp_path: Path) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_batch_size": 4, "bf16": {"enabled": True}}))
+    assert load_config(str(path), dp_world_size=2).precision == "bf16"
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.json", dp_world_size=1)
+    path.write_text('{"train_batch_size": 4,\n "fp16": {"enabled": true}\n "bf16": {}}')
+    with pytest.raises(ConfigError, match=r"ds_config\.json:3:2: invalid JSON"):
+        load_config(path, dp_world_size=1)
+    with pytest.raises(ConfigError, match="dp_world_size: got 0"):
+        load_config({"train_batch_size": 4}, dp_world_size=0)

@@ -1,0 +1,183 @@
+"""`load_config`: a ds_config (path or mapping) -> one validated, frozen `Config`.
+
+Steps, in order: read JSON; walk it against the schema (parse.py: unknown keys, aliases, removed
+keys, types, ranges); resolve "auto" (auto.py); solve the batch triad (batch.py); build the
+dataclasses; cross-field checks; stage applicability (stages.py); not-supported (support.py).
+Imports nothing of zeroshard but `errors` and `config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from zeroshard.config.auto import resolve_autos
+from zeroshard.config.batch import GAS, MICRO, TBS, solve_batch
+from zeroshard.config.fields import FrozenDict, describe_type, hints, is_section, json_fields, show
+from zeroshard.config.parse import Draft, FieldSpec, parse_document
+from zeroshard.config.schema import Config
+from zeroshard.config.schema_optim import OptimizerConfig, SchedulerConfig
+from zeroshard.config.stages import check_stages
+from zeroshard.config.support import check_supported
+from zeroshard.errors import ConfigError
+
+ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a ds_config JSON file (JSON's `Infinity` and `NaN` are accepted).
+
+    Raises:
+        ConfigError: missing file, unreadable file, invalid JSON, or not a JSON object.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: config file not found.") from None
+    except OSError as err:
+        raise ConfigError(f"{p}: cannot read the config file ({err.strerror}).") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(
+            f"{p}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}. (A missing comma between "
+            "entries and a trailing comma before } are the usual causes.)"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: the top level must be a JSON object, got {type(raw).__name__}.")
+    return raw
+
+
+def _build(cls: type, prefix: str, draft: Draft, owner: str = "") -> Any:
+    """Instantiate schema class `cls` from the draft's values below dotted `prefix`."""
+    return cls(**_kwargs(cls, prefix, draft, owner))
+
+
+def _kwargs(cls: type, prefix: str, draft: Draft, owner: str = "") -> dict[str, Any]:
+    """Constructor arguments of `cls` from the draft (absent keys keep their defaults)."""
+    kwargs: dict[str, Any] = {}
+    types_ = hints(cls)
+    for f in json_fields(cls):
+        path = prefix + f.name
+        if is_section(types_[f.name]):
+            kwargs[f.name] = _build(types_[f.name], path + ".", draft, owner)
+        elif path in draft.values:
+            kwargs[f.name] = draft.values[path]
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{path}: required{owner}; add it ({describe_type(types_[f.name], f.metadata)}).")
+    return kwargs
+
+
+def _build_params(kind: type | dict[str, FieldSpec], prefix: str, draft: Draft, owner: str) -> Any:
+    if isinstance(kind, type):
+        return _build(kind, prefix, draft, f" by {owner}")
+    for name, spec in kind.items():
+        if spec.default is dataclasses.MISSING and prefix + name not in draft.values:
+            raise ConfigError(f"{prefix}{name}: required by {owner}; add it to {prefix.rstrip('.')}.")
+    given = {k[len(prefix):]: v for k, v in draft.values.items() if k.startswith(prefix)}
+    return FrozenDict(given)
+
+
+def _build_optimizer(draft: Draft) -> OptimizerConfig | None:
+    if draft.optimizer is None:
+        return None
+    canonical, kind = draft.optimizer
+    params = _build_params(kind, "optimizer.params.", draft, canonical)
+    return OptimizerConfig(type=canonical, params=params,
+                           legacy_fusion=draft.values.get("optimizer.legacy_fusion", False))
+
+
+def _build_scheduler(draft: Draft) -> SchedulerConfig | None:
+    if draft.scheduler is None:
+        return None
+    canonical, kind = draft.scheduler
+    return SchedulerConfig(type=canonical, params=_build_params(kind, "scheduler.params.", draft, canonical))
+
+
+def _apply_stage_defaults(draft: Draft) -> None:
+    """DeepSpeed's stage-dependent default: overlap_comm is on at stage 3, off below."""
+    if "zero_optimization.overlap_comm" not in draft.values:
+        draft.values["zero_optimization.overlap_comm"] = draft.values.get("zero_optimization.stage", 0) == 3
+
+
+def _check_cross_fields(cfg: Config) -> None:
+    """Rules that involve more than one key (each names every key involved)."""
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        raise ConfigError(
+            "fp16.enabled and bf16.enabled are both true; choose one: set bf16.enabled to false "
+            "for fp16 with loss scaling, or fp16.enabled to false for bf16."
+        )
+    zero = cfg.zero_optimization
+    for name, offload in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
+        if offload.device == "nvme" and offload.nvme_path is None:
+            raise ConfigError(
+                f'zero_optimization.{name}.nvme_path: required when device is "nvme"; set it to a '
+                'directory on the NVMe drive, e.g. "/local_nvme".'
+            )
+
+
+def load_config(
+    source: ConfigSource,
+    *,
+    dp_world_size: int,
+    hidden_size: int | None = None,
+    auto_values: Mapping[str, Any] | None = None,
+) -> Config:
+    """Parse and validate a DeepSpeed ds_config into a frozen `Config`.
+
+    Args:
+        source: path to a JSON file, or the config as a mapping (not modified).
+        dp_world_size: data-parallel world size, for the batch triad.
+        hidden_size: the model's hidden size (`model.config.hidden_size`), for "auto" bucket sizes.
+        auto_values: dotted key -> value that initialize() knows (e.g. the script's optimizer lr,
+            `{"optimizer.params.lr": 1e-3, "gradient_clipping": 1.0}`); used only where the file
+            says "auto".
+
+    Returns:
+        The Config; `cfg.describe()` shows every value and where it came from.
+
+    Raises:
+        ConfigError: unknown or misspelt key, wrong type or range, unresolvable "auto",
+            inconsistent batch sizes, a key that does not apply to the chosen stage.
+        NotSupportedError: a valid DeepSpeed value zeroshard does not implement yet.
+
+    Example:
+        >>> cfg = load_config({"train_batch_size": 8}, dp_world_size=2)
+        >>> cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+        (4, 1)
+    """
+    if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int) or dp_world_size < 1:
+        raise ConfigError(f"dp_world_size: got {show(dp_world_size)}, expected an integer >= 1.")
+    if hidden_size is not None and (isinstance(hidden_size, bool) or not isinstance(hidden_size, int)
+                                    or hidden_size < 1):
+        raise ConfigError(f"hidden_size: got {show(hidden_size)}, expected an integer >= 1 or None.")
+    if isinstance(source, Mapping):
+        raw: Mapping[str, Any] = source
+    elif isinstance(source, (str, os.PathLike)):
+        raw = read_config_file(source)
+    else:
+        raise ConfigError(f"config: got a {type(source).__name__}, expected a path to a JSON file or a dict.")
+    draft = parse_document(raw, Config)
+    resolve_autos(draft, hidden_size=hidden_size, auto_values=auto_values or {})
+    batch = solve_batch(draft.values.get(TBS), draft.values.get(MICRO), draft.values.get(GAS), dp_world_size)
+    for key in (TBS, MICRO, GAS):
+        draft.values[key] = getattr(batch, key)
+        if key in batch.derived:
+            draft.sources[key] = "derived (batch triad)"
+    _apply_stage_defaults(draft)
+    cfg = Config(
+        **_kwargs(Config, "", draft),
+        dp_world_size=dp_world_size,
+        optimizer=_build_optimizer(draft),
+        scheduler=_build_scheduler(draft),
+        sources=FrozenDict(draft.sources),
+    )
+    _check_cross_fields(cfg)
+    check_stages(cfg)
+    check_supported(cfg, draft.unmodelled, draft.pending)
+    return cfg

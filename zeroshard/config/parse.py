@@ -1,0 +1,282 @@
+"""Raw ds_config dict -> a flat draft of typed values keyed by dotted path.
+
+The only reader of raw keys: rejects unknown keys at every depth (with near matches), maps
+legacy aliases, explains removed keys, records "auto" for later resolution, looks up optimizer
+and scheduler types. Imports nothing of zeroshard but `errors` and `config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zeroshard.config.fields import (
+    AUTO,
+    close_matches,
+    coerce,
+    default_of,
+    hints,
+    is_section,
+    json_fields,
+    show,
+    unknown_key,
+)
+from zeroshard.config.schema_optim import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
+from zeroshard.config.schema_zero import ZeroConfig
+from zeroshard.config.support import UNMODELLED, UNSUPPORTED_OPTIMIZERS, not_supported
+from zeroshard.errors import ConfigError, NotSupportedError
+
+ALIASES: dict[str, str] = {
+    "bfloat16": "bf16",
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save":
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+}
+"""Legacy dotted key -> current dotted key (same parent section)."""
+
+REMOVED: dict[str, str] = {
+    "zero_optimization.cpu_offload": 'removed; use "offload_optimizer": {"device": "cpu"}.',
+    "zero_optimization.cpu_offload_param": 'removed; use "offload_param": {"device": "cpu"}.',
+    "zero_optimization.cpu_offload_use_pin_memory":
+        'removed; use "pin_memory": true inside "offload_optimizer" / "offload_param".',
+    "gradient_accumulation_dtype": 'not a ds_config key; use "data_types": {"grad_accum_dtype": "fp32"}.',
+}
+"""Keys DeepSpeed deprecated or users invent, with the spelling to use instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """How to check the value of one dotted key."""
+
+    tp: Any
+    meta: Mapping[str, Any]
+    default: Any
+
+
+@dataclass(slots=True)
+class Draft:
+    """The file's content, flattened: dotted key -> typed value, plus what is left to resolve."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+    autos: dict[str, FieldSpec] = field(default_factory=dict)
+    unmodelled: dict[str, Any] = field(default_factory=dict)
+    pending: list[NotSupportedError] = field(default_factory=list)
+    optimizer: tuple[str, type | dict[str, FieldSpec]] | None = None
+    scheduler: tuple[str, type | dict[str, FieldSpec]] | None = None
+
+    def set(self, path: str, value: Any, source: str) -> None:
+        self.values[path] = value
+        self.sources[path] = source
+        self.autos.pop(path, None)
+
+
+def _mapping(raw: Any, path: str, what: str) -> Mapping[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path}: got {show(raw)}, expected an object ({what}).")
+    for key in raw:
+        if not isinstance(key, str):
+            raise ConfigError(f"{path}: key {key!r} is not a string.")
+    return raw
+
+
+def _parent(path: str) -> str:
+    """"a.b.c" -> "a.b." and "a" -> "" (the prefix form parse_section uses)."""
+    head = path.rpartition(".")[0]
+    return head + "." if head else ""
+
+
+def _leaf(draft: Draft, path: str, spec: FieldSpec, value: Any) -> None:
+    if isinstance(value, str) and value == AUTO and spec.tp is not str:
+        draft.autos[path] = spec
+        draft.sources[path] = "auto (unresolved)"
+        return
+    draft.set(path, coerce(value, spec.tp, path, spec.meta, spec.default), "file")
+
+
+def parse_section(draft: Draft, cls: type, raw: Any, prefix: str) -> None:
+    """Check `raw` against schema class `cls` and record its leaves under dotted `prefix`."""
+    where = prefix.rstrip(".") or "config"
+    raw = _mapping(raw, where, cls.__doc__.splitlines()[0] if cls.__doc__ else cls.__name__)
+    fields = {f.name: f for f in json_fields(cls)}
+    types = hints(cls)
+    legacy = [old.rpartition(".")[2] for old in ALIASES if _parent(old) == prefix]
+    for key, value in raw.items():
+        path = prefix + key
+        if path in REMOVED:
+            raise ConfigError(f"{path}: {REMOVED[path]}")
+        if path in ALIASES:
+            current = ALIASES[path]
+            name = current.rpartition(".")[2]
+            if name in raw:
+                raise ConfigError(f"{path} and {current} are two spellings of one key; keep only {current}.")
+            key, path = name, current
+        if path in UNMODELLED:
+            draft.unmodelled[path] = value
+            continue
+        if prefix == "" and key in _TOP_SPECIAL:
+            _TOP_SPECIAL[key](draft, value)
+            continue
+        if key not in fields:
+            raise unknown_key(path, key, [*fields, *legacy])
+        tp = types[key]
+        if is_section(tp):
+            parse_section(draft, tp, value, path + ".")
+        else:
+            _leaf(draft, path, FieldSpec(tp, fields[key].metadata, default_of(fields[key])), value)
+
+
+def parse_zero(draft: Draft, raw: Any) -> None:
+    """`zero_optimization`, which DeepSpeed once also accepted as a bare boolean."""
+    if isinstance(raw, bool):
+        raise ConfigError(
+            f"zero_optimization: {show(raw)} is DeepSpeed's removed format; use "
+            f'"zero_optimization": {{"stage": {1 if raw else 0}}}.'
+        )
+    parse_section(draft, ZeroConfig, raw, "zero_optimization.")
+
+
+# --- optimizer and scheduler -----------------------------------------------------------------
+
+
+def _torch_classes(module: Any, base: type) -> dict[str, type]:
+    return {
+        name.lower(): obj for name, obj in vars(module).items()
+        if inspect.isclass(obj) and issubclass(obj, base) and obj is not base and not name.startswith("_")
+    }
+
+
+def _signature_specs(cls: type, skip: tuple[str, ...]) -> dict[str, FieldSpec] | None:
+    """Keyword parameters of `cls` as specs; None when it takes **kwargs (anything goes)."""
+    specs: dict[str, FieldSpec] = {}
+    for name, p in inspect.signature(cls).parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            return None
+        if name in skip or p.kind is inspect.Parameter.VAR_POSITIONAL:
+            continue
+        default = dataclasses.MISSING if p.default is inspect.Parameter.empty else p.default
+        specs[name] = FieldSpec(Any, {}, default)
+    return specs
+
+
+def _check_torch_value(path: str, value: Any, spec: FieldSpec) -> None:
+    default = spec.default
+    if isinstance(default, bool) and not isinstance(value, bool):
+        raise ConfigError(f"{path}: got {show(value)}, expected true or false. Default: {show(default)}.")
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: got {show(value)}, expected a number. Default: {show(default)}.")
+    name = path.rpartition(".")[2]
+    if name in ("lr", "eps", "weight_decay") and isinstance(value, (int, float)) and value < 0:
+        raise ConfigError(f"{path}: got {show(value)}, expected a number >= 0. Default: {show(default)}.")
+
+
+def _parse_params(draft: Draft, kind: type | dict[str, FieldSpec] | None, raw: Any, path: str,
+                  owner: str) -> None:
+    if isinstance(kind, type):
+        parse_section(draft, kind, raw, path + ".")
+        return
+    raw = _mapping(raw, path, f"keyword arguments of {owner}")
+    for key, value in raw.items():
+        sub = f"{path}.{key}"
+        if kind is None:  # the class takes **kwargs
+            spec = FieldSpec(Any, {}, dataclasses.MISSING)
+        elif key not in kind:
+            hint = close_matches(key, kind) or f" {owner} accepts: {', '.join(kind)}."
+            raise ConfigError(f"{sub}: unknown parameter of {owner}.{hint}")
+        else:
+            spec = kind[key]
+        _leaf(draft, sub, spec, value)
+        if sub in draft.values:
+            _check_torch_value(sub, draft.values[sub], spec)
+
+
+def _section_keys(raw: Mapping[str, Any], path: str, allowed: tuple[str, ...]) -> None:
+    table = OPTIMIZER_PARAMS if path == "optimizer" else SCHEDULER_PARAMS
+    param_names = {f.name for _, cls in table.values() for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key in param_names:
+            raise ConfigError(f'{path}.{key}: unknown key; {key} is a parameter of the {path}: move it into "params".')
+        if key not in allowed:
+            raise unknown_key(f"{path}.{key}", key, allowed)
+    if "type" not in raw:
+        raise ConfigError(f'{path}.type: required; name the {path}, e.g. "type": '
+                          f'"{"AdamW" if path == "optimizer" else "WarmupLR"}".')
+    if not isinstance(raw["type"], str):
+        raise ConfigError(f"{path}.type: got {show(raw['type'])}, expected a string.")
+
+
+def parse_optimizer(draft: Draft, raw: Any) -> None:
+    """`optimizer`: {"type": ..., "params": {...}}; params are checked against the type."""
+    if raw is None:
+        return
+    raw = _mapping(raw, "optimizer", 'e.g. {"type": "AdamW", "params": {"lr": 1e-4}}')
+    _section_keys(raw, "optimizer", ("type", "params", "legacy_fusion"))
+    name = raw["type"]
+    lower = name.lower()
+    torch_classes = _torch_classes(torch.optim, torch.optim.Optimizer)
+    kind: type | dict[str, FieldSpec] | None
+    if lower in OPTIMIZER_PARAMS:
+        canonical, kind = OPTIMIZER_PARAMS[lower]
+    elif lower in UNSUPPORTED_OPTIMIZERS:
+        draft.pending.append(not_supported(
+            "optimizer.type", name, f"DeepSpeed's {UNSUPPORTED_OPTIMIZERS[lower]} optimizer is not provided.",
+            'Use "Adam", "AdamW", "Lamb" or a torch.optim optimizer.'))
+        return
+    elif lower in torch_classes:
+        cls = torch_classes[lower]
+        canonical, kind = cls.__name__, _signature_specs(cls, ("self", "params"))
+    else:
+        others = sorted(c.__name__ for k, c in torch_classes.items()
+                        if k not in OPTIMIZER_PARAMS and k not in UNSUPPORTED_OPTIMIZERS)
+        hint = close_matches(name, ["Adam", "AdamW", "Lamb", *others])
+        raise ConfigError(f"optimizer.type: unknown optimizer {show(name)}.{hint} Known: Adam, AdamW, Lamb, "
+                          f"or a torch.optim class: {', '.join(others)}.")
+    draft.optimizer = (canonical, kind if kind is not None else {})
+    draft.set("optimizer.type", canonical, "file")
+    if "legacy_fusion" in raw:
+        _leaf(draft, "optimizer.legacy_fusion", FieldSpec(bool, {}, False), raw["legacy_fusion"])
+    _parse_params(draft, kind, raw.get("params"), "optimizer.params", canonical)
+
+
+def parse_scheduler(draft: Draft, raw: Any) -> None:
+    """`scheduler`: a DeepSpeed schedule or a torch.optim.lr_scheduler class, with params."""
+    if raw is None:
+        return
+    raw = _mapping(raw, "scheduler", 'e.g. {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}')
+    _section_keys(raw, "scheduler", ("type", "params"))
+    name = raw["type"]
+    lower = name.lower()
+    torch_classes = _torch_classes(torch.optim.lr_scheduler, torch.optim.lr_scheduler.LRScheduler)
+    torch_classes["reducelronplateau"] = torch.optim.lr_scheduler.ReduceLROnPlateau
+    kind: type | dict[str, FieldSpec] | None
+    if lower in SCHEDULER_PARAMS:
+        canonical, kind = SCHEDULER_PARAMS[lower]
+    elif lower in torch_classes:
+        cls = torch_classes[lower]
+        canonical, kind = cls.__name__, _signature_specs(cls, ("self", "optimizer"))
+    else:
+        known = [c for c, _ in SCHEDULER_PARAMS.values()] + [c.__name__ for c in torch_classes.values()]
+        hint = close_matches(name, known) or ""
+        raise ConfigError(f"scheduler.type: unknown scheduler {show(name)}.{hint} Known: "
+                          f"{', '.join(known[:5])}, or a torch.optim.lr_scheduler class.")
+    draft.scheduler = (canonical, kind if kind is not None else {})
+    draft.set("scheduler.type", canonical, "file")
+    _parse_params(draft, kind, raw.get("params"), "scheduler.params", canonical)
+
+
+_TOP_SPECIAL = {"optimizer": parse_optimizer, "scheduler": parse_scheduler, "zero_optimization": parse_zero}
+"""Top-level sections that need more than the generic walk."""
+
+
+def parse_document(raw: Mapping[str, Any], config_cls: type) -> Draft:
+    """Walk the whole file; return the draft (autos unresolved, batch triad unsolved)."""
+    draft = Draft()
+    parse_section(draft, config_cls, raw, "")
+    return draft

@@ -1,0 +1,296 @@
+"""The typed, frozen `Config` tree a ds_config.json is parsed into, once, by `load_config`.
+
+Field names are DeepSpeed's JSON keys; every field documents its meaning, unit and default
+(docs/config.md is generated from these docstrings). Imports nothing of zeroshard outside config/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from zeroshard.config.describe import describe_config
+from zeroshard.config.fields import FrozenDict, spec
+from zeroshard.config.schema_optim import OptimizerConfig, SchedulerConfig
+from zeroshard.config.schema_zero import ZeroConfig
+
+DType = Literal["fp32", "fp16", "bf16"]
+Precision = Literal["fp32", "fp16", "bf16"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FP16Config:
+    """`fp16`: mixed precision with float16 and loss scaling."""
+
+    enabled: bool = False
+    """Train with fp16 weights/activations and fp32 master weights. "auto" resolves to false
+    unless initialize() says otherwise."""
+    auto_cast: bool = False
+    """Cast the model inputs to fp16 in forward."""
+    loss_scale: float = spec(0.0, ge=0.0)
+    """Static loss scale; 0 (the default) selects dynamic loss scaling."""
+    initial_scale_power: int = spec(16, ge=0, le=127)
+    """Dynamic scaling starts at 2**initial_scale_power. Default 16 (65536)."""
+    loss_scale_window: int = spec(1000, ge=1)
+    """Steps without overflow before the dynamic scale doubles."""
+    hysteresis: int = spec(2, ge=1)
+    """Overflows tolerated before the dynamic scale is halved."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis budget after every step without overflow."""
+    min_loss_scale: float = spec(1.0, ge=0.0)
+    """Floor of the dynamic loss scale."""
+    fp16_master_weights_and_grads: bool = False
+    """Keep master weights and gradients in fp16 (DeepSpeed CPU-Adam only)."""
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """True when the loss scale adapts to overflows (loss_scale == 0)."""
+        return self.loss_scale == 0.0
+
+    @property
+    def initial_loss_scale(self) -> float:
+        """The scale of the first step: loss_scale if static, else 2**initial_scale_power."""
+        return self.loss_scale if self.loss_scale else float(2**self.initial_scale_power)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BF16Config:
+    """`bf16` (legacy spelling `bfloat16`): mixed precision with bfloat16, no loss scaling."""
+
+    enabled: bool = False
+    """Train with bf16 weights/activations and fp32 master weights. "auto" resolves to false
+    unless initialize() says otherwise."""
+    immediate_grad_update: bool = False
+    """Apply gradients to the master weights as soon as they are ready."""
+    check_grad_overflow: bool = False
+    """Check bf16 gradients for inf/nan and skip the step (bf16 rarely overflows)."""
+    bf16_master_weights_and_grads: bool = False
+    """Keep master weights and gradients in bf16 instead of fp32."""
+    bf16_optimizer_states: bool = False
+    """Keep optimizer states in bf16 (needs bf16_master_weights_and_grads)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataTypesConfig:
+    """`data_types`: dtypes of internal buffers."""
+
+    grad_accum_dtype: DType | None = None
+    """dtype gradients are accumulated (and reduced) in across micro-batches. null: fp32 under
+    bf16/fp16 mixed precision (zeroshard's numerics-first default), the parameter dtype otherwise."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorBoardConfig:
+    """`tensorboard`: write training scalars as TensorBoard event files (rank 0)."""
+
+    enabled: bool = False
+    """Write event files."""
+    output_path: str = ""
+    """Directory for the event files; "" = the current directory."""
+    job_name: str = "DeepSpeedJobName"
+    """Sub-directory name for this run. DeepSpeed's default name, kept for familiarity."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CSVMonitorConfig:
+    """`csv_monitor`: write training scalars as CSV files (rank 0)."""
+
+    enabled: bool = False
+    """Write CSV files."""
+    output_path: str = ""
+    """Directory for the CSV files; "" = the current directory."""
+    job_name: str = "DeepSpeedJobName"
+    """Sub-directory name for this run."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WandbConfig:
+    """`wandb`: log training scalars to Weights & Biases."""
+
+    enabled: bool = False
+    """Log to W&B."""
+    group: str | None = None
+    """W&B run group."""
+    team: str | None = None
+    """W&B team (entity)."""
+    project: str = "deepspeed"
+    """W&B project. DeepSpeed's default name."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommsLoggerConfig:
+    """`comms_logger`: record every collective (op, size, time) and summarise it."""
+
+    enabled: bool = False
+    """Record collectives."""
+    verbose: bool = False
+    """Log each collective as it completes, not only the summary."""
+    prof_all: bool = True
+    """Record every collective op (true) or only those in prof_ops (false)."""
+    debug: bool = False
+    """Add the calling function's name to each record."""
+    prof_ops: tuple[str, ...] = ()
+    """Op names to record when prof_all is false, e.g. ["all_reduce", "all_gather"]."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AioConfig:
+    """`aio`: asynchronous NVMe I/O for ZeRO-Infinity swapping."""
+
+    block_size: int = spec(1_048_576, ge=1)
+    """Bytes per I/O request."""
+    queue_depth: int = spec(8, ge=1)
+    """I/O requests in flight per thread."""
+    intra_op_parallelism: int = spec(1, ge=1)
+    """I/O threads per request."""
+    single_submit: bool = False
+    """Submit requests one at a time instead of in batches."""
+    overlap_events: bool = True
+    """Overlap request submission with completion polling."""
+    use_gds: bool = False
+    """Use NVIDIA GPUDirect Storage."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationCheckpointingConfig:
+    """`activation_checkpointing`: DeepSpeed's activation-checkpointing options."""
+
+    partition_activations: bool = False
+    """Partition checkpointed activations across model-parallel ranks."""
+    cpu_checkpointing: bool = False
+    """Move checkpointed activations to CPU memory."""
+    contiguous_memory_optimization: bool = False
+    """Copy checkpointed activations into one contiguous buffer."""
+    number_checkpoints: int | None = spec(None, ge=1)
+    """Number of checkpoints (for contiguous_memory_optimization)."""
+    synchronize_checkpoint_boundary: bool = False
+    """Synchronize the device at each checkpoint boundary."""
+    profile: bool = False
+    """Time the checkpointed forward/backward."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelWriteConfig:
+    """`checkpoint.parallel_write`: parallel checkpoint writing."""
+
+    pipeline_stage: bool = False
+    """Each pipeline stage writes its own part."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    """`checkpoint`: DeepSpeed's checkpoint options."""
+
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
+    """Check that every rank saves with the same tag: ignore, warn or fail on a mismatch."""
+    load_universal: bool = False
+    """Load a DeepSpeed universal checkpoint."""
+    use_node_local_storage: bool = False
+    """Each node writes to its own local storage."""
+    parallel_write: ParallelWriteConfig = spec(default_factory=ParallelWriteConfig)
+    """Parallel writing options."""
+    checkpoint_serialization: bool = True
+    """Use torch.save's serialization format."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    """A validated ds_config: every value typed, "auto" resolved, the batch triad solved.
+
+    Build with `load_config`; nothing outside `zeroshard.config` reads the raw JSON.
+    """
+
+    train_batch_size: int = spec(ge=1)
+    """Samples per optimizer step over all ranks:
+    train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp_world_size."""
+    train_micro_batch_size_per_gpu: int = spec(ge=1)
+    """Samples per forward/backward on one rank. Derived from the other two when absent."""
+    gradient_accumulation_steps: int = spec(ge=1)
+    """Micro-batches per optimizer step. 1 when only one of the other two is given."""
+    dp_world_size: int = spec(ge=1, json_key=False)
+    """Data-parallel world size the batch triad was solved for (from comm, not the file)."""
+    optimizer: OptimizerConfig | None = None
+    """The optimizer to build; null when the script passes its own."""
+    scheduler: SchedulerConfig | None = None
+    """The lr scheduler to build; null for none (or the script's own)."""
+    fp16: FP16Config = spec(default_factory=FP16Config)
+    """fp16 mixed precision."""
+    bf16: BF16Config = spec(default_factory=BF16Config)
+    """bf16 mixed precision (legacy key `bfloat16`)."""
+    zero_optimization: ZeroConfig = spec(default_factory=ZeroConfig)
+    """ZeRO partitioning and offload."""
+    data_types: DataTypesConfig = spec(default_factory=DataTypesConfig)
+    """Internal buffer dtypes."""
+    gradient_clipping: float = spec(0.0, ge=0.0)
+    """Clip the global gradient norm (over all ranks) to this value; 0 = off."""
+    steps_per_print: int | None = spec(10, ge=1, inf_is_none=True)
+    """Log progress every N optimizer steps; Infinity or null = never. Default 10, the
+    documented DeepSpeed default (DeepSpeed 0.19's code default is null)."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step (synchronizing the device) and log the breakdown."""
+    dump_state: bool = False
+    """Print the engine's state after initialization."""
+    communication_data_type: DType | None = None
+    """dtype gradients are communicated (all-reduced / reduce-scattered) in; null = the dtype
+    they are accumulated in (see data_types.grad_accum_dtype)."""
+    prescale_gradients: bool = False
+    """Divide gradients by gradient_predivide_factor before the reduction (not only after)."""
+    gradient_predivide_factor: float = spec(1.0, gt=0.0)
+    """With prescale_gradients: divide by this before reducing and by world/factor after."""
+    tensorboard: TensorBoardConfig = spec(default_factory=TensorBoardConfig)
+    """TensorBoard monitor."""
+    csv_monitor: CSVMonitorConfig = spec(default_factory=CSVMonitorConfig)
+    """CSV monitor."""
+    wandb: WandbConfig = spec(default_factory=WandbConfig)
+    """Weights & Biases monitor."""
+    comms_logger: CommsLoggerConfig = spec(default_factory=CommsLoggerConfig)
+    """Collective-communication logger."""
+    aio: AioConfig = spec(default_factory=AioConfig)
+    """Asynchronous NVMe I/O."""
+    activation_checkpointing: ActivationCheckpointingConfig = spec(
+        default_factory=ActivationCheckpointingConfig)
+    """Activation checkpointing."""
+    checkpoint: CheckpointConfig = spec(default_factory=CheckpointConfig)
+    """Checkpoint options."""
+    zero_allow_untested_optimizer: bool = False
+    """DeepSpeed refuses client optimizers it has not tested with ZeRO unless true. zeroshard
+    partitions any torch.optim optimizer, so the flag is accepted and has no effect."""
+    zero_force_ds_cpu_optimizer: bool = True
+    """DeepSpeed: require its own CPU optimizer when offloading."""
+    sparse_gradients: bool = False
+    """Reduce embedding gradients as sparse tensors."""
+    disable_allgather: bool = False
+    """DeepSpeed: broadcast instead of all-gather (legacy)."""
+    memory_breakdown: bool = False
+    """Log memory usage at points of each step."""
+    dataloader_drop_last: bool = False
+    """Drop the last incomplete batch in the data loader built by initialize()."""
+    sources: Mapping[str, str] = spec(
+        default_factory=FrozenDict, json_key=False)
+    """Provenance: dotted key -> where its value came from ("file", "auto (...)", "derived
+    (batch triad)"). Keys absent here hold their defaults."""
+
+    @property
+    def precision(self) -> Precision:
+        """"fp16", "bf16" or "fp32": the training precision (fp16 and bf16 are exclusive)."""
+        if self.fp16.enabled:
+            return "fp16"
+        if self.bf16.enabled:
+            return "bf16"
+        return "fp32"
+
+    def source_of(self, key: str) -> str:
+        """Where the value of dotted `key` came from; "default" when the file did not set it."""
+        return self.sources.get(key, "default")
+
+    def describe(self, *, non_default_only: bool = False) -> str:
+        """The resolved config as an indented `key = value` listing; each value that is not
+        the default is marked with its source. Rank 0 logs this at start-up.
+
+        Example::
+
+            zero_optimization:
+              reduce_bucket_size = 589824  # auto (model hidden_size=768)
+        """
+        return describe_config(self, non_default_only=non_default_only)

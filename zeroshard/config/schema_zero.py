@@ -1,0 +1,162 @@
+"""The `zero_optimization` section: stage, buckets, offload, stage-3 and ZeRO++ keys.
+
+Field names are DeepSpeed's JSON keys; sizes are counts of elements, not bytes. Which stage each
+key applies to is data in `config/stages.py`. Imports nothing of zeroshard but `config.fields`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from zeroshard.config.fields import spec
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadOptimizerConfig:
+    """`zero_optimization.offload_optimizer`: where the fp32 master shard and optimizer states live."""
+
+    device: OffloadDevice = "none"
+    """Home of the fp32 master weights and optimizer states between steps: "none" (the
+    accelerator), "cpu" (host memory; the step runs on the CPU) or "nvme" (files under
+    `nvme_path`, stage 3 only). Default "none": offload trades speed for memory."""
+    nvme_path: Path | None = None
+    """Directory for the swap files. Required when `device` is "nvme"."""
+    buffer_count: int = spec(4, ge=0)
+    """Number of I/O buffers for NVMe swapping; at least the number of tensors the optimizer
+    keeps per parameter (Adam: 4). DeepSpeed's default, 4."""
+    pin_memory: bool = False
+    """Keep the CPU copies in page-locked memory: faster host<->device copies, at the cost of
+    memory the OS cannot page out. Off by default, as in DeepSpeed."""
+    pipeline_read: bool = False
+    """Overlap reading the next sub-group from NVMe with the current step (NVMe only)."""
+    pipeline_write: bool = False
+    """Overlap writing the previous sub-group to NVMe with the current step (NVMe only)."""
+    fast_init: bool = False
+    """Initialise the optimizer states faster when offloading to NVMe."""
+    ratio: float = spec(1.0, ge=0.0, le=1.0)
+    """Fraction of the optimizer step run on the CPU; below 1.0 is partial offload, stage 3
+    only. Default 1.0: everything offloaded once offload is on."""
+    super_offload: bool = False
+    """DeepSpeed's SuperOffload mode (superchip CPU-GPU optimizer overlap)."""
+    cpuadam_cores_perc: float = spec(0.8, ge=0.0, le=1.0)
+    """Fraction of CPU cores the CPU optimizer may use (SuperOffload)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadParamConfig:
+    """`zero_optimization.offload_param`: where stage 3 keeps parameter shards (stage 3 only)."""
+
+    device: OffloadDevice = "none"
+    """Home of the parameter shards between uses: "none", "cpu" or "nvme". Stage 3 only."""
+    nvme_path: Path | None = None
+    """Directory for the parameter swap files. Required when `device` is "nvme"."""
+    buffer_count: int = spec(5, ge=0)
+    """Number of buffers in the NVMe parameter swap pool. DeepSpeed's default, 5."""
+    buffer_size: int = spec(100_000_000, ge=0)
+    """Size of each NVMe swap buffer, in elements. DeepSpeed's default, 1e8."""
+    max_in_cpu: int = spec(1_000_000_000, ge=0)
+    """Parameter elements kept in CPU memory when offloading to NVMe. Default 1e9."""
+    pin_memory: bool = False
+    """Keep the CPU parameter copies in page-locked memory (faster copies, unpageable)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroConfig:
+    """`zero_optimization`: what is partitioned across data-parallel ranks, and how.
+
+    Stage 0 is plain data parallelism; 1 partitions optimizer states, 2 also gradients, 3 also
+    parameters. Bucket sizes are element counts (a bucket of 5e8 bf16 elements is 1 GB).
+    """
+
+    stage: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage: 0 (data parallel), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters).
+    Default 0, as in DeepSpeed: partitioning is opt-in."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation).
+    Accepted at every stage; stage 0 always reduces from contiguous buckets."""
+    reduce_scatter: bool = True
+    """Average gradients with reduce-scatter instead of all-reduce (stages 1 and 2)."""
+    reduce_bucket_size: int = spec(500_000_000, ge=0)
+    """Elements per gradient reduction bucket; larger buckets mean fewer, bigger collectives
+    and more memory. Used by every stage (stage 0 all-reduces in buckets). "auto" with a
+    known hidden size h: h*h. DeepSpeed's default, 5e8."""
+    use_multi_rank_bucket_allreduce: bool = True
+    """Reduce a bucket spanning several ranks' partitions with all-reduce (stages 1 and 2)."""
+    allgather_partitions: bool = True
+    """Gather updated parameters with all-gather (true) or a series of broadcasts (false)
+    after each step (stages 1 and 2)."""
+    allgather_bucket_size: int = spec(500_000_000, ge=0)
+    """Elements per all-gather bucket for the updated parameters (stages 1 and 2). Default 5e8."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with the rest of backward. DeepSpeed's default depends on
+    the stage: true at stage 3, false otherwise. Stage 0 always overlaps; the key is accepted."""
+    load_from_fp32_weights: bool = True
+    """On checkpoint load, rebuild the low-precision weights from the fp32 master copy."""
+    elastic_checkpoint: bool = False
+    """Save optimizer partitions so they can be loaded at another world size (stages 1, 2)."""
+    offload_param: OffloadParamConfig = spec(default_factory=OffloadParamConfig)
+    """Parameter offload (stage 3 only)."""
+    offload_optimizer: OffloadOptimizerConfig = spec(default_factory=OffloadOptimizerConfig)
+    """Optimizer-state offload (stages 1-3; NVMe and partial ratios at stage 3 only)."""
+    sub_group_size: int = spec(1_000_000_000, ge=0)
+    """Elements updated per optimizer sub-step at stage 3 (the NVMe swap granularity).
+    Lower it on out-of-memory during the step. Default 1e9."""
+    stage3_prefetch_bucket_size: int = spec(50_000_000, ge=0)
+    """Elements of parameters prefetched ahead of use at stage 3. "auto" with hidden size h:
+    int(0.9*h*h). DeepSpeed's default, 5e7."""
+    stage3_param_persistence_threshold: int = spec(100_000, ge=0)
+    """Parameters with fewer elements stay gathered at stage 3 (not worth re-gathering).
+    "auto" with hidden size h: 10*h. DeepSpeed's default, 1e5."""
+    stage3_model_persistence_threshold: int = spec(sys.maxsize, ge=0)
+    """Upper bound on the total elements of persistent parameters at stage 3. Default: no limit."""
+    stage3_max_live_parameters: int = spec(1_000_000_000, ge=0)
+    """Upper bound on gathered (full) parameter elements alive at once at stage 3. Default 1e9."""
+    stage3_max_reuse_distance: int = spec(1_000_000_000, ge=0)
+    """Keep a gathered parameter if it is used again within this many elements of
+    parameters fetched (stage 3). Default 1e9."""
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    """Gather the full 16-bit weights on model save at stage 3 (costly for big models).
+    Legacy spelling: stage3_gather_fp16_weights_on_model_save."""
+    stage3_module_granularity_threshold: int = spec(0, ge=0)
+    """Modules with fewer parameter elements are gathered as one leaf unit at stage 3; 0 = off."""
+    stage3_use_all_reduce_for_fetch_params: bool = False
+    """Gather stage-3 parameters with all-reduce instead of all-gather (DeepSpeed option)."""
+    stage3_allgather_sequential: bool = False
+    """Issue stage-3 parameter all-gathers one at a time (DeepSpeed option)."""
+    ignore_unused_parameters: bool = True
+    """Tolerate parameters that receive no gradient (stages 1 and 2); when false, such a
+    parameter is an error."""
+    legacy_stage1: bool = False
+    """DeepSpeed's pre-0.3 stage-1 implementation. Not provided by zeroshard."""
+    round_robin_gradients: bool = False
+    """Stage 1/2 gradient-copy parallelism across ranks for CPU offload."""
+    zero_hpz_partition_size: int = spec(1, ge=0)
+    """ZeRO++ hierarchical partitioning: ranks per secondary parameter partition (stage 3).
+    1 = off."""
+    zero_quantized_weights: bool = False
+    """ZeRO++ qwZ: all-gather parameters quantized to int8 (stage 3)."""
+    zero_quantized_nontrainable_weights: bool = False
+    """ZeRO++: keep frozen weights quantized (stage 3)."""
+    zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ: reduce-scatter gradients quantized to int4 (stage 3)."""
+    mics_shard_size: int = spec(-1, ge=-1)
+    """MiCS: shard parameters within groups of this many ranks (stage 3); -1 = off."""
+    mics_hierarchical_params_gather: bool = False
+    """MiCS hierarchical all-gather (stage 3)."""
+    memory_efficient_linear: bool = True
+    """Stage 3: use a linear-layer autograd function that does not keep gathered weights."""
+    pipeline_loading_checkpoint: bool = False
+    """Stage 3: load checkpoints layer by layer with pipelining."""
+    override_module_apply: bool = True
+    """Stage 3: gather parameters inside `nn.Module.apply` calls."""
+    log_trace_cache_warnings: bool = False
+    """Stage 3: log when the recorded execution trace is invalidated."""
+    enable_sanity_checks: bool = False
+    """Stage 3: run extra (slow) consistency checks."""
+    save_muon_momentum_buffer_in_memory: bool = False
+    """Stage 3 with Muon and NVMe offload: keep the momentum buffer in memory."""

@@ -1,0 +1,130 @@
+"""Which ZeRO stages each `zero_optimization` key applies to, as data, and the check.
+
+A key set (to a value that would have an effect) at a stage it does not apply to is an error that
+names the stage where it does: DeepSpeed ignores it silently and the user believes it works.
+Imports nothing of zeroshard but `errors` and `config.fields`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from zeroshard.config.fields import default_at, get_dotted, show
+from zeroshard.errors import ConfigError
+
+_NON_DEFAULT = object()
+_Z = "zero_optimization."
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageRule:
+    """`key` only has an effect at `stages`."""
+
+    key: str
+    """Dotted key the error names."""
+    stages: tuple[int, ...]
+    """Stages the key applies to."""
+    trigger: str = ""
+    """Dotted leaf whose value activates the rule ("" = `key` itself)."""
+    active_value: Any = _NON_DEFAULT
+    """Value of the trigger that activates the rule; by default any non-default value."""
+
+
+def _stage3(*names: str) -> tuple[StageRule, ...]:
+    return tuple(StageRule(key=_Z + n, stages=(3,)) for n in names)
+
+
+def _stage12(*names: str) -> tuple[StageRule, ...]:
+    return tuple(StageRule(key=_Z + n, stages=(1, 2)) for n in names)
+
+
+STAGE_RULES: tuple[StageRule, ...] = (
+    StageRule(key=_Z + "offload_param", trigger=_Z + "offload_param.device", stages=(3,)),
+    StageRule(key=_Z + "offload_optimizer", trigger=_Z + "offload_optimizer.device", stages=(1, 2, 3)),
+    StageRule(key=_Z + "offload_optimizer.device", active_value="nvme", stages=(3,)),
+    StageRule(key=_Z + "offload_optimizer.ratio", stages=(3,)),
+    *_stage3(
+        "sub_group_size",
+        "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold",
+        "stage3_model_persistence_threshold",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+        "stage3_gather_16bit_weights_on_model_save",
+        "stage3_module_granularity_threshold",
+        "stage3_use_all_reduce_for_fetch_params",
+        "stage3_allgather_sequential",
+        "zero_hpz_partition_size",
+        "zero_quantized_weights",
+        "zero_quantized_nontrainable_weights",
+        "zero_quantized_gradients",
+        "mics_shard_size",
+        "mics_hierarchical_params_gather",
+        "memory_efficient_linear",
+        "pipeline_loading_checkpoint",
+        "override_module_apply",
+        "log_trace_cache_warnings",
+        "enable_sanity_checks",
+        "save_muon_momentum_buffer_in_memory",
+    ),
+    *_stage12(
+        "reduce_scatter",
+        "use_multi_rank_bucket_allreduce",
+        "allgather_partitions",
+        "allgather_bucket_size",
+        "elastic_checkpoint",
+        "ignore_unused_parameters",
+        "round_robin_gradients",
+    ),
+    StageRule(key=_Z + "legacy_stage1", stages=(1,)),
+    StageRule(key=_Z + "load_from_fp32_weights", stages=(1, 2, 3)),
+)
+"""Keys of zero_optimization that do not apply at every stage. Keys absent here apply to all
+stages (reduce_bucket_size, overlap_comm, contiguous_gradients: stage 0 uses or accepts them)."""
+
+
+def stages_of(key: str) -> tuple[int, ...] | None:
+    """The stages a dotted key applies to (from its unconditional rule), or None for all."""
+    for rule in STAGE_RULES:
+        if rule.key == key and rule.active_value is _NON_DEFAULT:
+            return rule.stages
+    return None
+
+
+def _words(stages: tuple[int, ...], joiner: str) -> str:
+    names = [str(s) for s in stages]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" {joiner} " + names[-1]
+
+
+def _is_active(cfg: Any, rule: StageRule) -> tuple[bool, Any]:
+    trigger = rule.trigger or rule.key
+    value = get_dotted(cfg, trigger)
+    if rule.active_value is _NON_DEFAULT:
+        default = default_at(cfg, trigger)
+        return default is not dataclasses.MISSING and value != default, value
+    return value == rule.active_value, value
+
+
+def check_stages(cfg: Any) -> None:
+    """Raise for the first key set at a stage it does not apply to.
+
+    Raises:
+        ConfigError: e.g. "zero_optimization.offload_param applies to stage 3 only; you chose
+            stage 2. Remove it or set stage to 3."
+    """
+    stage = cfg.zero_optimization.stage
+    for rule in STAGE_RULES:
+        if stage in rule.stages:
+            continue
+        active, value = _is_active(cfg, rule)
+        if not active:
+            continue
+        label = rule.key if rule.trigger else f"{rule.key} = {show(value)}"
+        scope = f"stage {rule.stages[0]} only" if len(rule.stages) == 1 else (
+            f"stages {_words(rule.stages, 'and')}" + (" only" if len(rule.stages) < 3 else ""))
+        raise ConfigError(
+            f"{label} applies to {scope}; you chose stage {stage}. "
+            f"Remove it or set stage to {_words(rule.stages, 'or')}."
+        )
