@@ -1,0 +1,142 @@
+"""Shared pieces of the engine tests: one config builder, tiny models, data, a reference run."""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import zeroshard
+from zeroshard.examples.gpt import GPT, GPTConfig
+
+TINY = GPTConfig.preset("tiny")
+
+
+def make_config(**overrides: Any) -> dict[str, Any]:
+    """A stage-0 ds_config; keyword overrides replace top-level keys (None deletes one)."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "steps_per_print": 1000,
+        "zero_optimization": {"stage": 0, "reduce_bucket_size": 500},
+    }
+    for key, value in overrides.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def make_model(seed: int = 0, tie: bool = True) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY.__dict__, "tie_weights": tie}))
+
+
+def global_batches(steps: int, batch: int, seed: int = 1) -> list[tuple[Tensor, Tensor]]:
+    """`steps` global batches of `batch` random token sequences (same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, TINY.vocab_size, (batch, TINY.block_size + 1), generator=g)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def rank_micro_batches(
+    batch: tuple[Tensor, Tensor], rank: int, world: int, micro: int, gas: int
+) -> list[tuple[Tensor, Tensor]]:
+    """This rank's `gas` micro-batches of a global batch (each sample used exactly once)."""
+    x, y = batch
+    if x.shape[0] != micro * gas * world:
+        raise AssertionError(f"expected global batch {micro * gas * world}, got {x.shape[0]}")
+    out = []
+    for m in range(gas):
+        start = (m * world + rank) * micro
+        out.append((x[start : start + micro], y[start : start + micro]))
+    return out
+
+
+def train_engine(
+    engine: Any, batches: list[tuple[Tensor, Tensor]], rank: int, world: int,
+    before_backward: Callable[[int, Tensor], Tensor] | None = None,
+) -> tuple[list[float], list[list[Tensor]]]:
+    """Run the engine over the global batches; return per-step mean losses and param snapshots."""
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    losses, snapshots = [], []
+    for step, batch in enumerate(batches):
+        step_loss = 0.0
+        for x, y in rank_micro_batches(batch, rank, world, micro, gas):
+            loss = engine(x, y)
+            if before_backward is not None:
+                loss = before_backward(step, loss)
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.item() / gas
+        losses.append(step_loss)
+        snapshots.append([p.detach().float().clone() for p in engine.module.parameters()])
+    return losses, snapshots
+
+
+def train_reference(
+    model: nn.Module, batches: list[tuple[Tensor, Tensor]], lr: float = 1e-2,
+    weight_decay: float = 0.01, max_norm: float = 0.0, micro: int = 2,
+) -> tuple[list[float], list[list[Tensor]], list[float]]:
+    """One process, the whole global batch, plain torch: the oracle.
+
+    The global batch goes through in micro-batches of the ranks' size, so each sample's
+    forward runs the same kernels on the same shapes as on a rank; only the order of the final
+    gradient sum differs (fp32 round-off, ~1e-7 relative).
+    """
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+    losses, snapshots, norms = [], [], []
+    for x, y in batches:
+        n = x.shape[0] // micro
+        loss = torch.zeros(())
+        for i in range(n):
+            part = model(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]) / n
+            part.backward()
+            loss += part.detach()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(
+            model.parameters(), max_norm if max_norm > 0 else float("inf"))))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        snapshots.append([p.detach().float().clone() for p in model.parameters()])
+    return losses, snapshots, norms
+
+
+def assert_params_close(got: list[Tensor], want: list[Tensor], rtol: float, what: str) -> None:
+    if len(got) != len(want):
+        raise AssertionError(f"{what}: {len(got)} params vs {len(want)}")
+    for i, (a, b) in enumerate(zip(got, want)):
+        rel = (a - b).norm() / b.norm().clamp_min(1e-12)
+        if not rel <= rtol:
+            raise AssertionError(f"{what}: param {i} differs, relative error {rel:.3e} > {rtol:g}")
+
+
+@contextmanager
+def capture_zeroshard_log() -> Iterator[io.StringIO]:
+    """Collect what the `zeroshard` logger prints (rank 0 logs INFO)."""
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    logger = logging.getLogger("zeroshard")
+    logger.addHandler(handler)
+    try:
+        yield buf
+    finally:
+        logger.removeHandler(handler)
+
+
+def init_engine(model: nn.Module, config: dict[str, Any], **kwargs: Any) -> Any:
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config, **kwargs)
+    return engine

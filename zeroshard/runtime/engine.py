@@ -1,0 +1,287 @@
+"""The training engine: forward, backward, step, with one ZeRO strategy doing the partitioning.
+
+The engine owns the step as one unit (Note: [one step]): loss scaling, gradient reduction
+(through the strategy), unscale + clip, the optimizer, the loss scaler and the lr scheduler.
+A step skipped for fp16 overflow therefore never advances the scheduler. The engine never
+asks which ZeRO stage it runs; see zero/strategy.py for the protocol it drives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from zeroshard.runtime.loss_scaler import LossScaler
+from zeroshard.runtime.monitor import MetricSink, Timers, format_bytes, peak_memory_bytes
+from zeroshard.runtime.optim import optimizer_state_bytes
+from zeroshard.zero.strategy import GradStats, ModelStateBytes, ZeroStrategy
+
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm, ProcessGroups
+    from zeroshard.config import Config
+
+logger = logging.getLogger("zeroshard")
+
+
+class ZeroEngine(nn.Module):
+    """Wraps a model for data-parallel ZeRO training. Built by `zeroshard.initialize`.
+
+    Use it as DeepSpeed's engine::
+
+        loss = engine(batch)          # the model's forward
+        engine.backward(loss)         # scaled, accumulated, reduced in buckets
+        engine.step()                 # optimizer + scheduler at the accumulation boundary
+
+    Attributes:
+        module: the wrapped model (in the training dtype).
+        optimizer: the optimizer stepping on the master parameters, or None.
+        lr_scheduler: the lr scheduler, stepped after every applied optimizer step, or None.
+        global_steps: optimizer steps taken, skipped (overflow) steps included.
+        global_samples: samples consumed over all ranks.
+        micro_steps: micro-batches processed by this rank.
+        skipped_steps: steps skipped because of an fp16 overflow.
+    """
+
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        config: "Config",
+        groups: "ProcessGroups",
+        comm: "Comm",
+        strategy: ZeroStrategy,
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: Any,
+        loss_scaler: LossScaler | None,
+        sinks: list[MetricSink],
+        training_dataloader: Any = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self._groups, self._comm, self._strategy = groups, comm, strategy
+        self._loss_scaler, self._sinks = loss_scaler, sinks
+        self._grad_accum_steps = config.gradient_accumulation_steps
+        self.timers = Timers(groups.device, enabled=config.wall_clock_breakdown)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._last_grad_stats: GradStats | None = None
+        self._init_progress()
+
+    def _init_progress(self) -> None:
+        self._loss_sum: Tensor | None = None  # on the loss's device: no sync per micro-batch
+        self._loss_count = 0
+        self._window_start = time.perf_counter()
+        self._window_samples = 0
+        self._run_start: float | None = None
+        self._run_samples = 0
+        self.last_loss: float | None = None
+        self.last_samples_per_s: float | None = None
+
+    # -- DeepSpeed-compatible queries -----------------------------------------------------
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro-batch is the last of its step (reduction happens)."""
+        return (self.micro_steps + 1) % self._grad_accum_steps == 0
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._grad_accum_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_loss_scale(self) -> float:
+        return self._loss_scaler.loss_scale if self._loss_scaler is not None else 1.0
+
+    @property
+    def loss_scale(self) -> float:
+        return self.get_loss_scale()
+
+    def get_global_grad_norm(self) -> float | None:
+        """Pre-clip L2 norm of the averaged, unscaled gradient at the last step."""
+        return None if self._last_grad_stats is None else self._last_grad_stats.norm
+
+    def was_step_applied(self) -> bool:
+        return self._last_grad_stats is not None and not self._last_grad_stats.overflow
+
+    def zero_grad(self) -> None:
+        """Gradients live in the strategy's buffers and are reset by `step()`; nothing to do."""
+
+    @property
+    def device(self) -> torch.device:
+        return self._groups.device
+
+    @property
+    def rank(self) -> int:
+        return self._groups.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._groups.world_size
+
+    def model_state_bytes(self) -> list[ModelStateBytes]:
+        """Model-state bytes held by this rank, by category and home (device / CPU)."""
+        opt = optimizer_state_bytes(self.optimizer) if self.optimizer is not None else 0
+        return self._strategy.model_state_bytes(opt)
+
+    # -- training -------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._run_start is None:
+            self._run_start = time.perf_counter()
+        self.timers.start("forward")
+        out = self.module(*args, **kwargs)
+        self.timers.stop("forward")
+        return out
+
+    def backward(self, loss: Tensor, retain_graph: bool = False) -> Tensor:
+        """Backward of a micro-batch's loss, divided by gradient_accumulation_steps.
+
+        Gradients accumulate locally; on the last micro-batch of a step they are reduced in
+        buckets as they become ready. Returns `loss` unchanged.
+        """
+        if loss.dim() != 0:
+            raise ValueError(
+                f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; "
+                "reduce it first (e.g. loss.mean())"
+            )
+        boundary = self.is_gradient_accumulation_boundary()
+        self._strategy.begin_micro_batch(boundary)
+        scale = self.get_loss_scale() / self._grad_accum_steps
+        self.timers.start("backward")
+        (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        self.timers.stop("backward")
+        self.timers.start("reduce_wait")
+        self._strategy.after_backward()
+        self.timers.stop("reduce_wait")
+        detached = loss.detach().double()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        self._loss_count += 1
+        return loss
+
+    def step(self) -> None:
+        """End of a micro-batch; at the accumulation boundary, one optimizer step.
+
+        Unscale and clip the averaged gradient, skip the step on every rank if any rank saw an
+        fp16 overflow (lowering the loss scale), otherwise step the optimizer and then the
+        lr scheduler.
+        """
+        samples = self.config.train_micro_batch_size_per_gpu * self._groups.world_size
+        self._window_samples += samples
+        self._run_samples += samples
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            return
+        if self.optimizer is None:
+            raise RuntimeError(
+                "engine.step() needs an optimizer: add an \"optimizer\" section to the config "
+                "or pass optimizer= to zeroshard.initialize()"
+            )
+        self.timers.start("step")
+        stats = self._strategy.prepare_step(1.0 / self.get_loss_scale(), self.config.gradient_clipping)
+        if not stats.overflow:
+            self.optimizer.step()
+        self._strategy.after_step(applied=not stats.overflow)
+        self.timers.stop("step")
+        self._last_grad_stats = stats
+        if self._loss_scaler is not None:
+            before = self._loss_scaler.loss_scale
+            self._loss_scaler.update(stats.overflow)
+            if stats.overflow:
+                logger.info(
+                    f"step {self.global_steps + 1}: gradient overflow, step skipped; "
+                    f"loss scale {before:g} -> {self._loss_scaler.loss_scale:g}"
+                )
+        if stats.overflow:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        self.global_samples += self.config.train_batch_size
+        self.micro_steps += 1
+        every = self.config.steps_per_print  # None: never print progress
+        if every is not None and self.global_steps % every == 0:
+            self._report()
+
+    # -- progress -------------------------------------------------------------------------
+
+    def _mean_loss_over_ranks(self) -> float | None:
+        if self._loss_count == 0 or self._loss_sum is None:
+            return None
+        t = (self._loss_sum / self._loss_count).reshape(1).to(self.device, torch.float64)
+        self._comm.all_reduce(t, op="avg")
+        return float(t.item())
+
+    def _report(self) -> None:
+        now = time.perf_counter()
+        self.last_loss = self._mean_loss_over_ranks()
+        self.last_samples_per_s = self._window_samples / max(now - self._window_start, 1e-9)
+        lr = self.get_lr()[0] if self.get_lr() else 0.0
+        norm = self.get_global_grad_norm()
+        metrics = {
+            "loss": self.last_loss if self.last_loss is not None else float("nan"),
+            "lr": lr,
+            "loss_scale": self.get_loss_scale(),
+            "grad_norm": norm if norm is not None else float("nan"),
+            "samples_per_s": self.last_samples_per_s,
+            "samples": float(self.global_samples),
+        }
+        logger.info(
+            f"step {self.global_steps} | loss {metrics['loss']:.4f} | lr {lr:.3e} | "
+            f"scale {metrics['loss_scale']:g} | grad norm {metrics['grad_norm']:.3f} | "
+            f"{self.last_samples_per_s:.1f} samples/s | "
+            f"peak mem {format_bytes(peak_memory_bytes(self.device))}"
+        )
+        if self.timers.enabled:
+            logger.info(self.timers.report_and_reset(self.config.steps_per_print or 1))
+        for sink in self._sinks:
+            sink.write(self.global_steps, metrics)
+        self._loss_sum, self._loss_count = None, 0
+        self._window_start, self._window_samples = now, 0
+
+    def summary(self) -> dict[str, Any]:
+        """End-of-run figures; every rank must call it (peak memory is gathered)."""
+        peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.int64, device=self.device)
+        peaks = torch.zeros(self._groups.world_size, dtype=torch.int64, device=self.device)
+        self._comm.all_gather(peaks, peak)
+        loss = self._mean_loss_over_ranks()
+        elapsed = time.perf_counter() - (self._run_start or time.perf_counter())
+        return {
+            "steps": self.global_steps,
+            "skipped_steps": self.skipped_steps,
+            "samples": self.global_samples,
+            "final_loss": loss if loss is not None else self.last_loss,
+            "samples_per_s": self._run_samples / max(elapsed, 1e-9),
+            "elapsed_s": elapsed,
+            "peak_memory_bytes_per_rank": [int(x) for x in peaks.tolist()],
+        }
+
+    def print_summary(self) -> dict[str, Any]:
+        s = self.summary()
+        loss = "n/a" if s["final_loss"] is None else f"{s['final_loss']:.4f}"
+        peaks = ", ".join(f"rank {r}: {format_bytes(b)}" for r, b in enumerate(s["peak_memory_bytes_per_rank"]))
+        logger.info(
+            f"done: {s['steps']} steps ({s['skipped_steps']} skipped), {s['samples']} samples in "
+            f"{s['elapsed_s']:.1f} s | final loss {loss} | {s['samples_per_s']:.1f} samples/s | "
+            f"peak mem {peaks}"
+        )
+        for sink in self._sinks:
+            sink.close()
+        return s

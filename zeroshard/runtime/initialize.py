@@ -1,0 +1,221 @@
+"""`zeroshard.initialize`: config + process group + model -> engine, as `deepspeed.initialize`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from os import PathLike
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.arguments import config_path_from_args
+from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
+from zeroshard.config import Config, load_config
+from zeroshard.errors import ConfigError
+from zeroshard.runtime.dataloader import DistributedDataLoader
+from zeroshard.runtime.engine import ZeroEngine
+from zeroshard.runtime.loss_scaler import build_loss_scaler
+from zeroshard.runtime.lr_schedules import build_scheduler
+from zeroshard.runtime.monitor import build_sinks, format_bytes, setup_logging
+from zeroshard.runtime.optim import (
+    params_dict,
+    adopt_client_optimizer,
+    build_optimizer,
+    client_auto_values,
+)
+from zeroshard.zero import Stage0Strategy, ZeroStrategy, broadcast_module_state
+
+logger = logging.getLogger("zeroshard")
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else _DTYPES[name]
+
+
+def model_hidden_size(model: nn.Module) -> int | None:
+    """`model.config.hidden_size`, or the largest of `hidden_sizes`, as Accelerate reads it."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    size = getattr(cfg, "hidden_size", None)
+    if isinstance(size, int):
+        return size
+    sizes = getattr(cfg, "hidden_sizes", None)
+    return max(sizes) if sizes else None
+
+
+def _resolve_config_source(args: Any, config: Any) -> Any:
+    from_args = config_path_from_args(args) if args is not None else None
+    if config is not None and from_args is not None:
+        raise ConfigError(
+            f"a config was given twice: config= to initialize() and {from_args!r} on the command "
+            "line (--deepspeed_config); pass only one"
+        )
+    source = config if config is not None else from_args
+    if source is None:
+        raise ConfigError(
+            "no config: pass config=<path or dict> to zeroshard.initialize(), or run the script "
+            "with --deepspeed_config <file> (see zeroshard.arguments.add_config_arguments)"
+        )
+    return source
+
+
+def _param_groups(model: nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
+    """Normalise `model_parameters` (params or param-group dicts) to trainable groups."""
+    if model_parameters is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], Mapping):
+        groups = [dict(g) for g in items]
+    else:
+        groups = [{"params": items}]
+    for g in groups:
+        g["params"] = [p for p in g["params"] if p.requires_grad]
+    return [g for g in groups if g["params"]]
+
+
+def _build_strategy(cfg: Config, params: list[nn.Parameter], comm: Comm, world_size: int) -> ZeroStrategy:
+    zero = cfg.zero_optimization
+    if zero.stage != 0:  # config/support.py rejects other stages at load time
+        raise AssertionError(f"expected stage 0 after config validation, got {zero.stage}")
+    prescale = cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0
+    return Stage0Strategy(
+        params,
+        comm=comm,
+        world_size=world_size,
+        grad_dtype=_dtype(cfg.data_types.grad_accum_dtype) or torch.float32,
+        comm_dtype=_dtype(cfg.communication_data_type),
+        reduce_bucket_numel=int(zero.reduce_bucket_size),
+        prescale_factor=prescale,
+    )
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler: Any = None,
+    config: str | PathLike[str] | Mapping[str, Any] | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    config_params: Mapping[str, Any] | None = None,
+) -> tuple[ZeroEngine, torch.optim.Optimizer | None, DistributedDataLoader | None, Any]:
+    """Wrap `model` for ZeRO data-parallel training, as `deepspeed.initialize` does.
+
+    Args:
+        args: an argparse namespace; `--deepspeed_config` / `--zeroshard_config` is read from it.
+        model: the model to train.
+        optimizer: a `torch.optim.Optimizer` built on the model's parameters, or a callable
+            taking the parameters and returning one; None to build the config's `optimizer`.
+        model_parameters: parameters (or param-group dicts) to optimize; default: all
+            trainable parameters of `model`.
+        training_data: a Dataset; a distributed data loader over it is returned.
+        lr_scheduler: a scheduler object, or a callable taking the optimizer; None to build
+            the config's `scheduler`.
+        config: a ds_config path or dict (DeepSpeed's format, see docs/config.md).
+        collate_fn: collate function of the returned data loader.
+        config_params: DeepSpeed's legacy name for `config`.
+
+    Returns:
+        `(engine, optimizer, dataloader, lr_scheduler)`; dataloader is None without
+        `training_data`, lr_scheduler None without one.
+
+    Raises:
+        ConfigError: the config is invalid, names an unsupported feature, or has an "auto"
+            value nothing can resolve.
+
+    Example::
+
+        engine, optimizer, loader, _ = zeroshard.initialize(
+            model=model, model_parameters=model.parameters(), training_data=ds,
+            config="ds_config.json")
+        for x, y in loader:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+    """
+    if model is None:
+        raise ConfigError("initialize() needs model=")
+    if config is not None and config_params is not None:
+        raise ConfigError("pass the config once: config= or config_params=, not both")
+    source = _resolve_config_source(args, config if config is not None else config_params)
+    groups = init_distributed()
+    setup_logging(groups.rank)
+    auto = dict(client_auto_values(optimizer))
+    cfg = load_config(source, dp_world_size=groups.world_size,
+                      hidden_size=model_hidden_size(model), auto_values=auto)
+    logger.info(
+        "resolved config (values not at their DeepSpeed default, with their source; "
+        "`zeroshard config check FILE` lists every key):\n" + cfg.describe(non_default_only=True)
+    )
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
+    model.to(device=groups.device, dtype=dtype) if dtype else model.to(groups.device)
+    comm = Comm(groups, log=CommLog() if cfg.comms_logger.enabled else None)
+    broadcast_module_state(model, comm)
+    param_groups = _param_groups(model, model_parameters)
+    params = list({id(p): p for g in param_groups for p in g["params"]}.values())
+    strategy = _build_strategy(cfg, params, comm, groups.world_size)
+    opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
+    sched = _make_scheduler(cfg, lr_scheduler, opt)
+    scaler = None
+    if cfg.precision == "fp16":
+        f = cfg.fp16
+        scaler = build_loss_scaler(
+            loss_scale=f.loss_scale, initial_scale_power=f.initial_scale_power,
+            loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis,
+            consecutive_hysteresis=f.consecutive_hysteresis, min_loss_scale=f.min_loss_scale)
+    loader = None
+    if training_data is not None:
+        loader = DistributedDataLoader(
+            training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
+            rank=groups.rank, world_size=groups.world_size, collate_fn=collate_fn)
+    engine = ZeroEngine(
+        module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,
+        lr_scheduler=sched, loss_scaler=scaler, sinks=build_sinks(cfg, groups.rank),
+        training_dataloader=loader)
+    _log_start(engine, groups)
+    return engine, opt, loader, sched
+
+
+def _make_optimizer(cfg: Config, client: Any, param_groups: list[dict[str, Any]],
+                    strategy: ZeroStrategy) -> torch.optim.Optimizer | None:
+    if client is not None:
+        if cfg.optimizer is not None:
+            logger.info("a client optimizer was passed; the config's \"optimizer\" section is ignored")
+        masters = [strategy.master_param(p) for g in param_groups for p in g["params"]]
+        return adopt_client_optimizer(client, masters, strategy.master_param)
+    if cfg.optimizer is None:
+        return None
+    groups = [{**g, "params": [strategy.master_param(p) for p in g["params"]]} for g in param_groups]
+    return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups)
+
+
+def _make_scheduler(cfg: Config, client: Any, opt: torch.optim.Optimizer | None) -> Any:
+    if client is not None:
+        if callable(client) and not hasattr(client, "step"):
+            return client(opt)
+        return client
+    if cfg.scheduler is None or opt is None:
+        return None
+    return build_scheduler(cfg.scheduler.type, opt, params_dict(cfg.scheduler.params))
+
+
+def _log_start(engine: ZeroEngine, groups: ProcessGroups) -> None:
+    for s in engine.model_state_bytes():
+        logger.info(
+            f"model states per rank ({s.device}): params {format_bytes(s.params)}, "
+            f"grads {format_bytes(s.grads)}, master params {format_bytes(s.master_params)}, "
+            f"optimizer states {format_bytes(s.optimizer_states)} (allocated at the first step)"
+        )
+    logger.info(
+        f"world size {groups.world_size} ({groups.backend or 'no process group'}), device "
+        f"{groups.device}, precision {engine.config.precision}, "
+        f"batch {engine.train_batch_size()} = {engine.train_micro_batch_size_per_gpu()} x "
+        f"{engine.gradient_accumulation_steps()} x {groups.world_size}"
+    )

@@ -1,0 +1,139 @@
+"""Progress, timers and metric sinks (console, CSV, TensorBoard).
+
+Rank 0 writes; other ranks keep their timers so the breakdown can be averaged if needed.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import resource
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from zeroshard.errors import ConfigError
+
+logger = logging.getLogger("zeroshard")
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs INFO to stdout with a `[zeroshard]` prefix; other ranks log warnings only."""
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("[zeroshard] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: device allocator peak on CUDA, peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class Timers:
+    """Named wall-clock timers, synchronising the device so GPU time is counted honestly."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self._device = device
+        self.enabled = enabled
+        self._start: dict[str, float] = {}
+        self.totals: dict[str, float] = {}
+
+    def _sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def start(self, name: str) -> None:
+        if self.enabled:
+            self._sync()
+            self._start[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        if self.enabled and name in self._start:
+            self._sync()
+            elapsed = time.perf_counter() - self._start.pop(name)
+            self.totals[name] = self.totals.get(name, 0.0) + elapsed
+
+    def report_and_reset(self, steps: int) -> str:
+        parts = [f"{k}: {1000 * v / max(steps, 1):.1f}" for k, v in self.totals.items()]
+        self.totals.clear()
+        return "time per step (ms) | " + " | ".join(parts)
+
+
+class MetricSink(Protocol):
+    def write(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class CsvSink:
+    """One CSV file per job: `output_path/job_name/metrics.csv`, a row per printed step."""
+
+    def __init__(self, output_path: str, job_name: str) -> None:
+        directory = Path(output_path or "./runs") / (job_name or "zeroshard")
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / "metrics.csv"
+        self._file = self.path.open("w", newline="")
+        self._writer: csv.DictWriter | None = None
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        row = {"step": step, **metrics}
+        if self._writer is None:
+            self._writer = csv.DictWriter(self._file, fieldnames=list(row))
+            self._writer.writeheader()
+        self._writer.writerow(row)
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    """Scalars under `Train/<metric>` in `output_path/job_name`."""
+
+    def __init__(self, output_path: str, job_name: str) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # tensorboard is an optional extra
+            raise ConfigError(
+                "tensorboard.enabled is true but the tensorboard package is not installed; "
+                "pip install 'zeroshard[monitor]' or set tensorboard.enabled to false"
+            ) from e
+        self._writer = SummaryWriter(log_dir=str(Path(output_path or "./runs") / (job_name or "zeroshard")))
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            self._writer.add_scalar(f"Train/{key}", value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def build_sinks(cfg: Any, rank: int) -> list[MetricSink]:
+    """Metric sinks enabled in the config (`tensorboard`, `csv_monitor`); rank 0 only."""
+    if rank != 0:
+        return []
+    sinks: list[MetricSink] = []
+    if cfg.csv_monitor.enabled:
+        sinks.append(CsvSink(cfg.csv_monitor.output_path, cfg.csv_monitor.job_name))
+    if cfg.tensorboard.enabled:
+        sinks.append(TensorBoardSink(cfg.tensorboard.output_path, cfg.tensorboard.job_name))
+    return sinks
