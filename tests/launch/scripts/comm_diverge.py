@@ -1,0 +1,35 @@
+"""A 2-rank job whose ranks diverge; run by tests/launch/test_comm_divergence.py.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 comm_diverge.py MODE
+
+MODE "skip": rank 1 never reaches rank 0's all_reduce (it sleeps outside any collective).
+MODE "exit": rank 1 returns after the first barrier, leaving rank 0 in the all_reduce.
+MODE "mismatch": rank 1 issues a broadcast where rank 0 issues the all_reduce.
+Rank 0 must fail within the 3 s timeout with a CommError naming both ranks' last collectives.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from zeroshard.comm import Comm, init_distributed
+
+
+def main(mode: str) -> None:
+    groups = init_distributed(timeout_s=60)
+    comm = Comm(groups, timeout_s=3)
+    comm.barrier()  # seq 1 on both ranks
+    if mode == "mismatch" and groups.rank == 1:
+        comm.broadcast(torch.ones(8), 0)  # seq 2 on rank 1: not what rank 0 issued
+    if groups.rank == 0:
+        comm.all_reduce(torch.ones(4))  # seq 2: rank 1 never joins
+        raise SystemExit("rank 0: the all_reduce completed without rank 1")
+    if mode == "skip":
+        time.sleep(100)  # in Python, so its watcher thread answers; torchrun kills it later
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,83 @@
+"""A rank that skips a collective makes its peer fail fast, naming both ranks' last collectives.
+
+Each case runs its own 2-process torchrun job (scripts/comm_diverge.py) with a 3 s collective
+timeout: a divergent job breaks its process group, so it cannot share the group of tests/dist.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "comm_diverge.py"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+MODES = ("skip", "exit", "mismatch")
+
+
+@pytest.fixture(scope="module")
+def jobs() -> dict[str, tuple[int, str, float]]:
+    """Run the three jobs at once (their timeouts overlap): mode -> (exit code, output, s)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    start = time.monotonic()
+    procs = {mode: subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(SCRIPT), mode],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        for mode in MODES}
+    results = {}
+    for mode, proc in procs.items():
+        try:
+            output, _ = proc.communicate(timeout=max(1.0, 90 - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+            output += "\n[test] killed after 90 s"
+        results[mode] = (proc.returncode, output, time.monotonic() - start)
+    return results
+
+
+def line_of(marker: str) -> int:
+    """Line number of the script line containing ``marker``."""
+    for number, line in enumerate(SCRIPT.read_text().splitlines(), start=1):
+        if marker in line:
+            return number
+    raise AssertionError(f"expected {marker!r} in {SCRIPT}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_divergent_rank_fails_fast_with_both_ranks_named(
+        jobs: dict[str, tuple[int, str, float]], mode: str) -> None:
+    code, output, elapsed = jobs[mode]
+    assert code != 0, output
+    assert elapsed < 60, f"took {elapsed:.0f} s\n{output}"
+    assert "CommError: rank 0: all_reduce (seq 2) failed" in output, output
+    all_reduce_at = f"comm_diverge.py:{line_of('seq 2: rank 1 never joins')}"
+    barrier_at = f"comm_diverge.py:{line_of('seq 1 on both ranks')}"
+    assert re.search(rf"rank 0: seq 2 all_reduce\(numel=4, float32\) at {all_reduce_at}"
+                     r" — waiting \d", output), output
+    if mode == "skip":
+        assert (f"rank 1: seq 1 barrier at {barrier_at} — not in a collective "
+                "(never reached seq 2)") in output, output
+        assert "Timed out" in output, output
+    elif mode == "exit":
+        assert f"rank 1: exited after seq 1 barrier at {barrier_at}" in output, output
+    if mode in ("skip", "exit"):
+        assert "Ranks [1] never reached seq 2." in output, output
+    else:  # both ranks time out, and each names the other's collective
+        broadcast_at = f"comm_diverge.py:{line_of('not what rank 0 issued')}"
+        assert "CommError: rank 1: broadcast (seq 2) failed" in output, output
+        assert (f"rank 1: seq 2 broadcast(numel=8, float32) at {broadcast_at} — waiting"
+                in output), output
+        assert ("Ranks disagree on seq 2: ranks [0] all_reduce(numel=4, float32); ranks [1] "
+                "broadcast(numel=8, float32).") in output, output
+    assert "the all_reduce completed" not in output

@@ -1,0 +1,482 @@
+"""Comm: collectives on flat tensors with timeouts, a communication dtype, async handles, a log.
+
+Every collective is issued on the data-parallel process group's backend with a per-operation
+timeout, and waited with that timeout (plus a grace), so a rank that diverges fails with a
+``CommError`` naming every rank's last collective (Note: [divergence diagnostics] in
+``divergence.py``) instead of hanging. Imports nothing of ours but ``errors`` and ``comm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from time import perf_counter
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
+
+from zeroshard.comm.divergence import CallRecord, CollectiveTracker, tracker_for
+from zeroshard.comm.groups import ProcessGroups, group_store
+from zeroshard.comm.handle import Handle, WaitPolicy
+from zeroshard.comm.log import CommLog
+
+ReduceOpName = Literal["sum", "avg", "max", "min"]
+_RedOp = dist.ReduceOp
+_REDUCE_OPS = {name: dist.ReduceOp(getattr(dist.ReduceOp, name.upper()))
+               for name in ("sum", "avg", "max", "min")}
+_WAIT_GRACE_S = 5.0
+"""Work.wait's timeout exceeds the per-op timeout by this much. The per-op timeout goes to the
+backend with each operation, so gloo's own timeout fires first and frees its worker thread:
+a gloo op abandoned by a Work.wait timeout alone would keep the interpreter from exiting
+until the op ends (up to the process group's timeout)."""
+_UNSUPPORTED = ("not supported", "unsupported", "not implemented", "does not support",
+                "cannot use")
+
+
+def _is_unsupported(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(marker in text for marker in _UNSUPPORTED)
+
+
+def _flat(t: torch.Tensor, name: str) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: collectives need a contiguous tensor (a flat buffer); got "
+                         f"shape {tuple(t.shape)} with strides {t.stride()}.")
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None or dtype == t.dtype else t.to(dtype)
+
+
+def _like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` itself, or an uninitialised buffer of its shape in ``dtype`` (output side)."""
+    return t if dtype is None or dtype == t.dtype else torch.empty_like(t, dtype=dtype)
+
+
+def _mixed(out: torch.Tensor, in_: torch.Tensor, comm_dtype: torch.dtype | None) -> bool:
+    """Input and output dtypes differ without a comm_dtype to say which one travels."""
+    return out.dtype != in_.dtype and comm_dtype is None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Comm:
+    """Collectives on the data-parallel group of ``groups``, on flat (contiguous) tensors.
+
+    Every method takes ``async_op`` (return before completion; call ``Handle.wait()``) and,
+    where data moves, ``comm_dtype``: the data travels (and is reduced) in that dtype, in a
+    cast copy that is written back into the caller's tensor on ``wait()`` (so input and output
+    may then differ in dtype: bf16 gradients reduced into an fp32 shard). Reduction ops are
+    "sum", "avg", "max", "min". ``src``/``dst`` are ranks in the group. With world size 1 every
+    collective is a local no-op or copy with the same semantics (the average of one is itself).
+
+    Args:
+        groups: from :func:`init_distributed`.
+        timeout_s: per-collective timeout in seconds; default ``groups.timeout_s``.
+        log: a :class:`CommLog` that records every call, or None.
+
+    Example::
+
+        comm = Comm(init_distributed())
+        h = comm.all_reduce(grads, "avg", async_op=True, comm_dtype=torch.float32)
+        ...  # overlap other work
+        h.wait()
+    """
+
+    def __init__(self, groups: ProcessGroups, *, timeout_s: float | None = None,
+                 log: CommLog | None = None) -> None:
+        self.groups = groups
+        self.rank = groups.rank
+        self.world_size = groups.world_size
+        self.timeout_s = groups.timeout_s if timeout_s is None else float(timeout_s)
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}.")
+        self._timeout = timedelta(seconds=self.timeout_s)
+        if groups.world_size > 1 and groups.dp_group is None:
+            raise ValueError(f"ProcessGroups has world_size {groups.world_size} but no dp_group; "
+                             "build it with init_distributed().")
+        pg = groups.dp_group if groups.world_size > 1 else None
+        self._pg = pg
+        self._tracker: CollectiveTracker | None = None
+        if pg is not None:
+            self._tracker = tracker_for(pg, groups.rank, groups.world_size, group_store)
+        on_cpu = groups.device.type == "cpu"
+        self._policy = WaitPolicy(
+            tracker=self._tracker, timeout_s=self.timeout_s,
+            wait_timeout=timedelta(seconds=self.timeout_s + _WAIT_GRACE_S) if on_cpu else None,
+            log=log, sync_device=None if on_cpu else groups.device)
+        self._caps: dict[str, bool] = {}
+        """Capabilities found missing at first use: "avg", "all_gather_single",
+        "reduce_scatter_single", "all_to_all_single" -> False selects the fallback."""
+
+    @property
+    def log(self) -> CommLog | None:
+        """The comm log given at construction, or None."""
+        return self._policy.log
+
+    # ---- plumbing -------------------------------------------------------------------------
+    def _start(self, op: str, numel: int, dtype: torch.dtype | None, nbytes: int,
+               issue: Callable[[], dist.Work] | None, finish: Callable[[], None] | None,
+               async_op: bool) -> Handle:
+        """Issue on the group (``issue``) or locally (``issue`` None), then wait unless async."""
+        t0 = perf_counter() if self.log is not None else 0.0
+        work: dist.Work | None = None
+        rec: CallRecord | None = None
+        if issue is not None:
+            tracker = self._tracker
+            if tracker is None:
+                raise AssertionError("expected a tracker for a collective with a process group")
+            rec = tracker.issue(op, numel, dtype)
+            try:
+                work = issue()
+            except Exception as e:
+                raise tracker.fail(rec, e, self.timeout_s) from e
+            if self._policy.wait_timeout is None:
+                tracker.watch_stream_work(rec, work, self.timeout_s)
+        handle = Handle(self._policy, work, rec, finish, op, nbytes, t0, async_op)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _native(self, cap: str, native: Callable[[], dist.Work],
+                fallback: Callable[[], dist.Work]) -> dist.Work:
+        """Try the backend's op once; if it is unsupported, use the fallback from then on.
+
+        An unsupported op fails when issued, identically on every rank, before any data
+        moves, so switching to the fallback keeps the ranks in step.
+        """
+        if self._caps.get(cap, True):
+            try:
+                return native()
+            except (RuntimeError, NotImplementedError, ValueError) as e:
+                if not _is_unsupported(e):
+                    raise
+                self._caps[cap] = False
+        return fallback()
+
+    def _root(self, root: int, name: str) -> None:
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"{name}={root} is not a rank of the group (size {self.world_size}).")
+
+    def _reduce_op(self, op: str, dtype: torch.dtype) -> _RedOp:
+        red = _REDUCE_OPS.get(op)
+        if red is None:
+            raise ValueError(f"op={op!r}: expected one of {sorted(_REDUCE_OPS)}.")
+        if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+            raise ValueError(f"op='avg' needs a floating dtype, got {dtype}; use 'sum'.")
+        return red
+
+    def _reducing(self, op: str, make: Callable[[_RedOp], dist.Work],
+                  divide: list[bool]) -> dist.Work:
+        """Issue a reduction; "avg" falls back to SUM (and ``divide[0] = True``) if needed."""
+        red = _REDUCE_OPS[op]
+        if op != "avg":
+            return make(red)
+
+        def fallback() -> dist.Work:
+            divide[0] = True
+            return make(_REDUCE_OPS["sum"])
+
+        return self._native("avg", lambda: make(red), fallback)
+
+    # ---- collectives ----------------------------------------------------------------------
+    def broadcast(self, t: torch.Tensor, src: int, *, async_op: bool = False,
+                  comm_dtype: torch.dtype | None = None) -> Handle:
+        """Copy ``t`` of rank ``src`` into ``t`` on every rank."""
+        _flat(t, "t")
+        self._root(src, "src")
+        buf = _cast(t, comm_dtype)
+
+        def finish() -> None:
+            if buf is not t and self.rank != src:
+                t.copy_(buf)
+
+        issue = None
+        if self._pg is not None:
+            pg = self._pg
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor, opts.timeout = src, 0, self._timeout
+            issue = lambda: pg.broadcast([buf], opts)  # noqa: E731
+        return self._start("broadcast", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
+                           async_op)
+
+    def scatter(self, out: torch.Tensor, in_list: Sequence[torch.Tensor] | None, src: int, *,
+                async_op: bool = False, comm_dtype: torch.dtype | None = None) -> Handle:
+        """Rank ``src`` sends ``in_list[r]`` to rank r's ``out`` (``in_list`` only on src)."""
+        _flat(out, "out")
+        self._root(src, "src")
+        in_bufs: list[torch.Tensor] = []
+        if self.rank == src:
+            if in_list is None or len(in_list) != self.world_size:
+                raise ValueError(f"scatter: src rank {src} needs in_list of {self.world_size} "
+                                 f"tensors, got {None if in_list is None else len(in_list)}.")
+            for i, x in enumerate(in_list):
+                _flat(x, f"in_list[{i}]")
+                if x.numel() != out.numel():
+                    raise ValueError(f"scatter: in_list[{i}] has {x.numel()} elements, out "
+                                     f"has {out.numel()}.")
+            in_bufs = [_cast(x, comm_dtype) for x in in_list]
+        out_buf = _like(out, comm_dtype)
+
+        def finish() -> None:
+            if self._pg is None:
+                out_buf.copy_(in_bufs[0].view_as(out_buf))
+            if out_buf is not out:
+                out.copy_(out_buf)
+
+        issue = None
+        if self._pg is not None:
+            pg = self._pg
+            opts = dist.ScatterOptions()
+            opts.rootRank, opts.timeout = src, self._timeout
+            inputs = [in_bufs] if self.rank == src else []
+            issue = lambda: pg.scatter([out_buf], inputs, opts)  # noqa: E731
+        return self._start("scatter", out_buf.numel(), out_buf.dtype,
+                           _nbytes(out_buf) * self.world_size, issue, finish, async_op)
+
+    def gather(self, t: torch.Tensor, out_list: Sequence[torch.Tensor] | None, dst: int, *,
+               async_op: bool = False, comm_dtype: torch.dtype | None = None) -> Handle:
+        """Rank ``dst`` receives every rank's ``t`` into ``out_list[r]`` (only on dst)."""
+        _flat(t, "t")
+        self._root(dst, "dst")
+        buf = _cast(t, comm_dtype)
+        out_bufs: list[torch.Tensor] = []
+        if self.rank == dst:
+            if out_list is None or len(out_list) != self.world_size:
+                raise ValueError(f"gather: dst rank {dst} needs out_list of {self.world_size} "
+                                 f"tensors, got {None if out_list is None else len(out_list)}.")
+            for i, x in enumerate(out_list):
+                _flat(x, f"out_list[{i}]")
+                if x.numel() != t.numel():
+                    raise ValueError(f"gather: out_list[{i}] has {x.numel()} elements, t has "
+                                     f"{t.numel()}.")
+            out_bufs = [_like(x, comm_dtype) for x in out_list]
+
+        def finish() -> None:
+            if self._pg is None:
+                out_bufs[0].copy_(buf.view_as(out_bufs[0]))
+            if out_list is not None and self.rank == dst:
+                for x, b in zip(out_list, out_bufs):
+                    if b is not x:
+                        x.copy_(b)
+
+        issue = None
+        if self._pg is not None:
+            pg = self._pg
+            opts = dist.GatherOptions()
+            opts.rootRank, opts.timeout = dst, self._timeout
+            outputs = [out_bufs] if self.rank == dst else []
+            issue = lambda: pg.gather(outputs, [buf], opts)  # noqa: E731
+        return self._start("gather", buf.numel(), buf.dtype, _nbytes(buf) * self.world_size,
+                           issue, finish, async_op)
+
+    def all_gather(self, out: torch.Tensor, in_: torch.Tensor, *, async_op: bool = False,
+                   comm_dtype: torch.dtype | None = None) -> Handle:
+        """``out[r * n:(r + 1) * n] = in_`` of rank r, on every rank (``n = in_.numel()``).
+
+        Uses the backend's single-tensor all-gather; falls back to ``allgather`` into views
+        of ``out`` where the backend lacks it (same bytes moved).
+        """
+        _flat(out, "out")
+        _flat(in_, "in_")
+        n = in_.numel()
+        if out.numel() != n * self.world_size or _mixed(out, in_, comm_dtype):
+            raise ValueError(f"all_gather: out must have world_size * in_.numel() = "
+                             f"{self.world_size} * {n} elements of {in_.dtype} (another dtype "
+                             f"only with comm_dtype); got {out.numel()} of {out.dtype}.")
+        in_buf = _cast(in_, comm_dtype).view(-1)
+        out_buf = _like(out, comm_dtype)
+
+        def finish() -> None:
+            if self._pg is None:
+                out_buf.view(-1).copy_(in_buf)
+            if out_buf is not out:
+                out.view(-1).copy_(out_buf.view(-1))
+
+        issue = None
+        if self._pg is not None:
+            pg = self._pg
+            opts = AllgatherOptions()
+            opts.timeout = self._timeout
+            single = getattr(pg, "all_gather_single", None) or pg._allgather_base
+            chunks = list(out_buf.view(-1).split(n))
+            issue = lambda: self._native(  # noqa: E731
+                "all_gather_single", lambda: single(out_buf.view(-1), in_buf, opts),
+                lambda: pg.allgather([chunks], [in_buf], opts))
+        return self._start("all_gather", n, in_buf.dtype, _nbytes(in_buf) * self.world_size,
+                           issue, finish, async_op)
+
+    def reduce(self, t: torch.Tensor, dst: int, op: ReduceOpName = "sum", *,
+               async_op: bool = False, comm_dtype: torch.dtype | None = None) -> Handle:
+        """Reduce ``t`` of every rank into ``t`` on rank ``dst``; other ranks' ``t`` is
+        unspecified afterwards (unchanged when ``comm_dtype`` casts a copy)."""
+        _flat(t, "t")
+        self._root(dst, "dst")
+        buf = _cast(t, comm_dtype)
+        self._reduce_op(op, buf.dtype)
+        divide = [False]
+
+        def finish() -> None:
+            if self.rank == dst:
+                if divide[0]:
+                    buf.div_(self.world_size)
+                if buf is not t:
+                    t.copy_(buf)
+
+        issue = None
+        if self._pg is not None:
+            pg = self._pg
+
+            def make(red: _RedOp) -> dist.Work:
+                opts = dist.ReduceOptions()
+                opts.reduceOp, opts.rootRank, opts.rootTensor = red, dst, 0
+                opts.timeout = self._timeout
+                return pg.reduce([buf], opts)
+
+            issue = lambda: self._reducing(op, make, divide)  # noqa: E731
+        return self._start("reduce", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
+                           async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, in_: torch.Tensor, op: ReduceOpName = "sum", *,
+                       async_op: bool = False, comm_dtype: torch.dtype | None = None) -> Handle:
+        """``out`` = reduction over ranks of ``in_[rank * n:(rank + 1) * n]`` (``n = out.numel()``).
+
+        ``in_`` is left unchanged. Where the backend lacks a single-tensor reduce-scatter,
+        falls back to an all-reduce of a copy of ``in_`` and keeps this rank's slice: correct,
+        but about twice the bytes and world_size times the reduction work.
+        """
+        _flat(out, "out")
+        _flat(in_, "in_")
+        n = out.numel()
+        if in_.numel() != n * self.world_size or _mixed(out, in_, comm_dtype):
+            raise ValueError(f"reduce_scatter: in_ must have world_size * out.numel() = "
+                             f"{self.world_size} * {n} elements of {out.dtype} (another dtype "
+                             f"only with comm_dtype); got {in_.numel()} of {in_.dtype}.")
+        in_buf = _cast(in_, comm_dtype).view(-1)
+        self._reduce_op(op, in_buf.dtype)
+        out_buf = _like(out, comm_dtype)
+        divide = [False]
+        scratch: list[torch.Tensor] = []  # the all-reduced copy, when the fallback ran
+
+        def finish() -> None:
+            if self._pg is None:
+                out_buf.view(-1).copy_(in_buf)
+            elif scratch:
+                out_buf.view(-1).copy_(scratch[0][self.rank * n:(self.rank + 1) * n])
+            if divide[0]:
+                out_buf.div_(self.world_size)
+            if out_buf is not out:
+                out.copy_(out_buf)
+
+        issue = None
+        if self._pg is not None:
+            pg = self._pg
+            single = getattr(pg, "reduce_scatter_single", None) or pg._reduce_scatter_base
+
+            def make(red: _RedOp) -> dist.Work:
+                opts = dist.ReduceScatterOptions()
+                opts.reduceOp, opts.timeout = red, self._timeout
+
+                def fallback() -> dist.Work:
+                    scratch.append(in_buf.clone())
+                    ar = dist.AllreduceOptions()
+                    ar.reduceOp, ar.timeout = red, self._timeout
+                    return pg.allreduce([scratch[0]], ar)
+
+                return self._native("reduce_scatter_single",
+                                    lambda: single(out_buf.view(-1), in_buf, opts), fallback)
+
+            issue = lambda: self._reducing(op, make, divide)  # noqa: E731
+        return self._start("reduce_scatter", in_buf.numel(), in_buf.dtype, _nbytes(in_buf),
+                           issue, finish, async_op)
+
+    def all_reduce(self, t: torch.Tensor, op: ReduceOpName = "sum", *, async_op: bool = False,
+                   comm_dtype: torch.dtype | None = None) -> Handle:
+        """Replace ``t`` on every rank by the reduction of all ranks' ``t``."""
+        _flat(t, "t")
+        buf = _cast(t, comm_dtype)
+        self._reduce_op(op, buf.dtype)
+        divide = [False]
+
+        def finish() -> None:
+            if divide[0]:
+                buf.div_(self.world_size)
+            if buf is not t:
+                t.copy_(buf)
+
+        issue = None
+        if self._pg is not None:
+            pg = self._pg
+
+            def make(red: _RedOp) -> dist.Work:
+                opts = dist.AllreduceOptions()
+                opts.reduceOp, opts.timeout = red, self._timeout
+                return pg.allreduce([buf], opts)
+
+            issue = lambda: self._reducing(op, make, divide)  # noqa: E731
+        return self._start("all_reduce", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
+                           async_op)
+
+    def all_to_all(self, out: torch.Tensor, in_: torch.Tensor, *, async_op: bool = False,
+                   comm_dtype: torch.dtype | None = None) -> Handle:
+        """Equal splits: chunk s of ``out`` on rank r = chunk r of ``in_`` on rank s.
+
+        Where the backend lacks ``all_to_all_single``, falls back to an all-gather of every
+        rank's whole ``in_`` and keeps this rank's chunks (world_size times the bytes).
+        """
+        _flat(out, "out")
+        _flat(in_, "in_")
+        numel = in_.numel()
+        if out.numel() != numel or _mixed(out, in_, comm_dtype) or numel % self.world_size:
+            raise ValueError(f"all_to_all: out and in_ must have the same dtype and numel, "
+                             f"divisible by {self.world_size}; got out {out.numel()} "
+                             f"{out.dtype}, in_ {numel} {in_.dtype}.")
+        k = numel // self.world_size
+        in_buf = _cast(in_, comm_dtype).view(-1)
+        out_buf = _like(out, comm_dtype)
+        gathered: list[torch.Tensor] = []
+
+        def finish() -> None:
+            if self._pg is None:
+                out_buf.view(-1).copy_(in_buf)
+            elif gathered:  # [source rank, destination rank, k]
+                table = gathered[0].view(self.world_size, self.world_size, k)
+                out_buf.view(self.world_size, k).copy_(table[:, self.rank, :])
+            if out_buf is not out:
+                out.copy_(out_buf)
+
+        issue = None
+        if self._pg is not None:
+            pg = self._pg
+            opts = dist.AllToAllOptions()
+            opts.timeout = self._timeout
+
+            def fallback() -> dist.Work:
+                gathered.append(torch.empty(numel * self.world_size, dtype=in_buf.dtype,
+                                            device=in_buf.device))
+                ag = AllgatherOptions()
+                ag.timeout = self._timeout
+                return pg.allgather([list(gathered[0].split(numel))], [in_buf], ag)
+
+            issue = lambda: self._native(  # noqa: E731
+                "all_to_all_single",
+                lambda: pg.alltoall_base(out_buf.view(-1), in_buf, [], [], opts), fallback)
+        return self._start("all_to_all", numel, in_buf.dtype, _nbytes(in_buf), issue, finish,
+                           async_op)
+
+    def barrier(self, *, async_op: bool = False) -> Handle:
+        """Wait until every rank of the group has reached this barrier."""
+        issue = None
+        if self._pg is not None:
+            pg = self._pg
+            opts = dist.BarrierOptions()
+            opts.timeout, opts.device = self._timeout, self.groups.device
+            issue = lambda: pg.barrier(opts)  # noqa: E731
+        return self._start("barrier", 0, None, 0, issue, None, async_op)
+
+
+__all__ = ["Comm", "Handle", "ReduceOpName"]

@@ -1,0 +1,378 @@
+"""Divergence diagnostics: which collective each rank issued last, and why a group is stuck.
+
+Note: [divergence diagnostics]
+The hot path only counts: ``issue()`` bumps a per-group sequence number and keeps the call site
+in local memory (no store traffic, a few microseconds). A daemon thread per process publishes
+that state to the group's c10d store at most every ``POLL_S`` seconds when it changed, and on
+demand. When a collective fails or times out, the failing rank asks every peer to publish
+(``store.add(REQUEST_KEY)``), waits up to ``RESPONSE_S`` for the answers, and builds a message
+naming each rank's last collective. A rank busy in Python (training, sleeping) answers from its
+thread; a rank blocked in C without the GIL still left its last published state; a rank that
+exited said so from ``atexit``. Imports nothing of ours but ``errors``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.errors import CommError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+POLL_S = 0.2
+"""How often the watcher thread looks for requests and publishes a changed state (at world
+sizes above 1000 it polls less often, keeping the store under ~5000 requests/s)."""
+RESPONSE_S = 2.0
+"""How long a failing rank waits for its peers' answers before reporting without them
+(at least three polling periods)."""
+
+
+_PREFIX = "zeroshard.comm/"
+REQUEST_KEY = _PREFIX + "request"
+_COMM_DIR = os.path.dirname(os.path.abspath(__file__))
+_PKG_DIR = os.path.dirname(_COMM_DIR)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_MAX_PENDING = 4096
+"""Records of async collectives never waited are dropped beyond this many."""
+
+
+def _poll_s(world_size: int) -> float:
+    return max(POLL_S, world_size / 5000)
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """One collective as issued by this rank (formatted only when a report needs it)."""
+
+    seq: int
+    op: str
+    numel: int
+    dtype: torch.dtype | None
+    site: tuple[str, int, str | None, int]
+    """(file, line) of the first caller outside comm/, and of the first outside zeroshard/torch."""
+    issued_at: float
+
+
+def _call_site() -> tuple[str, int, str | None, int]:
+    frame = sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_COMM_DIR):
+        frame = frame.f_back
+    inner_file, inner_line = frame.f_code.co_filename, frame.f_lineno
+    outer: Any = frame
+    while outer is not None and outer.f_code.co_filename.startswith((_PKG_DIR, _TORCH_DIR)):
+        outer = outer.f_back
+    if outer is None or outer is frame:
+        return inner_file, inner_line, None, 0
+    return inner_file, inner_line, outer.f_code.co_filename, outer.f_lineno
+
+
+def _record_dict(rec: CallRecord) -> dict[str, Any]:
+    inner_file, inner_line, outer_file, outer_line = rec.site
+    where = f"{os.path.basename(inner_file)}:{inner_line}"
+    if outer_file is not None:
+        where += f" via {os.path.basename(outer_file)}:{outer_line}"
+    return {"seq": rec.seq, "op": rec.op, "numel": rec.numel,
+            "dtype": None if rec.dtype is None else str(rec.dtype).replace("torch.", ""),
+            "where": where}
+
+
+def format_call(call: dict[str, Any]) -> str:
+    """``seq 12 all_reduce(numel=1024, float32) at engine.py:88`` from a published record."""
+    args = "" if call["dtype"] is None else f"(numel={call['numel']}, {call['dtype']})"
+    return f"seq {call['seq']} {call['op']}{args} at {call['where']}"
+
+
+class CollectiveTracker:
+    """Sequence numbers and call sites of one process group's collectives on this rank.
+
+    One per (process, group), shared by every ``Comm`` on that group, so sequence numbers
+    line up across ranks. See Note: [divergence diagnostics].
+    """
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int, *,
+                 store: Store | None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._group = group
+        self._store = store
+        self._seq = 0
+        self._last: CallRecord | None = None
+        self._done_seq = 0
+        self._waiting: CallRecord | None = None
+        self._wait_since = 0.0
+        self._pending: dict[int, CallRecord] = {}
+        self._version = 0
+        self._published_version = -1
+        self._served = 0
+        self._state = "running"
+        self._reason = ""
+        self.broken: str | None = None
+        """Set after a collective failed: the group can no longer be trusted."""
+        # A deque: appended by the caller's thread, rotated by the watcher's (both atomic).
+        self._stream_works: deque[tuple[CallRecord, dist.Work, float]] = deque()
+        self._stuck_reported: set[int] = set()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # serialises this object's store traffic
+        self._thread: threading.Thread | None = None
+        if store is not None:
+            self._publish()
+            self._thread = threading.Thread(target=self._watch, name="zeroshard-comm-watch",
+                                            daemon=True)
+            self._thread.start()
+            atexit.register(self._at_exit)
+
+    # ---- hot path -------------------------------------------------------------------------
+    def issue(self, op: str, numel: int, dtype: torch.dtype | None) -> CallRecord:
+        """Record the next collective of this group; called before it is handed to torch."""
+        if self.broken is not None:
+            raise CommError(f"rank {self.rank}: {op} refused, the process group is broken:\n"
+                            f"{self.broken}")
+        self._seq += 1
+        rec = CallRecord(self._seq, op, numel, dtype, _call_site(), time.monotonic())
+        self._last = rec
+        pending = self._pending
+        pending[rec.seq] = rec
+        if len(pending) > _MAX_PENDING:
+            del pending[next(iter(pending))]
+        self._version += 1
+        return rec
+
+    def begin_wait(self, rec: CallRecord) -> None:
+        self._waiting = rec
+        self._wait_since = time.monotonic()
+        self._version += 1
+
+    def end_wait(self, rec: CallRecord, *, done: bool) -> None:
+        self._waiting = None
+        if done:
+            self._pending.pop(rec.seq, None)
+            if rec.seq > self._done_seq:
+                self._done_seq = rec.seq
+        self._version += 1
+
+    def watch_stream_work(self, rec: CallRecord, work: dist.Work, timeout_s: float) -> None:
+        """Track a stream-ordered work (NCCL) until it completes; report it if it never does."""
+        self._stream_works.append((rec, work, timeout_s))
+
+    # ---- state shared with peers ----------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """This rank's state as published to the store."""
+        waiting = self._waiting
+        pending = sorted(self._pending.values(), key=lambda r: r.seq)[:4]
+        return {
+            "rank": self.rank, "seq": self._seq, "done": self._done_seq,
+            "last": None if self._last is None else _record_dict(self._last),
+            "waiting": None if waiting is None else _record_dict(waiting),
+            "wait_s": round(time.monotonic() - self._wait_since, 1) if waiting else 0.0,
+            "pending": [_record_dict(r) for r in pending if waiting is None or r is not waiting],
+            "state": self._state, "reason": self._reason, "served": self._served,
+        }
+
+    def _publish(self) -> None:
+        if self._store is None:
+            return
+        version = self._version
+        payload = json.dumps(self.snapshot())
+        with self._lock:
+            self._store.set(f"{_PREFIX}state/{self.rank}", payload)
+        self._published_version = version
+
+    def _watch(self) -> None:
+        failures = 0
+        while not self._stop.wait(_poll_s(self.world_size)):
+            try:
+                with self._lock:
+                    if self._store is None:
+                        return
+                    requested = self._store.add(REQUEST_KEY, 0)
+                if requested > self._served or self._version != self._published_version:
+                    self._served = max(self._served, requested)
+                    self._publish()
+                if self._stream_works:
+                    self._check_stream_works()
+                failures = 0
+            except Exception:  # the store's host is gone: nothing left to tell anyone
+                failures += 1
+                if failures >= 5:
+                    return
+
+    def _check_stream_works(self) -> None:
+        now = time.monotonic()
+        works = self._stream_works
+        for _ in range(len(works)):
+            rec, work, timeout_s = works.popleft()
+            if work.is_completed():
+                continue
+            works.append((rec, work, timeout_s))
+            if now - rec.issued_at > timeout_s and rec.seq not in self._stuck_reported:
+                self._stuck_reported.add(rec.seq)
+                error = RuntimeError(f"not completed after {timeout_s:.0f} s")
+                print(self.describe_failure(rec, error, timeout_s), file=sys.stderr, flush=True)
+
+    def _at_exit(self) -> None:
+        # sys.last_value is set when the interpreter printed an uncaught exception.
+        exc = getattr(sys, "last_value", None)
+        reason = "" if exc is None else f"{type(exc).__name__}: {_first_line(exc)}"[:200]
+        self.close("exited", reason=reason)
+
+    def close(self, state: str, *, reason: str = "") -> None:
+        """Stop the watcher and publish a final state ("exited", "left the group")."""
+        if self._state != "running":
+            return
+        self._state, self._reason = state, reason
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * _poll_s(self.world_size) + 1.0)
+        try:
+            self._publish()
+        except Exception:
+            pass
+
+    # ---- failure path ---------------------------------------------------------------------
+    def _gather_peer_states(self) -> tuple[dict[int, dict[str, Any]], str]:
+        """Ask every peer to publish, wait up to RESPONSE_S; returns states and a store note."""
+        states: dict[int, dict[str, Any]] = {self.rank: self.snapshot()}
+        if self._store is None:
+            return states, "no c10d store: peers' states are unknown"
+        store = self._store
+        try:
+            self._publish()
+            with self._lock:
+                request = store.add(REQUEST_KEY, 1)
+            deadline = time.monotonic() + max(RESPONSE_S, 3 * _poll_s(self.world_size))
+            peers = [r for r in range(self.world_size) if r != self.rank]
+            answered: set[int] = set()
+            while True:
+                for r in peers:
+                    if r in answered:
+                        continue
+                    key = f"{_PREFIX}state/{r}"
+                    with self._lock:
+                        if not store.check([key]):
+                            continue
+                        state = json.loads(store.get(key))
+                    states[r] = state
+                    if state["served"] >= request or state["state"] != "running":
+                        answered.add(r)
+                if len(answered) == len(peers) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            for r in peers:
+                if r in states and r not in answered:
+                    states[r]["stale"] = True
+            return states, ""
+        except Exception as e:
+            return states, f"c10d store unreachable ({type(e).__name__}: {e}); peers unknown"
+
+    def describe_failure(self, rec: CallRecord, error: BaseException, timeout_s: float) -> str:
+        """The CommError message: what failed here, then every rank's last collective."""
+        waited = time.monotonic() - rec.issued_at
+        states, note = self._gather_peer_states()
+        cause = _first_line(error)
+        head = (f"rank {self.rank}: {rec.op} (seq {rec.seq}) failed after {waited:.1f} s "
+                f"(timeout {timeout_s:g} s): {cause}")
+        return "\n".join([head, *describe_states(states, self.world_size)]
+                         + ([f"  ({note})"] if note else []))
+
+    def fail(self, rec: CallRecord, error: BaseException, timeout_s: float) -> CommError:
+        """Mark the group broken and build the error to raise."""
+        message = self.describe_failure(rec, error, timeout_s)
+        self.broken = message
+        return CommError(message)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if text.startswith("[") and "] " in text:  # gloo prefixes its source file: drop it
+        text = text.split("] ", 1)[1]
+    return text
+
+
+def _describe_rank(r: int, state: dict[str, Any] | None, top: int) -> str:
+    if state is None:
+        return (f"rank {r}: never published a state (it has not reached init_distributed, "
+                "or died before it)")
+    last = state["last"]
+    last_text = "no collective yet" if last is None else format_call(last)
+    if state["state"] != "running":
+        why = f" ({state['reason']})" if state["reason"] else ""
+        return f"rank {r}: {state['state']}{why} after {last_text}"
+    if state["waiting"] is not None:
+        line = f"rank {r}: {format_call(state['waiting'])} — waiting {state['wait_s']:.1f} s"
+    elif last is not None and state["done"] < last["seq"]:
+        line = f"rank {r}: {last_text} — issued (async), not yet waited"
+    else:
+        line = f"rank {r}: {last_text} — not in a collective"
+    if state["seq"] < top:
+        line += f" (never reached seq {top})"
+    if state.get("stale"):
+        line += " [no answer: last published state; rank busy without the GIL?]"
+    return line
+
+
+def describe_states(states: dict[int, dict[str, Any]], world_size: int) -> list[str]:
+    """One line per rank plus a verdict naming the ranks that fell behind or disagree."""
+    top = max((s["seq"] for s in states.values()), default=0)
+    lines = [f"Last collective of each rank (group of {world_size}):"]
+    lines += ["  " + _describe_rank(r, states.get(r), top) for r in range(world_size)]
+    behind = [r for r in range(world_size) if r in states and states[r]["seq"] < top]
+    at_top: dict[str, list[int]] = {}
+    for r, s in sorted(states.items()):
+        call = s["waiting"] or s["last"]
+        if call is not None and call["seq"] == top:
+            key = f"{call['op']}(numel={call['numel']}, {call['dtype']})"
+            at_top.setdefault(key, []).append(r)
+    if len(at_top) > 1:
+        what = "; ".join(f"ranks {v} {k}" for k, v in at_top.items())
+        lines.append(f"Ranks disagree on seq {top}: {what}.")
+    if behind:
+        lines.append(f"Ranks {behind} never reached seq {top}.")
+    if behind or len(at_top) > 1:
+        lines.append("Every rank must issue the same collectives in the same order; a save, an "
+                     "eval or an extra batch on some ranks only leaves the others waiting.")
+    return lines
+
+
+_TRACKERS: dict[int, CollectiveTracker] = {}
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (a DataLoader worker) is not a rank: it must not answer, or publish
+    # "exited" for, its parent.
+    for tracker in _TRACKERS.values():
+        tracker._store = None
+        tracker._state = "forked"
+    _TRACKERS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def tracker_for(group: dist.ProcessGroup, rank: int, world_size: int,
+                store_of: Callable[[dist.ProcessGroup], Store | None]) -> CollectiveTracker:
+    """The tracker of ``group`` in this process, created (and its thread started) once."""
+    tracker = _TRACKERS.get(id(group))
+    if tracker is None or tracker._group is not group:
+        tracker = CollectiveTracker(group, rank, world_size, store=store_of(group))
+        _TRACKERS[id(group)] = tracker
+    return tracker
+
+
+def forget_tracker(group: dist.ProcessGroup, state: str = "left the process group") -> None:
+    """Close ``group``'s tracker (before the group is destroyed)."""
+    tracker = _TRACKERS.pop(id(group), None)
+    if tracker is not None:
+        tracker.close(state)

@@ -1,0 +1,212 @@
+"""ProcessGroups: rank, world size, device and the data-parallel group, built once per process.
+
+``init_distributed`` reads torchrun's, OpenMPI's or SLURM's environment (``comm/env.py``), or
+finds none and stays a single process without a process group (``python train.py`` binds no
+port). Imports nothing of ours but ``errors`` and ``comm``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm.divergence import forget_tracker, tracker_for
+from zeroshard.comm.env import DEFAULT_TIMEOUT_S, LaunchEnv, parse_launch_env, resolve_timeout_s
+from zeroshard.errors import CommError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProcessGroups:
+    """Where this process sits in the job. Built by :func:`init_distributed`; immutable.
+
+    Ranks in every ``Comm`` call (``src``, ``dst``) are positions in ``dp_group``.
+    """
+
+    rank: int
+    """Rank in the data-parallel group."""
+    world_size: int
+    """Size of the data-parallel group."""
+    local_rank: int
+    """Rank among the processes on this node; selects the accelerator."""
+    local_world_size: int
+    """Number of processes on this node."""
+    device: torch.device
+    """Where this rank's tensors and collectives live (cpu for gloo, cuda:local_rank, ...)."""
+    backend: str
+    """torch.distributed backend ("gloo", "nccl", ...); "none" without a process group."""
+    dp_group: dist.ProcessGroup | None
+    """The data-parallel group; None for a single process without a process group."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Default collective timeout, seconds (``Comm`` uses it unless given its own)."""
+    launcher: str = "none"
+    """Whose environment was read: "torchrun", "openmpi", "slurm", "user" (a group the
+    script created itself) or "none"."""
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu",
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroups:
+        """World size 1 without a process group: every ``Comm`` collective is local."""
+        return cls(rank=0, world_size=1, local_rank=0, local_world_size=1,
+                   device=torch.device(device), backend="none", dp_group=None,
+                   timeout_s=timeout_s)
+
+
+_GROUPS: ProcessGroups | None = None
+_OWNS_GROUP = False
+
+
+def _accelerator(local_rank: int, backend: str | None) -> torch.device:
+    """cpu for gloo or without an accelerator; else the accelerator with index local_rank."""
+    if backend == "gloo" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    acc = torch.accelerator.current_accelerator()
+    if acc is None or acc.type == "mps":  # no collective backend for mps
+        return torch.device("cpu")
+    count = torch.accelerator.device_count()
+    if local_rank >= count:
+        raise CommError(f"local rank {local_rank} has no {acc.type} device (this node has "
+                        f"{count}); start at most {count} processes per node.")
+    return torch.device(acc.type, local_rank)
+
+
+def _default_backend(device: torch.device) -> str:
+    get = getattr(dist, "get_default_backend_for_device", None)
+    if get is not None:
+        return str(get(device))
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _group_store(group: dist.ProcessGroup) -> Store | None:
+    try:
+        return group.get_group_store()
+    except Exception:  # a backend without a store: diagnostics stay local
+        return None
+
+
+def _export_env(launch: LaunchEnv) -> None:
+    # Scripts ported from DeepSpeed read these after init; SLURM and MPI do not set them.
+    for key, value in (("RANK", launch.rank), ("WORLD_SIZE", launch.world_size),
+                       ("LOCAL_RANK", launch.local_rank),
+                       ("LOCAL_WORLD_SIZE", launch.local_world_size),
+                       ("MASTER_ADDR", launch.master_addr), ("MASTER_PORT", launch.master_port)):
+        os.environ.setdefault(key, str(value))
+
+
+def _from_existing(timeout_s: float) -> ProcessGroups:
+    """Wrap the default group the script created with ``init_process_group`` itself."""
+    launch = parse_launch_env(os.environ)
+    backend = str(dist.get_backend())
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local_rank = launch.local_rank if launch is not None else 0
+    device = _accelerator(local_rank, "gloo" if backend == "gloo" else None)
+    return ProcessGroups(
+        rank=rank, world_size=world_size, local_rank=local_rank,
+        local_world_size=launch.local_world_size if launch is not None else 1,
+        device=device, backend=backend, dp_group=dist.group.WORLD, timeout_s=timeout_s,
+        launcher="user")
+
+
+def _create(launch: LaunchEnv, backend: str | None, timeout_s: float) -> ProcessGroups:
+    device = _accelerator(launch.local_rank, backend)
+    backend = backend or _default_backend(device)
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    if launch.launcher == "torchrun":
+        # env:// picks up torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE).
+        init_method = "env://"
+    else:
+        _export_env(launch)
+        host = f"[{launch.master_addr}]" if ":" in launch.master_addr else launch.master_addr
+        init_method = f"tcp://{host}:{launch.master_port}"
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=launch.rank,
+                                world_size=launch.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise CommError(
+            f"rank {launch.rank}/{launch.world_size} ({launch.launcher}): could not join the "
+            f"process group at {launch.master_addr}:{launch.master_port} with {backend} within "
+            f"{timeout_s:g} s: {e}. Check that every rank started, that MASTER_ADDR/"
+            "MASTER_PORT reach rank 0, and that the port is free.") from e
+    return ProcessGroups(
+        rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
+        local_world_size=launch.local_world_size, device=device, backend=backend,
+        dp_group=dist.group.WORLD, timeout_s=timeout_s, launcher=launch.launcher)
+
+
+def init_distributed(*, backend: str | None = None,
+                     timeout_s: float | None = None) -> ProcessGroups:
+    """Join the job's process group once, from the launcher's environment.
+
+    torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
+    OpenMPI (``OMPI_COMM_WORLD_*``; ``MASTER_ADDR`` needed across nodes) and SLURM's srun
+    (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; rank 0's host is the first node of
+    ``SLURM_STEP_NODELIST``/``SLURM_JOB_NODELIST``; port ``MASTER_PORT`` or 29500) are read in
+    that order. Without any, the process runs alone: world size 1 and no process group. A group
+    the script already created with ``torch.distributed.init_process_group`` is reused. The
+    accelerator ``local_rank`` becomes the current device. Later calls return the same object.
+
+    Args:
+        backend: torch.distributed backend; default: nccl for CUDA, gloo on CPU.
+        timeout_s: collective timeout in seconds; default ``ZEROSHARD_COMM_TIMEOUT_S`` or
+            1800. A collective that does not complete in time raises ``CommError``.
+
+    Returns:
+        The process's :class:`ProcessGroups`.
+
+    Raises:
+        CommError: the launcher's variables are inconsistent, or the group cannot be joined.
+
+    Example::
+
+        groups = init_distributed()          # torchrun --nproc-per-node=2 train.py
+        comm = Comm(groups)
+    """
+    global _GROUPS, _OWNS_GROUP
+    cached = _GROUPS
+    if cached is not None and (cached.dp_group is None) != dist.is_initialized():
+        return cached
+    seconds = resolve_timeout_s(timeout_s, os.environ)
+    if dist.is_initialized():
+        groups, owns = _from_existing(seconds), False
+    else:
+        launch = parse_launch_env(os.environ)
+        if launch is None:
+            device = _accelerator(0, backend)
+            groups, owns = ProcessGroups.single(device, seconds), False
+            if device.type != "cpu":
+                torch.accelerator.set_device_index(device.index)
+        else:
+            groups, owns = _create(launch, backend, seconds), True
+    if groups.dp_group is not None:
+        # Start the divergence watcher now, on every rank, so that a peer's report can name
+        # this rank's state even before it issues its first collective.
+        tracker_for(groups.dp_group, groups.rank, groups.world_size, _group_store)
+    _GROUPS, _OWNS_GROUP = groups, owns
+    return groups
+
+
+def destroy_distributed() -> None:
+    """Leave the process group created by :func:`init_distributed` (not one the script made)."""
+    global _GROUPS, _OWNS_GROUP
+    groups = _GROUPS
+    if groups is None:
+        return
+    if groups.dp_group is not None:
+        forget_tracker(groups.dp_group)
+        if _OWNS_GROUP and dist.is_initialized():
+            dist.destroy_process_group()
+    _GROUPS, _OWNS_GROUP = None, False
+
+
+def group_store(group: dist.ProcessGroup) -> Store | None:
+    """The c10d store of ``group`` (for the divergence tracker), or None."""
+    return _group_store(group)
