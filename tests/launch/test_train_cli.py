@@ -1,0 +1,34 @@
+"""`zeroshard train`, the README's first command, end to end in its own processes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def run_train(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "zeroshard.cli.main", "train", *args],
+                          text=True, capture_output=True, timeout=300)
+
+
+@pytest.mark.parametrize("config", ["stage0_fp32", "stage0_bf16", "stage0_fp16"])
+def test_train_example_two_ranks(config: str) -> None:
+    proc = run_train("--config", config, "--nproc", "2", "--steps", "30", "--model", "tiny")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    losses = [float(m) for m in re.findall(r"step \d+ \| loss ([0-9.]+)", out)]
+    assert len(losses) == 3, out  # steps_per_print 10
+    assert losses[-1] < losses[0], out
+    assert re.search(r"done: 30 steps \(\d+ skipped\).*samples/s \| peak mem rank 0: .*rank 1: ", out), out
+    assert "resolved config" in out
+
+
+def test_train_rejects_bad_config(tmp_path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_micro_batch_size_per_gpu": 2, "zero_optimisation": {"stage": 0}}')
+    proc = run_train("--config", str(bad), "--steps", "1")
+    assert proc.returncode == 2
+    assert "zero_optimisation" in proc.stderr and "zero_optimization" in proc.stderr
