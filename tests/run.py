@@ -30,6 +30,7 @@ def torchrun(n: int) -> list[str]:
 
 STAGES: dict[str, list[str]] = {
     "unit": [sys.executable, *PYTEST, "tests/unit"],
+    "dist1": [sys.executable, *PYTEST, "tests/dist"],  # world size 1: no process group at all
     "dist2": [*torchrun(2), *PYTEST, "tests/dist"],
     "dist3": [*torchrun(3), *PYTEST, "tests/dist"],
     "launch": [sys.executable, *PYTEST, "tests/launch"],

@@ -195,10 +195,10 @@ def test_unused_parameter_does_not_hang(groups) -> None:
 
 def test_progress_line_and_csv(groups, tmp_path_factory) -> None:
     out = tmp_path_factory.mktemp("csv")  # per-rank dir; only rank 0 writes
-    cfg = make_config(steps_per_print=2, wall_clock_breakdown=True,
+    cfg = make_config(steps_per_print=2, wall_clock_breakdown=True, dump_state=True,
                       csv_monitor={"enabled": True, "output_path": str(out), "job_name": "t"})
-    engine = init_engine(make_model(), cfg)
     with capture_zeroshard_log() as log:
+        engine = init_engine(make_model(), cfg)
         train_engine(engine, global_batches(4, 2 * groups.world_size), groups.rank, groups.world_size)
         summary = engine.print_summary()
     assert len(summary["peak_memory_bytes_per_rank"]) == groups.world_size
@@ -208,6 +208,8 @@ def test_progress_line_and_csv(groups, tmp_path_factory) -> None:
         assert "step 2 | loss" in text and "samples/s" in text and "peak mem" in text
         assert "time per step (ms)" in text and "forward" in text
         assert "done: 4 steps" in text
+        assert "engine state (dump_state)" in text and "Stage0Strategy(" in text
+        assert "resolved config" in text and "# file" in text
         rows = (out / "t" / "metrics.csv").read_text().splitlines()
         assert rows[0].startswith("step,loss,lr") and len(rows) == 3
 

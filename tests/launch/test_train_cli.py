@@ -14,7 +14,8 @@ def run_train(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, capture_output=True, timeout=300)
 
 
-@pytest.mark.parametrize("config", ["stage0_fp32", "stage0_bf16", "stage0_fp16"])
+@pytest.mark.parametrize("config", ["stage0_fp32", "stage0_bf16", "stage0_fp16", "stage1_bf16",
+                                    "stage2_bf16", "stage2_offload_fp32"])
 def test_train_example_two_ranks(config: str) -> None:
     proc = run_train("--config", config, "--nproc", "2", "--steps", "30", "--model", "tiny")
     out = proc.stdout + proc.stderr

@@ -429,7 +429,7 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"zero_optimization__stage": 2}, "not supported yet: zero_optimization.stage=2. zeroshard implements stage 0"),
+    ({"zero_optimization__stage": 3}, "not supported yet: zero_optimization.stage=3. zeroshard implements stages 0, 1 and 2"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
      "not supported yet: zero_optimization.stage=3."),
     ({"wandb__enabled": True}, "not supported yet: wandb.enabled=true."),

@@ -145,6 +145,9 @@ def load(raw: dict[str, Any], **kwargs: Any) -> Config:
                                                   "zero_optimization.offload_optimizer.device": "cpu"}}),
 ])
 def test_seed_configs_are_valid_up_to_the_stage(raw: dict[str, Any], stage: int, kwargs: dict[str, Any]) -> None:
+    if stage in (1, 2):  # implemented: the seed config loads as written
+        assert load(raw, **kwargs).zero_optimization.stage == stage
+        return
     with pytest.raises(NotSupportedError, match=rf"^not supported yet: zero_optimization\.stage={stage}\. "):
         load(raw, **kwargs)
 

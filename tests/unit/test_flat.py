@@ -61,3 +61,26 @@ def test_param_views_share_storage() -> None:
     assert a.shape == (2, 3) and b.tolist() == [6.0, 7.0]
     flat[7] = -1
     assert b[1] == -1
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_bucketed_partition_shards_reassemble(world: int) -> None:
+    from zeroshard.zero.flat import BucketedPartition
+
+    numels = [7, 5, 12, 3, 9]
+    plan = BucketedPartition(numels, bucket_numel=13, world_size=world, align=2)
+    values = [torch.arange(n, dtype=torch.float32) + 100 * i for i, n in enumerate(numels)]
+    flat = torch.zeros(plan.padded_numel)
+    for i, v in enumerate(values):
+        flat[plan.param_flat_offsets[i] : plan.param_flat_offsets[i] + v.numel()] = v
+    rebuilt = [torch.full_like(v, -1.0) for v in values]
+    for rank in range(world):
+        shard = torch.cat([flat[slice(*plan.chunk_range(b, rank))] for b in range(len(plan.buckets))])
+        assert shard.numel() == plan.shard_numel
+        for f in plan.rank_fragments(rank):
+            rebuilt[f.param_index][f.param_offset : f.param_offset + f.numel] = shard[
+                f.shard_offset : f.shard_offset + f.numel]
+            assert plan.shard_range(f.bucket)[0] <= f.shard_offset < plan.shard_range(f.bucket)[1]
+    for got, want in zip(rebuilt, values):
+        assert torch.equal(got, want)
+    assert plan.padded_numel == world * plan.shard_numel

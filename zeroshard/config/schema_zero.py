@@ -80,7 +80,9 @@ class ZeroConfig:
     """Copy gradients into one contiguous buffer as they are produced (less fragmentation).
     Accepted at every stage; stage 0 always reduces from contiguous buckets."""
     reduce_scatter: bool = True
-    """Average gradients with reduce-scatter instead of all-reduce (stages 1 and 2)."""
+    """Stage 2: reduce each gradient bucket with reduce-scatter (each rank receives only its
+    chunk) instead of all-reduce. Stage 1 always all-reduces its whole-gradient buckets at the
+    step boundary and keeps its chunk."""
     reduce_bucket_size: int = spec(500_000_000, ge=0)
     """Elements per gradient reduction bucket; larger buckets mean fewer, bigger collectives
     and more memory. Used by every stage (stage 0 all-reduces in buckets). "auto" with a
@@ -94,7 +96,9 @@ class ZeroConfig:
     """Elements per all-gather bucket for the updated parameters (stages 1 and 2). Default 5e8."""
     overlap_comm: bool = False
     """Overlap gradient reduction with the rest of backward. DeepSpeed's default depends on
-    the stage: true at stage 3, false otherwise. Stage 0 always overlaps; the key is accepted."""
+    the stage: true at stage 3, false otherwise. Stage 0 always overlaps; the key is accepted.
+    Stages 1 and 2: true keeps up to two bucket reductions in flight while backward goes on;
+    false waits for each bucket's reduction before backward continues."""
     load_from_fp32_weights: bool = True
     """On checkpoint load, rebuild the low-precision weights from the fp32 master copy."""
     elastic_checkpoint: bool = False
@@ -134,7 +138,9 @@ class ZeroConfig:
     legacy_stage1: bool = False
     """DeepSpeed's pre-0.3 stage-1 implementation. Not provided by zeroshard."""
     round_robin_gradients: bool = False
-    """Stage 1/2 gradient-copy parallelism across ranks for CPU offload."""
+    """Stage 1/2 gradient-copy parallelism across ranks for CPU offload. Accepted with no
+    effect: in zeroshard each rank copies only its own gradient shard to CPU, so there is no
+    cross-rank copy order to balance."""
     zero_hpz_partition_size: int = spec(1, ge=0)
     """ZeRO++ hierarchical partitioning: ranks per secondary parameter partition (stage 3).
     1 = off."""

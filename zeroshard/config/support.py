@@ -16,8 +16,8 @@ from typing import Any
 from zeroshard.config.fields import default_at, get_dotted, show
 from zeroshard.errors import NotSupportedError
 
-_STAGES = "zeroshard implements stage 0 (plain data parallelism) so far; stages 1-3 are being built."
-_PLAN = "Use stage 0 meanwhile (same results, no memory savings), or DeepSpeed for this run."
+_STAGES = "zeroshard implements stages 0, 1 and 2 so far; stage 3 is being built."
+_PLAN = "Use stage 2 (optionally with offload_optimizer) meanwhile, or DeepSpeed for this run."
 _ZPP = "ZeRO++ / MiCS communication tricks are not implemented."
 
 
@@ -36,9 +36,9 @@ class Unsupported:
 
 
 NOT_SUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported(key="zero_optimization.stage", allowed=(0,), why=_STAGES, fix=_PLAN),
-    Unsupported(key="zero_optimization.offload_optimizer.device", allowed=("none",),
-                why="optimizer offload (CPU / NVMe) is not implemented.", fix='Set "device": "none".'),
+    Unsupported(key="zero_optimization.stage", allowed=(0, 1, 2), why=_STAGES, fix=_PLAN),
+    Unsupported(key="zero_optimization.offload_optimizer.device", allowed=("none", "cpu"),
+                why="optimizer offload to NVMe is not implemented.", fix='Use "device": "cpu".'),
     Unsupported(key="zero_optimization.offload_optimizer.super_offload",
                 why="DeepSpeed's SuperOffload is not implemented.", fix="Remove the key."),
     Unsupported(key="zero_optimization.offload_param.device", allowed=("none",),
@@ -46,8 +46,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     *(Unsupported(key=f"zero_optimization.{k}", why=_ZPP, fix="Remove the key.") for k in (
         "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
         "zero_hpz_partition_size", "mics_shard_size", "mics_hierarchical_params_gather")),
-    Unsupported(key="zero_optimization.round_robin_gradients",
-                why="round-robin gradient copies (for CPU offload) are not implemented.", fix="Remove the key."),
     Unsupported(key="zero_optimization.legacy_stage1", why="DeepSpeed's legacy stage 1 is not provided.",
                 fix="Remove the key."),
     Unsupported(key="fp16.auto_cast", why="casting model inputs to fp16 is not implemented.",

@@ -141,6 +141,18 @@ class ZeroEngine(nn.Module):
         opt = optimizer_state_bytes(self.optimizer) if self.optimizer is not None else 0
         return self._strategy.model_state_bytes(opt)
 
+    def describe_state(self) -> str:
+        """What the engine holds: strategy, parameters, optimizer, scheduler, loss scaler."""
+        n_params = sum(p.numel() for p in self.module.parameters())
+        lines = [
+            f"strategy: {self._strategy!r}",
+            f"module parameters: {n_params} elements, dtype {next(self.module.parameters()).dtype}",
+            f"optimizer: {self.optimizer!r}",
+            f"lr scheduler: {type(self.lr_scheduler).__name__ if self.lr_scheduler else None}",
+            f"loss scaler: {self._loss_scaler.state_dict() if self._loss_scaler else None}",
+        ]
+        return "\n".join(lines)
+
     # -- training -------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

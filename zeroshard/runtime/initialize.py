@@ -25,16 +25,10 @@ from zeroshard.runtime.optim import (
     build_optimizer,
     client_auto_values,
 )
-from zeroshard.zero import Stage0Strategy, ZeroStrategy, broadcast_module_state
+from zeroshard.zero import ZeroStrategy, broadcast_module_state
+from zeroshard.zero.build import build_strategy
 
 logger = logging.getLogger("zeroshard")
-
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _dtype(name: str | None) -> torch.dtype | None:
-    return None if name is None else _DTYPES[name]
-
 
 def model_hidden_size(model: nn.Module) -> int | None:
     """`model.config.hidden_size`, or the largest of `hidden_sizes`, as Accelerate reads it."""
@@ -76,22 +70,6 @@ def _param_groups(model: nn.Module, model_parameters: Iterable[Any] | None) -> l
     for g in groups:
         g["params"] = [p for p in g["params"] if p.requires_grad]
     return [g for g in groups if g["params"]]
-
-
-def _build_strategy(cfg: Config, params: list[nn.Parameter], comm: Comm, world_size: int) -> ZeroStrategy:
-    zero = cfg.zero_optimization
-    if zero.stage != 0:  # config/support.py rejects other stages at load time
-        raise AssertionError(f"expected stage 0 after config validation, got {zero.stage}")
-    prescale = cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0
-    return Stage0Strategy(
-        params,
-        comm=comm,
-        world_size=world_size,
-        grad_dtype=_dtype(cfg.data_types.grad_accum_dtype) or torch.float32,
-        comm_dtype=_dtype(cfg.communication_data_type),
-        reduce_bucket_numel=int(zero.reduce_bucket_size),
-        prescale_factor=prescale,
-    )
 
 
 def initialize(
@@ -160,7 +138,7 @@ def initialize(
     broadcast_module_state(model, comm)
     param_groups = _param_groups(model, model_parameters)
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
-    strategy = _build_strategy(cfg, params, comm, groups.world_size)
+    strategy = build_strategy(cfg, params, comm, groups)
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
     sched = _make_scheduler(cfg, lr_scheduler, opt)
     scaler = None
@@ -188,11 +166,12 @@ def _make_optimizer(cfg: Config, client: Any, param_groups: list[dict[str, Any]]
     if client is not None:
         if cfg.optimizer is not None:
             logger.info("a client optimizer was passed; the config's \"optimizer\" section is ignored")
-        masters = [strategy.master_param(p) for g in param_groups for p in g["params"]]
-        return adopt_client_optimizer(client, masters, strategy.master_param)
+        masters = strategy.master_params_for([p for g in param_groups for p in g["params"]])
+        offload = cfg.zero_optimization.offload_optimizer.device == "cpu"
+        return adopt_client_optimizer(client, masters, strategy.master_params_for, cpu_offload=offload)
     if cfg.optimizer is None:
         return None
-    groups = [{**g, "params": [strategy.master_param(p) for p in g["params"]]} for g in param_groups]
+    groups = [{**g, "params": strategy.master_params_for(g["params"])} for g in param_groups]
     return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, groups)
 
 
@@ -207,6 +186,8 @@ def _make_scheduler(cfg: Config, client: Any, opt: torch.optim.Optimizer | None)
 
 
 def _log_start(engine: ZeroEngine, groups: ProcessGroups) -> None:
+    if engine.config.dump_state:
+        logger.info(f"engine state (dump_state):\n{engine.describe_state()}")
     for s in engine.model_state_bytes():
         logger.info(
             f"model states per rank ({s.device}): params {format_bytes(s.params)}, "

@@ -47,8 +47,8 @@ def build_optimizer(
     """
     kwargs = params_dict(params)
     name = type_name.lower()
-    model_params = [p for g in param_groups for p in g["params"]]
-    device = model_params[0].device
+    model_params = [p for g in param_groups for p in g["params"]]  # may be empty on a rank (stage 1/2)
+    device = model_params[0].device if model_params else torch.device("cpu")
     if name in ("adam", "adamw"):
         adam_w_mode = kwargs.pop("adam_w_mode", True)
         kwargs.pop("torch_adam", None)
@@ -75,12 +75,14 @@ def build_optimizer(
 def adopt_client_optimizer(
     optimizer: torch.optim.Optimizer | OptimizerFactory,
     model_params: list[nn.Parameter],
-    master_param: Callable[[nn.Parameter], nn.Parameter],
+    master_params_for: Callable[[list[nn.Parameter]], list[nn.Parameter]],
+    cpu_offload: bool = False,
 ) -> torch.optim.Optimizer:
     """Use the client's optimizer object (or factory) on the engine's master parameters.
 
     An optimizer object keeps its identity (so a client scheduler built on it still works):
-    its parameter groups are re-pointed in place at the master parameters.
+    its parameter groups are re-pointed in place at the master parameters. With CPU offload, a
+    torch Adam/AdamW is switched to torch's fused CPU kernel with the same hyper-parameters.
     """
     if isinstance(optimizer, torch.optim.Optimizer):
         if optimizer.state:
@@ -89,7 +91,9 @@ def adopt_client_optimizer(
                 "to initialize() or load its state after initialize()"
             )
         for group in optimizer.param_groups:
-            group["params"] = [master_param(p) for p in group["params"]]
+            group["params"] = master_params_for(group["params"])
+        if cpu_offload and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+            _use_fused_cpu_kernel(optimizer)
         return optimizer
     if callable(optimizer):
         built = optimizer(model_params)
@@ -97,6 +101,18 @@ def adopt_client_optimizer(
             raise ConfigError(f"the optimizer factory returned {type(built).__name__}, not an Optimizer")
         return built
     raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}")
+
+
+def _use_fused_cpu_kernel(optimizer: torch.optim.Optimizer) -> None:
+    """Switch a torch Adam/AdamW in place to its fused kernel (vectorised on CPU)."""
+    if all(g.get("fused") for g in optimizer.param_groups):
+        return
+    for group in [*optimizer.param_groups, optimizer.defaults]:
+        group["fused"], group["foreach"] = True, False
+    logger.info(
+        f"offload_optimizer: the client's {type(optimizer).__name__} now runs torch's fused CPU "
+        "kernel on the CPU master shard (same hyper-parameters)"
+    )
 
 
 def client_auto_values(optimizer: Any) -> Mapping[str, Any]:

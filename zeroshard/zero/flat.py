@@ -127,3 +127,83 @@ def param_views(flat: Tensor, layout: FlatLayout, shapes: Sequence[torch.Size]) 
         flat.narrow(0, off, n).view(shape)
         for off, n, shape in zip(layout.offsets, layout.numels, shapes)
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardFragment:
+    """The piece of parameter `param_index` owned by one rank, and where it lives."""
+
+    param_index: int
+    param_offset: int
+    """Offset (elements) inside the flattened parameter."""
+    flat_offset: int
+    """Offset (elements) inside the whole padded flat buffer."""
+    shard_offset: int
+    """Offset (elements) inside the owning rank's shard."""
+    numel: int
+    bucket: int
+
+
+class BucketedPartition:
+    """Parameters packed bucket after bucket; every bucket split evenly over the ranks.
+
+    The flat buffer is the concatenation of the buckets, each a `FlatLayout` padded to
+    `world_size * align`. Rank r owns chunk r of every bucket, and its shard is the
+    concatenation of those chunks. A bucket is then reduce-scattered or all-gathered by one
+    even collective as soon as its gradients are ready, with no re-packing, while the ranks
+    still own the same share of every bucket (so a parameter is cut across ranks only at
+    chunk boundaries inside its bucket).
+    """
+
+    def __init__(self, numels: Sequence[int], *, bucket_numel: int, world_size: int, align: int = 1) -> None:
+        self.numels = tuple(numels)
+        self.world_size = world_size
+        self.buckets = plan_buckets(self.numels, bucket_numel)
+        self.layouts = [FlatLayout(self.numels[a:b], world_size, align) for a, b in self.buckets]
+        self.flat_offsets, self.shard_offsets = [], []
+        flat = shard = 0
+        for layout in self.layouts:
+            self.flat_offsets.append(flat)
+            self.shard_offsets.append(shard)
+            flat += layout.padded_numel
+            shard += layout.partition_numel
+        self.padded_numel, self.shard_numel = flat, shard
+        self.param_flat_offsets = [
+            self.flat_offsets[b] + off
+            for b, layout in enumerate(self.layouts)
+            for off in layout.offsets
+        ]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    def bucket_range(self, bucket: int) -> tuple[int, int]:
+        """`[start, end)` of a bucket in the flat buffer."""
+        start = self.flat_offsets[bucket]
+        return start, start + self.layouts[bucket].padded_numel
+
+    def chunk_range(self, bucket: int, rank: int) -> tuple[int, int]:
+        """`[start, end)` in the flat buffer of `rank`'s chunk of `bucket`."""
+        lo, hi = self.layouts[bucket].partition(rank)
+        return self.flat_offsets[bucket] + lo, self.flat_offsets[bucket] + hi
+
+    def shard_range(self, bucket: int) -> tuple[int, int]:
+        """`[start, end)` of a bucket's chunk inside a rank's shard (the same on every rank)."""
+        start = self.shard_offsets[bucket]
+        return start, start + self.layouts[bucket].partition_numel
+
+    def rank_fragments(self, rank: int) -> list[ShardFragment]:
+        out = []
+        for b, ((first, _), layout) in enumerate(zip(self.buckets, self.layouts)):
+            chunk_start = layout.partition(rank)[0]
+            for f in layout.rank_fragments(rank):
+                out.append(ShardFragment(
+                    param_index=first + f.param_index,
+                    param_offset=f.param_offset,
+                    flat_offset=self.flat_offsets[b] + f.flat_offset,
+                    shard_offset=self.shard_offsets[b] + f.flat_offset - chunk_start,
+                    numel=f.numel,
+                    bucket=b,
+                ))
+        return out

@@ -106,6 +106,13 @@ class Stage0Strategy:
             self._master = list(self._params)
         self._master_of = {id(p): m for p, m in zip(self._params, self._master)}
 
+    def __repr__(self) -> str:
+        return (
+            f"Stage0Strategy({len(self._params)} params, {self._layout.numel} elements, "
+            f"{len(self._buckets)} buckets, grad dtype {self._flat_grad.dtype}, "
+            f"comm dtype {self._comm_dtype or self._flat_grad.dtype}, mixed precision {self._mixed})"
+        )
+
     # -- ZeroStrategy -------------------------------------------------------------------
 
     @property
@@ -113,9 +120,9 @@ class Stage0Strategy:
         # Back in registration order, so optimizer state lines up with model.parameters().
         return list(reversed(self._master))
 
-    def master_param(self, param: nn.Parameter) -> nn.Parameter:
+    def master_params_for(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
         try:
-            return self._master_of[id(param)]
+            return [self._master_of[id(p)] for p in params]
         except KeyError:
             raise ValueError(
                 "the optimizer was given a parameter that is not a trainable parameter of the "
@@ -186,7 +193,9 @@ class Stage0Strategy:
         # The flat buffer holds the sum over ranks; one multiplier averages, unscales and
         # clips in a single pass over the gradients.
         mult = grad_scale * self._prescale_factor / self._world_size
-        norm = torch.linalg.vector_norm(self._flat_grad, dtype=torch.float32).item() * mult
+        # float64 accumulation: every stage then computes the same norm to ~1e-16, so the clip
+        # multiplier rounds to the same fp32 value whatever the partitioning.
+        norm = torch.linalg.vector_norm(self._flat_grad, dtype=torch.float64).item() * mult
         if not math.isfinite(norm):
             return GradStats(norm=norm, overflow=True)
         coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0

@@ -14,6 +14,7 @@ micro-batch and step (Note: [step protocol]):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Protocol
 
 from torch import nn
@@ -56,8 +57,12 @@ class ZeroStrategy(Protocol):
         """The parameters the optimizer steps on (fp32 master weights or the model's own)."""
         ...
 
-    def master_param(self, param: nn.Parameter) -> nn.Parameter:
-        """The parameter the optimizer steps on in place of the model's `param`."""
+    def master_params_for(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        """What the optimizer steps on in place of the model's `params`, on this rank.
+
+        Stage 0: one master per parameter. Stages 1/2: the fragment of each parameter inside
+        this rank's shard, skipping parameters this rank owns no part of.
+        """
         ...
 
     def begin_micro_batch(self, boundary: bool) -> None: ...

@@ -1,0 +1,52 @@
+"""Pick and build the ZeRO strategy for a config: the one place that looks at the stage."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from zeroshard.zero.stage0 import Stage0Strategy
+from zeroshard.zero.stage12 import PartitionedStrategy, PartitionOptions
+from zeroshard.zero.strategy import ZeroStrategy
+
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm, ProcessGroups
+    from zeroshard.config import Config
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else DTYPES[name]
+
+
+def build_strategy(cfg: "Config", params: list[nn.Parameter], comm: "Comm",
+                   groups: "ProcessGroups") -> ZeroStrategy:
+    """The strategy for `cfg.zero_optimization.stage` over the trainable `params`."""
+    zero = cfg.zero_optimization
+    grad_dtype = _dtype(cfg.data_types.grad_accum_dtype) or torch.float32
+    comm_dtype = _dtype(cfg.communication_data_type)
+    prescale = cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0
+    if zero.stage == 0:
+        return Stage0Strategy(params, comm=comm, world_size=groups.world_size, grad_dtype=grad_dtype,
+                              comm_dtype=comm_dtype, reduce_bucket_numel=int(zero.reduce_bucket_size),
+                              prescale_factor=prescale)
+    if zero.stage in (1, 2):
+        offload = zero.offload_optimizer
+        options = PartitionOptions(
+            stage=zero.stage,
+            grad_dtype=grad_dtype,
+            comm_dtype=comm_dtype,
+            bucket_numel=max(1, min(int(zero.reduce_bucket_size), int(zero.allgather_bucket_size))),
+            prescale_factor=prescale,
+            overlap_comm=bool(zero.overlap_comm),
+            reduce_scatter=bool(zero.reduce_scatter),
+            allgather_partitions=bool(zero.allgather_partitions),
+            offload_device=torch.device("cpu") if offload.device == "cpu" else None,
+            pin_memory=bool(offload.pin_memory),
+        )
+        return PartitionedStrategy(params, comm=comm, rank=groups.rank, world_size=groups.world_size,
+                                   options=options)
+    raise AssertionError(f"stage {zero.stage} passed config validation but has no strategy")
