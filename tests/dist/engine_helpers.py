@@ -81,8 +81,17 @@ def train_engine(
             engine.step()
             step_loss += loss.item() / gas
         losses.append(step_loss)
-        snapshots.append([p.detach().float().clone() for p in engine.module.parameters()])
+        snapshots.append(gathered_snapshot(engine.module))
     return losses, snapshots
+
+
+def gathered_snapshot(module: nn.Module) -> list[Tensor]:
+    """fp32 copies of every parameter, gathered whole at stage 3 (a no-op gather otherwise)."""
+    from zeroshard.zero.init import GatheredParameters
+
+    params = list(module.parameters())
+    with GatheredParameters(params):
+        return [p.detach().float().clone() for p in params]
 
 
 def train_reference(

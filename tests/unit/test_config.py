@@ -291,11 +291,13 @@ def test_auto_from_hidden_size() -> None:
     assert cfg.source_of("zero_optimization.reduce_bucket_size") == "auto (model hidden_size=768)"
 
 
-def test_auto_stage3_sizes_from_hidden_size_are_checked_before_stage_support() -> None:
-    with pytest.raises(NotSupportedError, match=r"zero_optimization\.stage=3"):
-        make_config(hidden_size=1024, zero_optimization={
-            "stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-            "stage3_param_persistence_threshold": "auto"})
+def test_auto_stage3_sizes_from_hidden_size() -> None:
+    cfg = make_config(hidden_size=1024, zero_optimization={
+        "stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto"})
+    z = cfg.zero_optimization
+    assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (
+        1024 * 1024, int(0.9 * 1024 * 1024), 10 * 1024)
 
 
 def test_auto_values_win_over_the_model_rule() -> None:
@@ -429,9 +431,8 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"zero_optimization__stage": 3}, "not supported yet: zero_optimization.stage=3. zeroshard implements stages 0, 1 and 2"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-     "not supported yet: zero_optimization.stage=3."),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
+     'not supported yet: zero_optimization.offload_param.device="nvme". parameter offload to NVMe'),
     ({"wandb__enabled": True}, "not supported yet: wandb.enabled=true."),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "not supported yet: fp16.auto_cast=true."),
     ({"aio__block_size": 2097152}, "not supported yet: aio.block_size=2097152."),

@@ -16,8 +16,8 @@ from typing import Any
 from zeroshard.config.fields import default_at, get_dotted, show
 from zeroshard.errors import NotSupportedError
 
-_STAGES = "zeroshard implements stages 0, 1 and 2 so far; stage 3 is being built."
-_PLAN = "Use stage 2 (optionally with offload_optimizer) meanwhile, or DeepSpeed for this run."
+_STAGES = "zeroshard implements stages 0-3."
+_PLAN = "Use a stage between 0 and 3."
 _ZPP = "ZeRO++ / MiCS communication tricks are not implemented."
 
 
@@ -36,13 +36,13 @@ class Unsupported:
 
 
 NOT_SUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported(key="zero_optimization.stage", allowed=(0, 1, 2), why=_STAGES, fix=_PLAN),
+    Unsupported(key="zero_optimization.stage", allowed=(0, 1, 2, 3), why=_STAGES, fix=_PLAN),
     Unsupported(key="zero_optimization.offload_optimizer.device", allowed=("none", "cpu"),
                 why="optimizer offload to NVMe is not implemented.", fix='Use "device": "cpu".'),
     Unsupported(key="zero_optimization.offload_optimizer.super_offload",
                 why="DeepSpeed's SuperOffload is not implemented.", fix="Remove the key."),
-    Unsupported(key="zero_optimization.offload_param.device", allowed=("none",),
-                why="parameter offload (CPU / NVMe) is not implemented.", fix='Set "device": "none".'),
+    Unsupported(key="zero_optimization.offload_param.device", allowed=("none", "cpu"),
+                why="parameter offload to NVMe is not implemented.", fix='Use "device": "cpu".'),
     *(Unsupported(key=f"zero_optimization.{k}", why=_ZPP, fix="Remove the key.") for k in (
         "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
         "zero_hpz_partition_size", "mics_shard_size", "mics_hierarchical_params_gather")),

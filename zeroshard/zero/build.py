@@ -9,6 +9,7 @@ from torch import nn
 
 from zeroshard.zero.stage0 import Stage0Strategy
 from zeroshard.zero.stage12 import PartitionedStrategy, PartitionOptions
+from zeroshard.zero.stage3 import Stage3Options, Stage3Strategy
 from zeroshard.zero.strategy import ZeroStrategy
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else DTYPES[name]
 
 
-def build_strategy(cfg: "Config", params: list[nn.Parameter], comm: "Comm",
+def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
                    groups: "ProcessGroups") -> ZeroStrategy:
     """The strategy for `cfg.zero_optimization.stage` over the trainable `params`."""
     zero = cfg.zero_optimization
@@ -49,4 +50,20 @@ def build_strategy(cfg: "Config", params: list[nn.Parameter], comm: "Comm",
         )
         return PartitionedStrategy(params, comm=comm, rank=groups.rank, world_size=groups.world_size,
                                    options=options)
+    if zero.stage == 3:
+        cpu = torch.device("cpu")
+        options3 = Stage3Options(
+            grad_dtype=grad_dtype,
+            comm_dtype=comm_dtype,
+            persistence_threshold=int(zero.stage3_param_persistence_threshold),
+            prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+            max_live_numel=int(zero.stage3_max_live_parameters),
+            max_reuse_distance=int(zero.stage3_max_reuse_distance),
+            prescale_factor=prescale,
+            overlap_comm=bool(zero.overlap_comm),
+            optimizer_home=cpu if zero.offload_optimizer.device == "cpu" else None,
+            param_home=cpu if zero.offload_param.device == "cpu" else None,
+        )
+        return Stage3Strategy(module, params, comm=comm, rank=groups.rank, world_size=groups.world_size,
+                              options=options3)
     raise AssertionError(f"stage {zero.stage} passed config validation but has no strategy")

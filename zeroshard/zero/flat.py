@@ -155,10 +155,12 @@ class BucketedPartition:
     chunk boundaries inside its bucket).
     """
 
-    def __init__(self, numels: Sequence[int], *, bucket_numel: int, world_size: int, align: int = 1) -> None:
+    def __init__(self, numels: Sequence[int], *, bucket_numel: int = 0, world_size: int, align: int = 1,
+                 buckets: Sequence[tuple[int, int]] | None = None) -> None:
+        """Buckets are planned by size (`bucket_numel`) unless given explicitly as param ranges."""
         self.numels = tuple(numels)
         self.world_size = world_size
-        self.buckets = plan_buckets(self.numels, bucket_numel)
+        self.buckets = list(buckets) if buckets is not None else plan_buckets(self.numels, bucket_numel)
         self.layouts = [FlatLayout(self.numels[a:b], world_size, align) for a, b in self.buckets]
         self.flat_offsets, self.shard_offsets = [], []
         flat = shard = 0

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import FlatLayout, param_views, plan_buckets
-from zeroshard.zero.strategy import GradStats, ModelStateBytes
+from zeroshard.zero.strategy import GradStats, MasterFragment, ModelStateBytes, ParamPiece
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, Handle
@@ -228,3 +228,23 @@ class Stage0Strategy:
                 device=self._flat_grad.device.type,
             )
         ]
+
+    # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpointing.py) -------------
+
+    def checkpoint_fragments(self) -> list[MasterFragment]:
+        # One whole-parameter fragment per parameter, in registration order.
+        return [MasterFragment(param=p, param_offset=0, numel=p.numel(), master=m)
+                for p, m in zip(reversed(self._params), reversed(self._master))]
+
+    def param_pieces(self) -> list[ParamPiece] | None:
+        return None  # every rank holds the whole model
+
+    @torch.no_grad()
+    def sync_params_from_master(self) -> None:
+        if self._mixed:
+            torch._foreach_copy_([p.data for p in self._params], [m.data for m in self._master])
+
+    @torch.no_grad()
+    def sync_master_from_params(self) -> None:
+        if self._mixed:
+            torch._foreach_copy_([m.data for m in self._master], [p.data for p in self._params])

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition
-from zeroshard.zero.strategy import GradStats, ModelStateBytes
+from zeroshard.zero.strategy import GradStats, MasterFragment, ModelStateBytes, ParamPiece
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, Handle
@@ -358,3 +358,24 @@ class PartitionedStrategy:
         home = ModelStateBytes(params=0, grads=shard_grad, master_params=nbytes(self._master),
                                optimizer_states=optimizer_state_bytes, device=f"{self._home.type} (offload)")
         return [device, home]
+
+    # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpointing.py) -------------
+
+    def checkpoint_fragments(self) -> list[MasterFragment]:
+        return [MasterFragment(param=self._params[f.param_index], param_offset=f.param_offset,
+                               numel=f.numel, master=frag)
+                for f, frag in zip(self._fragments, self._fragment_params)]
+
+    def param_pieces(self) -> list[ParamPiece] | None:
+        return None  # every rank holds the whole model (the all-gathered flat buffer)
+
+    @torch.no_grad()
+    def sync_params_from_master(self) -> None:
+        self._gather_params()  # each rank casts its master shard into its chunks; all-gather
+
+    @torch.no_grad()
+    def sync_master_from_params(self) -> None:
+        if self._master is None:
+            return  # fp32 without offload: the fragments are views of the parameters
+        for b in range(len(self._plan.buckets)):
+            self._master[slice(*self._plan.shard_range(b))].copy_(self._own_chunk(self._flat_params, b))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Protocol
 
-from torch import nn
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,35 @@ class ModelStateBytes:
         return self.params + self.grads + self.master_params + self.optimizer_states
 
 
+@dataclass(frozen=True, slots=True)
+class MasterFragment:
+    """A range of one model parameter whose fp32 master this rank owns (checkpoints).
+
+    See Note: [checkpoint fragments] in runtime/checkpointing.py.
+    """
+
+    param: nn.Parameter
+    """The model parameter (as in `module.named_parameters()`)."""
+    param_offset: int
+    """Offset (elements) of the fragment in the flattened parameter."""
+    numel: int
+    master: nn.Parameter
+    """What the optimizer steps on for this range (`numel` fp32 elements, any shape); the key
+    of its state in `optimizer.state`. Writing `master.data` then calling
+    `sync_params_from_master()` sets the parameter's range."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParamPiece:
+    """A range of one model parameter's low-precision values this rank holds (stage 3)."""
+
+    param: nn.Parameter
+    param_offset: int
+    numel: int
+    data: Tensor
+    """A 1-D view of the values (`numel` elements, the parameter's dtype); writable."""
+
+
 class ZeroStrategy(Protocol):
     """One ZeRO stage. See Note: [step protocol] in this module's docstring."""
 
@@ -74,3 +103,25 @@ class ZeroStrategy(Protocol):
     def after_step(self, applied: bool) -> None: ...
 
     def model_state_bytes(self, optimizer_state_bytes: int) -> list[ModelStateBytes]: ...
+
+    # -- checkpoints (runtime/checkpointing.py) ---------------------------------------------
+
+    def checkpoint_fragments(self) -> list[MasterFragment]:
+        """This rank's fp32 master fragments, in a fixed order (the same before save and after
+        construction at load, for the same world size and config)."""
+        ...
+
+    def param_pieces(self) -> list[ParamPiece] | None:
+        """The low-precision parameter pieces this rank holds, every parameter the strategy
+        manages (frozen ones too); None when every rank holds whole parameters (stages 0-2)."""
+        ...
+
+    def sync_params_from_master(self) -> None:
+        """After masters were overwritten (checkpoint load): make the model's parameters equal
+        the masters, cast to the parameter dtype, on every rank. Collective."""
+        ...
+
+    def sync_master_from_params(self) -> None:
+        """After parameters were overwritten (weights-only load): re-initialise the masters
+        from them. Collective where the strategy needs it."""
+        ...

@@ -1,0 +1,148 @@
+"""Stage 3 building blocks: honest partitioned parameters and the choice of units.
+
+A partitioned parameter keeps its Python object, its true shape, dtype and device (DeepSpeed
+empties it to shape [0], a top user complaint). Its data is a view into its unit's gathered
+flat buffer, whose storage is resized to zero bytes when the unit is released (as FSDP2 does),
+so every view, including the ones autograd saved during forward, sees the data again as soon as
+the unit is re-gathered. Reading a released parameter raises an error that says how to gather
+it, instead of computing with garbage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._C import DisableTorchFunctionSubclass
+
+from zeroshard.errors import ZeroshardError
+
+# Reading metadata never needs the data; everything else does.
+_METADATA = {
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.requires_grad.__set__,
+    torch.Tensor.grad.__get__, torch.Tensor.grad.__set__, torch.Tensor.is_leaf.__get__,
+    torch.Tensor.data.__set__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
+    torch.Tensor.element_size, torch.Tensor.__hash__, torch.Tensor.register_post_accumulate_grad_hook,
+    torch.Tensor.register_hook, torch.Tensor.requires_grad_, torch.Tensor.is_floating_point,
+    torch.Tensor.layout.__get__, torch.Tensor.is_sparse.__get__, torch.Tensor.is_cuda.__get__,
+    torch.Tensor.is_meta.__get__, torch.Tensor.nbytes.__get__, torch.Tensor.itemsize.__get__,
+    torch.Tensor.__repr__,
+}
+
+
+class PartitionedParameterError(ZeroshardError, RuntimeError):
+    """A stage-3 parameter's data was read while it is partitioned across ranks."""
+
+
+class ZeroParameter(nn.Parameter):
+    """The class a stage-3 parameter takes on (its object and identity are kept).
+
+    Attributes set by the strategy: `_zs_name` (fully qualified name), `_zs_unit` (the unit
+    index), `_zs_gathered` (bool), `_zs_on_demand` (callable gathering the unit when the
+    parameter is used outside its unit during training, or None).
+    """
+
+    _zs_name: str
+    _zs_unit: int
+    _zs_gathered: bool
+    _zs_on_demand: Callable[[int], bool] | None
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        if func not in _METADATA:
+            for a in args:
+                if isinstance(a, ZeroParameter) and not a._zs_gathered:
+                    a._zs_require_data(func)
+        with DisableTorchFunctionSubclass():  # results are plain tensors, not ZeroParameters
+            return func(*args, **(kwargs or {}))
+
+    def _zs_require_data(self, func: Any) -> None:
+        on_demand = self._zs_on_demand
+        if on_demand is not None and on_demand(self._zs_unit):
+            return
+        raise PartitionedParameterError(
+            f"parameter {self._zs_name!r} (shape {tuple(self.shape)}, {self.dtype}) is partitioned "
+            f"across ranks by ZeRO stage 3; its data is not on this rank outside a gather "
+            f"(operation: {getattr(func, '__name__', func)}). Read it inside "
+            f"`with zeroshard.zero.GatheredParameters([param]):` (add modifier_rank=0 to change "
+            f"it), or use engine.module(...) / engine(...), which gathers as it goes."
+        )
+
+    def __repr__(self) -> str:
+        state = "gathered" if self._zs_gathered else "partitioned"
+        return f"ZeroParameter({self._zs_name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, {state})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if not self._zs_gathered:
+            self._zs_require_data("pickle")
+        with DisableTorchFunctionSubclass():
+            return nn.Parameter(self.detach().clone(), self.requires_grad).__reduce_ex__(protocol)
+
+
+def default_units(module: nn.Module) -> list[nn.Module]:
+    """Each block of every ModuleList, plus the root (as FSDP2's common wrapping)."""
+    units = [module]
+    for child in module.modules():
+        if isinstance(child, nn.ModuleList):
+            units.extend(child)
+    return units
+
+
+def assign_params(module: nn.Module, units: Sequence[nn.Module]) -> dict[int, list[tuple[str, nn.Parameter]]]:
+    """Unit index -> [(fqn, param)]. A parameter reachable from several units (tied weights)
+    belongs to their common ancestor unit, which is gathered whenever any of them runs."""
+    unit_prefix = {}
+    for name, sub in module.named_modules():
+        for i, u in enumerate(units):
+            if sub is u and i not in unit_prefix.values():
+                unit_prefix[name] = i
+    if units and id(units[0]) != id(module):
+        raise ValueError("the first unit must be the root module")
+    paths: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+
+    def unit_of_path(path: str) -> str:
+        parts = path.split(".")[:-1]
+        for depth in range(len(parts), -1, -1):
+            prefix = ".".join(parts[:depth])
+            if prefix in unit_prefix:
+                return prefix
+        raise AssertionError(f"no unit contains {path}")
+
+    out: dict[int, list[tuple[str, nn.Parameter]]] = {i: [] for i in range(len(units))}
+    for pid, names in paths.items():
+        prefixes = {unit_of_path(n) for n in names}
+        while len(prefixes) > 1:  # walk up to the common ancestor unit
+            common = _common_prefix(prefixes)
+            prefixes = {unit_of_path(common + ".x") if common else ""}
+        out[unit_prefix[prefixes.pop()]].append((names[0], params[pid]))
+    return out
+
+
+def _common_prefix(paths: Iterable[str]) -> str:
+    split = [p.split(".") if p else [] for p in paths]
+    common: list[str] = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside a forward's output (tensors, tuples, lists, dicts, dataclasses)."""
+    from torch.utils._pytree import tree_leaves
+
+    leaves = tree_leaves(obj)
+    if hasattr(obj, "__dataclass_fields__") or (hasattr(obj, "keys") and not isinstance(obj, dict)):
+        try:  # HF ModelOutput and dataclasses: walk their values
+            leaves = tree_leaves(list(obj.values()) if hasattr(obj, "values") else vars(obj))
+        except TypeError:
+            pass
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
