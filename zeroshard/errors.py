@@ -21,3 +21,8 @@ class CommError(ZeroshardError, RuntimeError):
 
 class LaunchError(ZeroshardError, RuntimeError):
     """The launcher was given something it cannot run (hostfile, port, script)."""
+
+
+class CheckpointError(ZeroshardError, RuntimeError):
+    """A checkpoint cannot be saved or loaded: missing tag, truncated or foreign file, or a
+    manifest that does not match the model; the message names the file and the mismatch."""

@@ -9,16 +9,23 @@ asks which ZeRO stage it runs; see zero/strategy.py for the protocol it drives.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from zeroshard.errors import CheckpointError
+from zeroshard.runtime.checkpointing import Checkpointer, EngineState, apply_state, collect_state
+from zeroshard.runtime.inference import generate_tokens, hf_generate
 from zeroshard.runtime.loss_scaler import LossScaler
 from zeroshard.runtime.monitor import MetricSink, Timers, format_bytes, peak_memory_bytes
 from zeroshard.runtime.optim import optimizer_state_bytes
+from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.strategy import GradStats, ModelStateBytes, ZeroStrategy
+from zeroshard.zero.units import ZeroParameter
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, ProcessGroups
@@ -232,6 +239,63 @@ class ZeroEngine(nn.Module):
         if every is not None and self.global_steps % every == 0:
             self._report()
 
+    # -- inference ------------------------------------------------------------------------
+
+    def generate(self, input_ids: Tensor | None = None, max_new_tokens: int = 20, **kwargs: Any) -> Any:
+        """Generate on every rank at once; ranks may want different lengths (never hangs).
+
+        A Hugging Face model (one with `.generate`) is driven through its own generate with
+        `synced_gpus`; any other model must map token ids (B, T) to logits (B, T, V) and is
+        decoded greedily (`eos_token_id=`, `block_size=` are accepted).
+        """
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            if hasattr(self.module, "generate"):
+                return hf_generate(self, input_ids=input_ids, max_new_tokens=max_new_tokens, **kwargs)
+            if input_ids is None:
+                raise ValueError("generate() needs input_ids")
+            return generate_tokens(self, input_ids, max_new_tokens, **kwargs)
+        finally:
+            self.module.train(was_training)
+
+    def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the whole model's state_dict in its training dtype (fp16/bf16/fp32), on rank 0.
+
+        At stage 3 the shards are gathered one parameter at a time (peak: one unit), which
+        needs `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`; without it
+        nothing is written and False is returned, as in DeepSpeed. Every rank must call this.
+
+        Returns:
+            True when the file was written (on rank 0) or would be (other ranks).
+        """
+        state = self.module.state_dict(keep_vars=True)
+        partitioned = any(isinstance(v, ZeroParameter) for v in state.values())
+        if partitioned and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            logger.warning("save_16bit_model: the weights are partitioned and "
+                           "zero_optimization.stage3_gather_16bit_weights_on_model_save is false; "
+                           "nothing written. Set it to true to gather them.")
+            return False
+        out: dict[str, Tensor] = {}
+        done: dict[int, Tensor] = {}
+        for name, value in state.items():
+            if exclude_frozen_parameters and isinstance(value, nn.Parameter) and not value.requires_grad:
+                continue
+            if id(value) not in done:
+                with GatheredParameters([value] if isinstance(value, ZeroParameter) else []):
+                    # Only rank 0 keeps a copy; the others take part in the gather.
+                    done[id(value)] = value.detach().to("cpu", copy=True) if self.rank == 0 else value
+            out[name] = done[id(value)]
+        if self.rank == 0:
+            path = Path(save_dir) / save_filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            torch.save(out, tmp)
+            os.replace(tmp, path)  # never a half-written file under the real name
+            logger.info(f"saved the {len(out)}-tensor model state to {path}")
+        return True
+
     # -- progress -------------------------------------------------------------------------
 
     def _mean_loss_over_ranks(self) -> float | None:
@@ -297,3 +361,86 @@ class ZeroEngine(nn.Module):
         for sink in self._sinks:
             sink.close()
         return s
+
+    # -- checkpoints (docs/checkpoints.md) ------------------------------------------------
+
+    checkpointer: Checkpointer | None = None
+    """Writes and reads checkpoints; set by `zeroshard.initialize` (a ShardedCheckpointer)."""
+
+    def state(self, *, include_frozen: bool = False) -> EngineState:
+        """This rank's state for a checkpoint: views of the live tensors plus the Manifest."""
+        return collect_state(self, self._strategy, include_frozen=include_frozen)
+
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+                        client_state: dict[str, Any] | None = None, save_latest: bool = True, *,
+                        exclude_frozen_parameters: bool = True, save_optimizer_states: bool = True) -> str:
+        """Save a checkpoint; every rank must call it (like DeepSpeed's `save_checkpoint`).
+
+        Args:
+            save_dir: the checkpoint root; the checkpoint goes to `save_dir/tag/`.
+            tag: the checkpoint's name; default `global_step{N}`.
+            client_state: any picklable dict, returned by `load_checkpoint`.
+            save_latest: point `save_dir/latest` at this tag (after it is complete).
+            exclude_frozen_parameters: leave out parameters with requires_grad=False (a frozen
+                LoRA base); a load then keeps the model's own values for them.
+            save_optimizer_states: False writes weights only (no master weights, no optimizer
+                state); such a checkpoint loads with `load_optimizer_states=False`.
+
+        Returns:
+            The checkpoint's directory.
+
+        Raises:
+            CheckpointError: called in the middle of gradient accumulation, or a rank could not
+                write (every rank raises; the previous checkpoint and `latest` are untouched).
+
+        Example::
+
+            engine.save_checkpoint("ckpt", client_state={"epoch": 3})
+        """
+        if self.checkpointer is None:
+            raise CheckpointError("this engine has no checkpointer; build it with zeroshard.initialize()")
+        if self.micro_steps % self._grad_accum_steps != 0:
+            raise CheckpointError(
+                f"save_checkpoint at micro-step {self.micro_steps % self._grad_accum_steps} of "
+                f"{self._grad_accum_steps} (gradient accumulation): accumulated gradients are not saved. "
+                "Save right after the engine.step() that ends an optimizer step.")
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        path = self.checkpointer.save(self.state(include_frozen=not exclude_frozen_parameters), str(save_dir),
+                                      tag, client_state, save_latest, save_optimizer_states)
+        logger.info(f"saved checkpoint {path}")
+        return path
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+        """Load a checkpoint saved at any world size and ZeRO stage; every rank must call it.
+
+        Args:
+            load_dir: the checkpoint root given to `save_checkpoint`.
+            tag: which checkpoint; default: the one `load_dir/latest` names.
+            load_optimizer_states: load fp32 master weights and optimizer state (exact resume);
+                False loads the saved low-precision weights only (never opens optimizer files).
+            load_lr_scheduler_states: restore the lr scheduler.
+            load_module_only: the module's weights only: no optimizer, scheduler, counters,
+                random generators or data loader position.
+
+        Returns:
+            `(checkpoint directory, client_state)`, or `(None, None)` when `load_dir` exists
+            but has no `latest` file and no tag was given (nothing saved yet).
+
+        Raises:
+            CheckpointError: the tag or a file is missing, truncated or foreign, or the
+                checkpoint does not match the model (names, shapes); nothing was changed.
+        """
+        if self.checkpointer is None:
+            raise CheckpointError("this engine has no checkpointer; build it with zeroshard.initialize()")
+        loaded = self.checkpointer.load(self.state(), str(load_dir), tag,
+                                        load_optimizer_states=load_optimizer_states,
+                                        load_module_only=load_module_only)
+        if loaded is None:
+            logger.warning(f"{load_dir} has no 'latest' file: no checkpoint loaded")
+            return None, None
+        apply_state(self, self._strategy, loaded, load_lr_scheduler_states=load_lr_scheduler_states,
+                    load_module_only=load_module_only)
+        logger.info(f"loaded checkpoint {loaded.path} (step {self.global_steps})")
+        return loaded.path, loaded.client_state if loaded.client_state is not None else {}

@@ -28,6 +28,7 @@ from zeroshard.runtime.optim import (
 )
 from zeroshard.zero import ZeroStrategy, broadcast_module_state
 from zeroshard.zero.build import build_strategy
+from zeroshard.zero.init_partition import init_partitioned, move_unpartitioned
 
 logger = logging.getLogger("zeroshard")
 
@@ -83,6 +84,7 @@ def initialize(
     config: str | PathLike[str] | Mapping[str, Any] | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     config_params: Mapping[str, Any] | None = None,
+    zero_units: list[nn.Module | type[nn.Module]] | None = None,
 ) -> tuple[ZeroEngine, torch.optim.Optimizer | None, DistributedDataLoader | None, Any]:
     """Wrap `model` for ZeRO data-parallel training, as `deepspeed.initialize` does.
 
@@ -99,6 +101,8 @@ def initialize(
         config: a ds_config path or dict (DeepSpeed's format, see docs/config.md).
         collate_fn: collate function of the returned data loader.
         config_params: DeepSpeed's legacy name for `config`.
+        zero_units: stage 3 only: the modules (or module classes) whose parameters are
+            gathered together; default every block of a ModuleList plus the root.
 
     Returns:
         `(engine, optimizer, dataloader, lr_scheduler)`; dataloader is None without
@@ -134,12 +138,23 @@ def initialize(
     )
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
-    model.to(device=groups.device, dtype=dtype) if dtype else model.to(groups.device)
+    if any(init_partitioned(p) for p in model.parameters()):
+        if cfg.zero_optimization.stage != 3:
+            raise ConfigError(
+                f"the model was built under zeroshard.zero.Init (its parameters are partitioned), "
+                f"which needs zero_optimization.stage 3; the config says stage "
+                f"{cfg.zero_optimization.stage}. Set stage to 3, or build the model without zero.Init."
+            )
+        move_unpartitioned(model, groups.device, dtype)
+    elif dtype:
+        model.to(device=groups.device, dtype=dtype)
+    else:
+        model.to(groups.device)
     comm = Comm(groups, log=CommLog() if cfg.comms_logger.enabled else None)
     broadcast_module_state(model, comm)
     param_groups = _param_groups(model, model_parameters)
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
-    strategy = build_strategy(cfg, model, params, comm, groups)
+    strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units)
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
     sched = _make_scheduler(cfg, lr_scheduler, opt)
     scaler = None

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition
-from zeroshard.zero.strategy import GradStats, MasterFragment, ModelStateBytes, ParamPiece
+from zeroshard.zero.strategy import GradStats, MasterFragment, ModelStateBytes, ParamPiece, sum_of_squares
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, Handle
@@ -300,9 +300,7 @@ class PartitionedStrategy:
         # Sum of squares of this rank's shard, one all-reduce for the global norm; the same
         # multiplier as stage 0 averages, unscales and clips in one pass over the shard.
         views = self._shard_grad_views()
-        # float64, as at stage 0 (see Stage0Strategy.prepare_step): same clip multiplier.
-        norms = torch._foreach_norm(views, dtype=torch.float64)
-        sq = torch.stack(norms).pow(2).sum().reshape(1).to(self._device)
+        sq = sum_of_squares(views).to(self._device)
         self._comm.all_reduce(sq)
         mult = grad_scale * self._opt.prescale_factor / self._world
         norm = math.sqrt(sq.item()) * mult if math.isfinite(sq.item()) else float("inf")

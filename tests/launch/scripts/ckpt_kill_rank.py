@@ -1,0 +1,51 @@
+"""Launch-test worker: SIGKILL one rank of a 2-rank job inside save_checkpoint (torchrun).
+
+    ckpt_kill_rank.py save DIR K RANK   2 steps, save global_step2, step 3, save again with
+                                        rank RANK killing itself at its K-th file event
+    ckpt_kill_rank.py resume DIR        fresh processes: latest must be global_step2 with its
+                                        weights, and one step must reproduce step 3
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dist"))
+
+import zeroshard  # noqa: E402
+from engine_helpers import global_batches, init_engine, make_config, make_model, train_engine  # noqa: E402
+from zeroshard.checkpoint.files import FAULT_ENV  # noqa: E402
+
+CONFIG = make_config(zero_optimization={"stage": 1, "reduce_bucket_size": 300})
+
+
+def main(mode: str, out: Path, args: list[str]) -> None:
+    rank = zeroshard.init_distributed().rank
+    batches = global_batches(3, 4)
+    if mode == "save":
+        engine = init_engine(make_model(), CONFIG)
+        train_engine(engine, batches[:2], rank, 2)
+        engine.save_checkpoint(out)
+        _, step3 = train_engine(engine, batches[2:], rank, 2)
+        torch.save(step3[0], out / f"step3-{rank}.pt")
+        os.environ[FAULT_ENV] = f"{args[0]}:{args[1]}"
+        engine.save_checkpoint(out)
+        print("SAVE COMPLETED (the kill did not happen)", flush=True)
+        return
+    engine = init_engine(make_model(seed=5), CONFIG)
+    path, _ = engine.load_checkpoint(out)
+    if Path(str(path)).name != "global_step2" or engine.global_steps != 2:
+        raise AssertionError(f"loaded {path} at step {engine.global_steps}")
+    _, got = train_engine(engine, batches[2:], rank, 2)
+    want = torch.load(out / f"step3-{rank}.pt", weights_only=True)
+    if not all(torch.equal(a, b) for a, b in zip(got[0], want, strict=True)):
+        raise AssertionError("resuming from global_step2 does not reproduce step 3")
+    print(f"KILL RESUME OK rank {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3:])

@@ -1,0 +1,156 @@
+"""File names and crash-safe file operations of a checkpoint directory.
+
+Every write goes to a temporary name, is flushed to disk (fsync) and renamed; directories are
+fsynced after renames so the rename itself survives a power cut. `fault_point()` is called at
+each of these operations: with ZEROSHARD_CHECKPOINT_FAULT_AT=k (optionally "k:rank") the
+process SIGKILLs itself at the k-th one of a save, which is how tests/launch prove that a save
+interrupted anywhere leaves the previous checkpoint loadable. Imports only errors.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from zeroshard.errors import CheckpointError
+
+LATEST = "latest"
+MANIFEST = "zeroshard_manifest.json"
+MODEL_FILE = "mp_rank_00_model_states.pt"
+TMP_SUFFIX = ".tmp"
+FAULT_ENV = "ZEROSHARD_CHECKPOINT_FAULT_AT"
+
+
+def optim_file(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def pieces_file(rank: int) -> str:
+    """Stage 3: this rank's low-precision parameter pieces (DeepSpeed's stage-3 model file)."""
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_state_{rank}.pth"
+
+
+def staging_dir(save_dir: Path, tag: str) -> Path:
+    """Where a save of `tag` is written before it is published by one rename."""
+    return save_dir / f".{tag}.partial"
+
+
+def retired_dir(save_dir: Path, tag: str) -> Path:
+    """Where the previous checkpoint of the same tag waits while the new one is renamed in."""
+    return save_dir / f".{tag}.old"
+
+
+# -- fault injection ------------------------------------------------------------------------
+
+_events: list[str] = []
+_rank = 0
+
+
+def begin_save(rank: int) -> None:
+    """Reset the event list; a save's events are numbered from 1."""
+    global _rank
+    _events.clear()
+    _rank = rank
+
+
+def events() -> list[str]:
+    """The file events of the current (or last) save on this rank, in order ("write", ...)."""
+    return list(_events)
+
+
+def fault_point(what: str) -> None:
+    _events.append(what)
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    at, _, rank = spec.partition(":")
+    if (not rank or int(rank) == _rank) and int(at) == len(_events):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- writing --------------------------------------------------------------------------------
+
+
+class _CountingWriter:
+    """A binary file whose every write is a fault point (torch.save writes record by record)."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+
+    def write(self, data: Any) -> int:
+        n = self._f.write(data)
+        fault_point("write")
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, *args: Any) -> int:
+        return self._f.seek(*args)
+
+    def seekable(self) -> bool:
+        return True
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fault_point("fsync dir")
+
+
+def write_atomic(path: Path, write: Callable[[Any], None]) -> int:
+    """`write(file)` to `path + .tmp`, fsync, rename to `path`; returns the size in bytes.
+    The caller fsyncs the directory once after its renames."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with open(tmp, "wb") as f:
+        fault_point("open")
+        write(_CountingWriter(f))
+        f.flush()
+        os.fsync(f.fileno())
+        fault_point("fsync")
+    size = tmp.stat().st_size
+    os.replace(tmp, path)
+    fault_point("rename")
+    return size
+
+
+def save_torch(path: Path, obj: Any) -> int:
+    return write_atomic(path, lambda f: torch.save(obj, f))
+
+
+def write_text_atomic(path: Path, text: str) -> int:
+    return write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+def load_torch(path: Path, *, expected_bytes: int | None, mmap: bool = True) -> Any:
+    """torch.load with weights_only=True (no code runs), memory-mapped; every failure is a
+    CheckpointError naming the file."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the checkpoint's manifest lists it)")
+    size = path.stat().st_size
+    if expected_bytes is not None and size != expected_bytes:
+        raise CheckpointError(f"{path}: {size} bytes, the manifest says {expected_bytes}: the file is "
+                              "truncated or was replaced after the save")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # noqa: BLE001 (torch raises many types for a corrupt zip/pickle)
+        raise CheckpointError(f"{path}: not a readable zeroshard checkpoint file ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from e

@@ -1,0 +1,225 @@
+"""Reading a checkpoint into this rank's layout, at any world size and stage (resharding).
+
+Note: [no partial load] Loading reads and checks everything this rank needs into fresh CPU
+tensors first; the ranks then agree that every rank succeeded, and only then does the engine
+copy anything into the model (runtime/checkpointing.apply_state). A bad file or a mismatched
+model raises CheckpointError on every rank and leaves the engine untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from zeroshard.checkpoint.files import MANIFEST, MODEL_FILE, load_torch, optim_file, pieces_file, rng_file
+from zeroshard.checkpoint.manifest import check_compatible, resolve
+from zeroshard.checkpoint.reshard import RangeIndex
+from zeroshard.checkpoint.save import agree
+from zeroshard.errors import CheckpointError
+from zeroshard.runtime.checkpointing import EngineState, LoadedState, Manifest, Range, unpickle_bytes
+
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm
+
+logger = logging.getLogger("zeroshard")
+
+
+class CheckpointReader:
+    """Opens the files of one checkpoint directory lazily (memory-mapped) and checks each
+    against the manifest: size, and the fragment list it claims to hold."""
+
+    def __init__(self, ckpt: Path, manifest: Manifest) -> None:
+        self.ckpt, self.manifest = ckpt, manifest
+        self._open: dict[str, Any] = {}
+        self.names = [p.name for p in manifest.params]
+        self.index_of = manifest.param_index()
+
+    def file(self, name: str) -> Any:
+        if name not in self._open:
+            if name not in self.manifest.files:
+                raise CheckpointError(f"{self.ckpt / MANIFEST}: lists no file {name}")
+            data = load_torch(self.ckpt / name, expected_bytes=self.manifest.files[name])
+            if not isinstance(data, dict):
+                raise CheckpointError(f"{self.ckpt / name}: not a zeroshard checkpoint file (a {type(data).__name__})")
+            self._open[name] = data
+        return self._open[name]
+
+    def close(self) -> None:
+        self._open.clear()  # drops the memory maps
+
+    def optim(self, rank: int) -> dict[str, Any]:
+        name = optim_file(rank)
+        data = self.file(name)
+        want = [list(r) for r in self.manifest.fragments[rank]]
+        if [list(r) for r in data.get("fragments", [])] != want or len(data.get("master", [])) != len(want):
+            raise CheckpointError(f"{self.ckpt / name}: holds other fragments than the manifest lists "
+                                  "for it (a file from another checkpoint?)")
+        return data
+
+    def pieces(self, rank: int) -> list[Tensor]:
+        name = pieces_file(rank)
+        data = self.file(name).get("pieces")
+        pieces = self.manifest.weight_pieces
+        if not isinstance(data, list) or pieces is None or len(data) != len(pieces[rank]):
+            raise CheckpointError(f"{self.ckpt / name}: holds other pieces than the manifest lists")
+        return data
+
+    def module(self) -> dict[str, Tensor]:
+        module = self.file(MODEL_FILE).get("module")
+        if not isinstance(module, dict):
+            raise CheckpointError(f"{self.ckpt / MODEL_FILE}: no \"module\" state dict")
+        return module
+
+    def _assemble(self, index: RangeIndex, get: Any, param: int, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
+        out = torch.empty(numel, dtype=dtype)
+        for r in index.reads(param, offset, numel):
+            src = get(r.source, r.entry).reshape(-1)
+            out[r.dst_offset : r.dst_offset + r.numel].copy_(src[r.src_offset : r.src_offset + r.numel])
+        return out
+
+    def weights(self, name: str, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
+        """Elements `[offset, offset + numel)` of a saved parameter's low-precision values."""
+        m = self.manifest
+        if m.weight_pieces is None:
+            module = self.module()
+            if name not in module:
+                raise CheckpointError(f"{self.ckpt / MODEL_FILE}: no tensor {name!r} in \"module\"")
+            flat = module[name].reshape(-1)
+            if flat.numel() < offset + numel:
+                raise CheckpointError(f"{self.ckpt / MODEL_FILE}: {name!r} has {flat.numel()} elements, "
+                                      f"the manifest says {m.params[self.index_of[name]].numel}")
+            return flat[offset : offset + numel].to(dtype, copy=True)
+        index = RangeIndex(m.weight_pieces, self.names)
+        return self._assemble(index, lambda s, e: self.pieces(s)[e], self.index_of[name], offset, numel, dtype)
+
+    def master_index(self) -> RangeIndex:
+        return RangeIndex(self.manifest.fragments, self.names)
+
+    def masters(self, index: RangeIndex, name: str, offset: int, numel: int,
+                with_state: bool = True) -> tuple[Tensor, dict[str, Any]]:
+        """fp32 master and (`with_state`) optimizer state of `[offset, offset + numel)` of `name`."""
+        param = self.index_of[name]
+        reads = index.reads(param, offset, numel)
+        master = self._assemble(index, lambda s, e: self.optim(s)["master"][e], param, offset, numel, torch.float32)
+        state: dict[str, Any] = {}
+        if not reads or not with_state:
+            return master, state
+        first = self.optim(reads[0].source)
+        keys = set(first["state"][reads[0].entry])
+        elementwise = list(first["elementwise"][reads[0].entry])
+        for r in reads[1:]:
+            if set(self.optim(r.source)["state"][r.entry]) != keys:
+                raise CheckpointError(f"{self.ckpt}: fragments of {name!r} hold different optimizer state keys")
+        for key in keys:
+            if key in elementwise:
+                dtype = first["state"][reads[0].entry][key].dtype
+                state[key] = self._assemble(index, lambda s, e, k=key: self.optim(s)["state"][e][k],
+                                            param, offset, numel, dtype)
+            else:
+                value = first["state"][reads[0].entry][key]
+                state[key] = value.clone() if isinstance(value, Tensor) else value
+        return master, state
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in the manifest")
+    return dtype
+
+
+def _read(target: EngineState, ckpt: Path, saved: Manifest, *, load_optimizer_states: bool,
+          load_module_only: bool) -> LoadedState:
+    tm, rank = target.manifest, target.rank
+    need_opt = load_optimizer_states and not load_module_only
+    check_compatible(saved, tm, ckpt / MANIFEST, need_optimizer=need_opt)
+    reader = CheckpointReader(ckpt, saved)
+    try:
+        return _read_files(reader, target, saved, need_opt, load_module_only, rank)
+    finally:
+        reader.close()
+
+
+def _read_files(reader: CheckpointReader, target: EngineState, saved: Manifest, need_opt: bool,
+                load_module_only: bool, rank: int) -> LoadedState:
+    tm = target.manifest
+    have = {p.name for p in saved.params if p.trainable or saved.frozen_saved}
+    module: dict[str, Tensor] = {}
+    if tm.weight_pieces is None:  # this run holds whole parameters
+        for p in tm.params:
+            if p.name in have:
+                module[p.name] = reader.weights(p.name, 0, p.numel, _dtype(p.dtype)).view(p.shape)
+    weight_pieces = None
+    if tm.weight_pieces is not None:
+        # None keeps the piece's current values (a frozen parameter the checkpoint left out).
+        weight_pieces = [reader.weights(tm.params[i].name, off, n, _dtype(tm.params[i].dtype))
+                         if tm.params[i].name in have else None for i, off, n in tm.weight_pieces[rank]]
+    saved_module = reader.module()
+    for b in tm.buffers:
+        if b.name not in saved_module:
+            raise CheckpointError(f"{reader.ckpt / MODEL_FILE}: no buffer {b.name!r} (the model has it)")
+        module[b.name] = saved_module[b.name].to(_dtype(b.dtype), copy=True).view(b.shape)
+    masters = states = groups = None
+    if need_opt:
+        masters, states = _read_masters(reader, tm.fragments[rank], tm)
+        groups = [dict(g) for g in reader.optim(0)["param_groups"]]
+    model = reader.file(MODEL_FILE)
+    run_state = rng = client_state = None
+    if not load_module_only:
+        run_state = {k: model.get(k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps",
+                                                "lr_scheduler", "loss_scaler", "data_loader")}
+        rng = _read_rng(reader, rank)
+        if model.get("client_state") is not None:
+            client_state = unpickle_bytes(model["client_state"])
+    return LoadedState(path=str(reader.ckpt), module=module, weight_pieces=weight_pieces, masters=masters,
+                       optimizer_states=states, param_groups=groups, run_state=run_state, rng=rng,
+                       client_state=client_state)
+
+
+def _read_masters(reader: CheckpointReader, wanted: list[Range], tm: Manifest) -> tuple[list[Tensor], list[dict[str, Any]]]:
+    index = reader.master_index()
+    masters, states = [], []
+    for i, off, n in wanted:
+        master, state = reader.masters(index, tm.params[i].name, off, n)
+        masters.append(master)
+        states.append(state)
+    return masters, states
+
+
+def _read_rng(reader: CheckpointReader, rank: int) -> dict[str, Any] | None:
+    if rank >= reader.manifest.world_size:
+        logger.info(f"rank {rank}: the checkpoint was saved by {reader.manifest.world_size} ranks and has no "
+                    "random generator state for this rank; its generators keep their current state")
+        return None
+    rng = reader.file(rng_file(rank))
+    return rng
+
+
+def load_state(target: EngineState, comm: "Comm", load_dir: str | os.PathLike[str], tag: str | None, *,
+               load_optimizer_states: bool, load_module_only: bool) -> LoadedState | None:
+    """Read the checkpoint for this rank; collective. None when `load_dir` has no `latest`."""
+    error, loaded, found = None, None, True
+    try:
+        resolved = resolve(load_dir, tag)
+        if resolved is None:
+            found = False
+        else:
+            ckpt, saved = resolved
+            loaded = _read(target, ckpt, saved, load_optimizer_states=load_optimizer_states,
+                           load_module_only=load_module_only)
+    except CheckpointError as e:
+        error = str(e)
+    except (OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError) as e:
+        error = f"{load_dir}: {type(e).__name__}: {e}"
+    agree(comm, error, "loading the checkpoint")
+    flags = torch.tensor([0.0 if found else 1.0], device=comm.groups.device)
+    comm.all_reduce(flags)
+    if 0 < flags.item() < comm.world_size:
+        raise CheckpointError(f"{load_dir}: some ranks see a `latest` file and others do not; "
+                              "checkpoints must be on a file system every rank sees the same")
+    return loaded

@@ -1,0 +1,209 @@
+"""Writing a checkpoint: every rank's files into a staging directory, then one publish.
+
+Order (Note: [save order]); a crash at any point leaves the previous checkpoint and `latest`
+as they were:
+
+    1. rank 0 clears `.TAG.partial/` (a leftover of an interrupted save) and creates it
+    2. every rank writes its files there (temp name, fsync, rename), fsyncs the directory
+    3. the ranks agree that every write succeeded and gather their layouts and file sizes
+    4. rank 0 writes the manifest (temp, fsync, rename): the staging directory is complete
+    5. rank 0 renames it to `TAG/` (an existing `TAG/` is first renamed to `.TAG.old/`,
+       which the loader uses if the crash falls between these two renames), fsyncs the root
+    6. rank 0 replaces `latest` (temp, fsync, rename), fsyncs the root, removes `.TAG.old/`
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zeroshard.checkpoint.files import (
+    LATEST, MANIFEST, MODEL_FILE, begin_save, fault_point, fsync_dir, optim_file, pieces_file,
+    retired_dir, rng_file, save_torch, staging_dir, write_text_atomic,
+)
+from zeroshard.checkpoint.manifest import to_json
+from zeroshard.errors import CheckpointError
+from zeroshard.runtime.checkpointing import FORMAT_VERSION, EngineState, Range, pickle_bytes
+
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm
+
+
+def agree(comm: "Comm", error: str | None, what: str) -> None:
+    """Every rank learns whether any rank failed `what`; all raise together (no hang)."""
+    flags = torch.zeros(comm.world_size, dtype=torch.float32, device=comm.groups.device)
+    if error is not None:
+        flags[comm.rank] = 1.0
+    comm.all_reduce(flags)
+    failed = [r for r, f in enumerate(flags.tolist()) if f]
+    if not failed:
+        return
+    if error is not None:
+        raise CheckpointError(f"rank {comm.rank}: {what} failed: {error}")
+    raise CheckpointError(f"rank {comm.rank}: {what} failed on rank(s) {failed}; see their error")
+
+
+def gather_rows(comm: "Comm", row: list[int]) -> list[list[int]]:
+    """Every rank's list of ints, on every rank (lengths may differ)."""
+    device = comm.groups.device
+    n = torch.tensor([len(row)], dtype=torch.int64, device=device)
+    lengths = torch.zeros(comm.world_size, dtype=torch.int64, device=device)
+    comm.all_gather(lengths, n)
+    width = max(int(lengths.max()), 1)
+    mine = torch.zeros(width, dtype=torch.int64, device=device)
+    mine[: len(row)] = torch.tensor(row, dtype=torch.int64)
+    out = torch.zeros(width * comm.world_size, dtype=torch.int64, device=device)
+    comm.all_gather(out, mine)
+    rows = out.view(comm.world_size, width).tolist()
+    return [r[: int(k)] for r, k in zip(rows, lengths.tolist())]
+
+
+def _flatten(ranges: list[Range]) -> list[int]:
+    return [x for r in ranges for x in r]
+
+
+def _unflatten(values: list[int]) -> list[Range]:
+    return [(values[i], values[i + 1], values[i + 2]) for i in range(0, len(values), 3)]
+
+
+def _optim_payload(state: EngineState) -> dict[str, Any]:
+    m = state.manifest
+    return {
+        "zeroshard_format_version": FORMAT_VERSION, "rank": state.rank, "world_size": m.world_size,
+        "fragments": [list(r) for r in m.fragments[state.rank]],
+        "master": [_own(t) for t in state.masters],
+        "state": [{k: _own(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                  for s in state.optimizer_states],
+        "elementwise": state.elementwise_keys,
+        "param_groups": state.param_groups,
+    }
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    # torch.save writes a view's whole storage: a fragment viewing the model's flat buffer
+    # would drag the full model into every rank's file. Copy views, save owners as they are.
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0
+    return t.detach() if whole else t.detach().clone()
+
+
+def _model_payload(state: EngineState, client_state: Mapping[str, Any] | None) -> dict[str, Any]:
+    m = state.manifest
+    return {
+        "module": state.module,
+        "buffer_names": [b.name for b in m.buffers],
+        "param_shapes": {p.name: list(p.shape) for p in m.params},
+        "frozen_param_names": [p.name for p in m.params if not p.trainable],
+        "zeroshard_format_version": FORMAT_VERSION,
+        "dp_world_size": m.world_size,
+        "zero_stage": m.stage,
+        **state.run_state,
+        "client_state": pickle_bytes(dict(client_state)) if client_state is not None else None,
+    }
+
+
+def _write_rank_files(state: EngineState, staging: Path, client_state: Mapping[str, Any] | None,
+                      save_optimizer_states: bool) -> list[int]:
+    """This rank's files; returns [optim, rng, pieces, model] sizes (0: not written)."""
+    rank = state.rank
+    sizes = [0, 0, 0, 0]
+    if save_optimizer_states:
+        sizes[0] = save_torch(staging / optim_file(rank), _optim_payload(state))
+    sizes[1] = save_torch(staging / rng_file(rank), state.rng)
+    if state.manifest.weight_pieces is not None:
+        sizes[2] = save_torch(staging / pieces_file(rank), {"pieces": [_own(t) for t in state.weight_pieces]})
+    if rank == 0:
+        sizes[3] = save_torch(staging / MODEL_FILE, _model_payload(state, client_state))
+    fsync_dir(staging)
+    return sizes
+
+
+def _publish(root: Path, staging: Path, tag: str, save_latest: bool) -> None:
+    final, old = root / tag, retired_dir(root, tag)
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        fault_point("rename old")
+    os.replace(staging, final)
+    fault_point("rename staging")
+    fsync_dir(root)
+    if save_latest:
+        write_text_atomic(root / LATEST, tag)
+        fsync_dir(root)
+    if old.exists():
+        shutil.rmtree(old)
+        fault_point("remove old")
+
+
+def _prepare(root: Path, tag: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(root, tag)
+    if staging.exists():
+        shutil.rmtree(staging)
+    if (root / tag).exists() and retired_dir(root, tag).exists():
+        shutil.rmtree(retired_dir(root, tag))
+    staging.mkdir()
+    fault_point("mkdir")
+    return staging
+
+
+def save_state(state: EngineState, comm: "Comm", save_dir: str | os.PathLike[str], tag: str,
+               client_state: Mapping[str, Any] | None, save_latest: bool,
+               save_optimizer_states: bool = True) -> str:
+    """Write `state` as checkpoint `tag` under `save_dir`; collective. See Note: [save order]."""
+    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
+        raise CheckpointError(f"tag {tag!r}: use a plain directory name (no '/', not starting with '.', "
+                              f"not {LATEST!r})")
+    root, rank = Path(save_dir), state.rank
+    begin_save(rank)
+    staging = staging_dir(root, tag)
+    error = None
+    if rank == 0:
+        try:
+            _prepare(root, tag)
+        except OSError as e:
+            error = f"{staging}: {e}"
+    agree(comm, error, "preparing the checkpoint directory")
+    sizes: list[int] = [0, 0, 0, 0]
+    try:
+        sizes = _write_rank_files(state, staging, client_state, save_optimizer_states)
+    except (OSError, RuntimeError) as e:
+        error = f"writing to {staging}: {e}"
+    agree(comm, error, "writing checkpoint files")
+    m = state.manifest
+    mine = m.fragments[rank]
+    pieces = m.weight_pieces[rank] if m.weight_pieces is not None else []
+    rows = gather_rows(comm, [*sizes, len(mine), len(pieces), *_flatten(mine), *_flatten(pieces)])
+    if rank == 0:
+        try:
+            _finish(state, rows, root, staging, tag, save_latest, save_optimizer_states)
+        except OSError as e:
+            error = f"publishing {root / tag}: {e}"
+    agree(comm, error, "publishing the checkpoint")
+    return str(root / tag)
+
+
+def _finish(state: EngineState, rows: list[list[int]], root: Path, staging: Path, tag: str,
+            save_latest: bool, save_optimizer_states: bool) -> None:
+    m = state.manifest
+    files: dict[str, int] = {}
+    fragments, pieces = [], []
+    for r, row in enumerate(rows):
+        optim, rng, piece, model, n_frag, n_piece = row[:6]
+        for name, size in ((optim_file(r), optim), (rng_file(r), rng), (pieces_file(r), piece), (MODEL_FILE, model)):
+            if size:
+                files[name] = size
+        fragments.append(_unflatten(row[6 : 6 + 3 * n_frag]))
+        pieces.append(_unflatten(row[6 + 3 * n_frag : 6 + 3 * (n_frag + n_piece)]))
+    m.fragments, m.files, m.tag = fragments, files, tag
+    m.has_optimizer_states = save_optimizer_states
+    if m.weight_pieces is not None:
+        m.weight_pieces = pieces
+    write_text_atomic(staging / MANIFEST, to_json(m))
+    fsync_dir(staging)
+    _publish(root, staging, tag, save_latest)

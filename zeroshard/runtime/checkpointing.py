@@ -1,0 +1,373 @@
+"""The engine's side of checkpoints: what it saves (`EngineState`), how it applies what was
+loaded (`apply_state`), and the `Checkpointer` protocol that moves both to and from disk.
+
+The engine does not import zeroshard.checkpoint (STYLE §1): `collect_state` returns tensors
+plus a `Manifest`, and `initialize()` hands the engine a `Checkpointer` that writes them.
+Nothing here touches files. Imports runtime/ and zero/ only.
+
+Note: [checkpoint fragments] Trainable state is described per *fragment*: a range
+`[param_offset, param_offset + numel)` of one flattened parameter, identified by the
+parameter's index in `Manifest.params`. A fragment has an fp32 master and optimizer state.
+Stage 0 has one whole-parameter fragment per parameter, stages 1-3 the pieces of their shard.
+Loading at another world size or stage intersects the saved fragments with the new ones.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from zeroshard.errors import CheckpointError
+from zeroshard.zero.strategy import MasterFragment, ZeroStrategy
+
+if TYPE_CHECKING:
+    from zeroshard.runtime.engine import ZeroEngine
+
+logger = logging.getLogger("zeroshard")
+
+FORMAT_VERSION = 1
+"""Version of the on-disk format (docs/checkpoints.md); bumped on incompatible changes."""
+
+Range = tuple[int, int, int]
+"""(param index into Manifest.params, offset in the flattened parameter, numel)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Name, shape and dtype of a parameter or buffer; `trainable`: requires_grad."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    """torch dtype without the "torch." prefix ("float32", "bfloat16")."""
+    trainable: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class Manifest:
+    """The layout of one checkpoint: which parameter fragments each rank owns, and more.
+
+    `collect_state` fills the entries of its own rank; the checkpointer gathers every rank's
+    before writing (`fragments[r]`, `weight_pieces[r]`).
+    """
+
+    world_size: int
+    stage: int
+    precision: str
+    params: list[TensorInfo]
+    """Every parameter of the module (tied parameters once), in `named_parameters()` order."""
+    aliases: dict[str, str]
+    """Other state_dict names of tied parameters -> the name in `params`."""
+    buffers: list[TensorInfo]
+    optimizer: str | None
+    param_groups: int
+    fragments: list[list[Range]]
+    """Per rank: the master fragments it owns (Note: [checkpoint fragments])."""
+    weight_pieces: list[list[Range]] | None
+    """Per rank: the low-precision parameter pieces it holds (stage 3); None: every rank holds
+    whole parameters and rank 0 saves them in the model file."""
+    frozen_saved: bool = False
+    has_optimizer_states: bool = True
+    global_steps: int = 0
+    format_version: int = FORMAT_VERSION
+    tag: str = ""
+    files: dict[str, int] = field(default_factory=dict)
+    """File name -> size in bytes, for every file of the checkpoint but the manifest."""
+
+    def param_index(self) -> dict[str, int]:
+        return {p.name: i for i, p in enumerate(self.params)}
+
+
+@dataclass
+class EngineState:
+    """One rank's state for a checkpoint: views of live tensors (copy before changing them)."""
+
+    rank: int
+    manifest: Manifest
+    masters: list[Tensor]
+    """fp32 masters of this rank's fragments (1-D), aligned with `manifest.fragments[rank]`."""
+    optimizer_states: list[dict[str, Any]]
+    """Optimizer state of each fragment; element-wise tensors flattened to 1-D."""
+    elementwise_keys: list[list[str]]
+    """Per fragment: the state keys with one value per element (exp_avg, exp_avg_sq)."""
+    param_groups: list[dict[str, Any]]
+    """The optimizer's hyper-parameters per group (lr, betas, ...), without "params"."""
+    module: dict[str, Tensor]
+    """Whole tensors for the model file (rank 0): parameters unless sharded, buffers."""
+    weight_pieces: list[Tensor]
+    """Aligned with `manifest.weight_pieces[rank]` (stage 3), else empty."""
+    run_state: dict[str, Any]
+    """Step counters, scheduler, loss scaler and data loader states (plain Python types)."""
+    rng: dict[str, Any]
+
+
+@dataclass
+class LoadedState:
+    """What a checkpointer read for this rank, aligned with the target `EngineState`."""
+
+    path: str
+    module: dict[str, Tensor]
+    """Whole tensors to copy into the module (parameters not sharded, buffers)."""
+    weight_pieces: list[Tensor | None] | None
+    """Aligned with the strategy's `param_pieces()` (None: keep that piece's values)."""
+    masters: list[Tensor] | None
+    optimizer_states: list[dict[str, Any]] | None
+    param_groups: list[dict[str, Any]] | None
+    run_state: dict[str, Any] | None
+    rng: dict[str, Any] | None
+    client_state: dict[str, Any] | None
+
+
+class Checkpointer(Protocol):
+    """Moves engine state to and from a directory. `zeroshard.checkpoint.ShardedCheckpointer`."""
+
+    def save(self, state: EngineState, save_dir: str, tag: str, client_state: Mapping[str, Any] | None,
+             save_latest: bool, save_optimizer_states: bool) -> str:
+        """Write `state` (every rank calls it) and return the checkpoint's directory."""
+        ...
+
+    def load(self, target: EngineState, load_dir: str, tag: str | None, *, load_optimizer_states: bool,
+             load_module_only: bool) -> LoadedState | None:
+        """Read what `target` needs from a checkpoint; None when `load_dir` has no `latest`."""
+        ...
+
+
+# -- collecting ---------------------------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _param_tables(module: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], dict[str, str]]:
+    named = list(module.named_parameters())
+    canonical = {id(p): n for n, p in named}
+    aliases = {n: canonical[id(p)] for n, p in module.named_parameters(remove_duplicate=False)
+               if canonical[id(p)] != n}
+    return named, aliases
+
+
+def _persistent_buffers(module: nn.Module) -> list[tuple[str, Tensor]]:
+    out = []
+    for mod_name, mod in module.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                out.append((f"{mod_name}.{name}" if mod_name else name, buf))
+    return out
+
+
+def _fragment_state(optimizer: torch.optim.Optimizer | None, frag: MasterFragment) -> tuple[dict[str, Any], list[str]]:
+    if optimizer is None or frag.master not in optimizer.state:
+        return {}, []
+    state, elementwise = {}, []
+    for key, value in optimizer.state[frag.master].items():
+        if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == frag.numel:
+            state[key] = value.detach().reshape(-1)
+            elementwise.append(key)
+        else:
+            state[key] = value
+    return state, sorted(elementwise)
+
+
+def run_state_of(engine: "ZeroEngine") -> dict[str, Any]:
+    """Counters, scheduler, loss scaler, data loader: small, plain, saved by rank 0."""
+    sched = engine.lr_scheduler
+    loader = engine.training_dataloader
+    scaler = engine._loss_scaler
+    return {
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        # Pickled to bytes: a client scheduler's state may hold arbitrary objects, and the
+        # model file must stay loadable with torch.load(weights_only=True).
+        "lr_scheduler": _pickle(sched.state_dict()) if sched is not None else None,
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "data_loader": loader.state_dict() if hasattr(loader, "state_dict") else None,
+    }
+
+
+def collect_state(engine: "ZeroEngine", strategy: ZeroStrategy, *, include_frozen: bool) -> EngineState:
+    """This rank's state for a checkpoint: views of the live tensors plus the Manifest."""
+    if not hasattr(strategy, "checkpoint_fragments"):
+        raise CheckpointError(f"{type(strategy).__name__} does not implement checkpoints yet "
+                              "(checkpoint_fragments, param_pieces, sync_* in zero/strategy.py)")
+    module, optimizer = engine.module, engine.optimizer
+    named, aliases = _param_tables(module)
+    index = {id(p): i for i, (_, p) in enumerate(named)}
+    params = [TensorInfo(n, tuple(p.shape), _dtype_name(p.dtype), p.requires_grad) for n, p in named]
+    buffers = _persistent_buffers(module)
+    frags = strategy.checkpoint_fragments()
+    ranges, masters, states, elementwise = [], [], [], []
+    for f in frags:
+        if id(f.param) not in index:
+            raise AssertionError("expected every fragment's parameter to be a parameter of the module")
+        ranges.append((index[id(f.param)], f.param_offset, f.numel))
+        masters.append(f.master.detach().reshape(-1))
+        state, keys = _fragment_state(optimizer, f)
+        states.append(state)
+        elementwise.append(keys)
+    pieces = strategy.param_pieces()
+    world, rank = engine.world_size, engine.rank
+    whole: dict[str, Tensor] = {}
+    piece_ranges: list[list[Range]] | None = None
+    piece_data: list[Tensor] = []
+    if pieces is None:
+        if rank == 0:
+            whole = {n: p.detach() for n, p in named if p.requires_grad or include_frozen}
+    else:
+        piece_ranges = [[] for _ in range(world)]
+        for pc in pieces:
+            if pc.param.requires_grad or include_frozen:
+                piece_ranges[rank].append((index[id(pc.param)], pc.param_offset, pc.numel))
+                piece_data.append(pc.data.detach().reshape(-1))
+    if rank == 0:
+        whole.update({n: b.detach() for n, b in buffers})
+    manifest = Manifest(
+        world_size=world, stage=engine.config.zero_optimization.stage, precision=engine.config.precision,
+        params=params, aliases=aliases,
+        buffers=[TensorInfo(n, tuple(b.shape), _dtype_name(b.dtype)) for n, b in buffers],
+        optimizer=type(optimizer).__name__ if optimizer is not None else None,
+        param_groups=len(optimizer.param_groups) if optimizer is not None else 0,
+        fragments=[ranges if r == rank else [] for r in range(world)], weight_pieces=piece_ranges,
+        frozen_saved=include_frozen, global_steps=engine.global_steps)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
+    return EngineState(rank=rank, manifest=manifest, masters=masters, optimizer_states=states,
+                       elementwise_keys=elementwise, param_groups=groups, module=whole,
+                       weight_pieces=piece_data, run_state=run_state_of(engine), rng=rng_state())
+
+
+# -- applying -----------------------------------------------------------------------------
+
+
+_GROUP_KEYS_KEPT = ("params", "fused", "foreach", "capturable", "differentiable")
+"""Group keys that belong to this run's optimizer object, not to the checkpoint."""
+
+
+def _optimizer_state_dict(optimizer: torch.optim.Optimizer, frags: list[MasterFragment],
+                          states: list[dict[str, Any]], groups: list[dict[str, Any]]) -> dict[str, Any]:
+    by_master = {id(f.master): (f, s) for f, s in zip(frags, states)}
+    state: dict[int, dict[str, Any]] = {}
+    param_groups = []
+    idx = 0
+    for current, saved in zip(optimizer.param_groups, groups):
+        ids = []
+        for p in current["params"]:
+            if id(p) in by_master:
+                f, s = by_master[id(p)]
+                if s:
+                    state[idx] = {k: (v.view(p.shape) if isinstance(v, Tensor) and v.numel() == p.numel()
+                                      and v.dim() > 0 else v) for k, v in s.items()}
+            ids.append(idx)
+            idx += 1
+        merged = {**saved, **{k: current[k] for k in _GROUP_KEYS_KEPT if k in current}}
+        merged["params"] = ids
+        param_groups.append(merged)
+    return {"state": state, "param_groups": param_groups}
+
+
+@torch.no_grad()
+def apply_state(engine: "ZeroEngine", strategy: ZeroStrategy, loaded: LoadedState, *,
+                load_lr_scheduler_states: bool, load_module_only: bool) -> None:
+    """Copy what was loaded into the engine. Everything was read and checked before: this
+    step does not fail halfway (Note: [no partial load] in checkpoint/load.py)."""
+    targets: dict[str, Tensor] = {**dict(_persistent_buffers(engine.module)),
+                                  **dict(engine.module.named_parameters())}
+    for name, value in loaded.module.items():
+        target = targets[name]
+        target.data.copy_(value.view(target.shape))
+    if loaded.weight_pieces is not None:
+        for piece, maybe in zip(strategy.param_pieces() or [], loaded.weight_pieces, strict=True):
+            if maybe is not None:
+                piece.data.copy_(maybe)
+    frags = strategy.checkpoint_fragments()
+    if loaded.masters is not None:
+        for frag, value in zip(frags, loaded.masters):
+            frag.master.data.view(-1).copy_(value)
+        strategy.sync_params_from_master()
+    else:
+        strategy.sync_master_from_params()
+    if load_module_only:
+        return
+    opt = engine.optimizer
+    if opt is not None and loaded.optimizer_states is not None and loaded.param_groups is not None:
+        opt.load_state_dict(_optimizer_state_dict(opt, frags, loaded.optimizer_states, loaded.param_groups))
+    if loaded.run_state is not None:
+        _apply_run_state(engine, loaded.run_state, load_lr_scheduler_states)
+    if loaded.rng is not None:
+        set_rng_state(loaded.rng)
+
+
+def _apply_run_state(engine: "ZeroEngine", run: Mapping[str, Any], load_lr_scheduler_states: bool) -> None:
+    engine.global_steps = int(run["global_steps"])
+    engine.global_samples = int(run["global_samples"])
+    engine.micro_steps = int(run["micro_steps"])
+    engine.skipped_steps = int(run["skipped_steps"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and run.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(_unpickle(run["lr_scheduler"]))
+    if engine._loss_scaler is not None and run.get("loss_scaler") is not None:
+        engine._loss_scaler.load_state_dict(run["loss_scaler"])
+    loader = engine.training_dataloader
+    if loader is not None and hasattr(loader, "load_state_dict") and run.get("data_loader") is not None:
+        loader.load_state_dict(run["data_loader"])
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _pickle(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpickle(data: bytes) -> Any:
+    # Written by this run's own save; unpickled only by engine.load_checkpoint (never by to-fp32).
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+pickle_bytes, unpickle_bytes = _pickle, _unpickle
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch CPU and accelerator generator states, as weights_only-safe values."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (str(kind), torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss),
+                  float(gauss)),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        saved = state["cuda"]
+        if len(saved) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(saved)
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
