@@ -10,6 +10,9 @@ commands:
   train          train the built-in GPT example on the shipped corpus
   launch         launch a training script on one or many nodes
   config check   validate a ds_config.json and print it resolved
+  estimate       model-state memory per device and per node for every ZeRO stage and offload
+  plan           pick the fastest configuration that fits the hardware; write its ds_config.json
+  to-fp32        consolidate a checkpoint into one fp32 state dict (CPU only)
 
 Run `zeroshard <command> --help` for a command's options."""
 
@@ -24,6 +27,12 @@ def main(argv: list[str] | None = None) -> int:
         from zeroshard.cli.train import main as run
     elif command == "launch":
         from zeroshard.cli.launch import main as run
+    elif command == "estimate":
+        from zeroshard.cli.estimate import main as run
+    elif command == "plan":
+        from zeroshard.cli.plan import main as run
+    elif command == "to-fp32":
+        from zeroshard.cli.to_fp32 import main as run
     elif command == "config":
         if not rest or rest[0] != "check":
             print("usage: zeroshard config check FILE [--world-size N] [--hidden-size H]", file=sys.stderr)

@@ -1,0 +1,122 @@
+"""`zeroshard estimate`: model-state memory per device and per node for every stage and offload.
+
+No GPU needed and no weights: a config is built on the meta device. Exit status 0, or 2 with
+one line on stderr when the input is wrong. Imports `zeroshard.estimate`, `zeroshard.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from typing import cast
+
+from zeroshard.config import load_config
+from zeroshard.errors import ConfigError, ZeroshardError
+from zeroshard.estimate.activations import ActivationOptions, activation_bytes
+from zeroshard.estimate.deepspeed_compat import format_rows, zero2_rows, zero3_rows
+from zeroshard.estimate.spec import ModelSpec, load_model_spec, parse_count, spec_from_counts
+from zeroshard.estimate.states import Precision, Setup
+from zeroshard.estimate.table import format_table, table_rows
+
+MODEL_HELP = ("gpt:<tiny|small|25m> (zeroshard's GPT), a GPT config JSON, or a Hugging Face config.json "
+              "(or its directory), built on the meta device")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model, or --params with --largest-layer; --hf-class. Shared with `zeroshard plan`."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help=MODEL_HELP)
+    src.add_argument("--params", help="total parameter count instead of a model, e.g. 2.78B (DeepSpeed's 'all cold')")
+    p.add_argument("--largest-layer", default=None,
+                   help="with --params: parameters of the largest layer, e.g. 65.8M (what stage 3 gathers)")
+    p.add_argument("--hf-class", default="AutoModel",
+                   help="transformers class for a Hugging Face config (default AutoModel, as DeepSpeed's "
+                   "example; AutoModelForCausalLM counts the LM head)")
+
+
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    if args.model is not None:
+        if args.largest_layer is not None:
+            raise ZeroshardError("--largest-layer goes with --params; --model reads it from the model")
+        return load_model_spec(args.model, args.hf_class)
+    largest = parse_count(args.largest_layer) if args.largest_layer is not None else None
+    return spec_from_counts(parse_count(args.params), largest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zeroshard estimate", description=__doc__.splitlines()[0])
+    add_model_arguments(p)
+    p.add_argument("--devices", type=int, default=1, help="devices (GPUs) per node (default 1)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32", "both"], default=None,
+                   help="training precision; 'both' prints bf16 mixed and fp32 (the default without --config)")
+    p.add_argument("--config", help="a ds_config.json: buckets, optimizer, precision and gradient dtype from it")
+    p.add_argument("--deepspeed", action="store_true",
+                   help="also print DeepSpeed's own estimator tables (its formulas), for comparison")
+    p.add_argument("--seq-len", type=int, help="sequence length, for the activation estimate")
+    p.add_argument("--micro-batch", type=int, default=1, help="micro batch per device (activations)")
+    return p
+
+
+def _base_setups(args: argparse.Namespace, spec: ModelSpec) -> list[Setup]:
+    hw = {"devices_per_node": args.devices, "nodes": args.nodes}
+    if args.config:
+        hidden = spec.shape.hidden_size if spec.shape else None
+        cfg = load_config(args.config, dp_world_size=args.devices * args.nodes, hidden_size=hidden)
+        base = Setup.from_config(cfg, **hw)
+        precisions: list[Precision] = [base.precision] if args.precision in (None, "both") else [args.precision]
+        return [replace(base, precision=p) for p in precisions]
+    chosen: str = args.precision or "both"
+    precisions = ["bf16", "fp32"] if chosen == "both" else [cast(Precision, chosen)]
+    return [Setup(stage=0, precision=p, **hw) for p in precisions]
+
+
+def _activation_lines(spec: ModelSpec, args: argparse.Namespace, precision: Precision) -> list[str]:
+    if args.seq_len is None:
+        return []
+    if spec.shape is None:
+        return ["activations: unknown for a model given by counts (give --model with a transformer config)"]
+    lines = []
+    for ckpt in (False, True):
+        opt = ActivationOptions(seq_len=args.seq_len, micro_batch=args.micro_batch, checkpointing=ckpt,
+                                act_bytes=4 if precision == "fp32" else 2)
+        n = activation_bytes(spec.shape, opt)
+        lines.append(f"activations per device, seq {args.seq_len} x micro batch {args.micro_batch}, "
+                     f"{'with' if ckpt else 'without'} activation checkpointing: {n / 2**30:.2f} GB")
+    return lines
+
+
+def run(args: argparse.Namespace) -> str:
+    if args.devices < 1 or args.nodes < 1:
+        raise ZeroshardError("--devices and --nodes must be >= 1")
+    spec = model_spec(args)
+    out: list[str] = []
+    for base in _base_setups(args, spec):
+        out += [format_table(spec, base, table_rows(spec, base)), *_activation_lines(spec, args, base.precision), ""]
+    if args.deepspeed:
+        out.append("DeepSpeed 0.19's estimator for the same model (its formulas: 16-bit params and gradients):")
+        for rows, largest in ((zero2_rows(spec, args.devices, args.nodes, 1.5, "deepspeed"), False),
+                              (zero3_rows(spec, args.devices, args.nodes, 1.5, "deepspeed"), True)):
+            out += [format_rows(spec, rows, args.devices, args.nodes, "deepspeed", with_largest=largest), ""]
+    return "\n".join(out).rstrip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `zeroshard estimate`; returns the exit status.
+
+    Example:
+        $ zeroshard estimate --model gpt:25m --devices 8
+        $ zeroshard estimate --params 2.78B --largest-layer 65.8M --deepspeed
+    """
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        print(run(args))
+    except (ZeroshardError, ConfigError) as e:
+        print(f"zeroshard estimate: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

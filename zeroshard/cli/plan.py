@@ -1,0 +1,149 @@
+"""`zeroshard plan`: the fastest ZeRO configuration expected to fit, and its ds_config.json.
+
+Walks stage 0 -> 1 -> 2 -> 2 + optimizer offload -> 3 -> 3 + parameter offload -> + optimizer
+offload -> NVMe with one line per decision, then raises the micro batch. `--probe` runs a few
+real steps of every candidate that fits (most frugal first) and keeps the fastest that ran.
+Exit status 0 when a configuration was chosen, 1 when none fits, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from zeroshard.cli.estimate import add_model_arguments, model_spec
+from zeroshard.config import load_config, read_config_file
+from zeroshard.errors import ConfigError, ZeroshardError
+from zeroshard.estimate.plan import Decision, Hardware, Plan, Workload, format_gb, make_plan, raise_batch
+from zeroshard.estimate.spec import ModelSpec
+
+_UNITS = {"": 2**30, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
+          "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """"80GB" -> 80 * 2**30. GB means 2**30 bytes, as DeepSpeed's estimator prints; a bare number is GB."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 80GB, 512GiB or 500MB")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zeroshard plan", description=__doc__.splitlines()[0])
+    add_model_arguments(p)
+    p.add_argument("--devices", type=int, required=True, help="devices (GPUs; processes on a CPU machine) per node")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--device-memory", type=parse_bytes, required=True, help="memory per device, e.g. 80GB")
+    p.add_argument("--cpu-memory", type=parse_bytes, required=True, help="CPU memory per node, e.g. 512GB")
+    p.add_argument("--seq-len", type=int, help="sequence length (default: the model's longest, else 512)")
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step over all devices")
+    p.add_argument("--max-micro-batch", type=int, default=64, help="largest micro batch tried (default 64)")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="training precision (default: the --config's, else bf16)")
+    p.add_argument("--config", help="base ds_config.json: its optimizer, scheduler, etc. are kept")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="the model recomputes activations in backward (torch.utils.checkpoint)")
+    p.add_argument("--nvme-path", help="a directory on NVMe, to allow the ZeRO-Infinity candidate")
+    p.add_argument("--reserve", type=float, default=0.10,
+                   help="fraction of each memory kept free for the allocator and runtime (default 0.10)")
+    p.add_argument("--out", help="write the chosen ds_config.json here")
+    p.add_argument("--probe", action="store_true", help="run a few real steps of each candidate that fits")
+    p.add_argument("--probe-steps", type=int, default=10, help="timed steps per probe (after 3 warm-up steps)")
+    p.add_argument("--probe-max", type=int, default=None,
+                   help="probe at most this many candidates (the most frugal ones); default: all that fit")
+    p.add_argument("--probe-timeout", type=float, default=300.0, help="seconds per probe run")
+    return p
+
+
+def _workload(args: argparse.Namespace, spec: ModelSpec) -> Workload:
+    base = read_config_file(args.config) if args.config else {}
+    precision = args.precision
+    if precision is None:
+        precision = "bf16" if base.get("bf16", {}).get("enabled") else "fp16" if base.get("fp16", {}).get("enabled") else (
+            "fp32" if args.config else "bf16")
+    seq = args.seq_len or (spec.shape.max_seq_len if spec.shape and spec.shape.max_seq_len else None)
+    if seq is None and spec.shape is not None:
+        seq = 512
+    return Workload(precision=precision, seq_len=seq, global_batch=args.global_batch,
+                    max_micro_batch=args.max_micro_batch, checkpointing=args.activation_checkpointing,
+                    base_config=base)
+
+
+def _write(d: Decision, hw: Hardware, spec: ModelSpec, path: str) -> str:
+    if d.ds_config is None:
+        raise ZeroshardError(f"{d.name}: no ds_config")
+    load_config(d.ds_config, dp_world_size=hw.world_size,  # the file must load as it is
+                hidden_size=spec.shape.hidden_size if spec.shape else None)
+    Path(path).write_text(json.dumps(d.ds_config, indent=2) + "\n")
+    return f"wrote {path} ({d.name}, micro batch {d.micro_batch}; checked by zeroshard.config.load_config)"
+
+
+def _probe(args: argparse.Namespace, plan: Plan, spec: ModelSpec, work: Workload, hw: Hardware) -> Decision | None:
+    from zeroshard.estimate.probe import probe_all
+
+    if args.model is None:
+        raise ZeroshardError("--probe needs --model (a model to build and train), not --params")
+    fitting = [raise_batch(spec, work, hw, d) for d in plan.decisions if d.status == "fits"]
+    fitting = sorted(fitting, key=lambda d: d.device_need)[: args.probe_max]
+    if not fitting:
+        return None
+    print(f"probing {len(fitting)} candidate(s) that fit, most frugal first "
+          f"({args.probe_steps} timed steps each, under python -m torch.distributed.run):", flush=True)
+    results, best = probe_all(fitting, args.model, work.seq_len or 512, hw, steps=args.probe_steps,
+                              warmup=3, timeout_s=args.probe_timeout, report=lambda line: print(line, flush=True))
+    if best is None:
+        print("probe: no candidate ran; keeping the estimate's choice")
+        return None
+    print(f"probe choice: {best.decision.name}, micro batch {best.decision.micro_batch}: "
+          f"{best.samples_per_s:.1f} samples/s, peak {format_gb(best.peak_bytes)} per rank "
+          f"({len([r for r in results if r.status == 'ok'])} of {len(results)} ran)")
+    return best.decision
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.devices < 1 or args.nodes < 1 or not 0 <= args.reserve < 1:
+        raise ZeroshardError("--devices and --nodes must be >= 1 and --reserve in [0, 1)")
+    spec = model_spec(args)
+    work = _workload(args, spec)
+    hw = Hardware(devices_per_node=args.devices, nodes=args.nodes, device_memory=args.device_memory,
+                  cpu_memory=args.cpu_memory, reserve=args.reserve, nvme_path=args.nvme_path)
+    print(f"plan for {spec.name} ({spec.total_params / 1e6:,.1f}M params) on {hw.nodes} node(s) x "
+          f"{hw.devices_per_node} device(s) of {format_gb(hw.device_memory)}, {format_gb(hw.cpu_memory)} CPU "
+          f"per node; {work.precision}, sequence length {work.seq_len or 'n/a'}"
+          f"{', global batch ' + str(work.global_batch) if work.global_batch else ''}", flush=True)
+    plan = make_plan(spec, work, hw, evaluate_all=args.probe)
+    print(plan.report(), flush=True)
+    chosen = plan.chosen
+    if args.probe:
+        chosen = _probe(args, plan, spec, work, hw) or chosen
+    if chosen is None:
+        return 1
+    if args.out:
+        print(_write(chosen, hw, spec, args.out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `zeroshard plan`; returns the exit status.
+
+    Example:
+        $ zeroshard plan --model config.json --devices 8 --device-memory 80GB --cpu-memory 512GB \\
+              --seq-len 2048 --global-batch 256 --out ds_config.json
+    """
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(args)
+    except (ZeroshardError, ConfigError) as e:
+        print(f"zeroshard plan: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
