@@ -181,3 +181,17 @@ def test_model_state_bytes_match_formula(groups, offload: str) -> None:
     if offload != "plain":
         off = [s for s in states if "offload" in s.device]
         assert off and off[0].optimizer_states > 0 and off[0].master_params > 0
+
+
+def test_user_chosen_units(groups) -> None:
+    # Units by class: every Block's MLP is its own unit (inside the default Block units' place).
+    want, _ = stage0("fp32", groups.rank, groups.world_size)
+    engine = init_engine(make_model(), stage3_config("fp32", "plain"), zero_units=[nn.Sequential])
+    strategy = engine._strategy
+    assert len(strategy._unit_modules) - 1 == 1 + 2, "root + the two MLPs (+ the persistent unit)"
+    from engine_helpers import train_engine as _train
+
+    batches = global_batches(STEPS, 2 * 2 * groups.world_size)
+    _, got = _train(engine, batches, groups.rank, groups.world_size)
+    for step in range(STEPS):
+        assert_params_close(got[step], want[step], TOL["fp32"], f"step {step}")

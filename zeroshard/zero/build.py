@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,9 +24,22 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else DTYPES[name]
 
 
+def resolve_units(module: nn.Module, units: Sequence[nn.Module | type[nn.Module]]) -> list[nn.Module]:
+    """Stage-3 units from modules and/or module classes (every instance of the class), root first."""
+    classes = tuple(u for u in units if isinstance(u, type))
+    chosen = [u for u in units if isinstance(u, nn.Module)]
+    chosen += [m for m in module.modules() if classes and isinstance(m, classes) and m is not module]
+    return [module] + list({id(m): m for m in chosen if m is not module}.values())
+
+
 def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
-                   groups: "ProcessGroups") -> ZeroStrategy:
-    """The strategy for `cfg.zero_optimization.stage` over the trainable `params`."""
+                   groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None = None,
+                   ) -> ZeroStrategy:
+    """The strategy for `cfg.zero_optimization.stage` over the trainable `params`.
+
+    `units` (stage 3): modules or module classes gathered as one; default: every block of a
+    ModuleList, plus the root.
+    """
     zero = cfg.zero_optimization
     grad_dtype = _dtype(cfg.data_types.grad_accum_dtype) or torch.float32
     comm_dtype = _dtype(cfg.communication_data_type)
@@ -65,5 +79,5 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             param_home=cpu if zero.offload_param.device == "cpu" else None,
         )
         return Stage3Strategy(module, params, comm=comm, rank=groups.rank, world_size=groups.world_size,
-                              options=options3)
+                              options=options3, units=resolve_units(module, units) if units else None)
     raise AssertionError(f"stage {zero.stage} passed config validation but has no strategy")

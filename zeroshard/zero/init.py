@@ -56,3 +56,61 @@ class GatheredParameters:
                  tb: TracebackType | None) -> None:
         for strategy, units in self._by_strategy.values():
             strategy.release_units(units, None if exc_type is not None else self._modifier_rank)
+
+
+class Init:
+    """Build a model already partitioned: no rank ever holds the whole model.
+
+        with zeroshard.zero.Init(dtype=torch.bfloat16):
+            model = MyModel(config)            # or transformers.AutoModelForCausalLM.from_config
+        engine, *_ = zeroshard.initialize(model=model, config=ds_config)   # stage 3
+
+    As each submodule finishes its `__init__` and is attached to its parent, its parameters
+    are broadcast from rank 0 (so every rank builds the same model, whatever its RNG state)
+    and cut to this rank's 1/N; the module keeps the parameter objects, with their true shapes.
+    Code that later touches a partitioned parameter inside the block (e.g. a model's own
+    `apply(init_weights)`) gets it whole for that operation, after which it is cut again, so
+    the peak stays near 1/N of the model plus the largest layer. Needs the process group of
+    the job (torchrun / SLURM / MPI env, or world size 1).
+
+    Args:
+        enabled: False builds the model normally (for code shared across stages).
+        dtype: cast floating-point parameters to this dtype as they are created.
+        remote_device: "cpu" keeps the shards in CPU memory (parameter offload).
+        config_dict_or_path: accepted for DeepSpeed compatibility; the stage is checked by
+            `initialize`.
+    """
+
+    def __init__(self, *, enabled: bool = True, dtype: Any = None, remote_device: str | None = None,
+                 config_dict_or_path: Any = None, module: Any = None, **_deepspeed_only: Any) -> None:
+        if module is not None:
+            raise ValueError("zero.Init(module=...) is not supported: build the model inside the `with` block")
+        self._enabled, self._dtype = enabled, dtype
+        self._remote_device = remote_device
+        self._hooks: list[Any] = []
+        self._pending: list[nn.Parameter] = []
+        self._materialized: list[Any] = []
+
+    def __enter__(self) -> "Init":
+        if not self._enabled:
+            return self
+        from zeroshard.comm import Comm, init_distributed
+        from zeroshard.zero.init_partition import InitPartitioner
+
+        groups = init_distributed()
+        self._partitioner = InitPartitioner(Comm(groups), groups.rank, groups.world_size,
+                                            dtype=self._dtype, remote_device=self._remote_device)
+        reg = nn.modules.module
+        self._hooks = [
+            reg.register_module_parameter_registration_hook(self._partitioner.on_param_registered),
+            reg.register_module_module_registration_hook(self._partitioner.on_module_registered),
+        ]
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._enabled and exc_type is None:
+            self._partitioner.finish()

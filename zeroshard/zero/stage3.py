@@ -32,8 +32,9 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition
+from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
 from zeroshard.zero.stage12 import ALIGN_NUMEL, MAX_BUCKETS_IN_FLIGHT
-from zeroshard.zero.strategy import GradStats, ModelStateBytes
+from zeroshard.zero.strategy import GradStats, MasterFragment, ModelStateBytes, ParamPiece, sum_of_squares
 from zeroshard.zero.units import ZeroParameter, assign_params, default_units, tensors_in
 
 if TYPE_CHECKING:
@@ -135,8 +136,12 @@ class Stage3Strategy:
                 for i in range(first, last):
                     p = self._params[i]
                     off = plan.param_flat_offsets[i] - plan.flat_offsets[u]
-                    view = full[off : off + p.numel()].view_as(p)
-                    view.copy_(p.detach())
+                    view = full[off : off + p.numel()].view(p.shape)
+                    if init_partitioned(p):  # built under zero.Init: only shards exist
+                        view.view(-1).copy_(gather_init_shards(self._comm, p, self._world))
+                        del p._zs_init_shard
+                    else:
+                        view.copy_(p.detach())
                     p.data = view
                 self._lp_shard[slice(*plan.shard_range(u))].copy_(full[slice(*plan.layouts[u].partition(self._rank))])
             self._full.append(full)
@@ -221,13 +226,14 @@ class Stage3Strategy:
         for p in self._params[first:last]:
             p._zs_gathered = gathered
 
-    def _on_demand(self, u: int) -> bool:
-        """A parameter used outside its unit's forward during training: gather its unit and
-        keep it until the step's backward is done (its saved views need it)."""
+    def _on_demand(self, params: list[ZeroParameter]) -> bool:
+        """Parameters used outside their unit's forward during a forward: gather their units and
+        keep them until the step's backward is done (saved views need them)."""
         if not (self._training or self._in_forward):
             return False
-        self._pinned.add(u)
-        self._gather(u)
+        for unit in sorted({p._zs_unit for p in params}):
+            self._pinned.add(unit)
+            self._gather(unit)
         return True
 
     # -- hooks ----------------------------------------------------------------------------
@@ -393,8 +399,7 @@ class Stage3Strategy:
         self._training = False
 
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
-        (norm,) = torch._foreach_norm([self._grad_shard], dtype=torch.float64)
-        sq = norm.pow(2).reshape(1).to(self._device)
+        sq = sum_of_squares([self._grad_shard]).to(self._device)
         self._comm.all_reduce(sq)
         mult = grad_scale * self._opt.prescale_factor / self._world
         total = math.sqrt(sq.item()) * mult if math.isfinite(sq.item()) else float("inf")
@@ -465,3 +470,35 @@ class Stage3Strategy:
 
     def unit_of(self, param: nn.Parameter) -> int:
         return int(getattr(param, "_zs_unit"))
+
+    # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpointing.py) -------------
+
+    def checkpoint_fragments(self) -> list[MasterFragment]:
+        frags = [f for f in self._plan.rank_fragments(self._rank) if self._trainable[f.param_index]]
+        return [MasterFragment(param=self._params[f.param_index], param_offset=f.param_offset, numel=f.numel,
+                               master=m) for f, m in zip(frags, self._fragment_params)]
+
+    def param_pieces(self) -> list[ParamPiece] | None:
+        """This rank's low-precision pieces of every parameter (frozen ones included)."""
+        return [ParamPiece(param=self._params[f.param_index], param_offset=f.param_offset, numel=f.numel,
+                           data=self._lp_shard[f.shard_offset : f.shard_offset + f.numel])
+                for f in self._plan.rank_fragments(self._rank)]
+
+    @torch.no_grad()
+    def sync_params_from_master(self) -> None:
+        if self._separate_master:
+            self._lp_shard.copy_(self._master)
+        self._regather()
+
+    @torch.no_grad()
+    def sync_master_from_params(self) -> None:
+        if self._separate_master:
+            self._master.copy_(self._lp_shard)
+        self._regather()
+
+    def _regather(self) -> None:
+        """Units gathered now (the persistent one, pinned ones) re-read their shards."""
+        for u, state in enumerate(self._state):
+            if state is not UnitState.RELEASED:
+                self._state[u] = UnitState.RELEASED
+                self._gather(u)

@@ -48,20 +48,22 @@ class ZeroParameter(nn.Parameter):
     _zs_name: str
     _zs_unit: int
     _zs_gathered: bool
-    _zs_on_demand: Callable[[int], bool] | None
+    _zs_on_demand: Callable[[list["ZeroParameter"]], bool] | None
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         if func not in _METADATA:
-            for a in args:
-                if isinstance(a, ZeroParameter) and not a._zs_gathered:
-                    a._zs_require_data(func)
+            released = [a for a in _params_in(args, kwargs) if not a._zs_gathered]
+            if released:
+                released[0]._zs_require_data(func, released)
         with DisableTorchFunctionSubclass():  # results are plain tensors, not ZeroParameters
             return func(*args, **(kwargs or {}))
 
-    def _zs_require_data(self, func: Any) -> None:
+    def _zs_require_data(self, func: Any, params: list["ZeroParameter"] | None = None) -> None:
+        """Gather on demand where the owner allows it (during a training forward, inside
+        zero.Init), else raise: every released parameter of one operation at once."""
         on_demand = self._zs_on_demand
-        if on_demand is not None and on_demand(self._zs_unit):
+        if on_demand is not None and on_demand(params or [self]):
             return
         raise PartitionedParameterError(
             f"parameter {self._zs_name!r} (shape {tuple(self.shape)}, {self.dtype}) is partitioned "
@@ -80,6 +82,15 @@ class ZeroParameter(nn.Parameter):
             self._zs_require_data("pickle")
         with DisableTorchFunctionSubclass():
             return nn.Parameter(self.detach().clone(), self.requires_grad).__reduce_ex__(protocol)
+
+
+def _params_in(args: Sequence[Any], kwargs: Any) -> list[ZeroParameter]:
+    values = list(args) + list((kwargs or {}).values())  # nn.init passes tensor= as a keyword
+    found = [a for a in values if isinstance(a, ZeroParameter)]
+    for a in values:
+        if isinstance(a, (list, tuple)):
+            found += [x for x in a if isinstance(x, ZeroParameter)]
+    return list({id(p): p for p in found}.values())
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:

@@ -1,0 +1,71 @@
+"""zero.Init: models built already partitioned train exactly like models built whole."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine_helpers import (
+    assert_params_close,
+    gathered_snapshot,
+    global_batches,
+    init_engine,
+    make_config,
+    make_model,
+    train_engine,
+)
+
+from zeroshard.errors import ConfigError
+from zeroshard.zero.init import Init
+from zeroshard.zero.units import PartitionedParameterError, ZeroParameter
+
+STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 100}
+
+
+def test_gpt_built_under_init_trains_like_the_whole_model(groups) -> None:
+    whole = make_model(seed=0)
+    with Init():
+        cut = make_model(seed=0)
+    w = cut.blocks[0].mlp[0].weight
+    assert isinstance(w, ZeroParameter) and w.shape == (64, 16)
+    assert w._zs_init_shard.numel() == -(-w.numel() // groups.world_size), "each rank holds 1/N"
+    with pytest.raises(PartitionedParameterError, match="GatheredParameters"):
+        w.sum()
+    batches = global_batches(5, 2 * groups.world_size)
+    _, want = train_engine(init_engine(whole, make_config(zero_optimization=STAGE3)), batches,
+                           groups.rank, groups.world_size)
+    _, got = train_engine(init_engine(cut, make_config(zero_optimization=STAGE3)), batches,
+                          groups.rank, groups.world_size)
+    for step in range(len(batches)):
+        assert_params_close(got[step], want[step], 0.0, f"step {step}")
+
+
+def test_init_needs_stage3(groups) -> None:
+    with Init():
+        cut = make_model()
+    with pytest.raises(ConfigError, match=r"zero\.Init.*stage 3.*stage 2"):
+        init_engine(cut, make_config(zero_optimization={"stage": 2}))
+
+
+def test_transformers_model_from_config_under_init(groups) -> None:
+    transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    whole = transformers.LlamaForCausalLM(cfg)
+    torch.manual_seed(0)
+    with Init(dtype=torch.bfloat16):
+        cut = transformers.LlamaForCausalLM(cfg)
+    assert cut.lm_head.weight is cut.model.embed_tokens.weight, "tied weights survive"
+    engine = init_engine(cut, make_config(bf16={"enabled": True}, zero_optimization=STAGE3))
+    got = gathered_snapshot(engine.module)
+    want = [p.detach().to(torch.bfloat16).float() for p in whole.parameters()]
+    assert_params_close(got, want, 0.0, "weights after zero.Init")
+    ids = torch.randint(0, 128, (2, 8))
+    out = engine(input_ids=ids, labels=ids)
+    engine.backward(out.loss)
+    engine.step()
+    assert engine.global_steps == 1 and torch.isfinite(out.loss)

@@ -1,0 +1,141 @@
+"""The machinery behind `zero.Init`: cut parameters to 1/N as modules are built.
+
+A parameter built under `zero.Init` becomes a `ZeroParameter` holding `_zs_init_shard` (this
+rank's 1/N of its flattened values, padded to a multiple of N) and a one-element placeholder
+that keeps its true shape; `Stage3Strategy` later moves the shards into its unit layout.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from zeroshard.zero.units import ZeroParameter
+
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tensor of `shape` backed by one element: the data of a partitioned parameter."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
+def gather_init_shards(comm: "Comm", p: ZeroParameter, world_size: int) -> Tensor:
+    """The whole flattened values of a `zero.Init` parameter (collective)."""
+    shard: Tensor = p._zs_init_shard
+    full = torch.empty(shard.numel() * world_size, dtype=shard.dtype, device=p.device)
+    comm.all_gather(full, shard.to(p.device))
+    return full[: p.numel()]
+
+
+class InitPartitioner:
+    """Cuts parameters as their modules are attached; gathers them back for in-place init."""
+
+    def __init__(self, comm: "Comm", rank: int, world_size: int, *, dtype: torch.dtype | None,
+                 remote_device: str | None) -> None:
+        self._comm, self._rank, self._world = comm, rank, world_size
+        self._dtype = dtype
+        self._home = torch.device(remote_device) if remote_device else None
+        self._pending: dict[int, tuple[str, nn.Parameter]] = {}
+        self._materialized: list[ZeroParameter] = []
+        self._active = True
+
+    # hooks ---------------------------------------------------------------------------------
+
+    def on_param_registered(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not isinstance(param, ZeroParameter):
+            self._pending[id(param)] = (f"{type(module).__name__}.{name}", param)
+
+    def on_module_registered(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
+        # The child's __init__ has returned: its parameters are final, cut them now.
+        if child is None:
+            return
+        self._repartition_materialized()
+        for pname, p in child.named_parameters(prefix=name):
+            if not isinstance(p, ZeroParameter):
+                self._partition(p, f"{type(parent).__name__}.{pname}")
+
+    def finish(self) -> None:
+        self._active = False  # from now on, reading a partitioned parameter is an error
+        self._repartition_materialized()
+        for name, p in list(self._pending.values()):
+            if not isinstance(p, ZeroParameter):
+                self._partition(p, name)
+        self._pending.clear()
+
+    # partitioning ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _partition(self, p: nn.Parameter, name: str) -> None:
+        self._pending.pop(id(p), None)
+        data = p.detach()
+        if self._dtype is not None and data.is_floating_point():
+            data = data.to(self._dtype)
+        self._comm.broadcast(data, src=0)  # every rank builds rank 0's model
+        p.data = data
+        p.__class__ = ZeroParameter
+        zp: ZeroParameter = p  # type: ignore[assignment]
+        zp._zs_name, zp._zs_unit, zp._zs_on_demand, zp._zs_gathered = name, -1, self._on_demand, True
+        self._cut(zp)
+
+    def _cut(self, p: ZeroParameter) -> None:
+        flat = p.detach().reshape(-1)
+        chunk = -(-flat.numel() // self._world)
+        padded = torch.zeros(chunk * self._world, dtype=flat.dtype, device=flat.device)
+        padded[: flat.numel()] = flat
+        shard = padded[self._rank * chunk : (self._rank + 1) * chunk].clone()
+        p._zs_init_shard = shard.to(self._home) if self._home is not None else shard
+        p.data = placeholder(p.shape, p.dtype, p.device)
+        p._zs_gathered = False
+
+    def _on_demand(self, params: list[ZeroParameter]) -> bool:
+        # Inside zero.Init: give the operation whole parameters; cut them again at the next
+        # module boundary or when other parameters are asked for (peak: about one layer).
+        if not self._active:
+            return False
+        keep = {id(p) for p in params}
+        self._repartition_materialized(keep)
+        for p in params:
+            if p._zs_gathered:
+                continue
+            full = gather_init_shards(self._comm, p, self._world)
+            p.data = full.view(p.shape).clone()
+            p._zs_gathered = True
+            self._materialized.append(p)
+        return True
+
+    def _repartition_materialized(self, keep: set[int] | None = None) -> None:
+        still = []
+        for p in self._materialized:
+            if keep is not None and id(p) in keep:
+                still.append(p)
+            else:
+                self._cut(p)
+        self._materialized = still
+
+
+def move_unpartitioned(module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
+    """`module.to(device, dtype)` that leaves `zero.Init` shards alone (casting their shards):
+    moving a partitioned parameter with `.to` would materialise it whole."""
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is None:
+                continue
+            if isinstance(p, ZeroParameter) and hasattr(p, "_zs_init_shard"):
+                shard = p._zs_init_shard
+                if dtype is not None and shard.is_floating_point():
+                    p._zs_init_shard = shard.to(dtype)
+                p.data = placeholder(p.shape, dtype if dtype is not None and p.is_floating_point() else p.dtype, device)
+            else:
+                with torch.no_grad():
+                    p.data = p.data.to(device=device, dtype=dtype if dtype is not None and p.is_floating_point() else None)
+        for name, b in list(sub._buffers.items()):
+            if b is not None:
+                sub._buffers[name] = b.to(device=device, dtype=dtype if dtype is not None and b.is_floating_point() else None)
+
+
+def init_partitioned(p: Any) -> bool:
+    return isinstance(p, ZeroParameter) and hasattr(p, "_zs_init_shard")
