@@ -10,7 +10,6 @@ master copies and the result is copied back into the model's low-precision weigh
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -18,7 +17,15 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import FlatLayout, param_views, plan_buckets
-from zeroshard.zero.strategy import GradStats, MasterFragment, ModelStateBytes, ParamPiece, sum_of_squares
+from zeroshard.zero.strategy import (
+    GradStats,
+    MasterFragment,
+    ModelStateBytes,
+    ParamPiece,
+    attach_grads,
+    sum_of_squares,
+    unscale_and_clip,
+)
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, Handle
@@ -192,21 +199,12 @@ class Stage0Strategy:
         self._handles.clear()
 
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
-        # The flat buffer holds the sum over ranks; one multiplier averages, unscales and
-        # clips in a single pass over the gradients.
+        # The flat buffer holds the sum over ranks (identical on every rank): no collective.
         mult = grad_scale * self._prescale_factor / self._world_size
-        # fp32 norm: a float64 accumulation would make every stage agree to ~1e-16 but costs
-        # 40x the time (160 ms per 25M elements on one CPU core vs 4 ms). See Note: [norm rounding]
-        # in tests/dist/test_zero12.py for what the fp32 rounding means for stage parity.
-        norm = math.sqrt(sum_of_squares([self._flat_grad]).item()) * mult
-        if not math.isfinite(norm):
-            return GradStats(norm=norm, overflow=True)
-        coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
-        if mult * coef != 1.0:
-            self._flat_grad.mul_(mult * coef)
-        for master, view in zip(self._master, self._grad_views):
-            master.grad = view if view.dtype == master.dtype else view.to(master.dtype)
-        return GradStats(norm=norm, overflow=False)
+        stats = unscale_and_clip([self._flat_grad], sum_of_squares([self._flat_grad]).item(), mult, max_norm)
+        if not stats.overflow:
+            attach_grads(self._master, self._grad_views)
+        return stats
 
     def after_step(self, applied: bool) -> None:
         if applied and self._mixed:

@@ -20,7 +20,6 @@ in CPU memory and the step runs there (torch's fused CPU AdamW).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,7 +28,15 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition
-from zeroshard.zero.strategy import GradStats, MasterFragment, ModelStateBytes, ParamPiece, sum_of_squares
+from zeroshard.zero.strategy import (
+    GradStats,
+    MasterFragment,
+    ModelStateBytes,
+    ParamPiece,
+    attach_grads,
+    sum_of_squares,
+    unscale_and_clip,
+)
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, Handle
@@ -297,21 +304,15 @@ class PartitionedStrategy:
         return [self._own_chunk(self._full_grad, b) for b in range(len(self._plan.buckets))]
 
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
-        # Sum of squares of this rank's shard, one all-reduce for the global norm; the same
-        # multiplier as stage 0 averages, unscales and clips in one pass over the shard.
+        # Sum of squares of this rank's shard, one all-reduce for the global norm.
         views = self._shard_grad_views()
         sq = sum_of_squares(views).to(self._device)
         self._comm.all_reduce(sq)
         mult = grad_scale * self._opt.prescale_factor / self._world
-        norm = math.sqrt(sq.item()) * mult if math.isfinite(sq.item()) else float("inf")
-        if not math.isfinite(norm):
-            return GradStats(norm=norm, overflow=True)
-        coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
-        if mult * coef != 1.0:
-            torch._foreach_mul_(views, mult * coef)
-        for frag, grad in zip(self._fragment_params, self._fragment_grads):
-            frag.grad = grad if grad.dtype == frag.dtype else grad.to(frag.dtype)
-        return GradStats(norm=norm, overflow=False)
+        stats = unscale_and_clip(views, sq.item(), mult, max_norm)
+        if not stats.overflow:
+            attach_grads(self._fragment_params, self._fragment_grads)
+        return stats
 
     def after_step(self, applied: bool) -> None:
         for frag in self._fragment_params:

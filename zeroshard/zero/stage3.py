@@ -22,7 +22,6 @@ data again after `resize_` + all-gather. Reading a released parameter raises (Ze
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -34,7 +33,15 @@ from torch import Tensor, nn
 from zeroshard.zero.flat import BucketedPartition
 from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
 from zeroshard.zero.stage12 import ALIGN_NUMEL, MAX_BUCKETS_IN_FLIGHT
-from zeroshard.zero.strategy import GradStats, MasterFragment, ModelStateBytes, ParamPiece, sum_of_squares
+from zeroshard.zero.strategy import (
+    GradStats,
+    MasterFragment,
+    ModelStateBytes,
+    ParamPiece,
+    attach_grads,
+    sum_of_squares,
+    unscale_and_clip,
+)
 from zeroshard.zero.units import ZeroParameter, assign_params, default_units, tensors_in
 
 if TYPE_CHECKING:
@@ -402,15 +409,10 @@ class Stage3Strategy:
         sq = sum_of_squares([self._grad_shard]).to(self._device)
         self._comm.all_reduce(sq)
         mult = grad_scale * self._opt.prescale_factor / self._world
-        total = math.sqrt(sq.item()) * mult if math.isfinite(sq.item()) else float("inf")
-        if not math.isfinite(total):
-            return GradStats(norm=total, overflow=True)
-        coef = min(1.0, max_norm / (total + 1e-6)) if max_norm > 0 else 1.0
-        if mult * coef != 1.0:
-            self._grad_shard.mul_(mult * coef)
-        for frag, grad in zip(self._fragment_params, self._fragment_grads):
-            frag.grad = grad if grad.dtype == frag.dtype else grad.to(frag.dtype)
-        return GradStats(norm=total, overflow=False)
+        stats = unscale_and_clip([self._grad_shard], sq.item(), mult, max_norm)
+        if not stats.overflow:
+            attach_grads(self._fragment_params, self._fragment_grads)
+        return stats
 
     def after_step(self, applied: bool) -> None:
         for frag in self._fragment_params:

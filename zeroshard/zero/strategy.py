@@ -13,6 +13,7 @@ micro-batch and step (Note: [step protocol]):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -45,6 +46,28 @@ def sum_of_squares(tensors: Sequence[Tensor]) -> Tensor:
             c = chunk.double()
             acc += torch.dot(c, c)
     return acc.reshape(1)
+
+
+def unscale_and_clip(grads: Sequence[Tensor], sq_sum: float, mult: float, max_norm: float) -> "GradStats":
+    """The shared end of every stage's `prepare_step`.
+
+    `grads` hold the sum over ranks of the (loss-scaled) gradients, `sq_sum` the global sum of
+    their squares, `mult` the factor that averages and unscales them. One in-place multiply
+    averages, unscales and clips; nothing is touched when the step overflowed.
+    """
+    norm = math.sqrt(sq_sum) * mult if math.isfinite(sq_sum) else float("inf")
+    if not math.isfinite(norm):
+        return GradStats(norm=norm, overflow=True)
+    coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+    if mult * coef != 1.0:
+        torch._foreach_mul_(list(grads), mult * coef)
+    return GradStats(norm=norm, overflow=False)
+
+
+def attach_grads(params: Sequence[nn.Parameter], grads: Sequence[Tensor]) -> None:
+    """Give the optimizer's parameters their gradients (cast when the buffers' dtype differs)."""
+    for p, g in zip(params, grads):
+        p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
 
 
 @dataclass(frozen=True, slots=True)
