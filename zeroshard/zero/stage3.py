@@ -10,7 +10,8 @@ all-gathered after each step, like stage 2.
 Per micro-batch:
   forward pre-hook   gather the unit (waiting for its prefetch), prefetch the next units
   forward post-hook  release it, unless it is used again soon (`stage3_max_reuse_distance`);
-                     hook its outputs so the unit is gathered again before its backward
+                     hook its outputs so the unit is gathered again before its backward,
+                     prefetching the units before it (backward runs the order in reverse)
   grad hooks         copy each gradient into the unit's staging buffer; when the unit's last
                      gradient arrives, reduce-scatter it into the gradient shard and release
 The optimizer steps on fragments (views of the fp32 master shard), exactly as stages 1/2.
@@ -275,6 +276,21 @@ class Stage3Strategy:
             self._start_gather(nxt)
             budget -= need
 
+    def _prefetch_before(self, u: int) -> None:
+        """Backward runs the recorded forward order in reverse: gather the units before `u`."""
+        if self._recording or u not in self._order:
+            return
+        position = len(self._order) - 1 - self._order[::-1].index(u)
+        budget = self._opt.prefetch_numel
+        for prev in reversed(self._order[:position]):
+            need = self._full[prev].numel()
+            if self._state[prev] is not UnitState.RELEASED:
+                continue
+            if budget < need or self._live_numel() + need > self._opt.max_live_numel:
+                break
+            self._start_gather(prev)
+            budget -= need
+
     def _post_forward(self, u: int, output: Any) -> Any:
         outs = [t for t in tensors_in(output) if t.requires_grad]
         if outs and torch.is_grad_enabled():
@@ -284,6 +300,7 @@ class Stage3Strategy:
                 if not fired[0]:
                     fired[0] = True
                     self._gather(u)
+                    self._prefetch_before(u)
 
             for t in outs:
                 t.register_hook(pre_backward)
