@@ -91,6 +91,9 @@ class PartitionedStrategy:
         self._init_grads()
         self._init_fragments()
         self._bucket_of = [b for b, (first, last) in enumerate(self._plan.buckets) for _ in range(first, last)]
+        self._free_blocks: list[Tensor] = []             # stage 2 staging pool (see _staging_for)
+        self._staging_blocks: dict[int, Tensor] = {}
+        self._max_bucket_numel = max(layout.padded_numel for layout in self._plan.layouts)
         self._reset_step()
         self._micro_reset()
         for index, p in enumerate(self._params):
@@ -195,6 +198,8 @@ class PartitionedStrategy:
         self._pending = [last - first for first, last in self._plan.buckets]
         self._seen = [False] * len(self._params)
         self._next_bucket = 0
+        self._free_blocks.extend(self._staging_blocks.values())  # none left after a full backward
+        self._staging_blocks.clear()
         self._staging: dict[int, Tensor] = {}
         self._in_flight: list[tuple[int, "Handle", Tensor, Tensor]] = []
 
@@ -235,9 +240,14 @@ class PartitionedStrategy:
                     self._launch(self._next_bucket)
 
     def _staging_for(self, bucket: int) -> Tensor:
+        # Staging buffers come from a small pool of bucket-sized blocks reused every
+        # micro-batch: allocating and freeing them per bucket cost page faults and peak RSS.
         if bucket not in self._staging:
             numel = self._plan.layouts[bucket].padded_numel
-            self._staging[bucket] = torch.zeros(numel, dtype=self._opt.grad_dtype, device=self._device)
+            block = self._free_blocks.pop() if self._free_blocks else torch.empty(
+                self._max_bucket_numel, dtype=self._opt.grad_dtype, device=self._device)
+            self._staging_blocks[bucket] = block
+            self._staging[bucket] = block[:numel].zero_()
         return self._staging[bucket]
 
     def _launch(self, bucket: int) -> None:
@@ -276,7 +286,10 @@ class PartitionedStrategy:
     def _finish_oldest(self) -> None:
         bucket, handle, _, result = self._in_flight.pop(0)
         handle.wait()
-        self._staging.pop(bucket, None)  # staging memory is released here
+        self._staging.pop(bucket, None)  # staging memory goes back to the pool here
+        block = self._staging_blocks.pop(bucket, None)
+        if block is not None:
+            self._free_blocks.append(block)
         if self._grad_shard is None:
             return  # stage 1 in place: the owned chunk of the whole gradient is the shard
         # Stage 2 received its chunk; stage 1 (offloaded) keeps its chunk of the reduced bucket.
