@@ -72,6 +72,12 @@ def train(args: argparse.Namespace) -> int:
             if engine.global_steps >= args.steps:  # only ever reached at a step boundary
                 break
     engine.print_summary()
+    # Leave the process group explicitly, after every rank is done: left to interpreter exit,
+    # the teardown of gloo and the comm watcher can race with a peer that already exited.
+    from zeroshard.comm import destroy_distributed
+
+    engine._comm.barrier()
+    destroy_distributed()
     return 0
 
 
