@@ -1,0 +1,74 @@
+"""The benchmark's engines (table rows): name -> how to build one around the shared model.
+
+Each builder imports its library lazily, so a missing DeepSpeed only affects its own rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engines.common import RunSpec, Stepper
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    family: str
+    """"zeroshard", "deepspeed" or "torch"."""
+    stage: int | None
+    """ZeRO stage for zeroshard / DeepSpeed rows (pairs them up for the ratio column)."""
+    offload: bool | str
+    label: str
+    """Row label in results.md."""
+    build: Callable[[RunSpec], Stepper]
+
+
+def _zs(stage: int, offload: bool | str) -> Callable[[RunSpec], Stepper]:
+    def build(spec: RunSpec) -> Stepper:
+        from engines import zeroshard_engine
+
+        return zeroshard_engine.build(spec, stage, offload)
+
+    return build
+
+
+def _ds(stage: int, offload: bool | str) -> Callable[[RunSpec], Stepper]:
+    def build(spec: RunSpec) -> Stepper:
+        from engines import deepspeed_engine
+
+        return deepspeed_engine.build(spec, stage, offload)
+
+    return build
+
+
+def _torch(kind: str) -> Callable[[RunSpec], Stepper]:
+    def build(spec: RunSpec) -> Stepper:
+        from engines import torch_engines
+
+        return torch_engines.build(spec, kind)
+
+    return build
+
+
+def _rows() -> list[EngineSpec]:
+    rows = []
+    for stage, offload, suffix, text in ((0, False, "0", "stage 0"), (1, False, "1", "stage 1"),
+                                         (2, False, "2", "stage 2"),
+                                         (2, True, "2_offload", "stage 2 + CPU offload"),
+                                         (3, False, "3", "stage 3"),
+                                         (3, "both", "3_offload", "stage 3 + CPU offload (params + optimizer)")):
+        rows.append(EngineSpec(f"zs{suffix}", "zeroshard", stage, offload, f"zeroshard {text}", _zs(stage, offload)))
+        rows.append(EngineSpec(f"ds{suffix}", "deepspeed", stage, offload, f"DeepSpeed {text}", _ds(stage, offload)))
+    rows.append(EngineSpec("ddp", "torch", None, False, "torch DDP", _torch("ddp")))
+    rows.append(EngineSpec("ddp_zero", "torch", None, False, "torch DDP + ZeroRedundancyOptimizer",
+                           _torch("ddp_zero")))
+    rows.append(EngineSpec("fsdp2", "torch", None, False, "torch FSDP2 (reshard_after_forward=False)",
+                           _torch("fsdp2")))
+    rows.append(EngineSpec("fsdp2_full", "torch", None, False, "torch FSDP2 full sharding (reshard_after_forward=True)",
+                           _torch("fsdp2_full")))
+    return rows
+
+
+ENGINES: dict[str, EngineSpec] = {e.name: e for e in _rows()}
+"""In table order: zeroshard and DeepSpeed interleaved per stage, then the torch baselines."""
