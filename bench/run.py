@@ -496,13 +496,17 @@ def main(argv: list[str] | None = None) -> int:
         spec = replace(RunSpec(), micro_batch=args.micro_batch, seq_len=args.seq_len,
                        bucket_numel=int(args.bucket_numel), precision=args.precision)
         t0 = time.perf_counter()
+        before = versions()
         results = run_all(args, spec)
+        after = versions()
+        # zeroshard may change under a long run (it is developed on the same box): say so.
+        args.versions = before if before == after else f"{before}; at the end: {after.rsplit(', ', 1)[-1]}"
         total = time.perf_counter() - t0
         when = dt.datetime.now().strftime("%Y-%m-%d %H:%M")
         raw.parent.mkdir(parents=True, exist_ok=True)
         raw.write_text(json.dumps({"spec": spec.to_dict(), "args": vars(args) | {"results": str(args.results)},
                                    "results": results, "total_s": total, "finished": when,
-                                   "machine": machine(), "versions": versions()},
+                                   "machine": machine(), "versions": args.versions},
                                   indent=1, default=str))
     rows = summarise(results, args.max_others)
     body = render(rows, args, spec, total, when)
