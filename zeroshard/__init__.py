@@ -27,6 +27,9 @@ _EXPORTS = {
     "LaunchError": "zeroshard.errors",
 }
 
+_SUBMODULES = ("accelerator", "moe")
+"""Packages reachable as attributes (`zeroshard.accelerator.get_accelerator()`), as DeepSpeed's."""
+
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"zeroshard.{name}")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)

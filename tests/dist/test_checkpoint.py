@@ -84,7 +84,7 @@ def test_resume_is_bitwise_exact(groups: Any, shared_dir: Path, stage: int, prec
     assert Path(path) == shared_dir / "global_step3"
     want_losses, want = train_engine(engine, data[STEPS_BEFORE:], rank, world)
     resumed = init_engine(make_model(seed=7), config(stage, precision, offload))
-    got_path, client = resumed.load_checkpoint(shared_dir)
+    got_path, client = resumed.load_checkpoint(shared_dir, load_rng_state=True)
     assert got_path == path and client == {"note": "hi", "step": 3}
     assert resumed.global_steps == STEPS_BEFORE and resumed.micro_steps == 2 * STEPS_BEFORE
     got_losses, got = train_engine(resumed, data[STEPS_BEFORE:], rank, world)
@@ -178,10 +178,51 @@ def test_data_loader_resumes_sample_order(groups: Any, shared_dir: Path) -> None
     engine.save_checkpoint(shared_dir)
     want = [b[0] for b in it] + [b[0] for b in loader]  # rest of epoch 0, then epoch 1
     resumed, resumed_loader = start(1)
-    resumed.load_checkpoint(shared_dir)
+    resumed.load_checkpoint(shared_dir, load_rng_state=True)
     got = [b[0] for b in resumed_loader] + [b[0] for b in resumed_loader]
     assert len(head) == 3 and len(got) == len(want)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_load_leaves_rng_and_loader_alone_unless_asked(groups: Any, shared_dir: Path) -> None:
+    """DeepSpeed's load_checkpoint leaves the script's generators and data order alone; zeroshard
+    does the same unless load_rng_state=True (the exact resume)."""
+    import random
+
+    import numpy as np
+
+    dataset = torch.utils.data.TensorDataset(torch.arange(40).float().unsqueeze(1))
+
+    def start(seed: int) -> tuple[Any, Any]:
+        torch.manual_seed(seed)
+        engine, _, loader, _ = zeroshard.initialize(model=torch.nn.Linear(1, 1), training_data=dataset,
+                                                    config=make_config(train_micro_batch_size_per_gpu=2))
+        return engine, loader
+
+    def draws() -> tuple[float, float, Any]:
+        return random.random(), float(np.random.rand()), torch.rand(3)
+
+    engine, loader = start(0)
+    it = iter(loader)
+    [next(it) for _ in range(3)]
+    engine.save_checkpoint(shared_dir)
+    saved_draws = draws()
+
+    resumed, resumed_loader = start(1)
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    script_draws = draws()
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    resumed.load_checkpoint(shared_dir)
+    after = draws()
+    assert after[:2] == script_draws[:2] and torch.equal(after[2], script_draws[2]), "RNG overwritten"
+    first = [b[0] for b in resumed_loader]
+    assert len(first) == len(dataset) // (2 * groups.world_size), "loader position restored by default"
+
+    asked, asked_loader = start(1)
+    asked.load_checkpoint(shared_dir, load_rng_state=True)
+    exact = draws()
+    assert exact[:2] == saved_draws[:2] and torch.equal(exact[2], saved_draws[2])
+    assert len([b for b in asked_loader]) == len(first) - 3
 
 
 def _copy_checkpoint(comm: Any, src: Path, dst: Path, mutate: Any) -> None:

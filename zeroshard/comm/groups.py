@@ -84,6 +84,13 @@ def _default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def default_backend_name(device_type: str) -> str:
+    """torch.distributed's default backend for a device type ("nccl", "gloo", "xccl", ...); the
+    accelerator's `communication_backend_name()`."""
+    known = dist.Backend.default_device_backend_map.get(device_type)
+    return known if known is not None else _default_backend(torch.device(device_type))
+
+
 def _group_store(group: dist.ProcessGroup) -> Store | None:
     try:
         return group.get_group_store()

@@ -412,7 +412,8 @@ class ZeroEngine(nn.Module):
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+                        load_module_only: bool = False, *,
+                        load_rng_state: bool = False) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint saved at any world size and ZeRO stage; every rank must call it.
 
         Args:
@@ -423,6 +424,12 @@ class ZeroEngine(nn.Module):
             load_lr_scheduler_states: restore the lr scheduler.
             load_module_only: the module's weights only: no optimizer, scheduler, counters,
                 random generators or data loader position.
+            load_rng_state: also restore what an exact resume needs beyond the model states:
+                the Python, NumPy and torch random generators and the position of the data
+                loader `initialize` returned, as saved. Off by default, as in DeepSpeed, whose
+                load leaves the script's generators (seeded before the load) alone;
+                `zeroshard train`-style loops that want the uninterrupted run's samples and
+                dropout masks pass True.
 
         Returns:
             `(checkpoint directory, client_state)`, or `(None, None)` when `load_dir` exists
@@ -441,6 +448,6 @@ class ZeroEngine(nn.Module):
             logger.warning(f"{load_dir} has no 'latest' file: no checkpoint loaded")
             return None, None
         apply_state(self, self._strategy, loaded, load_lr_scheduler_states=load_lr_scheduler_states,
-                    load_module_only=load_module_only)
+                    load_module_only=load_module_only, load_rng_state=load_rng_state)
         logger.info(f"loaded checkpoint {loaded.path} (step {self.global_steps})")
         return loaded.path, loaded.client_state if loaded.client_state is not None else {}
