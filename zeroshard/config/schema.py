@@ -80,6 +80,33 @@ class DataTypesConfig:
     bf16/fp16 mixed precision (zeroshard's numerics-first default), the parameter dtype otherwise."""
 
 
+AutocastDType = Literal["torch.bfloat16", "bfloat16", "bf16", "torch.float16", "float16", "fp16", "half"]
+"""DeepSpeed's spellings of the two autocast dtypes (its DtypeEnum); fp32 and int8 are refused."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TorchAutocastConfig:
+    """`torch_autocast`: run the forward under `torch.autocast` while parameters, gradients and
+    master weights keep their training dtype (fp32 unless `bf16`/`fp16` is also enabled)."""
+
+    enabled: bool = False
+    """Wrap the engine's forward in `torch.autocast(device_type, dtype)`."""
+    dtype: AutocastDType | None = None
+    """Autocast dtype; null = torch's default for the device (bf16 on CPU, fp16 on CUDA)."""
+    lower_precision_safe_modules: tuple[str, ...] | None = None
+    """Fully qualified module classes ("torch.nn.Linear") whose parameters' gradients DeepSpeed
+    communicates in the autocast dtype; null = Linear and Conv1d/2d/3d. Checked to import at
+    initialize; zeroshard reduces every gradient in its accumulation dtype (see
+    docs/deepspeed-differences.md)."""
+
+    @property
+    def precision(self) -> Literal["bf16", "fp16"] | None:
+        """The autocast dtype as a precision name; None = the device's default."""
+        if self.dtype is None:
+            return None
+        return "bf16" if "bf" in self.dtype else "fp16"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TensorBoardConfig:
     """`tensorboard`: write training scalars as TensorBoard event files (rank 0)."""
@@ -218,6 +245,8 @@ class Config:
     """fp16 mixed precision."""
     bf16: BF16Config = spec(default_factory=BF16Config)
     """bf16 mixed precision (legacy key `bfloat16`)."""
+    torch_autocast: TorchAutocastConfig = spec(default_factory=TorchAutocastConfig)
+    """Forward under torch.autocast with parameters in their training dtype."""
     zero_optimization: ZeroConfig = spec(default_factory=ZeroConfig)
     """ZeRO partitioning and offload."""
     data_types: DataTypesConfig = spec(default_factory=DataTypesConfig)

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from zeroshard.errors import CheckpointError
 from zeroshard.runtime.checkpointing import Checkpointer, EngineState, apply_state, collect_state
+from zeroshard.runtime.autocast import autocast_dtype, forward_context
 from zeroshard.runtime.inference import generate_tokens, hf_generate
 from zeroshard.runtime.loss_scaler import LossScaler
 from zeroshard.runtime.monitor import MetricSink, Timers, format_bytes, peak_memory_bytes
@@ -82,6 +83,7 @@ class ZeroEngine(nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._last_grad_stats: GradStats | None = None
+        self._autocast_dtype = autocast_dtype(config.torch_autocast, groups.device.type)
         self._init_progress()
 
     def _init_progress(self) -> None:
@@ -113,6 +115,13 @@ class ZeroEngine(nn.Module):
         if self.optimizer is None:
             return []
         return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def torch_autocast_enabled(self) -> bool:
+        """The `torch_autocast` section is on: the forward runs under torch.autocast."""
+        return self._autocast_dtype is not None
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        return self._autocast_dtype
 
     def get_loss_scale(self) -> float:
         return self._loss_scaler.loss_scale if self._loss_scaler is not None else 1.0
@@ -166,7 +175,8 @@ class ZeroEngine(nn.Module):
         if self._run_start is None:
             self._run_start = time.perf_counter()
         self.timers.start("forward")
-        out = self.module(*args, **kwargs)
+        with forward_context(self._autocast_dtype, self.device.type):  # torch_autocast section
+            out = self.module(*args, **kwargs)
         self.timers.stop("forward")
         return out
 

@@ -14,6 +14,7 @@ from zeroshard.arguments import config_path_from_args
 from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
 from zeroshard.config import Config, load_config
 from zeroshard.errors import ConfigError
+from zeroshard.runtime.autocast import autocast_dtype, safe_module_classes
 from zeroshard.runtime.checkpointing import Checkpointer
 from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
@@ -158,7 +159,13 @@ def initialize(
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
     sched = _make_scheduler(cfg, lr_scheduler, opt)
     scaler = None
-    if cfg.precision == "fp16":
+    safe_module_classes(cfg.torch_autocast)  # a bad class name fails here, before training
+    if cfg.precision == "fp32" and autocast_dtype(cfg.torch_autocast, groups.device.type) == torch.float16:
+        # fp16 autocast on fp32 parameters: dynamic loss scaling as torch's GradScaler (DeepSpeed's
+        # choice in this mode): 2**16 to start, halve on overflow, double after 2000 good steps.
+        scaler = build_loss_scaler(loss_scale=0.0, initial_scale_power=16, loss_scale_window=2000,
+                                   hysteresis=1, consecutive_hysteresis=False, min_loss_scale=2.0**-24)
+    elif cfg.precision == "fp16":
         f = cfg.fp16
         scaler = build_loss_scaler(
             loss_scale=f.loss_scale, initial_scale_power=f.initial_scale_power,
