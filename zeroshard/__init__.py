@@ -25,10 +25,12 @@ _EXPORTS = {
     "NotSupportedError": "zeroshard.errors",
     "CommError": "zeroshard.errors",
     "LaunchError": "zeroshard.errors",
+    "DeepSpeedEngine": "zeroshard.runtime.engine",
 }
 
-_SUBMODULES = ("accelerator", "moe")
-"""Packages reachable as attributes (`zeroshard.accelerator.get_accelerator()`), as DeepSpeed's."""
+_SUBMODULES = ("comm", "zero", "utils", "runtime", "checkpoint", "config", "estimate", "accelerator", "moe")
+"""DeepSpeed scripts reach these as attributes (`deepspeed.zero.Init`, `deepspeed.comm.get_rank`,
+`deepspeed.accelerator.get_accelerator()`)."""
 
 __all__ = sorted(_EXPORTS)
 
