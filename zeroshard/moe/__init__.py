@@ -4,3 +4,7 @@ zeroshard has no MoE (expert parallelism): `moe.utils` works for dense models an
 or parameter group holding expert parameters; `moe.layer.MoE` refuses to be built. Imports torch
 and zeroshard.errors only.
 """
+
+from zeroshard.moe import layer, utils
+
+__all__ = ["layer", "utils"]
