@@ -95,6 +95,7 @@ class ZeroEngine(EngineQueries, nn.Module):
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._no_sync = False
         self._grads_ready = False  # reduced gradients wait for step() (safe_get_full_grad)
+        self._forward_awaits_backward = False  # a training forward not yet followed by backward
         self._init_progress()
         self._publish_loss_scale(overflow=False)
         register_engine(self, module)
@@ -223,6 +224,8 @@ class ZeroEngine(EngineQueries, nn.Module):
         self.timers.start("forward")
         with forward_context(self._autocast_dtype, self.device.type):  # torch_autocast section
             out = self.module(*args, **kwargs)
+        # A training forward must be followed by engine.backward before step(): see step().
+        self._forward_awaits_backward = torch.is_grad_enabled() and self.module.training
         self.timers.stop("forward")
         return out
 
@@ -257,6 +260,7 @@ class ZeroEngine(EngineQueries, nn.Module):
         self._strategy.after_backward()
         self.timers.stop("reduce_wait")
         self._grads_ready = boundary
+        self._forward_awaits_backward = False
         detached = loss.detach().double()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._loss_count += 1
@@ -272,6 +276,13 @@ class ZeroEngine(EngineQueries, nn.Module):
         if self._no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave the block and run one "
                                "more backward (it reduces the accumulated gradients) before step()")
+        if self._forward_awaits_backward:
+            # loss.backward() alone skips the strategy's reduction (silently wrong at world
+            # size > 1); DeepSpeed 0.19 supports it at stages 1-3, zeroshard does not yet.
+            raise RuntimeError(
+                "engine.step() after a training forward without engine.backward(loss): call "
+                "engine.backward(loss) instead of loss.backward() (zeroshard does not support a "
+                "direct loss.backward() yet; its gradients would not be reduced across ranks)")
         samples = self._config.train_micro_batch_size_per_gpu * self._groups.world_size
         self._window_samples += samples
         self._run_samples += samples
