@@ -82,7 +82,9 @@ CASES = [
     Case("cifar-s0-fp32", "cifar_tutorial.py", "fp32", config=_cifar_config("fp32", 0)),
     Case("cifar-s1-fp16", "cifar_tutorial.py", "fp16", config=_cifar_config("fp16", 1)),
     Case("cifar-s2-bf16", "cifar_tutorial.py", "bf16", config=_cifar_config("bf16", 2)),
-    Case("bert-s1-fp32", "bert_mlm_tutorial.py", "fp32", ("--dtype", "fp32", "--zero_stage", "1")),
+    # fp32 with a client torch.optim.Adam: DeepSpeed's CPU Adam kernel and torch's differ by round-off
+    # (4e-5 in the loss by step 3 of this script, zeroshard equals a plain torch loop bit for bit).
+    Case("bert-s1-fp32", "bert_mlm_tutorial.py", "fp32", ("--dtype", "fp32", "--zero_stage", "1", "--torch_adam")),
     Case("bert-s2-bf16", "bert_mlm_tutorial.py", "bf16", ("--dtype", "bf16", "--zero_stage", "2")),
     Case("demo-s3-bf16", "bf16_master_demo.py", "bf16", config=_demo_config(autocast=False)),
     Case("demo-s3-bf16-autocast", "bf16_master_demo.py", "bf16", config=_demo_config(autocast=True)),

@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--zero_stage", type=int, default=1)
     parser.add_argument("--num_iterations", type=int, default=6)
     parser.add_argument("--checkpoint_every", type=int, default=3)
+    parser.add_argument("--torch_adam", action="store_true",
+                        help="pass torch.optim.Adam as the client optimizer instead of the config's Adam")
     args = parser.parse_args()
 
     deepspeed.init_distributed()
@@ -69,7 +71,15 @@ def main() -> None:
         "zero_optimization": {"stage": args.zero_stage},
         "steps_per_print": 1000,
     }
-    model, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    optimizer = None
+    if args.torch_adam:
+        # The same optimizer arithmetic under both frameworks: DeepSpeed's own CPU Adam kernel
+        # rounds differently from torch's, which six Adam steps amplify past fp32's 1e-5.
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        del ds_config["optimizer"]
+        ds_config["zero_allow_untested_optimizer"] = True
+    model, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=optimizer,
+                                          config=ds_config)
 
     exp_dir = f"{args.out}/ckpt"
     start_step = 1
