@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -137,17 +138,28 @@ def test_losses_match_deepspeed(case: Case, world: int, launcher: str, work: Pat
         _REFERENCE[key] = _run(case, world, "torchrun", "deepspeed", work / f"ds-{case.name}-{world}")
     want = _REFERENCE[key]
     got = _run(case, world, launcher, "zeroshard", work / f"zs-{case.name}-{world}-{launcher}")
-    deviation = 0.0
+    deviation, failures = 0.0, []
     for rank in range(world):
         assert len(got[rank]) == len(want[rank]) > 0, (rank, got[rank], want[rank])
         for step, (a, b) in enumerate(zip(got[rank], want[rank])):
             deviation = max(deviation, abs(a - b))
-            assert abs(a - b) <= TOLERANCE[case.precision] * abs(b), (
-                f"{case.name} world {world} {launcher}: rank {rank} step {step}: zeroshard {a} vs DeepSpeed {b}\n"
-                f"zeroshard {got[rank]}\nDeepSpeed {want[rank]}")
+            if abs(a - b) > allowed(case.precision, b):
+                failures.append(f"rank {rank} step {step}: zeroshard {a} vs DeepSpeed {b}")
     report = os.environ.get("ZS_DS_EXAMPLES_REPORT")
     if report:
         with open(report, "a") as f:
             f.write(json.dumps({"case": case.name, "world": world, "launcher": launcher,
                                 "precision": case.precision, "steps": len(want[0]),
-                                "max_abs_deviation": deviation}) + "\n")
+                                "max_abs_deviation": deviation, "ok": not failures}) + "\n")
+    assert not failures, (f"{case.name} world {world} {launcher}:\n" + "\n".join(failures)
+                          + f"\nzeroshard {got}\nDeepSpeed {want}")
+
+
+def allowed(precision: str, want: float) -> float:
+    """The precision's relative tolerance; for bf16, at least one bf16 ulp of the loss: a loss
+    computed from bf16 logits is itself a bf16 number (ulp 2**-5 = 0.8% near 4), so weights that
+    differ by round-off move it by a whole ulp or not at all."""
+    tol = TOLERANCE[precision] * abs(want)
+    if precision == "bf16" and want != 0:
+        tol = max(tol, 2.0 ** (math.floor(math.log2(abs(want))) - 7))
+    return tol
