@@ -69,6 +69,8 @@ class Case:
     precision: str
     args: tuple[str, ...] = ()
     config: dict | None = None
+    tolerance: float | None = None
+    """Relative tolerance when not the precision's (with the reason at the case)."""
 
     def argv(self, out: Path, phase: str) -> list[str]:
         argv = [str(SCRIPTS / self.script), "--out", str(out), "--phase", phase, *self.args]
@@ -83,9 +85,13 @@ CASES = [
     Case("cifar-s0-fp32", "cifar_tutorial.py", "fp32", config=_cifar_config("fp32", 0)),
     Case("cifar-s1-fp16", "cifar_tutorial.py", "fp16", config=_cifar_config("fp16", 1)),
     Case("cifar-s2-bf16", "cifar_tutorial.py", "bf16", config=_cifar_config("bf16", 2)),
-    # fp32 with a client torch.optim.Adam: DeepSpeed's CPU Adam kernel and torch's differ by round-off
-    # (4e-5 in the loss by step 3 of this script, zeroshard equals a plain torch loop bit for bit).
-    Case("bert-s1-fp32", "bert_mlm_tutorial.py", "fp32", ("--dtype", "fp32", "--zero_stage", "1", "--torch_adam")),
+    # fp32 BERT: zeroshard's losses equal a plain PyTorch loop (torch.optim.Adam, no engine) bit for
+    # bit; DeepSpeed's differ from that loop from step 3 on (8e-6 relative there, 6e-4 by step 6),
+    # at stage 0 as at stage 1 and with its own Adam as with torch's: attention key biases get
+    # round-off-only gradients that Adam turns into full-size steps, so any difference in rounding
+    # grows. The comparison with DeepSpeed is therefore at 1e-3 here (see the report).
+    Case("bert-s1-fp32", "bert_mlm_tutorial.py", "fp32", ("--dtype", "fp32", "--zero_stage", "1", "--torch_adam"),
+         tolerance=1e-3),
     Case("bert-s2-bf16", "bert_mlm_tutorial.py", "bf16", ("--dtype", "bf16", "--zero_stage", "2")),
     Case("demo-s3-bf16", "bf16_master_demo.py", "bf16", config=_demo_config(autocast=False)),
     Case("demo-s3-bf16-autocast", "bf16_master_demo.py", "bf16", config=_demo_config(autocast=True)),
@@ -143,7 +149,8 @@ def test_losses_match_deepspeed(case: Case, world: int, launcher: str, work: Pat
         assert len(got[rank]) == len(want[rank]) > 0, (rank, got[rank], want[rank])
         for step, (a, b) in enumerate(zip(got[rank], want[rank])):
             deviation = max(deviation, abs(a - b))
-            if abs(a - b) > allowed(case.precision, b):
+            limit = case.tolerance * abs(b) if case.tolerance is not None else allowed(case.precision, b)
+            if abs(a - b) > limit:
                 failures.append(f"rank {rank} step {step}: zeroshard {a} vs DeepSpeed {b}")
     report = os.environ.get("ZS_DS_EXAMPLES_REPORT")
     if report:
