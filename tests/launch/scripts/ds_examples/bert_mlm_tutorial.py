@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from common import import_deepspeed, record_losses
+from common import check_framework, import_deepspeed, record_losses
 
 deepspeed = import_deepspeed()
 
@@ -98,6 +98,7 @@ def main() -> None:
         if args.phase == "save" and step % args.checkpoint_every == 0:
             model.save_checkpoint(save_dir=exp_dir, client_state={"checkpoint_step": step})
             break
+    check_framework(deepspeed)
     record_losses(args.out, args.phase, rank, losses)
     print(f"rank {rank} {args.phase} losses {losses}", flush=True)
 

@@ -14,7 +14,7 @@ import json
 import torch
 import torch.nn as nn
 
-from common import import_deepspeed, record_losses
+from common import check_framework, import_deepspeed, record_losses
 
 deepspeed = import_deepspeed()
 get_accelerator = deepspeed.accelerator.get_accelerator
@@ -104,6 +104,7 @@ def main() -> None:
     peak = get_accelerator().max_memory_allocated()
     if args.phase == "save":
         model_engine.save_checkpoint(ckpt)
+    check_framework(deepspeed)
     record_losses(args.out, args.phase, rank, losses)
     print(f"rank {rank} {args.phase} losses {losses} allocated {allocated} peak {peak}", flush=True)
     model_engine.destroy()

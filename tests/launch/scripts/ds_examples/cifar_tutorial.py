@@ -14,11 +14,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import import_deepspeed, record_losses
+from common import check_framework, import_deepspeed, record_losses
 
 deepspeed = import_deepspeed()
-get_accelerator = deepspeed.accelerator.get_accelerator  # `from deepspeed.accelerator import get_accelerator`
-from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
+# The tutorial's `from deepspeed.accelerator import get_accelerator` and
+# `from deepspeed.moe.utils import ...` need a module named "deepspeed" (the compatibility alias);
+# attribute access reaches the same functions through the renamed import.
+get_accelerator = deepspeed.accelerator.get_accelerator
+split_params_into_different_moe_groups_for_optimizer = deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer
 
 
 class Net(nn.Module):
@@ -100,6 +103,7 @@ def main() -> None:
         losses.append(loss.item())
     if args.phase == "save":
         model_engine.save_checkpoint(ckpt)
+    check_framework(deepspeed)
     record_losses(args.out, args.phase, deepspeed.comm.get_rank(), losses)
     print(f"rank {local_rank} {args.phase} losses {losses}", flush=True)
 

@@ -31,3 +31,11 @@ def record_losses(out_dir: str, phase: str, rank: int, losses: list[float]) -> N
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / f"losses-{phase}-{rank}.json"
     path.write_text(json.dumps(losses))
+
+
+def check_framework(deepspeed: object) -> None:
+    """Fail loudly if a zeroshard run reached the real DeepSpeed (e.g. via `from deepspeed... import`)."""
+    import sys
+
+    if os.environ.get("DS_EXAMPLE_FRAMEWORK") == "zeroshard" and "deepspeed" in sys.modules:
+        raise AssertionError("the zeroshard run imported the real DeepSpeed")
