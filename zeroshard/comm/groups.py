@@ -64,8 +64,10 @@ _OWNS_GROUP = False
 
 
 def _accelerator(local_rank: int, backend: str | None) -> torch.device:
-    """cpu for gloo or without an accelerator; else the accelerator with index local_rank."""
-    if backend == "gloo" or not torch.accelerator.is_available():
+    """cpu for gloo, without an accelerator or with DS_ACCELERATOR=cpu (as get_accelerator());
+    else the accelerator with index local_rank."""
+    if (backend == "gloo" or not torch.accelerator.is_available()
+            or os.environ.get("DS_ACCELERATOR", "").strip().lower() == "cpu"):
         return torch.device("cpu")
     acc = torch.accelerator.current_accelerator()
     if acc is None or acc.type == "mps":  # no collective backend for mps
