@@ -368,6 +368,11 @@ class ZeroEngine(EngineQueries, nn.Module):
             logger.info(f"saved the {len(out)}-tensor model state to {path}")
         return True
 
+    def save_fp16_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
+
     # -- progress -------------------------------------------------------------------------
 
     def _mean_loss_over_ranks(self) -> float | None:
@@ -444,7 +449,8 @@ class ZeroEngine(EngineQueries, nn.Module):
         return collect_state(self, self._strategy, include_frozen=include_frozen)
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
-                        client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
+                        client_state: Mapping[str, Any] | None = {},  # noqa: B006 (DeepSpeed's; never mutated)
+                        save_latest: bool = True,
                         exclude_frozen_parameters: bool = False, *, save_optimizer_states: bool = True) -> str:
         """Save a checkpoint; every rank must call it (like DeepSpeed's `save_checkpoint`).
 
