@@ -512,3 +512,45 @@ def test_comm_functions(groups: Any) -> None:
     assert [o.item() for o in out] == list(range(world))
     zcomm.barrier()
     assert zeroshard.init_distributed(dist_backend=groups.backend if groups.backend != "none" else None) is groups
+
+
+# -- module-path aliases: zero_to_fp32 and the estimators -----------------------------------------
+
+
+def test_zero_to_fp32_aliases(groups: Any, shared_dir: Path, comm: Any) -> None:
+    from zeroshard.utils import zero_to_fp32
+
+    rank, world = groups.rank, groups.world_size
+    model = make_model(0)
+    model.wpe.weight.requires_grad_(False)
+    engine = init_engine(model, cfg(3))
+    train_engine(engine, global_batches(1, 2 * 2 * world), rank, world)
+    want = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if p.requires_grad}
+    engine.save_checkpoint(shared_dir)
+    comm.barrier()
+    if rank == 0:
+        state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(shared_dir)
+        for name, value in want.items():
+            assert torch.equal(state[name], value), name
+        assert "wpe.weight" in state
+        lean = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(shared_dir, exclude_frozen_parameters=True)
+        assert "wpe.weight" not in lean and "wte.weight" in lean
+        zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(shared_dir, shared_dir / "out")
+        saved = torch.load(shared_dir / "out" / "pytorch_model.bin", weights_only=True)
+        assert torch.equal(saved["wte.weight"], want["wte.weight"])
+        fresh_model = zero_to_fp32.load_state_dict_from_zero_checkpoint(make_model(7), shared_dir)
+        assert torch.equal(fresh_model.wte.weight.detach(), want["wte.weight"])
+        with pytest.raises(NotSupportedError, match="lazy_mode"):
+            zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(shared_dir, lazy_mode=True)
+    comm.barrier()
+
+
+def test_estimator_aliases_print_deepspeeds_tables(groups: Any, capsys: Any) -> None:
+    from zeroshard.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
+    from zeroshard.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_live
+
+    rows3 = estimate_zero3_model_states_mem_needs_all_cold(total_params=1e9, largest_layer_params=1e8,
+                                                            num_gpus_per_node=8)
+    rows2 = estimate_zero2_model_states_mem_needs_all_live(make_model(0), num_gpus_per_node=2)
+    assert len(rows3) == 6 and len(rows2) >= 2
+    assert "offload" in capsys.readouterr().out.lower()

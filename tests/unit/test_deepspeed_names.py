@@ -25,7 +25,8 @@ NAMES = {
                         "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",
                         "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
                         "logger", "log_dist", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module",
-                        "get_z3_leaf_modules", "see_memory_usage", "unwrap_model_for_generation"],
+                        "get_z3_leaf_modules", "see_memory_usage", "unwrap_model_for_generation",
+                        "RepeatingLoader"],
     "zeroshard.comm": ["get_rank", "get_world_size", "get_local_rank", "is_initialized", "barrier",
                        "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                        "reduce", "init_distributed", "destroy_process_group", "new_group", "ReduceOp"],
@@ -200,3 +201,18 @@ def test_leaf_modules_become_units_and_hide_their_insides() -> None:
     assert leaf_units(model, default_units(model)) == default_units(model)
     with pytest.raises(ValueError, match="no module"):
         set_z3_leaf_modules(model, [nn.Conv2d])
+
+
+def test_repeating_loader_restarts() -> None:
+    from zeroshard.utils import RepeatingLoader
+
+    it = RepeatingLoader([1, 2])
+    assert [next(it) for _ in range(5)] == [1, 2, 1, 2, 1]
+
+
+def test_see_memory_usage_logs_only_when_forced() -> None:
+    from zeroshard.runtime.utils import see_memory_usage
+
+    assert see_memory_usage("quiet") is None
+    line = see_memory_usage("loud", force=True)
+    assert line is not None and line.startswith("loud") and "RSS" in line
