@@ -238,6 +238,22 @@ def test_set_gradient_accumulation_boundary(groups: Any, stage: int) -> None:
         close(safe_get_full_fp32_param(b), safe_get_full_fp32_param(a), 1e-6, "manual boundary")
 
 
+def test_boundary_loop_stepping_once_per_step_can_save(groups: Any, shared_dir: Path) -> None:
+    rank, world = groups.rank, groups.world_size
+    engine = fresh(2)
+    for batch in global_batches(2, 2 * 2 * world):
+        first, last = rank_micro_batches(batch, rank, world, 2, 2)
+        engine.set_gradient_accumulation_boundary(False)
+        engine.backward(engine(*first))
+        with pytest.raises(CheckpointError, match="gradient accumulation"):
+            engine.save_checkpoint(shared_dir)
+        engine.set_gradient_accumulation_boundary(True)
+        engine.backward(engine(*last))
+        engine.step()  # DeepSpeed's documented pattern: one step() per optimizer step
+    assert engine.global_steps == 2
+    engine.save_checkpoint(shared_dir)
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_no_sync_accumulates_then_reduces(groups: Any, stage: int) -> None:
     rank, world = groups.rank, groups.world_size
