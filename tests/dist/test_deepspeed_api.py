@@ -570,3 +570,16 @@ def test_estimator_aliases_print_deepspeeds_tables(groups: Any, capsys: Any) -> 
     rows2 = estimate_zero2_model_states_mem_needs_all_live(make_model(0), num_gpus_per_node=2)
     assert len(rows3) == 6 and len(rows2) >= 2
     assert "offload" in capsys.readouterr().out.lower()
+
+
+def test_ds_attributes_under_zero_init(groups: Any, comm: Any) -> None:
+    import zeroshard.zero as zero
+
+    with zero.Init():
+        layer = nn.Linear(64, 64)
+    assert layer.weight.ds_numel == 64 * 64 and layer.weight.ds_shape == (64, 64)
+    assert layer.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE or groups.world_size == 1
+    count = torch.tensor([float(layer.weight.ds_tensor.numel())])
+    comm.all_reduce(count)
+    assert int(count.item()) >= 64 * 64
+    assert layer.weight.ds_id != layer.bias.ds_id
