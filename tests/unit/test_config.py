@@ -56,7 +56,7 @@ def config_error(**kwargs: Any) -> str:
 # --- defaults ---------------------------------------------------------------------------------
 
 DEEPSPEED_DEFAULTS: dict[str, Any] = {
-    "gradient_clipping": 0.0, "steps_per_print": 10, "wall_clock_breakdown": False, "dump_state": False,
+    "gradient_clipping": 1.0, "steps_per_print": 10, "wall_clock_breakdown": False, "dump_state": False,
     "communication_data_type": None, "prescale_gradients": False, "gradient_predivide_factor": 1.0,
     "zero_allow_untested_optimizer": False, "zero_force_ds_cpu_optimizer": True,
     "fp16.enabled": False, "fp16.auto_cast": False, "fp16.loss_scale": 0, "fp16.initial_scale_power": 16,

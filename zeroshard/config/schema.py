@@ -222,8 +222,9 @@ class Config:
     """ZeRO partitioning and offload."""
     data_types: DataTypesConfig = spec(default_factory=DataTypesConfig)
     """Internal buffer dtypes."""
-    gradient_clipping: float = spec(0.0, ge=0.0)
-    """Clip the global gradient norm (over all ranks) to this value; 0 = off."""
+    gradient_clipping: float = spec(1.0, ge=0.0)
+    """Clip the global gradient norm (over all ranks) to this value; 0 = off. Default 1.0, as in
+    DeepSpeed 0.19 (its documented and code default): a config without the key is clipped."""
     steps_per_print: int | None = spec(10, ge=1, inf_is_none=True)
     """Log progress every N optimizer steps; Infinity or null = never. Default 10, the
     documented DeepSpeed default (DeepSpeed 0.19's code default is null)."""
