@@ -88,8 +88,9 @@ class ZeroConfig:
     step boundary and keeps its chunk."""
     reduce_bucket_size: int = spec(500_000_000, ge=0)
     """Elements per gradient reduction bucket; larger buckets mean fewer, bigger collectives
-    and more memory. Used by every stage (stage 0 all-reduces in buckets). "auto" with a
-    known hidden size h: h*h. DeepSpeed's default, 5e8."""
+    and more memory. Read by stages 0, 1 and 2 (stage 0 all-reduces in buckets); stage 3
+    reduce-scatters each unit's gradients as one collective and does not read it yet. "auto"
+    with a known hidden size h: h*h. DeepSpeed's default, 5e8."""
     use_multi_rank_bucket_allreduce: bool = True
     """DeepSpeed: reduce a bucket spanning several ranks' partitions with one all-reduce
     (stages 1 and 2). Accepted without effect: zeroshard reduces each bucket with one collective
