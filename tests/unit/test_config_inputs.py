@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -198,3 +199,20 @@ def test_not_supported_is_a_config_error_for_both(tmp_path: Path) -> None:
         load_config(raw, dp_world_size=1)
     with pytest.raises(NotSupportedError, match=r'^not supported yet: compile='):
         zeroshard.initialize(model=torch.nn.Linear(2, 2), config=raw)
+
+
+def test_initialize_logs_the_stage_note_once(caplog: pytest.LogCaptureFixture) -> None:
+    raw = {**BASE, "zero_optimization": {"stage": 1, "stage3_prefetch_bucket_size": 1e6, "sub_group_size": 1e8}}
+    logger = logging.getLogger("zeroshard")
+    propagate = logger.propagate
+    logger.addHandler(caplog.handler)
+    logger.propagate = False  # count each record once, whether or not setup_logging ran before
+    try:
+        zeroshard.initialize(model=torch.nn.Linear(2, 2), config=raw)
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.propagate = propagate
+    notes = [r.getMessage() for r in caplog.records if "set for another ZeRO stage" in r.getMessage()]
+    assert notes == ["zero_optimization: set for another ZeRO stage, no effect at stage 1: sub_group_size "
+                     "(stage 3), stage3_prefetch_bucket_size (stage 3). Accepted so one config serves every stage."]
+    assert all(r.levelno == logging.WARNING for r in caplog.records if r.getMessage() in notes)
