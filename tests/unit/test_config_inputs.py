@@ -90,8 +90,11 @@ def test_dict_configs_get_the_same_checks() -> None:
 
 @pytest.mark.parametrize("raw, message", [
     ({"train_batch_size": 10**30},
-     "train_batch_size: got 1000000000000000000000000000000, larger than any real size or count"),
+     "train_batch_size: got 1000000000000000000000000000000, expected an integer >= 1 and <= 2147483647. "
+     "No real run has a batch of 2**31 samples; check for a typo."),
     ({"train_batch_size": 2**31}, "train_batch_size: got 2147483648, expected an integer >= 1 and <= 2147483647."),
+    ({"train_batch_size": 4, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10**20}}},
+     "scheduler.params.warmup_num_steps: got 100000000000000000000, larger than any real size or count"),
     ({"train_micro_batch_size_per_gpu": 2**30, "gradient_accumulation_steps": 2**30},
      "train_batch_size: derived as 2305843009213693952 from the other batch sizes, larger than any real run "
      "(the bound is 2147483647)"),
@@ -195,7 +198,8 @@ def test_fp16_static_scale_ignores_min_loss_scale() -> None:
 
 def test_not_supported_is_a_config_error_for_both(tmp_path: Path) -> None:
     raw = {**BASE, "compile": {"deepcompile": True}}
-    with pytest.raises(NotSupportedError, match=r'^not supported yet: compile=\{"deepcompile": true\}'):
+    with pytest.raises(NotSupportedError, match=r'^not supported yet: compile=\{"deepcompile": true\}\. '
+                       r'DeepSpeed\'s compile feature is not implemented\. Remove it, or set "deepcompile": false\.$'):
         load_config(raw, dp_world_size=1)
     with pytest.raises(NotSupportedError, match=r'^not supported yet: compile='):
         zeroshard.initialize(model=torch.nn.Linear(2, 2), config=raw)

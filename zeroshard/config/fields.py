@@ -225,6 +225,8 @@ def _coerce_int(value: Any, tp: Any, path: str, meta: Mapping[str, Any], default
     if isinstance(value, float) and (not math.isfinite(value) or value != int(value)):
         raise _fail(path, value, tp, meta, default)
     result = int(value)
+    if meta.get("le") == MAX_SAMPLES and result > MAX_SAMPLES:
+        raise _fail(path, value, tp, meta, default, " No real run has a batch of 2**31 samples; check for a typo.")
     if abs(result) > MAX_INT:
         raise ConfigError(f"{path}: got {show(value)}, larger than any real size or count "
                           f"(the bound is {MAX_INT}, the int64 maximum).{_default_hint(default)}")

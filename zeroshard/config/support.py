@@ -140,6 +140,15 @@ OFF_VALUES: dict[str, Callable[[Any], bool]] = {
 key -> predicate that is true when the value asks for nothing."""
 
 
+OFF_HINTS: dict[str, str] = {
+    "compile": 'Remove it, or set "deepcompile": false.',
+    "tensor_parallel": 'Remove it, or set "autotp_size": 1 (no tensor parallelism).',
+    "seq_parallel_communication_data_type": 'Remove it, or set it to "fp32" (DeepSpeed\'s default).',
+    "managed_gradient_accumulation": "Remove it, or set it to true (DeepSpeed's default).",
+}
+"""The "asks for nothing" spelling to suggest for UNMODELLED keys where it is not false / {}."""
+
+
 def is_inactive(value: Any, key: str = "") -> bool:
     """True for the spellings of "feature off": null, false, {}, [], {"enabled": false}, or
     the key's own off values (OFF_VALUES), e.g. `"compile": {"deepcompile": false}`."""
@@ -195,7 +204,7 @@ def check_supported(cfg: Any, unmodelled: Mapping[str, Any], pending: Iterable[N
         raise err
     for key, value in unmodelled.items():
         if not is_inactive(value, key):
-            raise not_supported(key, value, UNMODELLED[key], "Remove it, or set it to false / {}.")
+            raise not_supported(key, value, UNMODELLED[key], OFF_HINTS.get(key, "Remove it, or set it to false / {}."))
     for entry in NOT_SUPPORTED:
         try:
             target = get_dotted(cfg, entry.key)
