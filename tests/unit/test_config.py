@@ -434,6 +434,7 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
      "not supported yet: zero_optimization.stage3_module_granularity_threshold=1000."),
     ({"compile": {"deepcompile": True}}, 'not supported yet: compile={"deepcompile": true}.'),
     ({"tensor_parallel": {"autotp_size": 2}}, 'not supported yet: tensor_parallel={"autotp_size": 2}.'),
+    ({"log_level": "info"}, 'not supported yet: log_level="info".'),
     ({"seq_parallel_communication_data_type": "bf16"},
      'not supported yet: seq_parallel_communication_data_type="bf16".'),
     ({"flops_profiler": {"enabled": True}}, 'not supported yet: flops_profiler={"enabled": true}.'),

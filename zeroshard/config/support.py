@@ -110,7 +110,7 @@ UNMODELLED: dict[str, str] = {
         "hybrid_engine", "nebula", "datastates", "elasticity", "weight_quantization", "compile",
         "tensor_parallel", "comet", "quantize_training", "graph_harvesting", "timers",
         "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "vocabulary_size",
-        "managed_gradient_accumulation", "disable_python_gc", "expert_parallel",
+        "managed_gradient_accumulation", "disable_python_gc", "expert_parallel", "log_level",
         "zero_optimization.zenflow", "zero_optimization.zeropp_loco_param", "zero_optimization.leaf_module",
         "checkpoint.writer",
     )
@@ -145,6 +145,8 @@ OFF_HINTS: dict[str, str] = {
     "tensor_parallel": 'Remove it, or set "autotp_size": 1 (no tensor parallelism).',
     "seq_parallel_communication_data_type": 'Remove it, or set it to "fp32" (DeepSpeed\'s default).',
     "managed_gradient_accumulation": "Remove it, or set it to true (DeepSpeed's default).",
+    "log_level": 'Remove it, and set the level of the "zeroshard" logger in the script '
+                 '(logging.getLogger("zeroshard").setLevel(...)).',
 }
 """The "asks for nothing" spelling to suggest for UNMODELLED keys where it is not false / {}."""
 
