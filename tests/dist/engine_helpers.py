@@ -129,7 +129,8 @@ def assert_params_close(got: list[Tensor], want: list[Tensor], rtol: float, what
     for i, (a, b) in enumerate(zip(got, want)):
         rel = (a - b).norm() / b.norm().clamp_min(1e-12)
         if not rel <= rtol:
-            raise AssertionError(f"{what}: param {i} differs, relative error {rel:.3e} > {rtol:g}")
+            bound = "0 (bitwise equality expected)" if rtol == 0 else f"{rtol:.3g}"
+            raise AssertionError(f"{what}: param {i} differs, relative error {rel:.3e} > {bound}")
 
 
 @contextmanager
