@@ -41,3 +41,16 @@ def test_script_with_its_own_process_group() -> None:
                            str(script)], text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("EXISTING-GROUP OK") == 2 and "world 2 steps 2" in proc.stdout
+
+
+def test_user_script_that_just_returns_exits_cleanly_30_times() -> None:
+    # A rank that finished used to abort now and then at interpreter teardown ("terminate
+    # called without an active exception", SIGABRT): the comm watcher (a daemon thread) could
+    # still be inside a c10d store call when the interpreter finalized (Note: [watcher
+    # shutdown] in comm/divergence.py). Each job checks both exit codes, the absence of the
+    # message, and that the watcher was gone before atexit ran.
+    script = __import__("pathlib").Path(__file__).parent / "scripts" / "clean_exit.py"
+    proc = subprocess.run([sys.executable, str(script), "30"], text=True, capture_output=True,
+                          timeout=1800, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "CLEAN-EXIT 30/30" in proc.stdout, proc.stdout + proc.stderr
