@@ -15,7 +15,7 @@ def run_train(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("config", ["stage0_fp32", "stage0_bf16", "stage0_fp16", "stage1_bf16",
-                                    "stage2_bf16", "stage2_offload_fp32"])
+                                    "stage2_bf16", "stage2_offload_fp32", "stage3_offload"])
 def test_train_example_two_ranks(config: str) -> None:
     proc = run_train("--config", config, "--nproc", "2", "--steps", "30", "--model", "tiny")
     out = proc.stdout + proc.stderr
@@ -25,6 +25,15 @@ def test_train_example_two_ranks(config: str) -> None:
     assert losses[-1] < losses[0], out
     assert re.search(r"done: 30 steps \(\d+ skipped\).*samples/s \| peak mem rank 0: .*rank 1: ", out), out
     assert "resolved config" in out
+    # The closing line compares the model states each rank held with what stage 0 needs.
+    saving = re.search(r"model states per rank \(stage (\d)\): rank 0: .*rank 1: .* \| stage 0 would "
+                       r"hold .* on every rank \(([0-9.]+)x the largest rank here\)", out)
+    assert saving, out
+    stage, ratio = int(saving.group(1)), float(saving.group(2))
+    assert stage == int(config[5])
+    # Stage 0 against itself is 1.0x; every ZeRO stage holds less at 2 ranks (fp32 stage 2 with
+    # offload: 16 vs 12 bytes per parameter; bf16 stage 3: 18 vs ~9).
+    assert (ratio == 1.0) if stage == 0 else (ratio > {1: 1.2, 2: 1.2, 3: 1.6}[stage]), out
 
 
 def test_train_rejects_bad_config(tmp_path) -> None:
