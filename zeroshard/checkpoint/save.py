@@ -34,8 +34,16 @@ if TYPE_CHECKING:
     from zeroshard.comm import Comm
 
 
+_MAX_ERROR_BYTES = 2000
+"""A failing rank's message is cut to this many bytes before it is gathered."""
+
+
 def agree(comm: "Comm", error: str | None, what: str) -> None:
-    """Every rank learns whether any rank failed `what`; all raise together (no hang)."""
+    """Every rank learns whether any rank failed `what`; all raise together (no hang).
+
+    Each failing rank's message is gathered, so every rank -- rank 0's log in particular, the
+    one a multi-node user reads -- names the cause, not just the failing ranks.
+    """
     flags = torch.zeros(comm.world_size, dtype=torch.float32, device=comm.groups.device)
     if error is not None:
         flags[comm.rank] = 1.0
@@ -43,9 +51,12 @@ def agree(comm: "Comm", error: str | None, what: str) -> None:
     failed = [r for r, f in enumerate(flags.tolist()) if f]
     if not failed:
         return
-    if error is not None:
+    mine = list((error or "").encode("utf-8", "replace")[:_MAX_ERROR_BYTES])
+    messages = [bytes(row).decode("utf-8", "replace") for row in gather_rows(comm, mine)]
+    if error is not None and failed == [comm.rank]:
         raise CheckpointError(f"rank {comm.rank}: {what} failed: {error}")
-    raise CheckpointError(f"rank {comm.rank}: {what} failed on rank(s) {failed}; see their error")
+    causes = "\n".join(f"  rank {r}: {messages[r]}" for r in failed)
+    raise CheckpointError(f"rank {comm.rank}: {what} failed on rank(s) {failed}:\n{causes}")
 
 
 def gather_rows(comm: "Comm", row: list[int]) -> list[list[int]]:

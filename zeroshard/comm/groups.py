@@ -7,6 +7,7 @@ port). Imports nothing of ours but ``errors`` and ``comm``.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm.divergence import forget_tracker, tracker_for
+from zeroshard.comm.divergence import forget_tracker, tracker_for, tracker_is_idle
 from zeroshard.comm.env import DEFAULT_TIMEOUT_S, LaunchEnv, parse_launch_env, resolve_timeout_s
 from zeroshard.errors import CommError
 
@@ -61,6 +62,7 @@ class ProcessGroups:
 
 _GROUPS: ProcessGroups | None = None
 _OWNS_GROUP = False
+_EXIT_HOOK_REGISTERED = False
 
 
 def _accelerator(local_rank: int, backend: str | None) -> torch.device:
@@ -200,7 +202,30 @@ def init_distributed(*, backend: str | None = None,
         # this rank's state even before it issues its first collective.
         tracker_for(groups.dp_group, groups.rank, groups.world_size, _group_store)
     _GROUPS, _OWNS_GROUP = groups, owns
+    global _EXIT_HOOK_REGISTERED
+    if owns and not _EXIT_HOOK_REGISTERED:
+        atexit.register(_leave_at_exit)
+        _EXIT_HOOK_REGISTERED = True
     return groups
+
+
+def _leave_at_exit() -> None:
+    """Destroy the group we created while the interpreter is still whole.
+
+    Left to finalization, gloo's worker threads can drop the last reference to a tensor that
+    Python still tracks and need the GIL to free it, which a finalizing interpreter answers
+    with pthread_exit (SIGABRT, "terminate called without an active exception"). A group with
+    a collective in flight or a broken group is left alone: its teardown could wait for peers.
+    """
+    groups = _GROUPS
+    if groups is None or not _OWNS_GROUP or groups.dp_group is None or not dist.is_initialized():
+        return
+    if not tracker_is_idle(groups.dp_group):
+        return
+    try:
+        destroy_distributed()
+    except Exception:  # exiting anyway: nothing left to tell the user
+        pass
 
 
 def destroy_distributed() -> None:

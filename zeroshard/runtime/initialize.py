@@ -18,6 +18,7 @@ from zeroshard.config import Config, load_config, read_config_file
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.runtime.autocast import autocast_dtype, safe_module_classes
 from zeroshard.runtime.checkpointing import Checkpointer
+from zeroshard.runtime.config_sync import check_same_config
 from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
 from zeroshard.runtime.loss_scaler import build_loss_scaler
@@ -165,6 +166,7 @@ def initialize(
     )
     for note in cfg.notes:  # deprecated spellings mapped, other stages' tuning keys: once, at start-up
         logger.warning(note)
+    _check_optimizer_present(cfg, optimizer, model_parameters, training_data, lr_scheduler)
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     if any(init_partitioned(p) for p in model.parameters()):
@@ -182,6 +184,7 @@ def initialize(
     comms = cfg.comms_logger
     comm = Comm(groups, log=CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
                 if comms.enabled else None)
+    check_same_config(cfg, comm)  # the first collective: before anything trains on it
     broadcast_module_state(model, comm)
     param_groups = _param_groups(model, model_parameters)
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
@@ -213,6 +216,28 @@ def initialize(
     engine.checkpointer = _checkpointer(comm)
     _log_start(engine, groups)
     return engine, opt, loader, sched
+
+
+def _check_optimizer_present(cfg: Config, optimizer: Any, model_parameters: Any,
+                             training_data: Any, lr_scheduler: Any) -> None:
+    """Training asked for, but nothing to step with: fail now, not at the first step().
+
+    Training is asked for by `model_parameters=`, `training_data=`, a client `lr_scheduler=`
+    or a config `scheduler`. Without any of them (and without an optimizer) the engine is for
+    inference only (ZeRO inference, `engine.generate`), as in DeepSpeed.
+    """
+    if optimizer is not None or cfg.optimizer is not None:
+        return
+    asks = [name for name, given in (("model_parameters=", model_parameters is not None),
+                                     ("training_data=", training_data is not None),
+                                     ("lr_scheduler=", lr_scheduler is not None),
+                                     ('a "scheduler" section', cfg.scheduler is not None)) if given]
+    if asks:
+        raise ConfigError(
+            f"no optimizer: the config has no \"optimizer\" section and initialize() got no "
+            f"optimizer=, but {' and '.join(asks)} ask(s) for training. Add an \"optimizer\" "
+            "section (e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}) or pass optimizer=; "
+            "for inference only, leave out model_parameters=, training_data= and schedulers.")
 
 
 def _checkpointer(comm: Comm) -> Checkpointer:
