@@ -434,7 +434,9 @@ class ZeroEngine(nn.Module):
         """
         if self.checkpointer is None:
             raise CheckpointError("this engine has no checkpointer; build it with zeroshard.initialize()")
-        loaded = self.checkpointer.load(self.state(), str(load_dir), tag,
+        # The target lists frozen parameters too: at stage 3 its pieces must align one to one
+        # with the strategy's (a frozen piece the checkpoint lacks keeps its values).
+        loaded = self.checkpointer.load(self.state(include_frozen=True), str(load_dir), tag,
                                         load_optimizer_states=load_optimizer_states,
                                         load_module_only=load_module_only)
         if loaded is None:
