@@ -57,6 +57,9 @@ _DS_KEYS = frozenset({
     "checkpoint_parallel_dimensions", "data_parallel_sampler_state"})
 """DeepSpeed's own keys of the model file; every other key is the user's `client_state`."""
 
+_OFFLINE = "<no model>"
+"""The tag of the stand-in hint `read_layout` builds when converting without a model."""
+
 Loc = tuple[int, int]
 """Where a fragment lives in its rank's optimizer data: (group or sub-group, start)."""
 
@@ -88,6 +91,8 @@ def _trainable_order(names_shapes: list[tuple[str, tuple[int, ...]]], hint: Mani
     """Stage 0 stores no names with the optimizer: number its parameters as the model's trainable
     parameters, and check the shapes agree."""
     trainable = [p for p in hint.params if p.trainable]
+    if hint.tag == _OFFLINE and len(trainable) > len(names_shapes):
+        trainable = _align_by_shape(trainable, names_shapes)
     if len(trainable) != len(names_shapes):
         raise CheckpointError(f"{path}: the optimizer holds {len(names_shapes)} parameters, the model has "
                               f"{len(trainable)} trainable ones (a different parameter set, or parameters "
@@ -97,6 +102,17 @@ def _trainable_order(names_shapes: list[tuple[str, tuple[int, ...]]], hint: Mani
             raise CheckpointError(f"{path}: {what}: the optimizer's parameter for {p.name!r} has shape "
                                   f"{list(shape)}, the model's {list(p.shape)}: the parameter order differs")
     return [(p.name, tuple(p.shape)) for p in trainable]
+
+
+def _align_by_shape(params: list[TensorInfo], names_shapes: list[tuple[str, tuple[int, ...]]]) -> list[TensorInfo]:
+    """Offline, with no model to say which parameters were frozen: the optimizer's parameters
+    are the module's in order with some left out; match them greedily by shape."""
+    out, i = [], 0
+    for p in params:
+        if i < len(names_shapes) and tuple(p.shape) == tuple(names_shapes[i][1]):
+            out.append(p)
+            i += 1
+    return out if i == len(names_shapes) else params
 
 
 def _module_infos(model: dict[str, Any], trainable: set[str], aliases: dict[str, str]) -> list[TensorInfo]:
@@ -251,19 +267,50 @@ def _stage3(files: DsFiles, model: dict[str, Any]) -> DsLayout:
         for r in range(world):
             if numel - r * per > 0:
                 frozen_pieces[r].append((i + j, r * per, min(per, numel - r * per)))
-    m = _new_manifest(world, 3, precision, params, {}, _buffers(model), 0, fragments, True, model, files.ckpt.name)
+    aliases = _storage_aliases(model, [p.name for p in params])
+    m = _new_manifest(world, 3, precision, params, aliases, _buffers(model), 0, fragments, True, model, files.ckpt.name)
     inner = (load_ds(files.ckpt / files.optim[0]).get("optimizer_state_dict") or {}).get("optimizer_state_dict") or {}
     m.param_groups = len(inner.get("param_groups", []))
     return DsLayout(files=files, stage=3, manifest=m, locs=locs, frozen_pieces=frozen_pieces, model=model)
 
 
-def read_layout(ckpt: Path, hint: Manifest) -> DsLayout:
+def _storage_aliases(model: dict[str, Any], names: list[str]) -> dict[str, str]:
+    """Module names whose tensor shares its storage with one of `names` (tied parameters: the
+    files are memory-mapped, so every saved storage has its own address, empty ones included)."""
+    module = model.get("module") or {}
+    owner = {module[n].untyped_storage().data_ptr(): n for n in reversed(names) if n in module}
+    return {n: owner[t.untyped_storage().data_ptr()] for n, t in module.items()
+            if n not in names and t.untyped_storage().data_ptr() in owner}
+
+
+def _hint_from_module(model: dict[str, Any]) -> Manifest:
+    """Without a model (to-fp32): every saved weight is taken as trainable, and names whose
+    tensors share storage in the file (torch.save keeps tied tensors tied) as aliases."""
+    buffers = set(model.get("buffer_names") or [])
+    seen: dict[tuple[int, int], str] = {}
+    params, aliases = [], {}
+    for n, t in (model.get("module") or {}).items():
+        if n in buffers or t.numel() == 0:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            aliases[n] = seen[key]
+            continue
+        seen[key] = n
+        params.append(TensorInfo(n, tuple(t.shape), _dtype_name(t.dtype), True))
+    return _new_manifest(1, 0, "", params, aliases, [], 0, [[]], False, model, _OFFLINE)
+
+
+def read_layout(ckpt: Path, hint: Manifest | None) -> DsLayout:
     """The layout of DeepSpeed tag directory `ckpt`. `hint`: the model being loaded into (stage
-    0 numbers parameters by the model's trainable ones; tied names are taken from it)."""
+    0 numbers parameters by the model's trainable ones; tied names are taken from it); None
+    offline, where the model file stands in for it."""
     first = ckpt / DS_MODEL_FILE
     if not first.is_file():
         first = ckpt / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     model = load_ds(first)
+    if hint is None:
+        hint = _hint_from_module(model)
     check_parallelism(model, first)
     world = int(model.get("dp_world_size", 1) or 1)
     stage = int(((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
