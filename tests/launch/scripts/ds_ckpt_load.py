@@ -3,6 +3,7 @@ size and continue; the losses must be DeepSpeed's continued losses (plain python
 torchrun otherwise).
 
     ds_ckpt_load.py DIR STAGES CASE [CASE ...]    STAGES: zeroshard stages, e.g. "0,3" ("same": the saved one)
+    ds_ckpt_load.py DIR refuse CASE              unmappable checkpoints are refused; the engine trains on
 
 Prints one line per (case, stage): "DSLOAD OK <case> -> stage <s> world <w>: max |dloss| <x>"; a
 deviation over the precision's tolerance, or wrong counters/client_state, raises.
@@ -11,6 +12,7 @@ deviation over the precision's tolerance, or wrong counters/client_state, raises
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -24,11 +26,79 @@ from ds_ckpt_common import GLOBAL_BATCH, J, batches, ds_config, make_model, pars
 TOL = {"fp32": 1e-5, "bf16": 2e-3, "fp16": 2e-2}
 
 
+def _snapshot(engine: object) -> list[torch.Tensor]:
+    from zeroshard.zero.init import GatheredParameters
+
+    params = list(engine.module.parameters())  # type: ignore[attr-defined]
+    with GatheredParameters(params):
+        return [p.detach().float().clone() for p in params]
+
+
+def refuse(root: Path, case: str, rank: int, world: int) -> None:
+    """A different parameter set, and pipeline / MoE files, are refused naming the file; the
+    engine is untouched and still trains."""
+    import shutil
+
+    from zeroshard.errors import CheckpointError
+
+    engine, _, _, _ = zeroshard.initialize(model=make_model(seed=7), config=ds_config(case, world))
+    before = _snapshot(engine)
+    src = root / case
+    tag = (src / "latest").read_text().strip()
+    bad = root / f"refuse-{case}"
+    if rank == 0:
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(src, bad)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+    probes = [(f"layer_01-model_00-model_states.pt", "pipeline"), ("expert_0_mp_rank_00_model_states.pt", "MoE")]
+    for name, word in probes:
+        if rank == 0:
+            (bad / tag / name).write_bytes(b"")
+        if world > 1:
+            dist.barrier()
+        try:
+            engine.load_checkpoint(bad)
+        except CheckpointError as e:
+            if name not in str(e) or word not in str(e):
+                raise AssertionError(f"refusal does not name {name} / {word}: {e}") from e
+        else:
+            raise AssertionError(f"{name} was not refused")
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            (bad / tag / name).unlink()
+    from zeroshard.examples.gpt import GPT, GPTConfig
+
+    other, _, _, _ = zeroshard.initialize(model=GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)),
+                                          config=ds_config(case, world))
+    try:
+        other.load_checkpoint(src)
+    except CheckpointError as e:
+        if "blocks.1" not in str(e) or tag not in str(e):
+            raise AssertionError(f"a different parameter set: the refusal should name blocks.1 and {tag}: {e}") from e
+    else:
+        raise AssertionError("a model with another parameter set loaded the checkpoint")
+    for a, b in zip(_snapshot(engine), before, strict=True):
+        if not torch.equal(a, b):
+            raise AssertionError("a refused load changed the model")
+    losses = step_losses(engine, batches()[:2], rank, world, GLOBAL_BATCH // world)
+    if not all(math.isfinite(x) for x in losses):
+        raise AssertionError(f"the engine does not train after a refused load: {losses}")
+    if rank == 0:
+        print(f"DSREFUSE OK {case} world {world}", flush=True)
+
+
 def main(root: Path, stages: str, cases: list[str]) -> None:
     groups = zeroshard.init_distributed()
     rank, world = groups.rank, groups.world_size
     torch.set_num_threads(1)
     data = batches()
+    if stages == "refuse":
+        refuse(root, cases[0], rank, world)
+        return
     for case in cases:
         saved_stage, precision, _ = parse_case(case)
         want = json.loads((root / case / "losses.json").read_text())
