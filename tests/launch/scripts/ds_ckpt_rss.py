@@ -42,7 +42,8 @@ def ds_save(root: Path, case: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     cfg = {**ds_config(case, world), "gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": 1}
-    engine, _, _, _ = deepspeed.initialize(model=model(), model_parameters=list(model().parameters()), config=cfg)
+    net = model()
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=list(net.parameters()), config=cfg)
     x = torch.randint(0, 256, (1, 32))
     engine.backward(engine(x, x))
     engine.step()
