@@ -112,7 +112,8 @@ class DsFiles:
 _UNMAPPABLE = [
     (re.compile(r"^layer_\d+-model_\d+-model_states\.pt$|^layer_\d+-model_states\.pt$"),
      "a pipeline-parallel layer file: zeroshard has no pipeline parallelism"),
-    (re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_(0[1-9]|[1-9]\d)_.*\.pt$|^mp_rank_(0[1-9]|[1-9]\d)_model_states\.pt$"),
+    (re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_(0[1-9]|[1-9]\d)_.*\.pt$"
+                r"|^mp_rank_(0[1-9]|[1-9]\d)_model_states\.pt$"),
      "a tensor/model-parallel rank's file (mp_rank > 0): zeroshard has no tensor parallelism"),
     (re.compile(r"^(exp|expert)_.*\.pt$"), "an MoE expert file: zeroshard has no expert parallelism"),
 ]
@@ -158,8 +159,8 @@ def list_files(ckpt: Path, world_size: int, stage: int) -> DsFiles:
         if not (ckpt / name).is_file():
             raise CheckpointError(f"{ckpt / name}: missing; the checkpoint was saved by {world_size} data-parallel "
                                   "ranks and each writes one optimizer file")
-    extra = [n for n in names if re.match(r"^(bf16_)?zero_pp_rank_(\d+)_", n)
-             and int(re.match(r"^(?:bf16_)?zero_pp_rank_(\d+)_", n).group(1)) >= world_size]  # type: ignore[union-attr]
+    ranks = [(n, re.match(r"^(?:bf16_)?zero_pp_rank_(\d+)_", n)) for n in names]
+    extra = [n for n, m in ranks if m is not None and int(m.group(1)) >= world_size]
     if extra:
         raise CheckpointError(f"{ckpt / extra[0]}: a rank >= dp_world_size ({world_size}) recorded in the model "
                               "file; files from two different saves are mixed in this directory")

@@ -362,7 +362,8 @@ class DeepSpeedReader(CheckpointReader):
         model = self.layout.model
         sched = model.get("lr_scheduler")
         client = {k: v for k, v in model.items() if k not in _DS_KEYS}
-        return {"global_steps": int(model.get("global_steps", 0)), "global_samples": int(model.get("global_samples", 0)),
+        return {"global_steps": int(model.get("global_steps", 0)),
+                "global_samples": int(model.get("global_samples", 0)),
                 "micro_steps": 0,  # not saved by DeepSpeed; any multiple of the accumulation steps
                 "skipped_steps": int(model.get("skipped_steps", 0)),
                 "lr_scheduler": pickle_bytes(sched) if sched is not None else None,
@@ -400,10 +401,8 @@ class DeepSpeedReader(CheckpointReader):
         flats, states, groups = self._optimizer_parts(rank)
         masters, frag_states, elementwise = [], [], []
         for (_, _, numel), (k, start) in zip(self.manifest.fragments[rank], self.layout.locs[rank], strict=True):
-            flat = flats[k].reshape(-1)
-            if flat.dtype != torch.float32 and not self.layout.files.optim and "fp32_groups" not in self.layout.model["optimizer"]:
-                flat = flat.float()
-            masters.append(flat[start : start + numel])
+            # A view; `_assemble` copies it into an fp32 tensor (fp32 stage 0: the module's weight).
+            masters.append(flats[k].reshape(-1)[start : start + numel])
             state, keys = {}, []
             for key, value in (states.get(k) or {}).items():
                 if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == flats[k].numel():
@@ -458,7 +457,8 @@ def load_deepspeed(target: EngineState, comm: "Comm", ckpt: Path, *, load_optimi
     agree(comm, error, "loading the DeepSpeed checkpoint")
     if loaded is None:
         raise AssertionError("expected a loaded state after every rank agreed")
-    logger.info(f"loaded DeepSpeed checkpoint {ckpt} (stage {layout.stage}, saved by {layout.manifest.world_size} ranks)")
+    logger.info(f"loaded DeepSpeed checkpoint {ckpt} (stage {layout.stage}, saved by "
+                f"{layout.manifest.world_size} ranks)")
     return loaded
 
 

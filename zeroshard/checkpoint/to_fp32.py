@@ -263,12 +263,15 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
                 aliases.setdefault(src, []).append(key)
         order = [(k, by_name[n].info.shape, by_name[n].out_dtype) for n in by_name for k in [n, *aliases.get(n, [])]]
         with SafetensorsWriter(out, order, {"zeroshard_tag": manifest.tag}) as writer:
-            for name, tensor in iter_fp32_tensors(ckpt, manifest, chunk_bytes=chunk_bytes, progress=bar, open_reader=open_reader):
+            tensors_in_order = iter_fp32_tensors(ckpt, manifest, chunk_bytes=chunk_bytes, progress=bar,
+                                                 open_reader=open_reader)
+            for name, tensor in tensors_in_order:
                 for key in [name, *aliases.get(name, [])]:
                     writer.write(key, tensor)
         count = len(order)
     else:
-        tensors = dict(iter_fp32_tensors(ckpt, manifest, chunk_bytes=chunk_bytes, progress=bar, open_reader=open_reader))
+        tensors = dict(iter_fp32_tensors(ckpt, manifest, chunk_bytes=chunk_bytes, progress=bar,
+                                         open_reader=open_reader))
         sd = {key: tensors[src] for key, src in _output_names(manifest, list(tensors)).items()}
         write_atomic(out, lambda f: torch.save(sd, f))
         count = len(sd)

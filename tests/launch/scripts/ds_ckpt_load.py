@@ -122,7 +122,8 @@ def main(root: Path, stages: str, cases: list[str]) -> None:
                 raise AssertionError(f"{case} -> zeroshard stage {stage} at world {world}: losses {got}, "
                                      f"DeepSpeed {want['losses']}: max deviation {dev:.3e} > {TOL[precision]}")
             if engine.global_steps != want["global_steps"]:
-                raise AssertionError(f"{case}: continued to step {engine.global_steps}, DeepSpeed {want['global_steps']}")
+                raise AssertionError(f"{case}: continued to step {engine.global_steps}, "
+                                     f"DeepSpeed {want['global_steps']}")
             if rank == 0:
                 print(f"DSLOAD OK {case} -> stage {stage} world {world}: max |dloss| {dev:.3e}", flush=True)
 
