@@ -24,7 +24,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).parent / "scripts"
-CASES = [f"s{s}-{p}" for s in range(4) for p in ("fp32", "bf16", "fp16")] + ["s2-fp32-offload", "s3-bf16-offload"]
+CASES = ([f"s{s}-{p}" for s in range(4) for p in ("fp32", "bf16", "fp16")]
+         + ["s2-fp32-offload", "s3-bf16-offload", "s1-bf16-acc32"])
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="DeepSpeed is not installed (optional: pip install deepspeed==0.19.8)")

@@ -150,7 +150,7 @@ def list_files(ckpt: Path, world_size: int, stage: int) -> DsFiles:
     if stage == 0:
         optim: list[str] = []
         bf16 = (ckpt / optim_name(0, True)).is_file()
-        if bf16:  # BF16_Optimizer at stage 0 partitions like ZeRO-1
+        if bf16:  # a BF16_Optimizer file (bf16, fp32 grad accumulation) partitions like ZeRO-1
             optim = [optim_name(r, True) for r in range(world_size)]
     else:
         bf16 = (ckpt / optim_name(0, True)).is_file()

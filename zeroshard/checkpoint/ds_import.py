@@ -11,7 +11,7 @@ Where each layout keeps what (read from DeepSpeed 0.19's files; `ds_files.py` op
   torch optimizer's state dict (fp32), or for fp16/bf16 `{fp32_groups, optimizer_state_dict,
   cur_scale, ...}`; parameters are numbered in the optimizer's order (the model's trainable
   parameters; checked by shape).
-- stages 1/2 and stage-0 BF16_Optimizer (`[bf16_]zero_pp_rank_R_..._optim_states.pt`): per group,
+- stages 1/2 and BF16_Optimizer (`[bf16_]zero_pp_rank_R_..._optim_states.pt`): per group,
   one flat fp32 partition per rank (`single_partition_of_fp32_groups`), the moments as one flat
   tensor per group, and `param_slice_mappings` (name -> start, numel in the partition). The
   partitions concatenate in rank order, so a fragment at `start` on rank r sits at flat offset

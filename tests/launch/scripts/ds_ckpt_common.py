@@ -35,9 +35,9 @@ def batches(seed: int = 1) -> list[tuple[Tensor, Tensor]]:
 
 
 def parse_case(case: str) -> tuple[int, str, bool]:
-    """"s2-bf16-offload" -> (2, "bf16", True)."""
+    """"s2-bf16-offload" -> (2, "bf16", True); a "-acc32" suffix accumulates gradients in fp32."""
     parts = case.split("-")
-    return int(parts[0][1:]), parts[1], parts[-1] == "offload"
+    return int(parts[0][1:]), parts[1], "offload" in parts
 
 
 def ds_config(case: str, world: int, stage: int | None = None) -> dict[str, Any]:
@@ -65,6 +65,8 @@ def ds_config(case: str, world: int, stage: int | None = None) -> dict[str, Any]
         cfg["bf16"] = {"enabled": True}
     elif precision == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
+    if case.endswith("-acc32"):  # stage 1 with bf16: DeepSpeed's BF16_Optimizer (another file layout)
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
 
 
