@@ -4,7 +4,8 @@ Real DeepSpeed (optional: skipped when it is not installed) writes checkpoints o
 ranks, for every stage and precision and with CPU offload (scripts/ds_ckpt_gen.py), and records
 the losses of continuing 4 steps. zeroshard loads each at 1, 2 and 3 ranks, into the saved stage
 (world 2) and into every stage (worlds 1 and 3), continues the same 4 global batches and must get
-DeepSpeed's losses (scripts/ds_ckpt_load.py: fp32 1e-5, bf16 2e-3, fp16 2e-2). The checkpoints
+DeepSpeed's losses (scripts/ds_ckpt_load.py: fp32 1e-5, bf16 and fp16 2e-3; DeepSpeed's stage-0
+fp16 1e-2, see TOL_STAGE0_FP16). The checkpoints
 are generated once per session. Also: unmappable layouts are refused naming the file, and
 to-fp32 gives what DeepSpeed's own zero_to_fp32 gives, bit for bit.
 """

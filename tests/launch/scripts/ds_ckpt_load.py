@@ -23,7 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zeroshard  # noqa: E402
 from ds_ckpt_common import GLOBAL_BATCH, J, batches, ds_config, make_model, parse_case, step_losses  # noqa: E402
 
-TOL = {"fp32": 1e-5, "bf16": 2e-3, "fp16": 2e-2}
+TOL = {"fp32": 1e-5, "bf16": 2e-3, "fp16": 2e-3}
+TOL_STAGE0_FP16 = 1e-2
+"""DeepSpeed's stage-0 fp16 (FP16_UnfusedOptimizer with a torch optimizer) continues 4.5e-3 away
+from zeroshard although the loaded masters, moments, step and scale equal its file element by
+element and the first continued loss agrees to 1e-6; from scratch the two runs agree to 6e-4.
+The cause lies in how that optimizer continues, and is not established (see the issue's report)."""
 
 
 def _snapshot(engine: object) -> list[torch.Tensor]:
@@ -113,14 +118,14 @@ def main(root: Path, stages: str, cases: list[str]) -> None:
             got = step_losses(engine, data[J:], rank, world, GLOBAL_BATCH // world)
             dev = max(abs(a - b) for a, b in zip(got, want["losses"], strict=True))
             # The first continued loss depends only on the loaded weights: exact up to 16-bit
-            # forward round-off in every precision (fp16's later steps differ from DeepSpeed's
-            # by its numerics, as zeroshard and DeepSpeed fp16 runs from scratch do).
+            # forward round-off in every precision.
             if not abs(got[0] - want["losses"][0]) <= 1e-4:
                 raise AssertionError(f"{case} -> zeroshard stage {stage} at world {world}: first continued loss "
                                      f"{got[0]}, DeepSpeed {want['losses'][0]}: the loaded weights differ")
-            if not dev <= TOL[precision]:
+            tol = TOL_STAGE0_FP16 if (saved_stage, precision) == (0, "fp16") else TOL[precision]
+            if not dev <= tol:
                 raise AssertionError(f"{case} -> zeroshard stage {stage} at world {world}: losses {got}, "
-                                     f"DeepSpeed {want['losses']}: max deviation {dev:.3e} > {TOL[precision]}")
+                                     f"DeepSpeed {want['losses']}: max deviation {dev:.3e} > {tol}")
             if engine.global_steps != want["global_steps"]:
                 raise AssertionError(f"{case}: continued to step {engine.global_steps}, "
                                      f"DeepSpeed {want['global_steps']}")
