@@ -86,33 +86,36 @@ class DsLayout:
 # -- building the layout ------------------------------------------------------------------------
 
 
-def _trainable_order(names_shapes: list[tuple[str, tuple[int, ...]]], hint: Manifest, path: Path,
-                     what: str) -> list[tuple[str, tuple[int, ...]]]:
-    """Stage 0 stores no names with the optimizer: number its parameters as the model's trainable
-    parameters, and check the shapes agree."""
-    trainable = [p for p in hint.params if p.trainable]
-    if hint.tag == _OFFLINE and len(trainable) > len(names_shapes):
-        trainable = _align_by_shape(trainable, names_shapes)
-    if len(trainable) != len(names_shapes):
-        raise CheckpointError(f"{path}: the optimizer holds {len(names_shapes)} parameters, the model has "
-                              f"{len(trainable)} trainable ones (a different parameter set, or parameters "
-                              "frozen/unfrozen since the save); load with load_optimizer_states=False")
-    for p, (_, shape) in zip(trainable, names_shapes):
-        if tuple(p.shape) != tuple(shape):
-            raise CheckpointError(f"{path}: {what}: the optimizer's parameter for {p.name!r} has shape "
-                                  f"{list(shape)}, the model's {list(p.shape)}: the parameter order differs")
-    return [(p.name, tuple(p.shape)) for p in trainable]
-
-
-def _align_by_shape(params: list[TensorInfo], names_shapes: list[tuple[str, tuple[int, ...]]]) -> list[TensorInfo]:
-    """Offline, with no model to say which parameters were frozen: the optimizer's parameters
-    are the module's in order with some left out; match them greedily by shape."""
-    out, i = [], 0
-    for p in params:
-        if i < len(names_shapes) and tuple(p.shape) == tuple(names_shapes[i][1]):
-            out.append(p)
-            i += 1
-    return out if i == len(names_shapes) else params
+def _match_stage0(entries: list[tuple[tuple[int, ...], Tensor | None]], hint: Manifest,
+                  module: dict[str, Tensor], path: Path) -> list[str]:
+    """Stage 0 stores no names with the optimizer: its k-th parameter (in the optimizer's group
+    order) is the first unmatched trainable parameter of the model, in model order, with its
+    shape and, when a 16-bit copy is saved, whose saved weight is its fp32 master cast. This
+    follows the usual groupings (e.g. no weight decay on 1-D tensors) and, offline, where every
+    saved weight is a candidate, skips frozen ones."""
+    candidates = [p for p in hint.params if p.trainable]
+    used: set[str] = set()
+    out = []
+    for k, (shape, master) in enumerate(entries):
+        for p in candidates:
+            if p.name in used or tuple(p.shape) != shape:
+                continue
+            lp = module.get(p.name)
+            if master is not None and lp is not None and not torch.equal(master.to(lp.dtype), lp):
+                continue
+            used.add(p.name)
+            out.append(p.name)
+            break
+        else:
+            raise CheckpointError(f"{path}: the optimizer's parameter {k} (shape {list(shape)}) matches no trainable "
+                                  "parameter of the model (a different parameter set, or parameters frozen or "
+                                  "regrouped since the save); load with load_optimizer_states=False")
+    if hint.tag != _OFFLINE and len(out) != len(candidates):
+        rest = [p.name for p in candidates if p.name not in used]
+        raise CheckpointError(f"{path}: the optimizer holds {len(out)} parameters, the model has {len(candidates)} "
+                              f"trainable ones (not in the checkpoint's optimizer: {rest[:5]}); load with "
+                              "load_optimizer_states=False")
+    return out
 
 
 def _module_infos(model: dict[str, Any], trainable: set[str], aliases: dict[str, str]) -> list[TensorInfo]:
@@ -157,15 +160,18 @@ def _stage0(files: DsFiles, model: dict[str, Any], hint: Manifest) -> DsLayout:
                           files.ckpt.name)
         return DsLayout(files=files, stage=0, manifest=m, locs=[[]], model=model)
     inner = opt.get("optimizer_state_dict", opt)
+    entries: list[tuple[tuple[int, ...], Tensor | None]]
     if "fp32_groups" in opt:
-        shapes = [("", tuple(t.shape)) for g in opt["fp32_groups"] for t in g]
-    else:  # fp32: the masters are the module's weights; moments give the optimizer's shapes
-        numbered = [i for g in inner["param_groups"] for i in g["params"]]
+        entries = [(tuple(t.shape), t) for g in opt["fp32_groups"] for t in g]
+    else:  # fp32: the masters are the module's weights; the moments give the optimizer's shapes
         state = inner.get("state", {})
-        trainable = [p for p in hint.params if p.trainable]
-        shapes = [("", tuple(state[k]["exp_avg"].shape)) if "exp_avg" in state.get(k, {})
-                  else ("", tuple(trainable[k].shape) if k < len(trainable) else ()) for k in numbered]
-    order = _trainable_order(shapes, hint, path, "optimizer")
+        numbered = [i for g in inner["param_groups"] for i in g["params"]]
+        if any("exp_avg" not in state.get(k, {}) for k in numbered):
+            raise CheckpointError(f"{path}: optimizer state without exp_avg for some parameters (not an Adam "
+                                  "state, or saved before the first step); load with load_optimizer_states=False")
+        entries = [(tuple(state[k]["exp_avg"].shape), None) for k in numbered]
+    names_in_order = _match_stage0(entries, hint, module, path)
+    order = [(n, shape) for n, (shape, _) in zip(names_in_order, entries)]
     names = {n for n, _ in order}
     params = _module_infos(model, names, aliases)
     index = {p.name: i for i, p in enumerate(params)}

@@ -25,6 +25,15 @@ def make_model(seed: int = 0) -> GPT:
     return model
 
 
+def model_parameters(model: GPT, case: str) -> list[Any]:
+    """"-groups": two parameter groups (no weight decay on 1-D tensors), as real trainings have."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not case.endswith("-groups"):
+        return params
+    return [{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.01},
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+
+
 def batches(seed: int = 1) -> list[tuple[Tensor, Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -68,6 +77,8 @@ def ds_config(case: str, world: int, stage: int | None = None) -> dict[str, Any]
         # zeroshard deliberately does not (docs/deepspeed-differences.md); the scaler's state
         # (scale, iteration, last overflow) is still restored and used.
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}
+    if "-sub" in case:  # stage 3: several optimizer sub-groups per parameter group
+        zero["sub_group_size"] = 1000
     if case.endswith("-acc32"):  # stage 1 with bf16: DeepSpeed's BF16_Optimizer (another file layout)
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ds_ckpt_common import GLOBAL_BATCH, J, STEPS, batches, ds_config, make_model, step_losses  # noqa: E402
+from ds_ckpt_common import GLOBAL_BATCH, J, batches, ds_config, make_model, model_parameters, step_losses  # noqa: E402
 
 
 def _allow_fp16_on_cpu() -> None:
@@ -40,8 +40,7 @@ def run_case(case: str, out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
     cfg: dict[str, Any] = ds_config(case, world)
-    params = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters(model, case), config=cfg)
     data = batches()
     gas = GLOBAL_BATCH // world
     step_losses(engine, data[:J], rank, world, gas)

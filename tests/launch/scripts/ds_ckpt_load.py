@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zeroshard  # noqa: E402
-from ds_ckpt_common import GLOBAL_BATCH, J, batches, ds_config, make_model, parse_case, step_losses  # noqa: E402
+from ds_ckpt_common import (GLOBAL_BATCH, J, batches, ds_config, make_model, model_parameters, parse_case,
+                            step_losses)  # noqa: E402
 
 TOL = {"fp32": 1e-5, "bf16": 2e-3, "fp16": 2e-3}
 TOL_STAGE0_FP16 = 1e-2
@@ -108,7 +109,9 @@ def main(root: Path, stages: str, cases: list[str]) -> None:
         saved_stage, precision, _ = parse_case(case)
         want = json.loads((root / case / "losses.json").read_text())
         for stage in ([saved_stage] if stages == "same" else [int(s) for s in stages.split(",")]):
-            engine, _, _, _ = zeroshard.initialize(model=make_model(seed=7), config=ds_config(case, world, stage))
+            model = make_model(seed=7)
+            engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model_parameters(model, case),
+                                                   config=ds_config(case, world, stage))
             path, client = engine.load_checkpoint(root / case)
             if path is None or client is None or client.get("case") != case or client.get("steps") != J:
                 raise AssertionError(f"{case}: load returned {path!r}, client_state {client!r}")
