@@ -163,6 +163,37 @@ def test_frozen_parameters_saved_only_when_asked(groups: Any, shared_dir: Path) 
     assert_equal(snapshot(full), snapshot(engine), "frozen parameters saved")
 
 
+def test_frozen_parameters_load_at_stage3_bf16(groups: Any, shared_dir: Path) -> None:
+    """Stage 3 with a separate master: a saved frozen parameter is loaded (its master range is
+    not restored from the checkpoint and must not copy the old value back), and a frozen one left
+    out keeps its value (the load target lists every piece the strategy holds)."""
+    from engine_helpers import gathered_snapshot
+
+    rank, world = groups.rank, groups.world_size
+
+    def frozen_model(seed: int) -> torch.nn.Module:
+        model = make_model(seed)
+        model.wpe.weight.requires_grad_(False)
+        return model
+
+    engine = init_engine(frozen_model(0), config(3, "bf16"))
+    train_engine(engine, batches(world, 2), rank, world)
+    engine.save_checkpoint(shared_dir, tag="full", exclude_frozen_parameters=False)
+    engine.save_checkpoint(shared_dir, tag="lean")
+    full = init_engine(frozen_model(9), config(3, "bf16"))
+    full.load_checkpoint(shared_dir, tag="full")
+    assert_equal(gathered_snapshot(full.module), gathered_snapshot(engine.module), "frozen parameters saved")
+    train_engine(full, batches(world, 1), rank, world)
+    assert torch.equal(gathered_snapshot(full.module)[1], gathered_snapshot(engine.module)[1]), \
+        "a step after the load must not bring back the frozen parameter's old value"
+    lean = init_engine(frozen_model(9), config(3, "bf16"))
+    own_frozen = gathered_snapshot(lean.module)[1]
+    lean.load_checkpoint(shared_dir, tag="lean")
+    got = gathered_snapshot(lean.module)
+    assert torch.equal(got[1], own_frozen), "a frozen parameter not saved keeps its value"
+    assert torch.equal(got[0], gathered_snapshot(engine.module)[0])
+
+
 def test_data_loader_resumes_sample_order(groups: Any, shared_dir: Path) -> None:
     dataset = torch.utils.data.TensorDataset(torch.arange(40).float().unsqueeze(1))
 

@@ -301,6 +301,9 @@ def apply_state(engine: "ZeroEngine", strategy: ZeroStrategy, loaded: LoadedStat
                 piece.data.copy_(maybe)
     frags = strategy.checkpoint_fragments()
     if loaded.masters is not None:
+        # Masters first take the loaded weights: a separate master also covers frozen ranges
+        # (stage 3), which no loaded master overwrites and the sync below copies back.
+        strategy.sync_master_from_params()
         for frag, value in zip(frags, loaded.masters):
             frag.master.data.view(-1).copy_(value)
         strategy.sync_params_from_master()

@@ -560,7 +560,9 @@ class ZeroEngine(EngineQueries, nn.Module):
             raise CheckpointError("this engine has no checkpointer; build it with zeroshard.initialize()")
         if custom_load_fn is not None:
             return self._load_with_custom_fn(load_dir, tag, custom_load_fn)
-        loaded = self.checkpointer.load(self.state(), str(load_dir), tag,
+        # The target lists frozen parameters too: at stage 3 its pieces must align one to one
+        # with the strategy's (a frozen piece the checkpoint lacks keeps its values).
+        loaded = self.checkpointer.load(self.state(include_frozen=True), str(load_dir), tag,
                                         load_optimizer_states=load_optimizer_states,
                                         load_module_only=load_module_only, strict=load_module_strict)
         if loaded is None:
