@@ -433,11 +433,9 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
 @pytest.mark.parametrize("overrides, message", [
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
      'not supported yet: zero_optimization.offload_param.device="nvme". parameter offload to NVMe'),
-    ({"wandb__enabled": True}, "not supported yet: wandb.enabled=true."),
+    ({"comet": {"enabled": True}}, 'not supported yet: comet={"enabled": true}.'),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "not supported yet: fp16.auto_cast=true."),
     ({"aio__block_size": 2097152}, "not supported yet: aio.block_size=2097152."),
-    ({"activation_checkpointing__partition_activations": True},
-     "not supported yet: activation_checkpointing.partition_activations=true."),
     ({"checkpoint__tag_validation": "Fail"}, 'not supported yet: checkpoint.tag_validation="Fail".'),
     ({"flops_profiler": {"enabled": True}}, 'not supported yet: flops_profiler={"enabled": true}.'),
     ({"optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 400}}},

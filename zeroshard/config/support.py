@@ -56,10 +56,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                   "bf16 steps are not checked for overflow.", fix="Remove the key.")
       for k in ("immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
                 "bf16_optimizer_states")),
-    Unsupported(key="wandb.enabled", why="the Weights & Biases monitor is not implemented.",
-                fix="Use tensorboard or csv_monitor."),
-    Unsupported(key="activation_checkpointing", why="DeepSpeed's activation checkpointing is not implemented.",
-                fix="Use torch.utils.checkpoint in the model and remove the section."),
     Unsupported(key="aio", why="asynchronous NVMe I/O comes with NVMe offload, which is not implemented.",
                 fix="Remove the section."),
     Unsupported(key="checkpoint", why="checkpoint options are not implemented (zeroshard's checkpoints "

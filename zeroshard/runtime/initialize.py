@@ -14,6 +14,7 @@ from zeroshard.arguments import config_path_from_args
 from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
 from zeroshard.config import Config, load_config
 from zeroshard.errors import ConfigError
+from zeroshard.runtime.activation_checkpointing import configure_from_config
 from zeroshard.runtime.checkpointing import Checkpointer
 from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
@@ -137,6 +138,7 @@ def initialize(
         "`zeroshard config check FILE` lists every key):\n" + cfg.describe(non_default_only=True)
     )
 
+    configure_from_config(cfg)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     if any(init_partitioned(p) for p in model.parameters()):
         if cfg.zero_optimization.stage != 3:

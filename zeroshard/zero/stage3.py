@@ -16,6 +16,16 @@ Per micro-batch:
                      gradient arrives, reduce-scatter it into the gradient shard and release
 The optimizer steps on fragments (views of the fp32 master shard), exactly as stages 1/2.
 
+Note: [recompute under activation checkpointing] torch.utils.checkpoint (and
+zeroshard.checkpointing, HF's gradient_checkpointing_enable) runs a unit's forward a second
+time during backward. That forward is recognised by running inside an autograd graph task
+(`_in_recompute`): it gathers the unit again and prefetches the units before it, but it does
+not record the execution order, start a micro-batch or prefetch forward, so the recorded
+order that drives prefetch stays the order of the real forward. After it, the unit stays
+gathered when its own backward is running (non-reentrant checkpoint) or follows right away
+(within `stage3_max_reuse_distance`); otherwise it is released and its recomputed outputs
+gather it again, so memory stays bounded as in a forward without checkpointing.
+
 Note: [released storage] a released unit's flat buffer keeps its tensor object but its storage
 is resized to 0 bytes; parameters and any views autograd saved keep pointing at it and see the
 data again after `resize_` + all-gather. Reading a released parameter raises (ZeroParameter).
@@ -67,6 +77,11 @@ class Stage3Options:
     """`offload_optimizer`: where master shard, gradient shard and optimizer state live."""
     param_home: torch.device | None = None
     """`offload_param`: where the low-precision parameter shards live between gathers."""
+
+
+def _in_recompute() -> bool:
+    """True inside a backward pass: a forward there is a checkpointed region's recompute."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class UnitState(Enum):
@@ -247,6 +262,10 @@ class Stage3Strategy:
     # -- hooks ----------------------------------------------------------------------------
 
     def _pre_forward(self, u: int) -> None:
+        if _in_recompute():  # Note: [recompute under activation checkpointing]
+            self._gather(u)
+            self._prefetch_before(u)
+            return
         if u == 0:  # the root: a new forward (and, when training, a new micro-batch)
             self._in_forward = True
             self._training = torch.is_grad_enabled()
@@ -299,11 +318,16 @@ class Stage3Strategy:
             def pre_backward(grad: Tensor, u: int = u) -> None:
                 if not fired[0]:
                     fired[0] = True
+                    self._backward_started.add(u)
                     self._gather(u)
                     self._prefetch_before(u)
 
             for t in outs:
                 t.register_hook(pre_backward)
+        if _in_recompute():  # Note: [recompute under activation checkpointing]
+            if u not in self._backward_started and self._full[u].numel() > self._opt.max_reuse_distance:
+                self._release(u)
+            return None
         if not self._reused_soon(u):
             self._release(u)
         if u == 0:
@@ -403,6 +427,7 @@ class Stage3Strategy:
         self._staging: dict[int, Tensor] = {}
         self._in_flight: list[tuple[int, "Handle", Tensor, Tensor]] = []
         self._reduced: set[int] = set()
+        self._backward_started: set[int] = set()  # units whose outputs' gradients arrived
 
     def begin_micro_batch(self, boundary: bool) -> None:
         """Nothing to do: the root unit's forward pre-hook starts each micro-batch."""
