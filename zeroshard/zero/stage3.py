@@ -22,9 +22,10 @@ time during backward. That forward is recognised by running inside an autograd g
 (`_in_recompute`): it gathers the unit again and prefetches the units before it, but it does
 not record the execution order, start a micro-batch or prefetch forward, so the recorded
 order that drives prefetch stays the order of the real forward. After it, the unit stays
-gathered when its own backward is running (non-reentrant checkpoint) or follows right away
-(within `stage3_max_reuse_distance`); otherwise it is released and its recomputed outputs
-gather it again, so memory stays bounded as in a forward without checkpointing.
+gathered when its own backward is running (non-reentrant checkpoint) or comes next (it is the
+last unit the recompute ran, or within `stage3_max_reuse_distance`); a unit the recompute ran
+before another is released when the next one finishes and its recomputed outputs' hooks gather
+it again for its backward, so a region spanning many units keeps about one gathered at a time.
 
 Note: [released storage] a released unit's flat buffer keeps its tensor object but its storage
 is resized to 0 bytes; parameters and any views autograd saved keep pointing at it and see the
@@ -304,6 +305,10 @@ class Stage3Strategy:
         for prev in reversed(self._order[:position]):
             need = self._full[prev].numel()
             if self._state[prev] is not UnitState.RELEASED:
+                # Already gathered or in flight: it is part of what is ahead of use. (Without
+                # counting it, a second call for the same unit, as the recompute of activation
+                # checkpointing makes, prefetched one unit further each time.)
+                budget -= need
                 continue
             if budget < need or self._live_numel() + need > self._opt.max_live_numel:
                 break
@@ -325,8 +330,12 @@ class Stage3Strategy:
             for t in outs:
                 t.register_hook(pre_backward)
         if _in_recompute():  # Note: [recompute under activation checkpointing]
-            if u not in self._backward_started and self._full[u].numel() > self._opt.max_reuse_distance:
-                self._release(u)
+            # The region's last unit is the first whose backward runs: keep it. The one kept
+            # before it is not last after all; release it unless its backward is running.
+            prev, self._recompute_tail = self._recompute_tail, u
+            if (prev is not None and prev != u and prev not in self._backward_started
+                    and self._full[prev].numel() > self._opt.max_reuse_distance):
+                self._release(prev)
             return None
         if not self._reused_soon(u):
             self._release(u)
@@ -428,6 +437,7 @@ class Stage3Strategy:
         self._in_flight: list[tuple[int, "Handle", Tensor, Tensor]] = []
         self._reduced: set[int] = set()
         self._backward_started: set[int] = set()  # units whose outputs' gradients arrived
+        self._recompute_tail: int | None = None  # the unit whose recompute finished last
 
     def begin_micro_batch(self, boundary: bool) -> None:
         """Nothing to do: the root unit's forward pre-hook starts each micro-batch."""
