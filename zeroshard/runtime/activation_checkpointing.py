@@ -292,6 +292,7 @@ class _Region:
         self._homes = homes
         """Per argument: the device a CPU-kept tensor input goes back to (cpu_checkpointing)."""
         self._tracker_states: dict[str, Tensor] | None = None
+        self._home_rng: dict[int, Tensor] = {}
 
     def _call(self, args: tuple[Any, ...]) -> Any:
         if self._homes is not None:
@@ -300,18 +301,31 @@ class _Region:
         keywords = dict(zip(self._kwarg_keys, args[self._n_positional :]))
         return self._function(*positional, **keywords)
 
+    def _cuda_homes(self) -> list[int]:
+        return sorted({h.index if h.index is not None else torch.cuda.current_device()
+                       for h in self._homes or [] if h is not None and h.type == "cuda"})
+
     def __call__(self, *args: Any) -> Any:
         if self._tracker_states is None:  # the forward
             self._tracker_states = _TRACKER.get_states()
+            # Inputs kept on CPU hide their device from torch.utils.checkpoint, which then does
+            # not stash that device's generator: keep it here for the recompute.
+            self._home_rng = {d: torch.cuda.get_rng_state(d) for d in self._cuda_homes()}
             return self._call(args)
         reached = _TRACKER.get_states()  # a recompute: replay the forward's tracker states
         _TRACKER.set_states(self._tracker_states)
         if self._opts.synchronize:
             _sync()
         start = time.perf_counter()
+        stack = contextlib.ExitStack()
         try:
+            if self._home_rng:
+                stack.enter_context(torch.random.fork_rng(devices=list(self._home_rng), device_type="cuda"))
+                for device, state in self._home_rng.items():
+                    torch.cuda.set_rng_state(state, device)
             return self._call(args)
         finally:
+            stack.close()
             if self._opts.synchronize or self._opts.profile:
                 _sync()
             if self._opts.profile:
