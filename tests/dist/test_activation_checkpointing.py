@@ -196,6 +196,12 @@ def test_config_block_is_applied_by_initialize(groups) -> None:
         engine._sinks = [Sink()]
         _grads_per_step(engine, batches, groups.rank, groups.world_size, lambda e, x, y: e(x, y))
         assert sink and sink[0]["time_recompute_ms"] > 0 and sink[0]["time_backward_ms"] > 0
+        # Note: [monitor events]: the same dict goes to every sink (CSV, TensorBoard, wandb).
+        want = {"loss", "lr", "grad_norm", "loss_scale", "skipped_steps", "samples_per_s", "samples",
+                "time_forward_ms", "time_step_ms"}
+        want |= {f"{k}_rank{r}" for k in ("peak_memory_bytes", "model_state_bytes") for r in range(groups.world_size)}
+        assert want <= set(sink[0]), f"missing {sorted(want - set(sink[0]))}"
+        assert all(sink[0][f"peak_memory_bytes_rank{r}"] > 0 for r in range(groups.world_size))
     finally:
         _unconfigure()
 
