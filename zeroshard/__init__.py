@@ -43,6 +43,10 @@ if TYPE_CHECKING:
     from zeroshard.runtime.initialize import initialize
 
 
+_SUBMODULES = ("checkpointing",)
+"""Reachable as `zeroshard.<name>` after `import zeroshard`, as `deepspeed.checkpointing` is."""
+
+
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"zeroshard.{name}")

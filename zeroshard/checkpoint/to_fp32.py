@@ -14,7 +14,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from zeroshard.checkpoint.load import CheckpointReader
 from zeroshard.checkpoint.manifest import read_manifest, resolve
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter
 from zeroshard.errors import CheckpointError
+from zeroshard.progress import Progress as _Progress
 from zeroshard.runtime.checkpointing import Manifest, TensorInfo
 
 logger = logging.getLogger("zeroshard")
@@ -39,34 +39,9 @@ CHUNK_BYTES = 64 * 2**20
 """Output bytes assembled per pass over the rank files (bounds the memory-mapped pages)."""
 
 
-class Progress:
-    """A plain-text progress bar on stderr: redrawn in place on a terminal, else every 10%."""
-
-    def __init__(self, total_bytes: int, enabled: bool, stream: TextIO | None = None) -> None:
-        self.total, self.done, self.enabled = max(total_bytes, 1), 0, enabled
-        self.stream = stream or sys.stderr
-        self._tty = self.stream.isatty()
-        self._last_decile = -1
-        self._start = time.perf_counter()
-
-    def advance(self, nbytes: int, label: str) -> None:
-        self.done += nbytes
-        if not self.enabled:
-            return
-        frac = min(self.done / self.total, 1.0)
-        bar = "#" * int(frac * 30)
-        line = (f"to-fp32 [{bar:<30}] {frac * 100:5.1f}% {self.done / 2**20:,.1f}/{self.total / 2**20:,.1f} MiB "
-                f"{time.perf_counter() - self._start:.1f}s {label}")
-        if self._tty:
-            self.stream.write("\r" + line[:150].ljust(150))
-        elif int(frac * 10) != self._last_decile:
-            self._last_decile = int(frac * 10)
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled and self._tty:
-            self.stream.write("\n")
+def Progress(total_bytes: int, enabled: bool, stream: TextIO | None = None) -> _Progress:  # noqa: N802
+    """to-fp32's bar over the output bytes (zeroshard/progress.py: tqdm on a terminal)."""
+    return _Progress(total_bytes, "to-fp32", enabled, unit="B", stream=stream)
 
 
 @dataclass(frozen=True, slots=True)

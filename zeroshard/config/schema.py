@@ -140,7 +140,8 @@ class WandbConfig:
     """`wandb`: log training scalars to Weights & Biases."""
 
     enabled: bool = False
-    """Log to W&B."""
+    """Log to W&B from rank 0 (needs the wandb package: pip install 'zeroshard[wandb]').
+    WANDB_MODE=offline writes the run locally, with no network."""
     group: str | None = None
     """W&B run group."""
     team: str | None = None
@@ -185,20 +186,29 @@ class AioConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ActivationCheckpointingConfig:
-    """`activation_checkpointing`: DeepSpeed's activation-checkpointing options."""
+    """`activation_checkpointing`: how `zeroshard.checkpointing.checkpoint` runs (DeepSpeed's block).
+
+    initialize() applies the block when the file sets any of its keys, as
+    `zeroshard.checkpointing.configure(None, deepspeed_config=...)` would. It affects regions the
+    model runs through `zeroshard.checkpointing`; HF's gradient_checkpointing_enable() uses
+    torch.utils.checkpoint directly and needs no block.
+    """
 
     partition_activations: bool = False
-    """Partition checkpointed activations across model-parallel ranks."""
+    """Split checkpointed inputs over model-parallel ranks. zeroshard has no model parallelism:
+    accepted as a no-op (model-parallel size 1); refused by configure() for a larger mpu."""
     cpu_checkpointing: bool = False
-    """Move checkpointed activations to CPU memory."""
+    """Keep checkpointed inputs in CPU memory until their recompute; a no-op when training on CPU."""
     contiguous_memory_optimization: bool = False
-    """Copy checkpointed activations into one contiguous buffer."""
+    """DeepSpeed copies partitioned checkpoints into one preallocated buffer against
+    fragmentation. Accepted, no effect (the caching allocator handles it; see
+    docs/deepspeed-differences.md). Needs partition_activations and number_checkpoints, as in DeepSpeed."""
     number_checkpoints: int | None = spec(None, ge=1)
-    """Number of checkpoints (for contiguous_memory_optimization)."""
+    """Checkpointed layers per forward (sizes DeepSpeed's contiguous buffer)."""
     synchronize_checkpoint_boundary: bool = False
-    """Synchronize the device at each checkpoint boundary."""
+    """Synchronize the device before and after each checkpointed forward and recompute."""
     profile: bool = False
-    """Time the checkpointed forward/backward."""
+    """Time the recomputes; shown as `recompute` in the wall-clock breakdown and monitors."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -55,10 +55,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     *(Unsupported(key=f"bf16.{k}", why="bf16 master weights, optimizer states and gradients are fp32.",
                   fix="Remove the key.")
       for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states")),
-    Unsupported(key="wandb.enabled", why="the Weights & Biases monitor is not implemented.",
-                fix="Use tensorboard or csv_monitor."),
-    Unsupported(key="activation_checkpointing", why="DeepSpeed's activation checkpointing is not implemented.",
-                fix="Use torch.utils.checkpoint in the model and remove the section."),
     Unsupported(key="aio", why="asynchronous NVMe I/O comes with NVMe offload, which is not implemented.",
                 fix="Remove the section."),
     *(Unsupported(key=f"checkpoint.{k}", why=f"checkpoint.{k} is not implemented (zeroshard's checkpoints "

@@ -14,8 +14,8 @@ from torch import nn
 from zeroshard.arguments import config_path_from_args
 from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
 from zeroshard.config import Config, load_config, read_config_file
-
 from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.runtime.activation_checkpointing import configure_from_config
 from zeroshard.runtime.autocast import autocast_dtype, safe_module_classes
 from zeroshard.runtime.checkpointing import Checkpointer
 from zeroshard.runtime.config_sync import check_same_config
@@ -168,6 +168,7 @@ def initialize(
         logger.warning(note)
     _check_optimizer_present(cfg, optimizer, model_parameters, training_data, lr_scheduler)
 
+    configure_from_config(cfg)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     if any(init_partitioned(p) for p in model.parameters()):
         if cfg.zero_optimization.stage != 3:
