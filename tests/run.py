@@ -2,6 +2,8 @@
 
     python tests/run.py            # everything (README's test command)
     python tests/run.py unit dist2 # some stages
+    python tests/run.py --deepspeed  # everything, plus the differential suite against DeepSpeed
+    python tests/run.py deepspeed  # the differential suite only (needs DeepSpeed 0.19, opt-in)
 
 The distributed tests share one gloo process group per run (process start-up dominates on a
 small CPU box), so they run under torchrun, not plain pytest. On a machine without torch or
@@ -35,6 +37,11 @@ STAGES: dict[str, list[str]] = {
     "dist3": [*torchrun(3), *PYTEST, "tests/dist"],
     "launch": [sys.executable, *PYTEST, "tests/launch"],
 }
+# Opt-in: zeroshard against DeepSpeed 0.19 on the same cases (tests/differential/harness.py).
+# Not -x: each case is one test, and one deviating case must not hide the others.
+OPT_IN: dict[str, list[str]] = {
+    "deepspeed": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/differential"],
+}
 
 
 def ensure_installed() -> None:
@@ -59,18 +66,21 @@ def counts(output: str) -> dict[str, int]:
 
 def main(argv: list[str]) -> int:
     ensure_installed()
-    stages = argv or list(STAGES)
+    stages = [a for a in argv if a != "--deepspeed"] or list(STAGES)
+    if "--deepspeed" in argv:
+        stages.append("deepspeed")
+    commands = {**STAGES, **OPT_IN}
     total = {"passed": 0, "failed": 0, "skipped": 0}
     ok = True
     for name in stages:
         start = time.perf_counter()
-        print(f"=== {name}: {' '.join(STAGES[name][1:])}", flush=True)
+        print(f"=== {name}: {' '.join(commands[name][1:])}", flush=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(STAGES[name], cwd=ROOT, env=env, text=True,
+        proc = subprocess.run(commands[name], cwd=ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         out = proc.stdout
         c = counts(out)
-        print(out if proc.returncode else "\n".join(out.splitlines()[-3:]), flush=True)
+        print(out if proc.returncode or name in OPT_IN else "\n".join(out.splitlines()[-3:]), flush=True)
         if proc.returncode != 0 or not c:
             ok = False
             c.setdefault("failed", max(1, c.get("failed", 0)))
