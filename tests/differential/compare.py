@@ -129,8 +129,14 @@ def compare_weights(res: Result, zs: dict[str, Tensor] | None, ds: dict[str, Ten
 
 
 def compare_case(case: Case, zs: dict[str, Any] | None, ds: dict[str, Any] | None,
-                 zs_w: dict[str, Tensor] | None, ds_w: dict[str, Tensor] | None) -> Result:
+                 zs_w: dict[str, Tensor] | None, ds_w: dict[str, Tensor] | None,
+                 ds_own: dict[str, Any] | None = None) -> Result:
+    """`ds` is DeepSpeed's record to match: its run of `case`, or of `case.ds_reference`
+    (then `ds_own` is its run of `case`, whose distance from the reference is noted)."""
     res = Result(case)
+    if case.ds_reference and ds_own and ds and "error" not in ds_own and "error" not in ds:
+        res.notes.append(f"compared with DeepSpeed's {case.ds_reference} (its own {case.name} is "
+                         f"{_dev_list(ds_own['steps'], ds['steps']):.1e} rel off that, a DeepSpeed defect)")
     for who, rec in (("zeroshard", zs), ("DeepSpeed", ds)):
         if rec is None:
             res.problems.append(f"{who}: no record (job died or timed out)")

@@ -2,7 +2,8 @@
 
     python tests/differential/harness.py                 # every case (one 2-rank job per engine)
     python tests/differential/harness.py --cases s2_fp32 lr_range_test
-    python tests/differential/harness.py --reuse OUTDIR  # compare an earlier run's records again
+    python tests/differential/harness.py --reuse --out DIR  # compare an earlier run's records again
+    python tests/differential/harness.py --engines zs     # rerun zeroshard only, reuse DeepSpeed's
 
 Needs DeepSpeed 0.19.x (`pip install -e ".[bench]"`), never a dependency of zeroshard. Both jobs
 run on CPU over gloo with one thread per rank (DS_ACCELERATOR=cpu). DeepSpeed JIT-builds its
@@ -70,16 +71,21 @@ def load(out_dir: Path, engine: str) -> tuple[dict[str, Any], dict[str, Any]]:
 def compare_all(out_dir: Path, cases: list[Case]) -> list[Result]:
     zs, zs_w = load(out_dir, "zs")
     ds, ds_w = load(out_dir, "ds")
-    return [compare_case(c, zs.get(c.name), ds.get(c.name), zs_w.get(c.name), ds_w.get(c.name))
-            for c in cases]
+    results = []
+    for c in cases:
+        ref = c.ds_reference or c.name
+        results.append(compare_case(c, zs.get(c.name), ds.get(ref), zs_w.get(c.name), ds_w.get(ref),
+                                    ds_own=ds.get(c.name)))
+    return results
 
 
-def run(out_dir: Path, cases: list[Case], reuse: bool = False) -> tuple[list[Result], dict[str, float]]:
+def run(out_dir: Path, cases: list[Case], engines: tuple[str, ...] = ("ds", "zs")
+        ) -> tuple[list[Result], dict[str, float]]:
+    """Run `engines` (the others' records must already be in out_dir), then compare."""
     out_dir.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
-    if not reuse:
-        for engine in ("ds", "zs"):
-            times[engine] = run_engine(engine, out_dir, cases)
+    for engine in engines:
+        times[engine] = run_engine(engine, out_dir, cases)
     return compare_all(out_dir, cases), times
 
 
@@ -87,10 +93,16 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="*", help="case names (default: all)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "differential"), help="records and logs")
-    ap.add_argument("--reuse", action="store_true", help="compare the records already in --out")
+    ap.add_argument("--engines", nargs="*", choices=["ds", "zs"], default=["ds", "zs"],
+                    help="engines to run; the other's records are reused from --out")
+    ap.add_argument("--reuse", action="store_true", help="run nothing: compare the records in --out")
     args = ap.parse_args(argv)
     cases = [BY_NAME[n] for n in args.cases] if args.cases else CASES
-    results, times = run(Path(args.out), cases, reuse=args.reuse)
+    # DeepSpeed must also run the cases that others are compared with.
+    refs = [BY_NAME[c.ds_reference] for c in cases if c.ds_reference and c.ds_reference not in
+            {x.name for x in cases}]
+    cases = cases + list({c.name: c for c in refs}.values())
+    results, times = run(Path(args.out), cases, () if args.reuse else tuple(args.engines))
     print(table(results))
     for engine, s in times.items():
         print(f"{engine} job: {s:.0f} s")

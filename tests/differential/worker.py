@@ -103,7 +103,10 @@ class DeepSpeedEngine(Engine):
     def loss_scale(self, engine: Any) -> float | None:
         if not engine.fp16_enabled():
             return None
-        return float(engine.optimizer.cur_scale)
+        opt = engine.optimizer
+        # ZeRO optimizers expose cur_scale; stage 0's FP16_Optimizer keeps it in its config.
+        scale = getattr(opt, "cur_scale", None)
+        return float(scale if scale is not None else opt.loss_scale_config.cur_scale)
 
     def final_weights(self, engine: Any, ckpt_dir: str) -> dict[str, Tensor] | None:
         from deepspeed.utils import safe_get_full_fp32_param
@@ -242,10 +245,14 @@ def main() -> int:
     box = [root]
     dist.broadcast_object_list(box, src=0)
     root = box[0]
-    results: dict[str, Any] = {}
-    weights: dict[str, dict[str, Tensor]] = {}
+    # A run of some cases updates an earlier run's records (harness.py --cases ...).
+    out = Path(args.out)
+    results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    wfile = Path(args.out + ".weights.pt")
+    weights: dict[str, dict[str, Tensor]] = torch.load(wfile) if wfile.exists() else {}
     for case in cases:
         start = time.perf_counter()
+        weights.pop(case.name, None)
         try:
             rec = run_case(case, which, data, root)
             w = rec.pop("_weights")
@@ -258,8 +265,8 @@ def main() -> int:
         results[case.name] = rec
         if rank == 0:
             print(f"[{args.engine}] {case.name}: {rec.get('error', 'ok')} ({rec['seconds']} s)", flush=True)
-            Path(args.out).write_text(json.dumps(results, indent=1))
-            torch.save(weights, args.out + ".weights.pt")
+            out.write_text(json.dumps(results, indent=1))
+            torch.save(weights, wfile)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
