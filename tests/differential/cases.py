@@ -106,10 +106,10 @@ def _sched(type_: str, **params: Any) -> dict[str, Any]:
     return {"scheduler": {"type": type_, "params": params}}
 
 
-def _S0_BF16_DEFECT(stage: int, twin: str) -> dict[str, Any]:
-    """DeepSpeed's stage-0 bf16 path (BF16_Optimizer without ZeRO) trains differently from its
-    own stages 1-3 in bf16 from the second step on; zeroshard's stage 0 is compared with
-    DeepSpeed's stage-1 twin of the case (docs/deepspeed-differences.md)."""
+def _ds_stage0_defect(stage: int, twin: str) -> dict[str, Any]:
+    """DeepSpeed's stage-0 mixed-precision optimizers (BF16_Optimizer, FP16_Optimizer without
+    ZeRO) train differently from its own stages 1-3 (docs/deepspeed-differences.md,
+    "Differential test suite"); zeroshard's stage 0 is compared with DeepSpeed's ZeRO twin."""
     return {"ds_reference": twin} if stage == 0 else {}
 
 
@@ -125,11 +125,17 @@ def _cases() -> list[Case]:
     # Stages x precision.
     for stage in range(4):
         add(f"s{stage}_fp32", _zero(stage))
-        add(f"s{stage}_bf16", _zero(stage), BF16, **_S0_BF16_DEFECT(stage, "s1_bf16"))
-        add(f"s{stage}_fp16", _zero(stage), FP16)
+        add(f"s{stage}_bf16", _zero(stage), BF16, **_ds_stage0_defect(stage, "s1_bf16"))
+        add(f"s{stage}_fp16", _zero(stage), FP16, **_ds_stage0_defect(stage, "s1_fp16"))
     # fp16 dynamic loss scaling with skipped steps: a scale far too large at the start.
     add("s2_fp16_overflow", _zero(2), FP16, {"fp16": {"initial_scale_power": 30, "hysteresis": 1}})
-    add("s0_fp16_overflow", _zero(0), FP16, {"fp16": {"initial_scale_power": 30, "hysteresis": 1}})
+    add("s0_fp16_overflow", _zero(0), FP16, {"fp16": {"initial_scale_power": 30, "hysteresis": 1}},
+        **_ds_stage0_defect(0, "s2_fp16_overflow"))
+    # A scale that overflows for the first steps only, then trains; hysteresis 2 (the default).
+    add("s1_fp16_overflow_recover", _zero(1), FP16, {"fp16": {"initial_scale_power": 22}})
+    add("s3_fp16_overflow_recover", _zero(3), FP16, {"fp16": {"initial_scale_power": 22}})
+    # Growth: after loss_scale_window clean steps the scale doubles (compared up to that step).
+    add("s2_fp16_growth", _zero(2), FP16, {"fp16": {"loss_scale_window": 2}})
     # Offload: CPU optimizer (stage 1-3) and parameters (stage 3).
     off_opt = {"offload_optimizer": {"device": "cpu"}}
     off_par = {"offload_param": {"device": "cpu"}}
@@ -189,7 +195,7 @@ def _cases() -> list[Case]:
     add("clip_tight_s3", _zero(3), {"gradient_clipping": 0.05})
     add("clip_tight_s1_bf16", _zero(1), BF16, {"gradient_clipping": 0.05})
     add("clip_tight_s0_bf16", _zero(0), BF16, {"gradient_clipping": 0.05},
-        **_S0_BF16_DEFECT(0, "clip_tight_s1_bf16"))
+        **_ds_stage0_defect(0, "clip_tight_s1_bf16"))
     # Gradient averaging and communication dtype.
     add("prescale_s0", _zero(0), {"prescale_gradients": True})
     add("prescale_s2", _zero(2), {"prescale_gradients": True})
