@@ -132,8 +132,8 @@ def _cases() -> list[Case]:
     add("s0_fp16_overflow", _zero(0), FP16, {"fp16": {"initial_scale_power": 30, "hysteresis": 1}},
         **_ds_stage0_defect(0, "s2_fp16_overflow"))
     # A scale that overflows for the first steps only, then trains; hysteresis 2 (the default).
-    add("s1_fp16_overflow_recover", _zero(1), FP16, {"fp16": {"initial_scale_power": 22}})
-    add("s3_fp16_overflow_recover", _zero(3), FP16, {"fp16": {"initial_scale_power": 22}})
+    add("s1_fp16_overflow_recover", _zero(1), FP16, {"fp16": {"initial_scale_power": 19}})
+    add("s3_fp16_overflow_recover", _zero(3), FP16, {"fp16": {"initial_scale_power": 19}})
     # Growth: after loss_scale_window clean steps the scale doubles (compared up to that step).
     add("s2_fp16_growth", _zero(2), FP16, {"fp16": {"loss_scale_window": 2}})
     # Offload: CPU optimizer (stage 1-3) and parameters (stage 3).
@@ -150,10 +150,12 @@ def _cases() -> list[Case]:
     add("opt_adam_l2", _zero(2), _opt("Adam", weight_decay=0.1, adam_w_mode=False))
     add("opt_adamw_wd0", _zero(2), _opt("AdamW", weight_decay=0.0))
     add("opt_adam_wd0_s0", _zero(0), _opt("Adam", weight_decay=0.0))
-    add("opt_torch_sgd", _zero(2), _opt("SGD", momentum=0.9, weight_decay=0.1))
-    add("opt_torch_rmsprop_s1", _zero(1), _opt("RMSprop", alpha=0.9))
+    # DeepSpeed wants zero_allow_untested_optimizer for anything but its Adam/Lamb at ZeRO.
+    untested = {"zero_allow_untested_optimizer": True}
+    add("opt_torch_sgd", _zero(2), _opt("SGD", momentum=0.9, weight_decay=0.1), untested)
+    add("opt_torch_rmsprop_s1", _zero(1), _opt("RMSprop", alpha=0.9), untested)
     add("opt_client_adamw", _zero(2), {"optimizer": _ABSENT}, client_optimizer="adamw")
-    add("opt_client_sgd_s3", _zero(3), {"optimizer": _ABSENT}, client_optimizer="sgd")
+    add("opt_client_sgd_s3", _zero(3), {"optimizer": _ABSENT}, untested, client_optimizer="sgd")
     # Schedulers (stage 1, fp32).
     add("lr_warmup_log", _zero(1), _sched("WarmupLR", warmup_min_lr=0.0, warmup_max_lr=1e-3,
                                           warmup_num_steps=4))
@@ -167,7 +169,9 @@ def _cases() -> list[Case]:
     add("lr_onecycle_momentum", _zero(1), _sched(
         "OneCycle", cycle_min_lr=1e-4, cycle_max_lr=1e-3, cycle_first_step_size=2,
         cycle_momentum=True, cycle_min_mom=0.85, cycle_max_mom=0.95, decay_step_size=1,
-        decay_lr_rate=0.1, decay_mom_rate=0.1))
+        decay_lr_rate=0.1, decay_mom_rate=0.1), xfail=(
+        "OneCycle cycle_momentum: DeepSpeed sets betas = (momentum, 0.99), zeroshard's main keeps "
+        "beta2 0.999; fixed on branch config (issue 9 item 1), matches there to 4.8e-7"))
     add("lr_onecycle_no_momentum", _zero(1), _sched(
         "OneCycle", cycle_min_lr=1e-4, cycle_max_lr=1e-3, cycle_first_step_size=2,
         cycle_momentum=False, decay_step_size=1, decay_lr_rate=0.1))
@@ -189,7 +193,9 @@ def _cases() -> list[Case]:
     add("ga_derived_micro", _zero(1), {"train_batch_size": 8, "train_micro_batch_size_per_gpu": _ABSENT,
                                        "gradient_accumulation_steps": 2})
     # Clipping: absent (DeepSpeed's default), off, on, and tight enough to bind.
-    add("clip_absent", _zero(2), {"gradient_clipping": _ABSENT})
+    add("clip_absent", _zero(2), {"gradient_clipping": _ABSENT}, xfail=(
+        "gradient_clipping default: DeepSpeed 0.19 clips at 1.0, zeroshard's main at 0 (no "
+        "clipping); fixed on branch config (issue 9 item 1), matches there to 1.8e-7"))
     add("clip_0", _zero(2), {"gradient_clipping": 0.0})
     add("clip_1", _zero(1), {"gradient_clipping": 1.0})
     add("clip_tight_s3", _zero(3), {"gradient_clipping": 0.05})
@@ -198,9 +204,10 @@ def _cases() -> list[Case]:
         **_ds_stage0_defect(0, "clip_tight_s1_bf16"))
     # Gradient averaging and communication dtype.
     add("prescale_s0", _zero(0), {"prescale_gradients": True})
-    add("prescale_s2", _zero(2), {"prescale_gradients": True})
+    # DeepSpeed's stage 2 refuses pre-scaling / pre-division with reduce_scatter (its default).
+    add("prescale_s2", _zero(2, reduce_scatter=False), {"prescale_gradients": True})
     add("predivide_2_s0", _zero(0), {"prescale_gradients": True, "gradient_predivide_factor": 2.0})
-    add("predivide_2_s2", _zero(2), {"gradient_predivide_factor": 2.0})
+    add("predivide_2_s2", _zero(2, reduce_scatter=False), {"gradient_predivide_factor": 2.0})
     add("comm_fp32_bf16_s2", _zero(2), BF16, {"communication_data_type": "fp32"})
     add("comm_bf16_bf16_s1", _zero(1), BF16, {"communication_data_type": "bf16"})
     add("comm_fp16_fp16_s2", _zero(2), FP16, {"communication_data_type": "fp16"})
