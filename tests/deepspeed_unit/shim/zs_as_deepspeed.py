@@ -50,7 +50,7 @@ MAPPING: dict[tuple[str, str], list[str]] = {
 for _name in ("safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad",
               "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",
               "safe_get_local_fp32_param", "safe_set_local_fp32_param", "safe_get_local_grad",
-              "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
+              "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "safe_set_local_grad",
               "safe_update_full_grad_vectorized"):
     MAPPING[("deepspeed.utils", _name)] = [f"zeroshard.utils:{_name}"]
     MAPPING[("deepspeed.utils.tensor_fragment", _name)] = [f"zeroshard.utils:{_name}"]
