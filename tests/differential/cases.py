@@ -169,9 +169,7 @@ def _cases() -> list[Case]:
     add("lr_onecycle_momentum", _zero(1), _sched(
         "OneCycle", cycle_min_lr=1e-4, cycle_max_lr=1e-3, cycle_first_step_size=2,
         cycle_momentum=True, cycle_min_mom=0.85, cycle_max_mom=0.95, decay_step_size=1,
-        decay_lr_rate=0.1, decay_mom_rate=0.1), xfail=(
-        "OneCycle cycle_momentum: DeepSpeed sets betas = (momentum, 0.99), zeroshard's main keeps "
-        "beta2 0.999; fixed on branch config (issue 9 item 1), matches there to 4.8e-7"))
+        decay_lr_rate=0.1, decay_mom_rate=0.1))  # DeepSpeed: betas = (momentum, 0.99)
     add("lr_onecycle_no_momentum", _zero(1), _sched(
         "OneCycle", cycle_min_lr=1e-4, cycle_max_lr=1e-3, cycle_first_step_size=2,
         cycle_momentum=False, decay_step_size=1, decay_lr_rate=0.1))
@@ -193,9 +191,7 @@ def _cases() -> list[Case]:
     add("ga_derived_micro", _zero(1), {"train_batch_size": 8, "train_micro_batch_size_per_gpu": _ABSENT,
                                        "gradient_accumulation_steps": 2})
     # Clipping: absent (DeepSpeed's default), off, on, and tight enough to bind.
-    add("clip_absent", _zero(2), {"gradient_clipping": _ABSENT}, xfail=(
-        "gradient_clipping default: DeepSpeed 0.19 clips at 1.0, zeroshard's main at 0 (no "
-        "clipping); fixed on branch config (issue 9 item 1), matches there to 1.8e-7"))
+    add("clip_absent", _zero(2), {"gradient_clipping": _ABSENT})  # DeepSpeed's default: 1.0
     add("clip_0", _zero(2), {"gradient_clipping": 0.0})
     add("clip_1", _zero(1), {"gradient_clipping": 1.0})
     add("clip_tight_s3", _zero(3), {"gradient_clipping": 0.05})
