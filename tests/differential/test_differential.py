@@ -2,7 +2,8 @@
 
 Opt-in: `python tests/run.py deepspeed` (or `python -m pytest tests/differential`). Skipped,
 saying why, where DeepSpeed is not installed. The two 2-rank jobs run once per session (about
-N minutes, see harness.py); each case is then one test, so the counts say how many match.
+10 minutes on a loaded 2-core box; records in runs/differential/); each case is then one test,
+so the counts say how many match.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ if importlib.util.find_spec("deepspeed") is None:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
+def results() -> dict[str, Result]:
     import harness
 
-    out = tmp_path_factory.mktemp("differential")
+    # Kept after the run (runs/ is git-ignored): `harness.py --reuse` re-renders the table.
+    out = harness.ROOT / "runs" / "differential"
+    for old in out.glob("*.json*"):
+        old.unlink()
     found, times = harness.run(out, CASES)
     timing = ", ".join(f"{k} job {v:.0f} s" for k, v in times.items())
     conftest.TABLE.append(table(found) + f"\n{timing}; records and logs in {out}")
