@@ -2,6 +2,8 @@
 
     python tests/run.py            # everything (README's test command)
     python tests/run.py unit dist2 # some stages
+    python tests/run.py --deepspeed  # everything, plus the differential suite against DeepSpeed
+    python tests/run.py deepspeed  # the differential suite only (needs DeepSpeed 0.19, opt-in)
 
 The distributed tests share one gloo process group per run (process start-up dominates on a
 small CPU box), so they run under torchrun, not plain pytest. On a machine without torch or
@@ -47,6 +49,11 @@ STAGES: dict[str, list[str]] = {
     # On a machine with N GPUs, also run them at world size N:
     #   torchrun --standalone --nproc-per-node=N -m pytest tests/gpu -x -q
     "gpu": [sys.executable, *PYTEST, "-rs", "tests/gpu"],
+}
+# Opt-in: zeroshard against DeepSpeed 0.19 on the same cases (tests/differential/harness.py).
+# Not -x: each case is one test, and one deviating case must not hide the others.
+OPT_IN: dict[str, list[str]] = {
+    "deepspeed": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/differential"],
 }
 
 
@@ -101,10 +108,10 @@ def run_stage(name: str) -> tuple[dict[str, int], bool]:
             if rounds > 1:
                 print(f"=== {name}: restarting with a fresh group after the failure, "
                       f"{len(ran)} tests already run", flush=True)
-            proc = subprocess.run([*STAGES[name], *deselect], cwd=ROOT, env=env, text=True,
+            proc = subprocess.run([*STAGES.get(name, OPT_IN.get(name, [])), *deselect], cwd=ROOT, env=env, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             out = proc.stdout
-            print(out if proc.returncode else "\n".join(out.splitlines()[-3:]), flush=True)
+            print(out if proc.returncode or name in OPT_IN else "\n".join(out.splitlines()[-3:]), flush=True)
             this_round = read_log(log)
             ran.update(this_round)
             if rounds > 1 and not this_round and re.search(r"no tests ran|\d+ deselected in", out):
@@ -127,12 +134,15 @@ def run_stage(name: str) -> tuple[dict[str, int], bool]:
 
 def main(argv: list[str]) -> int:
     ensure_installed()
-    stages = argv or list(STAGES)
+    stages = [a for a in argv if a != "--deepspeed"] or list(STAGES)
+    if "--deepspeed" in argv:
+        stages.append("deepspeed")
+    commands = {**STAGES, **OPT_IN}
     total = {"passed": 0, "failed": 0, "skipped": 0}
     ok = True
     for name in stages:
         start = time.perf_counter()
-        print(f"=== {name}: {' '.join(STAGES[name][1:])}", flush=True)
+        print(f"=== {name}: {' '.join(commands[name][1:])}", flush=True)
         c, stage_ok = run_stage(name)
         ok = ok and stage_ok
         for key in total:
