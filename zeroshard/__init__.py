@@ -28,9 +28,10 @@ _EXPORTS = {
     "DeepSpeedEngine": "zeroshard.runtime.engine",
 }
 
-_SUBMODULES = ("comm", "zero", "utils", "runtime", "checkpoint", "config", "estimate", "accelerator", "moe")
+_SUBMODULES = ("comm", "zero", "utils", "runtime", "checkpoint", "config", "estimate", "accelerator", "moe",
+               "checkpointing")
 """DeepSpeed scripts reach these as attributes (`deepspeed.zero.Init`, `deepspeed.comm.get_rank`,
-`deepspeed.accelerator.get_accelerator()`)."""
+`deepspeed.accelerator.get_accelerator()`, `deepspeed.checkpointing`)."""
 
 __all__ = sorted(_EXPORTS)
 
@@ -41,10 +42,6 @@ if TYPE_CHECKING:
     from zeroshard.errors import CommError, ConfigError, LaunchError, NotSupportedError, ZeroshardError
     from zeroshard.runtime.engine import ZeroEngine
     from zeroshard.runtime.initialize import initialize
-
-
-_SUBMODULES = ("checkpointing",)
-"""Reachable as `zeroshard.<name>` after `import zeroshard`, as `deepspeed.checkpointing` is."""
 
 
 def __getattr__(name: str) -> Any:
