@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from zeroshard.zero.stage0 import Stage0Strategy
-from zeroshard.zero.stage12 import PartitionedStrategy, PartitionOptions
+from zeroshard.zero.offload import OffloadPolicy
+from zeroshard.zero.stage12 import PartitionOptions, Stage1Strategy, Stage2Strategy
 from zeroshard.zero.stage3 import Stage3Options, Stage3Strategy
 from zeroshard.zero.strategy import ZeroStrategy
 
@@ -49,9 +50,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
                               comm_dtype=comm_dtype, reduce_bucket_numel=int(zero.reduce_bucket_size),
                               prescale_factor=prescale)
     if zero.stage in (1, 2):
-        offload = zero.offload_optimizer
         options = PartitionOptions(
-            stage=zero.stage,
             grad_dtype=grad_dtype,
             comm_dtype=comm_dtype,
             bucket_numel=max(1, min(int(zero.reduce_bucket_size), int(zero.allgather_bucket_size))),
@@ -59,13 +58,11 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             overlap_comm=bool(zero.overlap_comm),
             reduce_scatter=bool(zero.reduce_scatter),
             allgather_partitions=bool(zero.allgather_partitions),
-            offload_device=torch.device("cpu") if offload.device == "cpu" else None,
-            pin_memory=bool(offload.pin_memory),
+            offload=OffloadPolicy.from_config(zero.offload_optimizer),
         )
-        return PartitionedStrategy(params, comm=comm, rank=groups.rank, world_size=groups.world_size,
-                                   options=options)
+        cls = Stage1Strategy if zero.stage == 1 else Stage2Strategy
+        return cls(params, comm=comm, rank=groups.rank, world_size=groups.world_size, options=options)
     if zero.stage == 3:
-        cpu = torch.device("cpu")
         options3 = Stage3Options(
             grad_dtype=grad_dtype,
             comm_dtype=comm_dtype,
@@ -75,8 +72,9 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             max_reuse_distance=int(zero.stage3_max_reuse_distance),
             prescale_factor=prescale,
             overlap_comm=bool(zero.overlap_comm),
-            optimizer_home=cpu if zero.offload_optimizer.device == "cpu" else None,
-            param_home=cpu if zero.offload_param.device == "cpu" else None,
+            reduce_scatter=bool(zero.reduce_scatter),
+            offload_optimizer=OffloadPolicy.from_config(zero.offload_optimizer),
+            offload_param=OffloadPolicy.from_config(zero.offload_param),
         )
         return Stage3Strategy(module, params, comm=comm, rank=groups.rank, world_size=groups.world_size,
                               options=options3, units=resolve_units(module, units) if units else None)
