@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from zeroshard.checkpoint_format import EngineState, LoadedState
 from zeroshard.errors import CheckpointError
-from zeroshard.runtime.checkpointing import Checkpointer, EngineState, apply_state, collect_state
+from zeroshard.runtime.checkpointing import Checkpointer, apply_state, collect_state
 from zeroshard.runtime.inference import generate_tokens, hf_generate
 from zeroshard.runtime.loss_scaler import LossScaler
 from zeroshard.runtime.monitor import MetricSink, Timers, format_bytes, peak_memory_bytes
@@ -371,6 +372,17 @@ class ZeroEngine(nn.Module):
         """This rank's state for a checkpoint: views of the live tensors plus the Manifest."""
         return collect_state(self, self._strategy, include_frozen=include_frozen)
 
+    def apply_state(self, loaded: LoadedState, *, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> None:
+        """Copy what a checkpointer read (for the `EngineState` of `state()`) into this engine."""
+        apply_state(self, self._strategy, loaded, load_lr_scheduler_states=load_lr_scheduler_states,
+                    load_module_only=load_module_only)
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The fp16 dynamic loss scaler, None under fp32/bf16."""
+        return self._loss_scaler
+
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: dict[str, Any] | None = None, save_latest: bool = True, *,
                         exclude_frozen_parameters: bool = True, save_optimizer_states: bool = True) -> str:
@@ -440,7 +452,7 @@ class ZeroEngine(nn.Module):
         if loaded is None:
             logger.warning(f"{load_dir} has no 'latest' file: no checkpoint loaded")
             return None, None
-        apply_state(self, self._strategy, loaded, load_lr_scheduler_states=load_lr_scheduler_states,
-                    load_module_only=load_module_only)
+        self.apply_state(loaded, load_lr_scheduler_states=load_lr_scheduler_states,
+                         load_module_only=load_module_only)
         logger.info(f"loaded checkpoint {loaded.path} (step {self.global_steps})")
         return loaded.path, loaded.client_state if loaded.client_state is not None else {}
