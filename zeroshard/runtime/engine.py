@@ -149,6 +149,10 @@ class ZeroEngine(nn.Module):
         opt = optimizer_state_bytes(self.optimizer) if self.optimizer is not None else 0
         return self._strategy.model_state_bytes(opt)
 
+    def transient_bytes(self) -> int:
+        """Bytes this rank keeps between steps beyond its model states (gradient staging pool)."""
+        return self._strategy.transient_bytes()
+
     def describe_state(self) -> str:
         """What the engine holds: strategy, parameters, optimizer, scheduler, loss scaler."""
         n_params = sum(p.numel() for p in self.module.parameters())

@@ -125,22 +125,16 @@ class GradReducer:
         comm: collectives over the data-parallel group.
         options: mode, dtypes, prescale, overlap.
         device: where staging blocks live (the model's device).
-        staging_numel: elements of one staging block (the largest bucket); 0 when the
-            strategy reduces its own buffers in place and never stages.
     """
 
-    def __init__(self, comm: "Comm", options: ReduceOptions, *, device: torch.device,
-                 staging_numel: int = 0) -> None:
+    def __init__(self, comm: "Comm", options: ReduceOptions, *, device: torch.device) -> None:
         self._comm, self._opt, self._device = comm, options, device
         self._rank, self._world = comm.rank, comm.world_size
-        self._staging_numel = staging_numel
-        self._free: list[Tensor] = []           # the pool: 1D grad_dtype, staging_numel each
-        self._taken: dict[int, Tensor] = {}     # key -> its block (whole, unsliced)
-        self._staging: dict[int, Tensor] = {}   # key -> the block sliced to the bucket
+        self._free: dict[int, list[Tensor]] = {}  # the pool: numel -> free 1D grad_dtype blocks
+        self._staging: dict[int, Tensor] = {}     # key -> the block it holds this micro-batch
         self._in_flight: list[_InFlight] = []
-        self._folded: set[int] = set()          # keys whose target holds this step's data
-        self.pool_blocks = 0
-        """Staging blocks allocated so far (the pool's high-water mark)."""
+        self._folded: set[int] = set()            # keys whose target holds this step's data
+        self._pool_bytes = 0
 
     @property
     def mode(self) -> ReduceMode:
@@ -150,18 +144,22 @@ class GradReducer:
 
     def staging(self, key: int, numel: int) -> Tensor:
         """The zeroed staging block of bucket `key` (`numel` elements), taken from the pool on
-        first use in a micro-batch. See Note: [gradient bucket lifetime]."""
+        first use in a micro-batch. See Note: [gradient bucket lifetime].
+
+        Blocks are pooled by exact size: buckets of one size (transformer blocks, equal
+        buckets) share blocks, and a large bucket (an embedding) never lends its block to a
+        small one, so the pool holds what the busiest moment of backward needed, no more.
+        """
         buf = self._staging.get(key)
         if buf is None:
-            if numel > self._staging_numel:
-                raise AssertionError(f"expected a bucket of at most {self._staging_numel} elements, got {numel}")
-            block = self._free.pop() if self._free else self._new_block()
-            self._taken[key] = block
-            buf = self._staging[key] = block[:numel].zero_()
+            free = self._free.get(numel)
+            if free:
+                buf = free.pop()
+            else:
+                buf = torch.empty(numel, dtype=self._opt.grad_dtype, device=self._device)
+                self._pool_bytes += numel * buf.element_size()
+            self._staging[key] = buf.zero_()
         return buf
-
-    def has_staging(self, key: int) -> bool:
-        return key in self._staging
 
     def accumulate(self, key: int, numel: int, offset: int, grad: Tensor, first: bool) -> None:
         """Add (or, for the first gradient of the micro-batch, copy) `grad` at `offset`."""
@@ -169,19 +167,14 @@ class GradReducer:
         flat = grad.reshape(-1)
         view.copy_(flat) if first else view.add_(flat)
 
-    def _new_block(self) -> Tensor:
-        self.pool_blocks += 1
-        return torch.empty(self._staging_numel, dtype=self._opt.grad_dtype, device=self._device)
-
     def _give_back(self, key: int) -> None:
-        self._staging.pop(key, None)
-        block = self._taken.pop(key, None)
+        block = self._staging.pop(key, None)
         if block is not None:
-            self._free.append(block)
+            self._free.setdefault(block.numel(), []).append(block)
 
     def pool_bytes(self) -> int:
         """Bytes of every staging block allocated (kept for reuse across steps)."""
-        return self.pool_blocks * self._staging_numel * self._opt.grad_dtype.itemsize
+        return self._pool_bytes
 
     # -- launch, fold, drain ----------------------------------------------------------------
 
@@ -199,7 +192,7 @@ class GradReducer:
             self.drain()
             return
         # Only staged buckets hold transient memory; in-place ones are bounded by backward itself.
-        while sum(f.key in self._taken for f in self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
+        while sum(f.key in self._staging for f in self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
             self._finish_oldest()
 
     def _issue(self, data: Tensor) -> tuple["Handle", Tensor | None]:
@@ -233,7 +226,7 @@ class GradReducer:
         """Return blocks still held (buckets never launched this micro-batch) to the pool."""
         if self._in_flight:
             raise AssertionError(f"expected no bucket in flight, found {len(self._in_flight)}")
-        for key in list(self._taken):
+        for key in list(self._staging):
             self._give_back(key)
 
     def end_step(self) -> None:

@@ -195,6 +195,9 @@ class Stage0Strategy:
             )
         ]
 
+    def transient_bytes(self) -> int:
+        return 0  # buckets are reduced in place in the flat gradient
+
     # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpointing.py) -------------
 
     def checkpoint_fragments(self) -> list[MasterFragment]:

@@ -87,7 +87,7 @@ class PartitionedStrategy(ShardedStrategyBase):
         self._reducer = GradReducer(comm, ReduceOptions(
             mode=self._reduce_mode(), grad_dtype=options.grad_dtype, comm_dtype=options.comm_dtype,
             prescale_factor=options.prescale_factor, overlap_comm=options.overlap_comm),
-            device=self._device, staging_numel=self._staging_numel())
+            device=self._device)
         self._boundary = False
         for index, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(lambda t, i=index: self._on_grad_ready(i, t))
@@ -110,9 +110,6 @@ class PartitionedStrategy(ShardedStrategyBase):
         return None
 
     def _reduce_mode(self) -> ReduceMode: ...
-
-    def _staging_numel(self) -> int:
-        return 0
 
     def _accumulate(self, index: int, grad: Tensor) -> None: ...
 
@@ -252,9 +249,6 @@ class Stage2Strategy(PartitionedStrategy):
 
     def _reduce_mode(self) -> ReduceMode:
         return ReduceMode.REDUCE_SCATTER if self._opt.reduce_scatter else ReduceMode.ALL_REDUCE_KEEP_CHUNK
-
-    def _staging_numel(self) -> int:
-        return max(layout.padded_numel for layout in self._plan.layouts)
 
     def _accumulate(self, index: int, grad: Tensor) -> None:
         bucket = self._order.bucket_of(index)

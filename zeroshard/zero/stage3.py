@@ -170,7 +170,7 @@ class Stage3Strategy(ShardedStrategyBase):
         self._reducer = GradReducer(self._comm, ReduceOptions(
             mode=mode, grad_dtype=opt.grad_dtype, comm_dtype=opt.comm_dtype,
             prescale_factor=opt.prescale_factor, overlap_comm=opt.overlap_comm),
-            device=self._device, staging_numel=max(f.numel() for f in self._full))
+            device=self._device)
         counts = [sum(self._trainable[a:b]) for a, b in self._plan.buckets]
         self._arrivals = LaunchOrder(self._unit_of, counts, in_order=False)
 

@@ -172,6 +172,10 @@ class ZeroStrategy(Protocol):
 
     def model_state_bytes(self, optimizer_state_bytes: int) -> list[ModelStateBytes]: ...
 
+    def transient_bytes(self) -> int:
+        """Bytes held beyond the model states and kept between steps (the staging pool)."""
+        ...
+
     # -- checkpoints (runtime/checkpointing.py) ---------------------------------------------
 
     def checkpoint_fragments(self) -> list[MasterFragment]:
