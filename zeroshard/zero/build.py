@@ -33,6 +33,17 @@ def resolve_units(module: nn.Module, units: Sequence[nn.Module | type[nn.Module]
     return [module] + list({id(m): m for m in chosen if m is not module}.values())
 
 
+def _use_reduce_scatter(configured: bool, backend: str) -> bool:
+    """Whether sharded gradient buckets are reduce-scattered, or all-reduced keeping a chunk.
+
+    gloo's reduce-scatter clones its whole input bucket and then costs 1.3-1.9x an all-reduce
+    of the same buffer (bench/results.md, collectives); all-reducing in place and keeping this
+    rank's chunk gives the same sums (bitwise at 2 ranks) faster and without the clone. So on
+    gloo every sharded stage all-reduces; elsewhere `reduce_scatter` decides.
+    """
+    return configured and backend != "gloo"
+
+
 def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
                    groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None = None,
                    ) -> ZeroStrategy:
@@ -56,7 +67,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             bucket_numel=max(1, min(int(zero.reduce_bucket_size), int(zero.allgather_bucket_size))),
             prescale_factor=prescale,
             overlap_comm=bool(zero.overlap_comm),
-            reduce_scatter=bool(zero.reduce_scatter),
+            reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), groups.backend),
             allgather_partitions=bool(zero.allgather_partitions),
             offload=OffloadPolicy.from_config(zero.offload_optimizer),
         )
@@ -72,7 +83,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             max_reuse_distance=int(zero.stage3_max_reuse_distance),
             prescale_factor=prescale,
             overlap_comm=bool(zero.overlap_comm),
-            reduce_scatter=bool(zero.reduce_scatter),
+            reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), groups.backend),
             offload_optimizer=OffloadPolicy.from_config(zero.offload_optimizer),
             offload_param=OffloadPolicy.from_config(zero.offload_param),
         )
