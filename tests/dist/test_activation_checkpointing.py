@@ -135,8 +135,8 @@ def test_stage3_recompute_keeps_prefetch_order_and_memory_bounded(groups) -> Non
     engine = init_engine(_gpt(ckpt.checkpoint), config)
     _grads_per_step(engine, batches, groups.rank, groups.world_size, lambda e, x, y: e(x, y))
     strategy = engine._strategy
-    assert not strategy._recording, "the recompute's forwards must not restart order recording"
-    assert strategy._order == plain._strategy._order, "recorded order = the real forward's"
+    assert not strategy._exec.recording, "the recompute's forwards must not restart order recording"
+    assert strategy._exec.order == plain._strategy._exec.order, "recorded order = the real forward's"
     assert strategy.peak_live_numel <= plain._strategy.peak_live_numel
 
 

@@ -30,7 +30,7 @@ def test_gpt_built_under_init_trains_like_the_whole_model(groups) -> None:
         cut = make_model(seed=0)
     w = cut.blocks[0].mlp[0].weight
     assert isinstance(w, ZeroParameter) and w.shape == (64, 16)
-    assert w._zs_init_shard.numel() == -(-w.numel() // groups.world_size), "each rank holds 1/N"
+    assert w._zs.init_shard.numel() == -(-w.numel() // groups.world_size), "each rank holds 1/N"
     with pytest.raises(PartitionedParameterError, match="GatheredParameters"):
         w.sum()
     batches = global_batches(5, 2 * groups.world_size)

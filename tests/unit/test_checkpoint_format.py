@@ -18,7 +18,7 @@ from zeroshard.checkpoint.reshard import RangeIndex, Read
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, read_safetensors
 from zeroshard.cli.main import main as cli
 from zeroshard.errors import CheckpointError
-from zeroshard.runtime.checkpointing import Manifest, TensorInfo
+from zeroshard.checkpoint_format import Manifest, TensorInfo
 from zeroshard.runtime.dataloader import ResumableDistributedSampler
 from zeroshard.zero.flat import BucketedPartition
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from zeroshard.checkpoint.ds_import import find_deepspeed, load_deepspeed
 from zeroshard.checkpoint.load import load_state
 from zeroshard.checkpoint.save import save_state
-from zeroshard.runtime.checkpointing import EngineState, LoadedState
+from zeroshard.checkpoint_format import EngineState, LoadedState
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm

@@ -43,7 +43,7 @@ from zeroshard.checkpoint.manifest import check_compatible
 from zeroshard.checkpoint.reshard import RangeIndex
 from zeroshard.checkpoint.save import agree
 from zeroshard.errors import CheckpointError
-from zeroshard.runtime.checkpointing import EngineState, LoadedState, Manifest, Range, TensorInfo, pickle_bytes
+from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, TensorInfo, pickle_bytes
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm

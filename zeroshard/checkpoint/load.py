@@ -22,7 +22,7 @@ from zeroshard.checkpoint.reshard import RangeIndex
 from zeroshard.checkpoint.save import agree
 from zeroshard.errors import CheckpointError
 from zeroshard.progress import PROGRESS_MIN_BYTES, Progress
-from zeroshard.runtime.checkpointing import EngineState, LoadedState, Manifest, Range, unpickle_bytes
+from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, unpickle_bytes
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm

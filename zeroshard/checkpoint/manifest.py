@@ -15,7 +15,7 @@ from typing import Any
 
 from zeroshard.checkpoint.files import LATEST, MANIFEST, retired_dir
 from zeroshard.errors import CheckpointError
-from zeroshard.runtime.checkpointing import FORMAT_VERSION, Manifest, TensorInfo
+from zeroshard.checkpoint_format import FORMAT_VERSION, Manifest, TensorInfo
 
 logger = logging.getLogger("zeroshard")
 

@@ -29,7 +29,7 @@ from zeroshard.checkpoint.files import (
 from zeroshard.checkpoint.manifest import to_json
 from zeroshard.errors import CheckpointError
 from zeroshard.progress import PROGRESS_MIN_BYTES, Progress
-from zeroshard.runtime.checkpointing import FORMAT_VERSION, EngineState, Range, pickle_bytes
+from zeroshard.checkpoint_format import FORMAT_VERSION, EngineState, Range, pickle_bytes
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm

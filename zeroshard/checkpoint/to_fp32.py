@@ -31,7 +31,7 @@ from zeroshard.checkpoint.manifest import read_manifest, resolve
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter
 from zeroshard.errors import CheckpointError
 from zeroshard.progress import Progress as _Progress
-from zeroshard.runtime.checkpointing import Manifest, TensorInfo
+from zeroshard.checkpoint_format import Manifest, TensorInfo
 
 logger = logging.getLogger("zeroshard")
 

@@ -51,8 +51,14 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     # ZeRO
     _Z + "stage": _BUILD, _Z + "reduce_scatter": _BUILD, _Z + "reduce_bucket_size": _BUILD,
     _Z + "allgather_partitions": _BUILD, _Z + "allgather_bucket_size": _BUILD, _Z + "overlap_comm": _BUILD,
-    _Z + "offload_param.device": _BUILD, _Z + "offload_optimizer.device": _BUILD,
-    _Z + "offload_optimizer.pin_memory": ("zero/build.py::offload.pin_memory", "zero/stage12.py"),
+    _Z + "offload_param.device": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param)",
+                                  "zero/offload.py::section.device"),
+    _Z + "offload_optimizer.device": ("zero/build.py::OffloadPolicy.from_config(zero.offload_optimizer)",
+                                      "zero/offload.py::section.device"),
+    _Z + "offload_optimizer.pin_memory": ("zero/build.py::OffloadPolicy.from_config(zero.offload_optimizer)",
+                                          "zero/offload.py::section.pin_memory"),
+    _Z + "offload_param.pin_memory": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param)",
+                                      "zero/offload.py::section.pin_memory"),
     _Z + "stage3_prefetch_bucket_size": _BUILD, _Z + "stage3_param_persistence_threshold": _BUILD,
     _Z + "stage3_max_live_parameters": _BUILD, _Z + "stage3_max_reuse_distance": _BUILD,
     _Z + "stage3_gather_16bit_weights_on_model_save": _ENGINE,
@@ -116,7 +122,6 @@ NO_EFFECT: dict[str, str] = {
     "invariants are always checked.",
     _Z + "save_muon_momentum_buffer_in_memory": "applies to DeepSpeed's Muon optimizer, which is not "
     "provided (refused).",
-    _Z + "offload_param.pin_memory": "stage 3 does not pin parameter shards yet.",
     **{_Z + f"offload_param.{k}": _NVME for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")},
     **{_Z + f"offload_optimizer.{k}": _NVME for k in (
         "nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init")},

@@ -159,6 +159,9 @@ class RankEstimate:
             buckets, stage-3 gathered units.
         host_buffers: CPU buffers for NVMe swapping.
         init_host: CPU bytes while the model is built (fp32, whole; one layer with zero.Init).
+        staging_pool: device bytes of gradient staging blocks the reducer keeps for reuse
+            between steps (stages 2 and 3; part of `device_buffers`, but still held after the
+            step: zero/reduce.py pools them by size).
     """
 
     device: StateBytes
@@ -167,6 +170,7 @@ class RankEstimate:
     device_buffers: int
     host_buffers: int
     init_host: int
+    staging_pool: int = 0
 
     @property
     def device_peak(self) -> int:
@@ -292,11 +296,25 @@ def _stage12(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
         host = StateBytes()
     buffers = 0
     if setup.stage == 2:
-        # Reduce-scatter staging: the bucket being filled plus those in flight (two with
-        # overlap_comm, see MAX_BUCKETS_IN_FLIGHT in zero/stage12.py).
-        live = sorted(lay.bucket_padded, reverse=True)[: 3 if setup.overlap_comm else 1]
-        buffers = g * sum(live)
-    return RankEstimate(device, host, StateBytes(), buffers, 0, _init_host(spec, setup))
+        # Staging: the bucket being filled plus those in flight (two with overlap_comm, see
+        # MAX_BUCKETS_IN_FLIGHT in zero/reduce.py); the pool keeps them after the step.
+        # Blocks are all of the largest bucket's size, so similar buckets share them.
+        buffers = g * max(lay.bucket_padded) * min(len(lay.bucket_padded), 3 if setup.overlap_comm else 1)
+    return RankEstimate(device, host, StateBytes(), buffers, 0, _init_host(spec, setup), buffers)
+
+
+def _staging_pool(sizes: tuple[int, ...], overlap_comm: bool) -> int:
+    """Elements of the staging blocks pooled by size (stage 3's units) when buckets of `sizes`
+    (in launch order) are staged one after another: the one filling plus two still in flight."""
+    window = 3 if overlap_comm else 1
+    most: dict[int, int] = {}
+    for start in range(max(1, len(sizes) - window + 1)):
+        counts: dict[int, int] = {}
+        for n in sizes[start : start + window]:
+            counts[n] = counts.get(n, 0) + 1
+        for n, c in counts.items():
+            most[n] = max(most.get(n, 0), c)
+    return sum(n * c for n, c in most.items())
 
 
 def _stage3(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
@@ -312,15 +330,18 @@ def _stage3(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
     # of the unit just finished plus those still reducing (two in flight with overlap_comm).
     units = sorted(lay.unit_padded, reverse=True) or [0]
     gathered = units[0] + min(sum(units[1:2]), setup.prefetch_numel)
-    staging = sum(units[:3]) if setup.overlap_comm else units[0]
-    buffers = p * gathered + g * staging
+    # Staging: the root unit and the persistent one collect gradients from the first to the
+    # last of backward; the other units are staged one after another (zero/reduce.py's pool).
+    root, others = (lay.unit_padded[0], lay.unit_padded[1:]) if lay.unit_padded else (0, ())
+    pool = g * (root + lay.persistent_padded + _staging_pool(tuple(reversed(others)), setup.overlap_comm))
+    buffers = p * gathered + pool
     host_buffers = 0
     if setup.offload_optimizer == "nvme":
         host_buffers += setup.nvme_buffer_count * min(setup.sub_group_size, lay.shard_numel) * 4
     if setup.offload_param == "nvme":
         host_buffers += setup.param_buffer_count * setup.param_buffer_size * p
     return RankEstimate(homes["none"], homes["cpu"], homes["nvme"], buffers, host_buffers,
-                        _init_host(spec, setup))
+                        _init_host(spec, setup), pool)
 
 
 def _add(a: StateBytes, b: StateBytes) -> StateBytes:

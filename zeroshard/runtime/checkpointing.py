@@ -1,5 +1,7 @@
-"""The engine's side of checkpoints: what it saves (`EngineState`), how it applies what was
-loaded (`apply_state`), and the `Checkpointer` protocol that moves both to and from disk.
+"""The engine's side of checkpoints: how it collects what it saves (`collect_state`), how it
+applies what was loaded (`apply_state`), and the `Checkpointer` protocol that moves both to and
+from disk. The format types (`Manifest`, `EngineState`, ...) live in zeroshard/checkpoint_format.py,
+which the offline tools import without the runtime.
 
 The engine does not import zeroshard.checkpoint (STYLE §1): `collect_state` returns tensors
 plus a `Manifest`, and `initialize()` hands the engine a `Checkpointer` that writes them.
@@ -14,17 +16,24 @@ Loading at another world size or stage intersects the saved fragments with the n
 
 from __future__ import annotations
 
-import io
 import logging
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from zeroshard.checkpoint_format import (
+    EngineState,
+    LoadedState,
+    Manifest,
+    Range,
+    TensorInfo,
+    pickle_bytes,
+    unpickle_bytes,
+)
 from zeroshard.errors import CheckpointError
 from zeroshard.zero.strategy import MasterFragment, ZeroStrategy
 
@@ -32,106 +41,6 @@ if TYPE_CHECKING:
     from zeroshard.runtime.engine import ZeroEngine
 
 logger = logging.getLogger("zeroshard")
-
-FORMAT_VERSION = 1
-"""Version of the on-disk format (docs/checkpoints.md); bumped on incompatible changes."""
-
-Range = tuple[int, int, int]
-"""(param index into Manifest.params, offset in the flattened parameter, numel)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """Name, shape and dtype of a parameter or buffer; `trainable`: requires_grad."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    """torch dtype without the "torch." prefix ("float32", "bfloat16")."""
-    trainable: bool = False
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-
-@dataclass
-class Manifest:
-    """The layout of one checkpoint: which parameter fragments each rank owns, and more.
-
-    `collect_state` fills the entries of its own rank; the checkpointer gathers every rank's
-    before writing (`fragments[r]`, `weight_pieces[r]`).
-    """
-
-    world_size: int
-    stage: int
-    precision: str
-    params: list[TensorInfo]
-    """Every parameter of the module (tied parameters once), in `named_parameters()` order."""
-    aliases: dict[str, str]
-    """Other state_dict names of tied parameters -> the name in `params`."""
-    buffers: list[TensorInfo]
-    optimizer: str | None
-    param_groups: int
-    fragments: list[list[Range]]
-    """Per rank: the master fragments it owns (Note: [checkpoint fragments])."""
-    weight_pieces: list[list[Range]] | None
-    """Per rank: the low-precision parameter pieces it holds (stage 3); None: every rank holds
-    whole parameters and rank 0 saves them in the model file."""
-    frozen_saved: bool = False
-    has_optimizer_states: bool = True
-    global_steps: int = 0
-    format_version: int = FORMAT_VERSION
-    tag: str = ""
-    files: dict[str, int] = field(default_factory=dict)
-    """File name -> size in bytes, for every file of the checkpoint but the manifest."""
-
-    def param_index(self) -> dict[str, int]:
-        return {p.name: i for i, p in enumerate(self.params)}
-
-
-@dataclass
-class EngineState:
-    """One rank's state for a checkpoint: views of live tensors (copy before changing them)."""
-
-    rank: int
-    manifest: Manifest
-    masters: list[Tensor]
-    """fp32 masters of this rank's fragments (1-D), aligned with `manifest.fragments[rank]`."""
-    optimizer_states: list[dict[str, Any]]
-    """Optimizer state of each fragment; element-wise tensors flattened to 1-D."""
-    elementwise_keys: list[list[str]]
-    """Per fragment: the state keys with one value per element (exp_avg, exp_avg_sq)."""
-    param_groups: list[dict[str, Any]]
-    """The optimizer's hyper-parameters per group (lr, betas, ...), without "params"."""
-    module: dict[str, Tensor]
-    """Whole tensors for the model file (rank 0): parameters unless sharded, buffers."""
-    weight_pieces: list[Tensor]
-    """Aligned with `manifest.weight_pieces[rank]` (stage 3), else empty."""
-    run_state: dict[str, Any]
-    """Step counters, scheduler, loss scaler and data loader states (plain Python types)."""
-    rng: dict[str, Any]
-
-
-@dataclass
-class LoadedState:
-    """What a checkpointer read for this rank, aligned with the target `EngineState`."""
-
-    path: str
-    module: dict[str, Tensor]
-    """Whole tensors to copy into the module (parameters not sharded, buffers)."""
-    weight_pieces: list[Tensor | None] | None
-    """Aligned with the strategy's `param_pieces()` (None: keep that piece's values)."""
-    masters: list[Tensor] | None
-    optimizer_states: list[dict[str, Any]] | None
-    param_groups: list[dict[str, Any]] | None
-    run_state: dict[str, Any] | None
-    rng: dict[str, Any] | None
-    client_state: dict[str, Any] | None
-
 
 class Checkpointer(Protocol):
     """Moves engine state to and from a directory. `zeroshard.checkpoint.ShardedCheckpointer`."""
@@ -189,7 +98,7 @@ def run_state_of(engine: "ZeroEngine") -> dict[str, Any]:
     """Counters, scheduler, loss scaler, data loader: small, plain, saved by rank 0."""
     sched = engine.lr_scheduler
     loader = engine.training_dataloader
-    scaler = engine._loss_scaler
+    scaler = engine.loss_scaler
     return {
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
@@ -197,7 +106,7 @@ def run_state_of(engine: "ZeroEngine") -> dict[str, Any]:
         "skipped_steps": engine.skipped_steps,
         # Pickled to bytes: a client scheduler's state may hold arbitrary objects, and the
         # model file must stay loadable with torch.load(weights_only=True).
-        "lr_scheduler": _pickle(sched.state_dict()) if sched is not None else None,
+        "lr_scheduler": pickle_bytes(sched.state_dict()) if sched is not None else None,
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
         "data_loader": loader.state_dict() if hasattr(loader, "state_dict") else None,
     }
@@ -327,9 +236,9 @@ def _apply_run_state(engine: "ZeroEngine", run: Mapping[str, Any], load_lr_sched
     engine.micro_steps = int(run["micro_steps"])
     engine.skipped_steps = int(run["skipped_steps"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and run.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(_unpickle(run["lr_scheduler"]))
-    if engine._loss_scaler is not None and run.get("loss_scaler") is not None:
-        engine._loss_scaler.load_state_dict(run["loss_scaler"])
+        engine.lr_scheduler.load_state_dict(unpickle_bytes(run["lr_scheduler"]))
+    if engine.loss_scaler is not None and run.get("loss_scaler") is not None:
+        engine.loss_scaler.load_state_dict(run["loss_scaler"])
     loader = engine.training_dataloader
     if (load_data_loader_state and loader is not None and hasattr(loader, "load_state_dict")
             and run.get("data_loader") is not None):
@@ -337,20 +246,6 @@ def _apply_run_state(engine: "ZeroEngine", run: Mapping[str, Any], load_lr_sched
 
 
 # -- helpers ------------------------------------------------------------------------------
-
-
-def _pickle(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _unpickle(data: bytes) -> Any:
-    # Written by this run's own save; unpickled only by engine.load_checkpoint (never by to-fp32).
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
-pickle_bytes, unpickle_bytes = _pickle, _unpickle
 
 
 def rng_state() -> dict[str, Any]:

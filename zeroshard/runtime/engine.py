@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from zeroshard.checkpoint_format import EngineState, LoadedState
 from zeroshard.errors import CheckpointError
 from zeroshard.runtime import activation_checkpointing
-from zeroshard.runtime.checkpointing import Checkpointer, EngineState, apply_state, collect_state
 from zeroshard.runtime.autocast import autocast_dtype, forward_context
+from zeroshard.runtime.checkpointing import Checkpointer, apply_state, collect_state
 from zeroshard.runtime.engine_queries import EngineQueries
 from zeroshard.runtime.param_access import forget_engine, register_engine
 from zeroshard.runtime.inference import generate_tokens, hf_generate
@@ -205,6 +206,10 @@ class ZeroEngine(EngineQueries, nn.Module):
         """Model-state bytes held by this rank, by category and home (device / CPU)."""
         opt = optimizer_state_bytes(self.optimizer) if self.optimizer is not None else 0
         return self._strategy.model_state_bytes(opt)
+
+    def transient_bytes(self) -> int:
+        """Bytes this rank keeps between steps beyond its model states (gradient staging pool)."""
+        return self._strategy.transient_bytes()
 
     def describe_state(self) -> str:
         """What the engine holds: strategy, parameters, optimizer, scheduler, loss scaler."""
@@ -496,6 +501,18 @@ class ZeroEngine(EngineQueries, nn.Module):
         """This rank's state for a checkpoint: views of the live tensors plus the Manifest."""
         return collect_state(self, self._strategy, include_frozen=include_frozen)
 
+    def apply_state(self, loaded: LoadedState, *, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False, load_rng_state: bool = False) -> None:
+        """Copy what a checkpointer read (for the `EngineState` of `state()`) into this engine.
+        RNG states and the data loader's position only with `load_rng_state` (DeepSpeed's rule)."""
+        apply_state(self, self._strategy, loaded, load_lr_scheduler_states=load_lr_scheduler_states,
+                    load_module_only=load_module_only, load_rng_state=load_rng_state)
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The fp16 dynamic loss scaler, None under fp32/bf16."""
+        return self._loss_scaler
+
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: Mapping[str, Any] | None = {},  # noqa: B006 (DeepSpeed's; never mutated)
                         save_latest: bool = True,
@@ -592,8 +609,8 @@ class ZeroEngine(EngineQueries, nn.Module):
         if loaded is None:
             logger.warning(f"{load_dir} has no 'latest' file: no checkpoint loaded")
             return None, None
-        apply_state(self, self._strategy, loaded, load_lr_scheduler_states=load_lr_scheduler_states,
-                    load_module_only=load_module_only, load_rng_state=load_rng_state)
+        self.apply_state(loaded, load_lr_scheduler_states=load_lr_scheduler_states,
+                         load_module_only=load_module_only, load_rng_state=load_rng_state)
         self._grads_ready, self._pending_backwards = False, 0
         self._publish_loss_scale(overflow=False)
         logger.info(f"loaded checkpoint {loaded.path} (step {self.global_steps})")

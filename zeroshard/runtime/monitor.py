@@ -12,10 +12,12 @@ time_{phase}_ms. `zeroshard report` reads the CSV sink's file; docs/monitoring.m
 from __future__ import annotations
 
 import csv
+import gc
 import logging
 import resource
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,6 +45,29 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def allocated_bytes(device: torch.device) -> int:
+    """Bytes of tensor memory this process holds now: the allocator's count on CUDA; on CPU a
+    census of the distinct storages of every live tensor the garbage collector tracks (each
+    storage once, however many views point at it; released stage-3 units count 0 bytes)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    gc.collect()
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        objects = gc.get_objects()
+        tensors = [o for o in objects if isinstance(o, torch.Tensor)]
+    for obj in tensors:
+        if obj.device.type == "cpu" and obj.layout == torch.strided:
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
+                continue
+            if storage.nbytes() > 0:
+                seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(seen.values())
 
 
 def format_bytes(n: float) -> str:

@@ -10,7 +10,8 @@ from torch import nn
 
 from zeroshard.zero.leaf import DEFAULT_LEAF_CLASSES, apply_leaf_config, leaf_units
 from zeroshard.zero.stage0 import Stage0Strategy
-from zeroshard.zero.stage12 import PartitionedStrategy, PartitionOptions
+from zeroshard.zero.offload import OffloadPolicy
+from zeroshard.zero.stage12 import PartitionOptions, Stage1Strategy, Stage2Strategy
 from zeroshard.zero.stage3 import Stage3Options, Stage3Strategy
 from zeroshard.zero.strategy import ZeroStrategy
 from zeroshard.zero.units import default_units
@@ -32,6 +33,17 @@ def resolve_units(module: nn.Module, units: Sequence[nn.Module | type[nn.Module]
     chosen = [u for u in units if isinstance(u, nn.Module)]
     chosen += [m for m in module.modules() if classes and isinstance(m, classes) and m is not module]
     return [module] + list({id(m): m for m in chosen if m is not module}.values())
+
+
+def _use_reduce_scatter(configured: bool, backend: str) -> bool:
+    """Whether sharded gradient buckets are reduce-scattered, or all-reduced keeping a chunk.
+
+    gloo's reduce-scatter clones its whole input bucket and then costs 1.3-1.9x an all-reduce
+    of the same buffer (bench/results.md, collectives); all-reducing in place and keeping this
+    rank's chunk gives the same sums (bitwise at 2 ranks) faster and without the clone. So on
+    gloo every sharded stage all-reduces; elsewhere `reduce_scatter` decides.
+    """
+    return configured and backend != "gloo"
 
 
 def _mark_leaves(module: nn.Module, zero: object) -> None:
@@ -62,23 +74,19 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
                               comm_dtype=comm_dtype, reduce_bucket_numel=int(zero.reduce_bucket_size),
                               prescale_factor=prescale)
     if zero.stage in (1, 2):
-        offload = zero.offload_optimizer
         options = PartitionOptions(
-            stage=zero.stage,
             grad_dtype=grad_dtype,
             comm_dtype=comm_dtype,
             bucket_numel=max(1, min(int(zero.reduce_bucket_size), int(zero.allgather_bucket_size))),
             prescale_factor=prescale,
             overlap_comm=bool(zero.overlap_comm),
-            reduce_scatter=bool(zero.reduce_scatter),
+            reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), groups.backend),
             allgather_partitions=bool(zero.allgather_partitions),
-            offload_device=torch.device("cpu") if offload.device == "cpu" else None,
-            pin_memory=bool(offload.pin_memory),
+            offload=OffloadPolicy.from_config(zero.offload_optimizer),
         )
-        return PartitionedStrategy(params, comm=comm, rank=groups.rank, world_size=groups.world_size,
-                                   options=options)
+        cls = Stage1Strategy if zero.stage == 1 else Stage2Strategy
+        return cls(params, comm=comm, rank=groups.rank, world_size=groups.world_size, options=options)
     if zero.stage == 3:
-        cpu = torch.device("cpu")
         options3 = Stage3Options(
             grad_dtype=grad_dtype,
             comm_dtype=comm_dtype,
@@ -88,8 +96,9 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             max_reuse_distance=int(zero.stage3_max_reuse_distance),
             prescale_factor=prescale,
             overlap_comm=bool(zero.overlap_comm),
-            optimizer_home=cpu if zero.offload_optimizer.device == "cpu" else None,
-            param_home=cpu if zero.offload_param.device == "cpu" else None,
+            reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), groups.backend),
+            offload_optimizer=OffloadPolicy.from_config(zero.offload_optimizer),
+            offload_param=OffloadPolicy.from_config(zero.offload_param),
         )
         _mark_leaves(module, zero)
         chosen = resolve_units(module, units) if units else default_units(module)

@@ -16,6 +16,8 @@ from typing import Any
 
 from torch import nn
 
+from zeroshard.zero.units import UserGatherable, ZeroParameter, zero_state
+
 
 class GatheredParameters:
     """Gather stage-3 parameters whole on every rank for the duration of a `with` block.
@@ -33,29 +35,25 @@ class GatheredParameters:
                  fwd_module: Any = None, enabled: bool = True) -> None:
         plist = [params] if isinstance(params, nn.Parameter) else list(params)
         self._modifier_rank = modifier_rank
-        self._by_strategy: dict[int, tuple[Any, list[int]]] = {}
+        self._by_owner: dict[int, tuple[UserGatherable, list[ZeroParameter]]] = {}
         if not enabled:
             return
         for p in plist:
-            strategy = getattr(p, "_zs_strategy", None)
-            if strategy is None:
-                continue
-            _, units = self._by_strategy.setdefault(id(strategy), (strategy, []))
-            unit = strategy.unit_of(p)
-            if unit not in units:
-                units.append(unit)
-        for _, units in self._by_strategy.values():
-            units.sort()  # every rank gathers in the same order
+            state = zero_state(p)
+            if state is None or not isinstance(state.owner, UserGatherable):
+                continue  # not partitioned (stages 0-2), or an owner without user gathers
+            _, owned = self._by_owner.setdefault(id(state.owner), (state.owner, []))
+            owned.append(p)  # type: ignore[arg-type]
 
     def __enter__(self) -> "GatheredParameters":
-        for strategy, units in self._by_strategy.values():
-            strategy.gather_units(units)
+        for owner, params in self._by_owner.values():
+            owner.gather_params(params)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        for strategy, units in self._by_strategy.values():
-            strategy.release_units(units, None if exc_type is not None else self._modifier_rank)
+        for owner, params in self._by_owner.values():
+            owner.release_params(params, None if exc_type is not None else self._modifier_rank)
 
 
 class Init:

@@ -1,8 +1,9 @@
 """The machinery behind `zero.Init`: cut parameters to 1/N as modules are built.
 
-A parameter built under `zero.Init` becomes a `ZeroParameter` holding `_zs_init_shard` (this
-rank's 1/N of its flattened values, padded to a multiple of N) and a one-element placeholder
-that keeps its true shape; `Stage3Strategy` later moves the shards into its unit layout.
+A parameter built under `zero.Init` becomes a `ZeroParameter` whose state (`ZeroParamState`)
+holds `init_shard` (this rank's 1/N of its flattened values, padded to a multiple of N), with a
+one-element placeholder as data that keeps its true shape; `Stage3Strategy` later moves the
+shards into its unit layout and takes the state over.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from zeroshard.zero.units import ZeroParameter
+from zeroshard.zero.units import ZeroParameter, ZeroParamState, make_zero_parameter, zero_state
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
@@ -25,7 +26,9 @@ def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> 
 
 def gather_init_shards(comm: "Comm", p: ZeroParameter, world_size: int) -> Tensor:
     """The whole flattened values of a `zero.Init` parameter (collective)."""
-    shard: Tensor = p._zs_init_shard
+    shard = p._zs.init_shard
+    if shard is None:
+        raise AssertionError(f"expected a zero.Init shard for {p._zs.name!r}")
     full = torch.empty(shard.numel() * world_size, dtype=shard.dtype, device=p.device)
     comm.all_gather(full, shard.to(p.device))
     return full[: p.numel()]
@@ -76,10 +79,7 @@ class InitPartitioner:
             data = data.to(self._dtype)
         self._comm.broadcast(data, src=0)  # every rank builds rank 0's model
         p.data = data
-        p.__class__ = ZeroParameter
-        zp: ZeroParameter = p  # type: ignore[assignment]
-        zp._zs_name, zp._zs_unit, zp._zs_on_demand, zp._zs_gathered = name, -1, self._on_demand, True
-        self._cut(zp)
+        self._cut(make_zero_parameter(p, ZeroParamState(name=name, owner=self)))
 
     def _cut(self, p: ZeroParameter) -> None:
         flat = p.detach().reshape(-1)
@@ -87,11 +87,11 @@ class InitPartitioner:
         padded = torch.zeros(chunk * self._world, dtype=flat.dtype, device=flat.device)
         padded[: flat.numel()] = flat
         shard = padded[self._rank * chunk : (self._rank + 1) * chunk].clone()
-        p._zs_init_shard = shard.to(self._home) if self._home is not None else shard
+        p._zs.init_shard = shard.to(self._home) if self._home is not None else shard
         p.data = placeholder(p.shape, p.dtype, p.device)
-        p._zs_gathered = False
+        p._zs.gathered = False
 
-    def _on_demand(self, params: list[ZeroParameter]) -> bool:
+    def on_demand(self, params: list[ZeroParameter]) -> bool:
         # Inside zero.Init: give the operation whole parameters; cut them again at the next
         # module boundary or when other parameters are asked for (peak: about one layer).
         if not self._active:
@@ -99,11 +99,11 @@ class InitPartitioner:
         keep = {id(p) for p in params}
         self._repartition_materialized(keep)
         for p in params:
-            if p._zs_gathered:
+            if p._zs.gathered:
                 continue
             full = gather_init_shards(self._comm, p, self._world)
             p.data = full.view(p.shape).clone()
-            p._zs_gathered = True
+            p._zs.gathered = True
             self._materialized.append(p)
         return True
 
@@ -124,10 +124,11 @@ def move_unpartitioned(module: nn.Module, device: torch.device, dtype: torch.dty
         for name, p in list(sub._parameters.items()):
             if p is None:
                 continue
-            if isinstance(p, ZeroParameter) and hasattr(p, "_zs_init_shard"):
-                shard = p._zs_init_shard
+            state = zero_state(p)
+            if state is not None and state.init_shard is not None:
+                shard = state.init_shard
                 if dtype is not None and shard.is_floating_point():
-                    p._zs_init_shard = shard.to(dtype)
+                    state.init_shard = shard.to(dtype)
                 p.data = placeholder(p.shape, dtype if dtype is not None and p.is_floating_point() else p.dtype, device)
             else:
                 with torch.no_grad():
@@ -138,4 +139,6 @@ def move_unpartitioned(module: nn.Module, device: torch.device, dtype: torch.dty
 
 
 def init_partitioned(p: Any) -> bool:
-    return isinstance(p, ZeroParameter) and hasattr(p, "_zs_init_shard")
+    """Whether `p` was cut by `zero.Init` and not yet taken over by a strategy."""
+    state = zero_state(p)
+    return state is not None and state.init_shard is not None

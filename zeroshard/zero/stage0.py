@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from zeroshard.zero.flat import FlatLayout, param_views, plan_buckets
+from zeroshard.zero.flat import FlatLayout, plan_buckets
+from zeroshard.zero.init_partition import init_partitioned
+from zeroshard.zero.reduce import GradAccumulator, GradReducer, LaunchOrder, ReduceMode, ReduceOptions
 from zeroshard.zero.strategy import (
     GradStats,
     MasterFragment,
@@ -28,14 +30,14 @@ from zeroshard.zero.strategy import (
 )
 
 if TYPE_CHECKING:
-    from zeroshard.comm import Comm, Handle
+    from zeroshard.comm import Comm
 
 
 def broadcast_module_state(module: nn.Module, comm: "Comm", src: int = 0) -> None:
     """Make every rank's parameters and buffers equal to rank `src`'s (one collective per dtype)."""
     # zero.Init parameters are already rank 0's values, cut to shards: nothing to send.
     tensors = [t for t in list(module.parameters()) + list(module.buffers())
-               if t.numel() > 0 and not hasattr(t, "_zs_init_shard")]
+               if t.numel() > 0 and not init_partitioned(t)]
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in {id(t): t for t in tensors}.values():
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -86,25 +88,18 @@ class Stage0Strategy:
         self._prescale_factor = prescale_factor
         self._layout = FlatLayout(tuple(p.numel() for p in self._params))
         device = self._params[0].device
-        self._flat_grad = torch.zeros(self._layout.numel, dtype=grad_dtype, device=device)  # 1D
-        self._grad_views = param_views(self._flat_grad, self._layout, [p.shape for p in self._params])
-        self._init_buckets(reduce_bucket_numel)
-        self._init_master_params()
-        self._written = [False] * len(self._params)
-        self._seen_in_micro = [False] * len(self._params)
-        self._boundary = False
-        self._handles: list["Handle"] = []
-        for index, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(self._make_hook(index))
-
-    def _init_buckets(self, reduce_bucket_numel: int) -> None:
+        flat = torch.zeros(self._layout.numel, dtype=grad_dtype, device=device)  # 1D
+        self._grads = GradAccumulator(flat, self._layout.offsets, [p.shape for p in self._params])
         self._buckets = plan_buckets(self._layout.numels, reduce_bucket_numel)
-        self._bucket_of = [0] * len(self._params)
-        for b, (first, last) in enumerate(self._buckets):
-            for i in range(first, last):
-                self._bucket_of[i] = b
-        self._pending = [last - first for first, last in self._buckets]
-        self._next_bucket = 0
+        bucket_of = [b for b, (first, last) in enumerate(self._buckets) for _ in range(first, last)]
+        self._order = LaunchOrder(bucket_of, [last - first for first, last in self._buckets], in_order=True)
+        self._reducer = GradReducer(comm, ReduceOptions(mode=ReduceMode.ALL_REDUCE, grad_dtype=grad_dtype,
+                                                        comm_dtype=comm_dtype, prescale_factor=prescale_factor),
+                                    device=device)
+        self._init_master_params()
+        self._boundary = False
+        for index, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(lambda t, i=index: self._on_grad_ready(i, t))
 
     def _init_master_params(self) -> None:
         """fp32 master copies when the model is in fp16/bf16; the model's own params otherwise."""
@@ -118,8 +113,8 @@ class Stage0Strategy:
     def __repr__(self) -> str:
         return (
             f"Stage0Strategy({len(self._params)} params, {self._layout.numel} elements, "
-            f"{len(self._buckets)} buckets, grad dtype {self._flat_grad.dtype}, "
-            f"comm dtype {self._comm_dtype or self._flat_grad.dtype}, mixed precision {self._mixed})"
+            f"{len(self._buckets)} buckets, grad dtype {self._grads.flat.dtype}, "
+            f"comm dtype {self._comm_dtype or self._grads.flat.dtype}, mixed precision {self._mixed})"
         )
 
     # -- ZeroStrategy -------------------------------------------------------------------
@@ -140,70 +135,42 @@ class Stage0Strategy:
 
     def begin_micro_batch(self, boundary: bool) -> None:
         self._boundary = boundary
-        self._seen_in_micro = [False] * len(self._params)
-
-    def _make_hook(self, index: int):  # noqa: ANN202 (a closure over the index)
-        def hook(param: Tensor) -> None:
-            self._on_grad_ready(index, param)
-
-        return hook
+        self._order.reset()
 
     def _on_grad_ready(self, index: int, param: Tensor) -> None:
         # Runs inside autograd, once per parameter per backward: fold the micro-batch
         # gradient into the flat buffer and free the parameter's own .grad.
-        grad, view = param.grad, self._grad_views[index]
+        grad = param.grad
         if grad is None:
             return
-        if self._written[index]:
-            view.add_(grad)
-        else:
-            view.copy_(grad)
-            self._written[index] = True
+        self._grads.add(index, grad)
         param.grad = None
-        if self._boundary and not self._seen_in_micro[index]:
-            self._seen_in_micro[index] = True
-            bucket = self._bucket_of[index]
-            self._pending[bucket] -= 1
-            self._launch_ready_buckets()
-
-    def _launch_ready_buckets(self) -> None:
-        # Buckets launch strictly in index order on every rank, so collectives pair up even
-        # when ranks finish their gradients in a different order.
-        while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
-            self._launch(self._next_bucket)
+        if self._boundary:
+            for bucket in self._order.arrive(index):
+                self._launch(bucket)
 
     def _launch(self, bucket: int) -> None:
         first, last = self._buckets[bucket]
-        for i in range(first, last):
-            if not self._written[i]:  # unused in every micro-batch of this step
-                self._grad_views[i].zero_()
-                self._written[i] = True
+        self._order.mark_launched(bucket)
+        self._grads.fill_unwritten(first, last)
         start = self._layout.offsets[first]
         end = self._layout.offsets[last - 1] + self._layout.numels[last - 1]
-        view = self._flat_grad[start:end]
-        if self._prescale_factor != 1.0:
-            view.mul_(1.0 / self._prescale_factor)
-        if self._world_size > 1:
-            self._handles.append(
-                self._comm.all_reduce(view, async_op=True, comm_dtype=self._comm_dtype)
-            )
-        self._next_bucket = bucket + 1
+        self._reducer.launch(bucket, self._grads.flat[start:end])  # in place, every rank keeps it
 
     def after_backward(self) -> None:
         if not self._boundary:
             return
-        while self._next_bucket < len(self._buckets):
-            self._launch(self._next_bucket)
-        for handle in self._handles:
-            handle.wait()
-        self._handles.clear()
+        for bucket in self._order.remaining():
+            self._launch(bucket)
+        self._reducer.drain()
 
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
         # The flat buffer holds the sum over ranks (identical on every rank): no collective.
+        flat = self._grads.flat
         mult = grad_scale * self._prescale_factor / self._world_size
-        stats = unscale_and_clip([self._flat_grad], sum_of_squares([self._flat_grad]).item(), mult, max_norm)
+        stats = unscale_and_clip([flat], sum_of_squares([flat]).item(), mult, max_norm)
         if not stats.overflow:
-            attach_grads(self._master, self._grad_views)
+            attach_grads(self._master, self._grads.views)
         return stats
 
     def after_step(self, applied: bool) -> None:
@@ -212,9 +179,7 @@ class Stage0Strategy:
                 torch._foreach_copy_([p.data for p in self._params], [m.data for m in self._master])
         for master in self._master:
             master.grad = None
-        self._written = [False] * len(self._params)
-        self._pending = [last - first for first, last in self._buckets]
-        self._next_bucket = 0
+        self._grads.reset()
 
     def model_state_bytes(self, optimizer_state_bytes: int) -> list[ModelStateBytes]:
         def nbytes(ts: Sequence[Tensor]) -> int:
@@ -223,12 +188,15 @@ class Stage0Strategy:
         return [
             ModelStateBytes(
                 params=nbytes(self._params),
-                grads=nbytes([self._flat_grad]),
+                grads=nbytes([self._grads.flat]),
                 master_params=nbytes(self._master) if self._mixed else 0,
                 optimizer_states=optimizer_state_bytes,
-                device=self._flat_grad.device.type,
+                device=self._grads.flat.device.type,
             )
         ]
+
+    def transient_bytes(self) -> int:
+        return 0  # buckets are reduced in place in the flat gradient
 
     # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpointing.py) -------------
 
@@ -242,7 +210,7 @@ class Stage0Strategy:
 
     def fragment_grads(self, grad_scale: float) -> list[Tensor]:
         mult = grad_scale * self._prescale_factor / self._world_size
-        return [g.reshape(-1).float() * mult for g in reversed(self._grad_views)]
+        return [g.reshape(-1).float() * mult for g in reversed(self._grads.views)]
 
     @torch.no_grad()
     def sync_params_from_master(self) -> None:

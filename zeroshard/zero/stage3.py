@@ -9,12 +9,13 @@ all-gathered after each step, like stage 2.
 
 Per micro-batch:
   forward pre-hook   gather the unit (waiting for its prefetch), prefetch the next units
-  forward post-hook  release it, unless it is used again soon (`stage3_max_reuse_distance`);
-                     hook its outputs so the unit is gathered again before its backward,
-                     prefetching the units before it (backward runs the order in reverse)
-  grad hooks         copy each gradient into the unit's staging buffer; when the unit's last
-                     gradient arrives, reduce-scatter it into the gradient shard and release
-The optimizer steps on fragments (views of the fp32 master shard), exactly as stages 1/2.
+  forward post-hook  release it, unless it is used again soon (zero/schedule.py); hook its
+                     outputs so the unit is gathered again before its backward, prefetching
+                     the units before it (backward runs the order in reverse)
+  grad hooks         stage each gradient in the reducer's pooled block for the unit; when the
+                     unit's last gradient arrives, reduce it into the gradient shard and release
+The optimizer shard (zero/shard.py) and the gradient reducer (zero/reduce.py) are the ones
+stages 1/2 use; this module keeps the units and their gather / release state machine.
 
 Note: [recompute under activation checkpointing] torch.utils.checkpoint (and
 zeroshard.checkpointing, HF's gradient_checkpointing_enable) runs a unit's forward a second
@@ -44,17 +45,20 @@ from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition
 from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
-from zeroshard.zero.stage12 import ALIGN_NUMEL, MAX_BUCKETS_IN_FLIGHT
-from zeroshard.zero.strategy import (
-    GradStats,
-    MasterFragment,
-    ModelStateBytes,
-    ParamPiece,
-    attach_grads,
-    sum_of_squares,
-    unscale_and_clip,
+from zeroshard.zero.offload import OffloadPolicy
+from zeroshard.zero.reduce import GradReducer, LaunchOrder, ReduceMode, ReduceOptions
+from zeroshard.zero.schedule import ExecutionOrder, PrefetchPolicy
+from zeroshard.zero.shard import OptimizerShard, ShardedStrategyBase
+from zeroshard.zero.stage12 import ALIGN_NUMEL
+from zeroshard.zero.strategy import BytesByHome, ModelStateBytes, ParamPiece
+from zeroshard.zero.units import (
+    ZeroParameter,
+    ZeroParamState,
+    assign_params,
+    default_units,
+    make_zero_parameter,
+    tensors_in,
 )
-from zeroshard.zero.units import ZeroParameter, assign_params, default_units, tensors_in
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, Handle
@@ -74,10 +78,12 @@ class Stage3Options:
     """Keep a unit gathered if it is used again within this many gathered elements."""
     prescale_factor: float = 1.0
     overlap_comm: bool = True
-    optimizer_home: torch.device | None = None
-    """`offload_optimizer`: where master shard, gradient shard and optimizer state live."""
-    param_home: torch.device | None = None
-    """`offload_param`: where the low-precision parameter shards live between gathers."""
+    reduce_scatter: bool = True
+    """Reduce-scatter each unit's gradients (False: all-reduce and keep this rank's chunk)."""
+    offload_optimizer: OffloadPolicy = OffloadPolicy()
+    """Where master shard, gradient shard and optimizer state live."""
+    offload_param: OffloadPolicy = OffloadPolicy()
+    """Where the low-precision parameter shards live between gathers."""
 
 
 def _in_recompute() -> bool:
@@ -91,26 +97,32 @@ class UnitState(Enum):
     GATHERED = "gathered"
 
 
-class Stage3Strategy:
-    """ZeRO stage 3 behind the `ZeroStrategy` protocol (zero/strategy.py)."""
+class Stage3Strategy(ShardedStrategyBase):
+    """ZeRO stage 3 behind the `ZeroStrategy` protocol (zero/strategy.py); the owner
+    (`ParamOwner`, `UserGatherable` in zero/units.py) of every parameter it partitions."""
 
     def __init__(self, module: nn.Module, params: Sequence[nn.Parameter], *, comm: "Comm", rank: int,
                  world_size: int, options: Stage3Options, units: Sequence[nn.Module] | None = None) -> None:
         self._comm, self._rank, self._world, self._opt = comm, rank, world_size, options
+        self._prescale_factor = options.prescale_factor
+        self._backward_started: set[int] = set()  # units whose outputs' gradients arrived
+        self._recompute_tail: int | None = None  # the unit whose recompute finished last
         self._device = params[0].device if params else torch.device("cpu")
         trainable = {id(p) for p in params}
         self._init_units(module, list(units) if units is not None else default_units(module), trainable)
         self._init_shards()
-        self._init_fragments()
+        self._shard = OptimizerShard(self._plan, comm, self._params, trainable=self._trainable, lp=self._lp_shard,
+                                     lp_is_flat=False, device=self._device, policy=options.offload_optimizer,
+                                     lp_policy=options.offload_param, grad_dtype=options.grad_dtype)
+        self._init_reduction()
+        self._exec = ExecutionOrder()
+        self._prefetch = PrefetchPolicy(self._exec, [f.numel() for f in self._full],
+                                        prefetch_numel=options.prefetch_numel, max_live_numel=options.max_live_numel,
+                                        max_reuse_distance=options.max_reuse_distance)
         self._install_hooks()
         self.peak_live_numel = 0
-        self._order: list[int] = []       # unit forward order recorded on the first step
-        self._order_pos = 0
-        self._recording = True
         self._training = False
         self._in_forward = False
-        self._step_reset()
-        self._micro_reset()
 
     # -- construction ---------------------------------------------------------------------
 
@@ -137,7 +149,6 @@ class Stage3Strategy:
         self._plan = BucketedPartition([p.numel() for p in self._params], world_size=self._world,
                                        align=ALIGN_NUMEL, buckets=bounds)
         self._unit_of = [u for u, (a, b) in enumerate(bounds) for _ in range(a, b)]
-        self._module_unit = {id(m): i for i, m in enumerate(units)}
 
     def _init_shards(self) -> None:
         """Partition the whole model the ranks hold now; keep only this rank's shards."""
@@ -145,14 +156,13 @@ class Stage3Strategy:
         if len(dtypes) > 1:
             raise ValueError(f"ZeRO stage 3 needs one parameter dtype, found {sorted(map(str, dtypes))}")
         self._dtype = dtypes.pop() if dtypes else torch.float32
-        opt, plan = self._opt, self._plan
-        self._param_home = opt.param_home or self._device
-        self._home = opt.optimizer_home or self._device
-        self._lp_shard = torch.zeros(plan.shard_numel, dtype=self._dtype, device=self._param_home)  # 1D
-        self._pinned: set[int] = set()  # units kept gathered: used outside their unit, or by the user
+        plan = self._plan
+        self._lp_shard = self._opt.offload_param.allocate(plan.shard_numel, self._dtype, self._device)  # 1D
+        self._pinned: set[int] = set()  # units kept gathered: used outside their unit's forward
         self._user_pins: dict[int, int] = {}
         self._full: list[Tensor] = []   # per unit, 1D padded flat buffer (storage may be empty)
         self._state: list[UnitState] = []
+        self._handles: dict[int, "Handle"] = {}
         for u in range(len(plan.buckets)):
             full = torch.zeros(plan.layouts[u].padded_numel, dtype=self._dtype, device=self._device)
             first, last = plan.buckets[u]
@@ -161,40 +171,26 @@ class Stage3Strategy:
                     p = self._params[i]
                     off = plan.param_flat_offsets[i] - plan.flat_offsets[u]
                     view = full[off : off + p.numel()].view(p.shape)
-                    if init_partitioned(p):  # built under zero.Init: only shards exist
-                        view.view(-1).copy_(gather_init_shards(self._comm, p, self._world))
-                        del p._zs_init_shard
-                    else:
-                        view.copy_(p.detach())
+                    view.copy_(gather_init_shards(self._comm, p, self._world).view(p.shape)
+                               if init_partitioned(p) else p.detach())  # zero.Init: only shards exist
                     p.data = view
+                    make_zero_parameter(p, ZeroParamState(name=self._names[i], owner=self, unit=u))
                 self._lp_shard[slice(*plan.shard_range(u))].copy_(full[slice(*plan.layouts[u].partition(self._rank))])
             self._full.append(full)
             self._state.append(UnitState.GATHERED)
-        for i, p in enumerate(self._params):
-            p.__class__ = ZeroParameter
-            p._zs_name, p._zs_unit, p._zs_gathered = self._names[i], self._unit_of[i], True
-            p._zs_on_demand, p._zs_strategy = self._on_demand, self
-        self._separate_master = self._dtype != torch.float32 or opt.optimizer_home is not None or opt.param_home is not None
-        self._master = self._lp_shard
-        if self._separate_master:
-            self._master = self._lp_shard.to(self._home, torch.float32, copy=True)
-        self._grad_shard = torch.zeros(plan.shard_numel, dtype=opt.grad_dtype, device=self._home)
-        self._handles: dict[int, "Handle"] = {}
         for u in range(len(plan.buckets)):
             if u != self._persistent:
                 self._release(u)
 
-    def _init_fragments(self) -> None:
-        self._fragment_params: list[nn.Parameter] = []
-        self._fragment_grads: list[Tensor] = []
-        self._master_of: dict[int, nn.Parameter] = {}
-        for f in self._plan.rank_fragments(self._rank):
-            if not self._trainable[f.param_index]:
-                continue
-            frag = nn.Parameter(self._master[f.shard_offset : f.shard_offset + f.numel])
-            self._fragment_params.append(frag)
-            self._fragment_grads.append(self._grad_shard[f.shard_offset : f.shard_offset + f.numel])
-            self._master_of[id(self._params[f.param_index])] = frag
+    def _init_reduction(self) -> None:
+        opt = self._opt
+        mode = ReduceMode.REDUCE_SCATTER if opt.reduce_scatter else ReduceMode.ALL_REDUCE_KEEP_CHUNK
+        self._reducer = GradReducer(self._comm, ReduceOptions(
+            mode=mode, grad_dtype=opt.grad_dtype, comm_dtype=opt.comm_dtype,
+            prescale_factor=opt.prescale_factor, overlap_comm=opt.overlap_comm),
+            device=self._device)
+        counts = [sum(self._trainable[a:b]) for a, b in self._plan.buckets]
+        self._arrivals = LaunchOrder(self._unit_of, counts, in_order=False)
 
     def _install_hooks(self) -> None:
         for u, module in enumerate(self._unit_modules):
@@ -207,10 +203,15 @@ class Stage3Strategy:
                 p.register_post_accumulate_grad_hook(lambda t, i=i: self._on_grad_ready(i, t))
 
     def __repr__(self) -> str:
+        first, last = self._plan.buckets[self._persistent]
         return (f"Stage3Strategy({len(self._params)} params in {len(self._plan.buckets) - 1} units + "
-                f"{self._plan.buckets[self._persistent][1] - self._plan.buckets[self._persistent][0]} "
-                f"persistent params, shard {self._plan.shard_numel} elements on rank {self._rank}, "
-                f"params on {self._param_home}, master on {self._home})")
+                f"{last - first} persistent params, shard {self._plan.shard_numel} elements on rank "
+                f"{self._rank}, params on {self._lp_shard.device}, {self._shard!r})")
+
+    @property
+    def _order(self) -> list[int]:
+        """The recorded unit order (zero/schedule.py)."""
+        return self._exec.order
 
     # -- gather / release -----------------------------------------------------------------
 
@@ -233,7 +234,7 @@ class Stage3Strategy:
         if self._state[u] is UnitState.GATHERING:
             self._handles.pop(u).wait()
             self._state[u] = UnitState.GATHERED
-            self._set_gathered_flag(u, True)
+            self._set_gathered(u, True)
 
     def _release(self, u: int) -> None:
         if (u == self._persistent or self._state[u] is UnitState.RELEASED or u in self._pinned
@@ -243,77 +244,53 @@ class Stage3Strategy:
             self._handles.pop(u).wait()
         self._full[u].untyped_storage().resize_(0)
         self._state[u] = UnitState.RELEASED
-        self._set_gathered_flag(u, False)
+        self._set_gathered(u, False)
 
-    def _set_gathered_flag(self, u: int, gathered: bool) -> None:
+    def _is_released(self, u: int) -> bool:
+        return self._state[u] is UnitState.RELEASED
+
+    def _set_gathered(self, u: int, gathered: bool) -> None:
         first, last = self._plan.buckets[u]
         for p in self._params[first:last]:
-            p._zs_gathered = gathered
+            p._zs.gathered = gathered  # type: ignore[attr-defined]
 
-    def _on_demand(self, params: list[ZeroParameter]) -> bool:
+    def on_demand(self, params: list[ZeroParameter]) -> bool:
         """Parameters used outside their unit's forward during a forward: gather their units and
         keep them until the step's backward is done (saved views need them)."""
         if not (self._training or self._in_forward):
             return False
-        for unit in sorted({p._zs_unit for p in params}):
+        for unit in sorted({p._zs.unit for p in params}):
             self._pinned.add(unit)
             self._gather(unit)
         return True
+
+    def _refresh_gathered(self) -> None:
+        """Units gathered now (the persistent one, pinned ones) re-read their shards."""
+        for u, state in enumerate(self._state):
+            if state is not UnitState.RELEASED:
+                self._state[u] = UnitState.RELEASED
+                self._gather(u)
 
     # -- hooks ----------------------------------------------------------------------------
 
     def _pre_forward(self, u: int) -> None:
         if _in_recompute():  # Note: [recompute under activation checkpointing]
             self._gather(u)
-            self._prefetch_before(u)
+            self._prefetch.prefetch_backward(u, self._live_numel, self._is_released, self._start_gather)
             return
         if u == 0:  # the root: a new forward (and, when training, a new micro-batch)
             self._in_forward = True
             self._training = torch.is_grad_enabled()
             if self._training:
-                self._micro_reset()
-                self._order_pos = 0
+                self._arrivals.reset()
+                self._backward_started = set()  # units whose outputs' gradients arrived
+                self._recompute_tail = None  # the unit whose recompute finished last
+                self._reducer.end_micro_batch()
+                self._exec.start_forward()
         if self._training:
-            self._record(u)
+            self._exec.record(u)
         self._gather(u)
-        self._prefetch_after(u)
-
-    def _record(self, u: int) -> None:
-        if self._recording:
-            self._order.append(u)
-        elif self._order_pos >= len(self._order) or self._order[self._order_pos] != u:
-            self._order, self._recording = self._order[: self._order_pos] + [u], True  # order changed
-        self._order_pos += 1
-
-    def _prefetch_after(self, u: int) -> None:
-        if self._recording or not self._order:
-            return
-        budget = self._opt.prefetch_numel
-        for nxt in self._order[self._order_pos :]:
-            need = self._full[nxt].numel()
-            if budget < need or self._live_numel() + need > self._opt.max_live_numel:
-                break
-            self._start_gather(nxt)
-            budget -= need
-
-    def _prefetch_before(self, u: int) -> None:
-        """Backward runs the recorded forward order in reverse: gather the units before `u`."""
-        if self._recording or u not in self._order:
-            return
-        position = len(self._order) - 1 - self._order[::-1].index(u)
-        budget = self._opt.prefetch_numel
-        for prev in reversed(self._order[:position]):
-            need = self._full[prev].numel()
-            if self._state[prev] is not UnitState.RELEASED:
-                # Already gathered or in flight: it is part of what is ahead of use. (Without
-                # counting it, a second call for the same unit, as the recompute of activation
-                # checkpointing makes, prefetched one unit further each time.)
-                budget -= need
-                continue
-            if budget < need or self._live_numel() + need > self._opt.max_live_numel:
-                break
-            self._start_gather(prev)
-            budget -= need
+        self._prefetch.prefetch_forward(self._live_numel, self._start_gather)
 
     def _post_forward(self, u: int, output: Any) -> Any:
         outs = [t for t in tensors_in(output) if t.requires_grad]
@@ -325,7 +302,7 @@ class Stage3Strategy:
                     fired[0] = True
                     self._backward_started.add(u)
                     self._gather(u)
-                    self._prefetch_before(u)
+                    self._prefetch.prefetch_backward(u, self._live_numel, self._is_released, self._start_gather)
 
             for t in outs:
                 t.register_hook(pre_backward)
@@ -337,7 +314,7 @@ class Stage3Strategy:
                     and self._full[prev].numel() > self._opt.max_reuse_distance):
                 self._release(prev)
             return None
-        if not self._reused_soon(u):
+        if not (torch.is_grad_enabled() and self._prefetch.reused_soon(u)):
             self._release(u)
         if u == 0:
             self._in_forward = False
@@ -347,97 +324,25 @@ class Stage3Strategy:
                 self._release(v)
         return None
 
-    def _reused_soon(self, u: int) -> bool:
-        """True if `u` comes back within max_reuse_distance gathered elements (the last units
-        of forward are the first of backward)."""
-        if self._recording or not torch.is_grad_enabled():
-            return False
-        upcoming = self._order[self._order_pos :]
-        if not upcoming:
-            return self._full[u].numel() <= self._opt.max_reuse_distance
-        distance = 0
-        for nxt in upcoming:
-            if nxt == u:
-                return True
-            distance += self._full[nxt].numel()
-            if distance > self._opt.max_reuse_distance:
-                return False
-        return False
-
     def _on_grad_ready(self, index: int, param: Tensor) -> None:
         grad = param.grad
         if grad is None:
             return
         u = self._unit_of[index]
-        staging = self._staging.get(u)
-        if staging is None:
-            staging = self._staging[u] = torch.zeros(self._full[u].numel(), dtype=self._opt.grad_dtype,
-                                                     device=self._device)
         off = self._plan.param_flat_offsets[index] - self._plan.flat_offsets[u]
-        view = staging[off : off + param.numel()]
-        view.add_(grad.reshape(-1)) if self._seen[index] else view.copy_(grad.reshape(-1))
+        self._reducer.accumulate(u, self._full[u].numel(), off, grad, first=not self._arrivals.seen(index))
         param.grad = None
-        if not self._seen[index]:
-            self._seen[index] = True
-            self._pending[u] -= 1
-            if self._pending[u] == 0 and u != self._persistent:
-                self._reduce(u)
-                self._release(u)
-
-    # -- reduction ------------------------------------------------------------------------
+        for ready in self._arrivals.arrive(index):
+            if ready != self._persistent:
+                self._reduce(ready)
+                self._release(ready)
 
     def _reduce(self, u: int) -> None:
-        staging = self._staging.pop(u, None)
-        if staging is None:
-            staging = torch.zeros(self._full[u].numel(), dtype=self._opt.grad_dtype, device=self._device)
-        if self._opt.prescale_factor != 1.0:
-            staging.mul_(1.0 / self._opt.prescale_factor)
-        recv = torch.empty(self._plan.layouts[u].partition_numel, dtype=staging.dtype, device=self._device)
-        handle = self._comm.reduce_scatter(recv, staging, async_op=True, comm_dtype=self._opt.comm_dtype)
-        self._in_flight.append((u, handle, staging, recv))
-        self._reduced.add(u)
-        limit = MAX_BUCKETS_IN_FLIGHT if self._opt.overlap_comm else 0
-        while len(self._in_flight) > limit:
-            self._finish_oldest()
-
-    def _finish_oldest(self) -> None:
-        u, handle, _, recv = self._in_flight.pop(0)
-        handle.wait()
-        target = self._grad_shard[slice(*self._plan.shard_range(u))]
-        if self._folded[u]:
-            target.add_(recv.to(target.device, non_blocking=True))
-        else:
-            target.copy_(recv, non_blocking=True)
-            self._folded[u] = True
+        self._arrivals.mark_launched(u)
+        data = self._reducer.staging(u, self._full[u].numel())  # zeros if no gradient arrived
+        self._reducer.launch(u, data, self._shard.grad_target(u))
 
     # -- ZeroStrategy ---------------------------------------------------------------------
-
-    @property
-    def optimizer_params(self) -> list[nn.Parameter]:
-        return list(self._fragment_params)
-
-    def master_params_for(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-        known = {id(p) for p in self._params}
-        out = []
-        for p in params:
-            if id(p) not in known:
-                raise ValueError("the optimizer was given a parameter that is not a parameter of the "
-                                 "model passed to initialize()")
-            if id(p) in self._master_of:
-                out.append(self._master_of[id(p)])
-        return out
-
-    def _step_reset(self) -> None:
-        self._folded = [False] * len(self._plan.buckets)
-
-    def _micro_reset(self) -> None:
-        self._pending = [sum(self._trainable[a:b]) for a, b in self._plan.buckets]
-        self._seen = [False] * len(self._params)
-        self._staging: dict[int, Tensor] = {}
-        self._in_flight: list[tuple[int, "Handle", Tensor, Tensor]] = []
-        self._reduced: set[int] = set()
-        self._backward_started: set[int] = set()  # units whose outputs' gradients arrived
-        self._recompute_tail: int | None = None  # the unit whose recompute finished last
 
     def begin_micro_batch(self, boundary: bool) -> None:
         """Nothing to do: the root unit's forward pre-hook starts each micro-batch."""
@@ -445,85 +350,67 @@ class Stage3Strategy:
     def after_backward(self) -> None:
         # Units whose gradients all arrived were reduced during backward, in backward order
         # (the same on every rank); the rest (persistent, partly unused) follow in index order.
-        for u, (first, last) in enumerate(self._plan.buckets):
-            if u not in self._reduced and any(self._trainable[first:last]):
+        for u in self._arrivals.remaining():
+            first, last = self._plan.buckets[u]
+            if any(self._trainable[first:last]):
                 self._reduce(u)
-        while self._in_flight:
-            self._finish_oldest()
+        self._reducer.drain()
         self._pinned.clear()
         for u in range(len(self._plan.buckets)):
             self._release(u)
-        if self._recording and self._order:
-            self._recording = False
+        self._exec.finish_recording()
         self._training = False
 
-    def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
-        sq = sum_of_squares([self._grad_shard]).to(self._device)
-        self._comm.all_reduce(sq)
-        mult = grad_scale * self._opt.prescale_factor / self._world
-        stats = unscale_and_clip([self._grad_shard], sq.item(), mult, max_norm)
-        if not stats.overflow:
-            attach_grads(self._fragment_params, self._fragment_grads)
-        return stats
-
     def after_step(self, applied: bool) -> None:
-        for frag in self._fragment_params:
-            frag.grad = None
-        self._step_reset()
+        self._shard.after_step()
+        self._reducer.end_step()
         if not applied:
             return
-        if self._separate_master:
-            self._lp_shard.copy_(self._master, non_blocking=True)
+        self._shard.store_master_to_lp()
         # The persistent unit stays gathered: refresh it now. Other units gather on next use.
         p = self._persistent
         self._state[p] = UnitState.RELEASED
         self._gather(p)
 
     def model_state_bytes(self, optimizer_state_bytes: int) -> list[ModelStateBytes]:
-        def nbytes(t: Tensor) -> int:
-            return t.numel() * t.element_size()
+        acc = BytesByHome()
+        persistent = self._full[self._persistent]
+        acc.add(self._device.type, "params", persistent.numel() * persistent.element_size())  # whole everywhere
+        acc.add(self._opt.offload_param.label(self._device), "params",
+                self._lp_shard.numel() * self._lp_shard.element_size())
+        self._shard.count_bytes(acc, optimizer_state_bytes)
+        return acc.result()
 
-        entries: dict[str, dict[str, int]] = {}
-
-        def add(offloaded: bool, home: torch.device, key: str, value: int) -> None:
-            name = f"{home.type} (offload)" if offloaded else self._device.type
-            entry = entries.setdefault(name, dict.fromkeys(("params", "grads", "master_params", "optimizer_states"), 0))
-            entry[key] += value
-
-        opt_off, param_off = self._opt.optimizer_home is not None, self._opt.param_home is not None
-        add(False, self._device, "params", nbytes(self._full[self._persistent]))  # whole on every rank
-        add(param_off, self._param_home, "params", nbytes(self._lp_shard))
-        add(opt_off, self._home, "grads", nbytes(self._grad_shard))
-        add(opt_off, self._home, "master_params", nbytes(self._master) if self._separate_master else 0)
-        add(opt_off, self._home, "optimizer_states", optimizer_state_bytes)
-        return [ModelStateBytes(device=name, **v) for name, v in entries.items()]
+    def transient_bytes(self) -> int:
+        """Bytes kept for reuse beyond the model states: the reducer's staging pool."""
+        return self._reducer.pool_bytes()
 
     # -- user gathers (zero.GatheredParameters) --------------------------------------------
 
-    def gather_units(self, units: Sequence[int]) -> None:
-        """Gather `units` for the user until `release_units`; collective, in the given order."""
-        for u in units:
+    def gather_params(self, params: Sequence[ZeroParameter]) -> None:
+        """Gather the units of `params` for the user until `release_params`; collective."""
+        for u in sorted({p._zs.unit for p in params}):  # every rank gathers in the same order
             self._user_pins[u] = self._user_pins.get(u, 0) + 1
             self._gather(u)
 
-    def release_units(self, units: Sequence[int], modifier_rank: int | None) -> None:
+    def release_params(self, params: Sequence[ZeroParameter], modifier_rank: int | None) -> None:
         """End a user gather; with `modifier_rank`, that rank's whole values become the truth."""
-        for u in units:
+        for u in sorted({p._zs.unit for p in params}):
             if modifier_rank is not None:
                 full = self._full[u]
                 self._comm.broadcast(full, src=modifier_rank)
                 chunk = full[slice(*self._plan.layouts[u].partition(self._rank))]
-                shard = slice(*self._plan.shard_range(u))
-                self._lp_shard[shard].copy_(chunk)
-                if self._separate_master:
-                    self._master[shard].copy_(chunk)
+                self._lp_shard[slice(*self._plan.shard_range(u))].copy_(chunk)
+                master = self._shard.master_chunk(u)
+                if master is not None:
+                    master.copy_(chunk)
             self._user_pins[u] -= 1
             if self._user_pins[u] == 0:
                 del self._user_pins[u]
                 self._release(u)
 
-    def unit_of(self, param: nn.Parameter) -> int:
-        return int(getattr(param, "_zs_unit"))
+    def unit_of(self, param: ZeroParameter) -> int:
+        return param._zs.unit
 
     # -- DeepSpeed's ds_* attributes (ZeroParameter's properties read these) ---------------
 
@@ -532,7 +419,8 @@ class Stage3Strategy:
         if index is None:
             index = self._index_of = {id(p): i for i, p in enumerate(self._params)}
         if id(param) not in index:
-            raise AssertionError(f"expected {getattr(param, '_zs_name', '?')} to be managed by this strategy")
+            raise AssertionError(f"expected {param._zs.name if isinstance(param, ZeroParameter) else '?'} "
+                                 "to be managed by this strategy")
         return index[id(param)]
 
     def local_shard(self, param: nn.Parameter) -> Tensor:
@@ -543,15 +431,10 @@ class Stage3Strategy:
                 return self._lp_shard[f.shard_offset : f.shard_offset + f.numel]
         return self._lp_shard[:0]
 
-    def is_persistent(self, param: nn.Parameter) -> bool:
+    def is_persistent(self, param: ZeroParameter) -> bool:
         return self.unit_of(param) == self._persistent
 
     # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpointing.py) -------------
-
-    def checkpoint_fragments(self) -> list[MasterFragment]:
-        frags = [f for f in self._plan.rank_fragments(self._rank) if self._trainable[f.param_index]]
-        return [MasterFragment(param=self._params[f.param_index], param_offset=f.param_offset, numel=f.numel,
-                               master=m) for f, m in zip(frags, self._fragment_params)]
 
     def param_pieces(self) -> list[ParamPiece] | None:
         """This rank's low-precision pieces of every parameter (frozen ones included)."""
@@ -559,25 +442,12 @@ class Stage3Strategy:
                            data=self._lp_shard[f.shard_offset : f.shard_offset + f.numel])
                 for f in self._plan.rank_fragments(self._rank)]
 
-    def fragment_grads(self, grad_scale: float) -> list[Tensor]:
-        mult = grad_scale * self._opt.prescale_factor / self._world
-        return [g.float() * mult for g in self._fragment_grads]
-
     @torch.no_grad()
     def sync_params_from_master(self) -> None:
-        if self._separate_master:
-            self._lp_shard.copy_(self._master)
-        self._regather()
+        self._shard.store_master_to_lp()
+        self._refresh_gathered()
 
     @torch.no_grad()
     def sync_master_from_params(self) -> None:
-        if self._separate_master:
-            self._master.copy_(self._lp_shard)
-        self._regather()
-
-    def _regather(self) -> None:
-        """Units gathered now (the persistent one, pinned ones) re-read their shards."""
-        for u, state in enumerate(self._state):
-            if state is not UnitState.RELEASED:
-                self._state[u] = UnitState.RELEASED
-                self._gather(u)
+        self._shard.load_master_from_lp()
+        self._refresh_gathered()

@@ -99,6 +99,24 @@ class ModelStateBytes:
         return self.params + self.grads + self.master_params + self.optimizer_states
 
 
+class BytesByHome:
+    """Collects model-state bytes by home, in first-seen order, into `ModelStateBytes`."""
+
+    _KEYS = ("params", "grads", "master_params", "optimizer_states")
+
+    def __init__(self) -> None:
+        self._homes: dict[str, dict[str, int]] = {}
+
+    def add(self, home: str, key: str, nbytes: int) -> None:
+        if key not in self._KEYS:
+            raise AssertionError(f"expected one of {self._KEYS}, got {key!r}")
+        entry = self._homes.setdefault(home, dict.fromkeys(self._KEYS, 0))
+        entry[key] += nbytes
+
+    def result(self) -> list[ModelStateBytes]:
+        return [ModelStateBytes(device=home, **v) for home, v in self._homes.items()]
+
+
 @dataclass(frozen=True, slots=True)
 class MasterFragment:
     """A range of one model parameter whose fp32 master this rank owns (checkpoints).
@@ -153,6 +171,10 @@ class ZeroStrategy(Protocol):
     def after_step(self, applied: bool) -> None: ...
 
     def model_state_bytes(self, optimizer_state_bytes: int) -> list[ModelStateBytes]: ...
+
+    def transient_bytes(self) -> int:
+        """Bytes held beyond the model states and kept between steps (the staging pool)."""
+        ...
 
     # -- checkpoints (runtime/checkpointing.py) ---------------------------------------------
 

@@ -10,12 +10,13 @@ it, instead of computing with garbage.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch._C import DisableTorchFunctionSubclass
 
 from zeroshard.errors import ZeroshardError
@@ -49,23 +50,66 @@ class ZeroParamStatus(Enum):
     """Being gathered."""
 
 
-class ZeroParameter(nn.Parameter):
-    """The class a stage-3 parameter takes on (its object and identity are kept).
+class ParamOwner(Protocol):
+    """Who holds a partitioned parameter's values: the stage-3 strategy, or `zero.Init`'s
+    partitioner before `initialize`."""
 
-    Attributes set by the strategy: `_zs_name` (fully qualified name), `_zs_unit` (the unit
-    index), `_zs_gathered` (bool), `_zs_on_demand` (callable gathering the unit when the
-    parameter is used outside its unit during training, or None).
+    def on_demand(self, params: list["ZeroParameter"]) -> bool:
+        """Gather `params` for an operation outside a gather where allowed; False: refuse."""
+        ...
+
+
+@runtime_checkable
+class UserGatherable(Protocol):
+    """An owner that serves `zero.GatheredParameters` (collective, every rank in the same order)."""
+
+    def gather_params(self, params: Sequence["ZeroParameter"]) -> None: ...
+
+    def release_params(self, params: Sequence["ZeroParameter"], modifier_rank: int | None) -> None: ...
+
+
+@runtime_checkable
+class ShardHolder(Protocol):
+    """An owner that keeps the parameter in its own shard layout (the stage-3 strategy); the
+    DeepSpeed `ds_*` properties read it."""
+
+    def param_index(self, param: "ZeroParameter") -> int: ...
+
+    def local_shard(self, param: "ZeroParameter") -> Tensor: ...
+
+    def is_persistent(self, param: "ZeroParameter") -> bool: ...
+
+
+@dataclass(slots=True, eq=False)
+class ZeroParamState:
+    """Everything zeroshard keeps about one partitioned parameter, in one typed object (as
+    FSDP2 keeps it in `FSDPParam`); a `ZeroParameter` holds it as `_zs`."""
+
+    name: str
+    """Fully qualified name, for error messages."""
+    owner: ParamOwner
+    unit: int = -1
+    """The owning strategy's unit index (-1 under `zero.Init`, before `initialize`)."""
+    gathered: bool = True
+    """Whether the parameter's data is on this rank now."""
+    init_shard: Tensor | None = None
+    """`zero.Init`: this rank's 1/N of the flattened values (padded to a multiple of N) until
+    the strategy moves it into its unit layout."""
+
+
+class ZeroParameter(nn.Parameter):
+    """The class a partitioned parameter takes on (its object and identity are kept).
+
+    Its zeroshard state is one typed object, `_zs` (`ZeroParamState`), set by the owner that
+    partitioned it (`zero.Init` or the stage-3 strategy) through `make_zero_parameter`.
     """
 
-    _zs_name: str
-    _zs_unit: int
-    _zs_gathered: bool
-    _zs_on_demand: Callable[[list["ZeroParameter"]], bool] | None
+    _zs: ZeroParamState
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         if func not in _METADATA:
-            released = [a for a in _params_in(args, kwargs) if not a._zs_gathered]
+            released = [a for a in _params_in(args, kwargs) if not a._zs.gathered]
             if released:
                 released[0]._zs_require_data(func, released)
         with DisableTorchFunctionSubclass():  # results are plain tensors, not ZeroParameters
@@ -74,11 +118,10 @@ class ZeroParameter(nn.Parameter):
     def _zs_require_data(self, func: Any, params: list["ZeroParameter"] | None = None) -> None:
         """Gather on demand where the owner allows it (during a training forward, inside
         zero.Init), else raise: every released parameter of one operation at once."""
-        on_demand = self._zs_on_demand
-        if on_demand is not None and on_demand(params or [self]):
+        if self._zs.owner.on_demand(params or [self]):
             return
         raise PartitionedParameterError(
-            f"parameter {self._zs_name!r} (shape {tuple(self.shape)}, {self.dtype}) is partitioned "
+            f"parameter {self._zs.name!r} (shape {tuple(self.shape)}, {self.dtype}) is partitioned "
             f"across ranks by ZeRO stage 3; its data is not on this rank outside a gather "
             f"(operation: {getattr(func, '__name__', func)}). Read it inside "
             f"`with zeroshard.zero.GatheredParameters([param]):` (add modifier_rank=0 to change "
@@ -90,14 +133,14 @@ class ZeroParameter(nn.Parameter):
     # parameter keeps its true shape, so ds_shape == shape and ds_numel == numel().
 
     # Under zero.Init, before initialize() builds the strategy, the parameter holds its own
-    # shard (`_zs_init_shard`); the properties read that instead.
+    # shard (`ZeroParamState.init_shard`); the properties read that instead.
 
     @property
     def ds_id(self) -> int:
         """A number unique to this parameter within its engine (tied parameters share it);
         under zero.Init, before initialize, unique within the process."""
-        strategy = getattr(self, "_zs_strategy", None)
-        return int(strategy.param_index(self)) if strategy is not None else id(self)
+        owner = self._zs.owner
+        return int(owner.param_index(self)) if isinstance(owner, ShardHolder) else id(self)
 
     @property
     def ds_numel(self) -> int:
@@ -109,31 +152,46 @@ class ZeroParameter(nn.Parameter):
 
     @property
     def ds_status(self) -> ZeroParamStatus:
-        return ZeroParamStatus.AVAILABLE if self._zs_gathered else ZeroParamStatus.NOT_AVAILABLE
+        return ZeroParamStatus.AVAILABLE if self._zs.gathered else ZeroParamStatus.NOT_AVAILABLE
 
     @property
     def ds_tensor(self) -> torch.Tensor:
         """This rank's shard of the parameter (1-D, the parameter's dtype; may be empty)."""
-        strategy = getattr(self, "_zs_strategy", None)
-        if strategy is None:
-            return self._zs_init_shard.reshape(-1)  # type: ignore[attr-defined, no-any-return]
-        return strategy.local_shard(self)
+        state = self._zs
+        if state.init_shard is not None:
+            return state.init_shard.reshape(-1)
+        if not isinstance(state.owner, ShardHolder):
+            raise AssertionError(f"expected {state.name!r} to have an init shard or a strategy")
+        return state.owner.local_shard(self)
 
     @property
     def ds_persist(self) -> bool:
         """True for small parameters that stay gathered (`stage3_param_persistence_threshold`)."""
-        strategy = getattr(self, "_zs_strategy", None)
-        return strategy is not None and bool(strategy.is_persistent(self))
+        owner = self._zs.owner
+        return isinstance(owner, ShardHolder) and owner.is_persistent(self)
 
     def __repr__(self) -> str:
-        state = "gathered" if self._zs_gathered else "partitioned"
-        return f"ZeroParameter({self._zs_name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, {state})"
+        state = "gathered" if self._zs.gathered else "partitioned"
+        return f"ZeroParameter({self._zs.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, {state})"
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        if not self._zs_gathered:
+        if not self._zs.gathered:
             self._zs_require_data("pickle")
         with DisableTorchFunctionSubclass():
             return nn.Parameter(self.detach().clone(), self.requires_grad).__reduce_ex__(protocol)
+
+
+def make_zero_parameter(p: nn.Parameter, state: ZeroParamState) -> ZeroParameter:
+    """Turn `p` into a `ZeroParameter` in place (its object, identity and hooks are kept)."""
+    p.__class__ = ZeroParameter
+    zp: ZeroParameter = p  # type: ignore[assignment]
+    zp._zs = state
+    return zp
+
+
+def zero_state(p: object) -> ZeroParamState | None:
+    """The zeroshard state of a partitioned parameter, None for any other tensor."""
+    return p._zs if isinstance(p, ZeroParameter) else None
 
 
 def _params_in(args: Sequence[Any], kwargs: Any) -> list[ZeroParameter]:

@@ -1,0 +1,128 @@
+"""The checkpoint format: `Manifest`, `TensorInfo`, `FORMAT_VERSION`, and the per-rank state
+records the engine and the checkpointer exchange (`EngineState`, `LoadedState`).
+
+One home that the runtime (which fills them), `checkpoint/` (which writes and reads them) and
+the offline tools (`to-fp32`, resharding) all import without pulling in the runtime. Imports
+only torch; see docs/checkpoints.md for the files on disk and Note: [checkpoint fragments] in
+runtime/checkpointing.py for what a fragment is.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+FORMAT_VERSION = 1
+"""Version of the on-disk format (docs/checkpoints.md); bumped on incompatible changes."""
+
+Range = tuple[int, int, int]
+"""(param index into Manifest.params, offset in the flattened parameter, numel)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Name, shape and dtype of a parameter or buffer; `trainable`: requires_grad."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    """torch dtype without the "torch." prefix ("float32", "bfloat16")."""
+    trainable: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class Manifest:
+    """The layout of one checkpoint: which parameter fragments each rank owns, and more.
+
+    `collect_state` fills the entries of its own rank; the checkpointer gathers every rank's
+    before writing (`fragments[r]`, `weight_pieces[r]`).
+    """
+
+    world_size: int
+    stage: int
+    precision: str
+    params: list[TensorInfo]
+    """Every parameter of the module (tied parameters once), in `named_parameters()` order."""
+    aliases: dict[str, str]
+    """Other state_dict names of tied parameters -> the name in `params`."""
+    buffers: list[TensorInfo]
+    optimizer: str | None
+    param_groups: int
+    fragments: list[list[Range]]
+    """Per rank: the master fragments it owns (Note: [checkpoint fragments])."""
+    weight_pieces: list[list[Range]] | None
+    """Per rank: the low-precision parameter pieces it holds (stage 3); None: every rank holds
+    whole parameters and rank 0 saves them in the model file."""
+    frozen_saved: bool = False
+    has_optimizer_states: bool = True
+    global_steps: int = 0
+    format_version: int = FORMAT_VERSION
+    tag: str = ""
+    files: dict[str, int] = field(default_factory=dict)
+    """File name -> size in bytes, for every file of the checkpoint but the manifest."""
+
+    def param_index(self) -> dict[str, int]:
+        return {p.name: i for i, p in enumerate(self.params)}
+
+
+@dataclass
+class EngineState:
+    """One rank's state for a checkpoint: views of live tensors (copy before changing them)."""
+
+    rank: int
+    manifest: Manifest
+    masters: list[Tensor]
+    """fp32 masters of this rank's fragments (1-D), aligned with `manifest.fragments[rank]`."""
+    optimizer_states: list[dict[str, Any]]
+    """Optimizer state of each fragment; element-wise tensors flattened to 1-D."""
+    elementwise_keys: list[list[str]]
+    """Per fragment: the state keys with one value per element (exp_avg, exp_avg_sq)."""
+    param_groups: list[dict[str, Any]]
+    """The optimizer's hyper-parameters per group (lr, betas, ...), without "params"."""
+    module: dict[str, Tensor]
+    """Whole tensors for the model file (rank 0): parameters unless sharded, buffers."""
+    weight_pieces: list[Tensor]
+    """Aligned with `manifest.weight_pieces[rank]` (stage 3), else empty."""
+    run_state: dict[str, Any]
+    """Step counters, scheduler, loss scaler and data loader states (plain Python types)."""
+    rng: dict[str, Any]
+
+
+@dataclass
+class LoadedState:
+    """What a checkpointer read for this rank, aligned with the target `EngineState`."""
+
+    path: str
+    module: dict[str, Tensor]
+    """Whole tensors to copy into the module (parameters not sharded, buffers)."""
+    weight_pieces: list[Tensor | None] | None
+    """Aligned with the strategy's `param_pieces()` (None: keep that piece's values)."""
+    masters: list[Tensor] | None
+    optimizer_states: list[dict[str, Any]] | None
+    param_groups: list[dict[str, Any]] | None
+    run_state: dict[str, Any] | None
+    rng: dict[str, Any] | None
+    client_state: dict[str, Any] | None
+
+
+def pickle_bytes(obj: Any) -> bytes:
+    """`torch.save` into bytes (run state that is not tensors: scheduler, data loader)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def unpickle_bytes(data: bytes) -> Any:
+    # Written by this run's own save; unpickled only by engine.load_checkpoint (never by to-fp32).
+    return torch.load(io.BytesIO(data), weights_only=False)

@@ -1,0 +1,62 @@
+"""Where a rank's model states live: the offload policy, passed whole (as FSDP2's
+`CPUOffloadPolicy`).
+
+One policy for the optimizer shard (`offload_optimizer`: fp32 master, gradient shard,
+optimizer state) and one for stage-3 parameter shards (`offload_param`). A new home (NVMe
+swap files) is one more policy here; strategies only ask `home`, `allocate` and `label`.
+Imports nothing of ours but `config` types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from zeroshard.config.schema_zero import OffloadOptimizerConfig, OffloadParamConfig
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadPolicy:
+    """Where one kind of state lives between uses.
+
+    Args:
+        device: the home ("cpu"), or None to keep it on the model's device.
+        pin_memory: allocate the home's tensors page-locked, so copies to and from an
+            accelerator run asynchronously (ignored where no accelerator exists to pin for).
+    """
+
+    device: torch.device | None = None
+    pin_memory: bool = False
+
+    @classmethod
+    def from_config(cls, section: "OffloadOptimizerConfig | OffloadParamConfig") -> "OffloadPolicy":
+        """From an `offload_optimizer` / `offload_param` config section."""
+        if section.device == "none":
+            return cls()
+        if section.device != "cpu":  # TODO(#14): NVMe is one more policy
+            raise AssertionError(f"offload device {section.device!r} passed config validation but has no home")
+        return cls(device=torch.device("cpu"), pin_memory=bool(section.pin_memory))
+
+    @property
+    def offloaded(self) -> bool:
+        return self.device is not None
+
+    def home(self, model_device: torch.device) -> torch.device:
+        return self.device if self.device is not None else model_device
+
+    def pinned(self, model_device: torch.device) -> bool:
+        home = self.home(model_device)
+        return self.pin_memory and home.type == "cpu" and model_device.type != "cpu" and torch.cuda.is_available()
+
+    def allocate(self, numel: int, dtype: torch.dtype, model_device: torch.device, *, zero: bool = True) -> Tensor:
+        """A 1-D tensor of `numel` elements at the home (pinned when the policy asks)."""
+        factory = torch.zeros if zero else torch.empty
+        return factory(numel, dtype=dtype, device=self.home(model_device), pin_memory=self.pinned(model_device))
+
+    def label(self, model_device: torch.device) -> str:
+        """The `ModelStateBytes.device` name of this home."""
+        return f"{self.device.type} (offload)" if self.device is not None else model_device.type

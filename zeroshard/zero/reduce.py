@@ -1,0 +1,270 @@
+"""The one gradient reducer every stage uses: staging pool, launch order, buckets in flight,
+the reduction mode, the fold into a target, the drain.
+
+Imports nothing of ours but `zero/` itself (and `comm` for types). A compressed or quantised
+reduction (qgZ, 1-bit) is one more `ReduceMode` handled in `GradReducer._issue`.
+
+Note: [gradient bucket lifetime] A bucket's data is either a view of a buffer that lives for
+the whole run (stage 0's flat gradient, stage 1's whole-gradient buffer: reducing in place
+costs no memory) or a *staging* block taken from a pool of bucket-sized blocks (stages 2 and
+3: gradients of one micro-batch, reduced and folded into the gradient shard). A staging block
+goes back to the pool when its collective finished and its result was folded; at most
+`max_staged_in_flight` staged buckets are outstanding before backward waits for the oldest,
+which bounds the transient memory to that many blocks plus the ones still filling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm, Handle
+
+MAX_BUCKETS_IN_FLIGHT = 2
+"""Staged buckets outstanding at once (with `overlap_comm`) before backward waits."""
+
+
+class ReduceMode(Enum):
+    """How one bucket of gradients is reduced over the data-parallel ranks."""
+
+    ALL_REDUCE = "all_reduce"
+    """In place; every rank keeps the whole sum (stage 0, stage 1 without offload)."""
+    ALL_REDUCE_KEEP_CHUNK = "all_reduce_keep_chunk"
+    """In place, then this rank's chunk is folded into the target (stage 1 with offload;
+    stages 2/3 with `reduce_scatter: false`: on gloo, whose reduce-scatter is an all-reduce of a
+    cloned input, this moves the same bytes without the clone)."""
+    REDUCE_SCATTER = "reduce_scatter"
+    """This rank's chunk of the sum arrives in a receive buffer, then is folded into the target."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceOptions:
+    mode: ReduceMode
+    grad_dtype: torch.dtype
+    """Where gradients accumulate and staging blocks live (fp32 by default)."""
+    comm_dtype: torch.dtype | None = None
+    """On the wire (`communication_data_type`); None: `grad_dtype`."""
+    prescale_factor: float = 1.0
+    """Divide each bucket by this before reducing (`gradient_predivide_factor`)."""
+    overlap_comm: bool = True
+    """False: wait for every collective as soon as it is issued."""
+
+
+@dataclass(slots=True)
+class _InFlight:
+    key: int
+    handle: "Handle"
+    result: Tensor | None  # 1D: what is folded into `target` (None: the sum stays in place)
+    target: Tensor | None  # 1D: the rank's gradient-shard range for this bucket
+
+
+class LaunchOrder:
+    """Counts gradients arriving per bucket and says which buckets may launch now.
+
+    `in_order=True` (stages 0-2): buckets launch strictly in index order on every rank, so the
+    collectives pair up even when ranks finish their gradients in a different order.
+    `in_order=False` (stage 3): a unit launches when its last gradient arrives; backward runs
+    units in the same order on every rank.
+    """
+
+    def __init__(self, bucket_of: Sequence[int], counts: Sequence[int], *, in_order: bool) -> None:
+        self._bucket_of = list(bucket_of)
+        self._counts = list(counts)
+        self._in_order = in_order
+        self.reset()
+
+    def reset(self) -> None:
+        """A new micro-batch: no gradient seen, no bucket launched."""
+        self._pending = list(self._counts)
+        self._seen = [False] * len(self._bucket_of)
+        self._launched = [False] * len(self._counts)
+        self._next = 0
+
+    def bucket_of(self, index: int) -> int:
+        return self._bucket_of[index]
+
+    def seen(self, index: int) -> bool:
+        return self._seen[index]
+
+    def arrive(self, index: int) -> list[int]:
+        """Parameter `index`'s gradient arrived (first time this micro-batch): the buckets
+        that may launch now."""
+        if self._seen[index]:
+            return []
+        self._seen[index] = True
+        bucket = self._bucket_of[index]
+        self._pending[bucket] -= 1
+        if not self._in_order:
+            return [bucket] if self._pending[bucket] == 0 else []
+        ready = []
+        while self._next < len(self._counts) and self._pending[self._next] == 0:
+            ready.append(self._next)
+            self._next += 1
+        return ready
+
+    def mark_launched(self, bucket: int) -> None:
+        self._launched[bucket] = True
+        if self._in_order:
+            self._next = max(self._next, bucket + 1)
+
+    def remaining(self) -> list[int]:
+        """Buckets not launched yet, in index order (at the end of backward)."""
+        return [b for b in range(len(self._counts)) if not self._launched[b]]
+
+
+class GradReducer:
+    """Reduces buckets of gradients over the data-parallel group and folds the results.
+
+    Args:
+        comm: collectives over the data-parallel group.
+        options: mode, dtypes, prescale, overlap.
+        device: where staging blocks live (the model's device).
+        block_numel: every staging block has this many elements (buckets of similar sizes, as
+            stage 2 plans them, then share blocks); None: blocks are taken best-fit by size
+            (stage 3, whose units differ: a large root unit never lends its block to a small one).
+    """
+
+    def __init__(self, comm: "Comm", options: ReduceOptions, *, device: torch.device,
+                 block_numel: int | None = None) -> None:
+        self._comm, self._opt, self._device = comm, options, device
+        self._block_numel = block_numel
+        self._rank, self._world = comm.rank, comm.world_size
+        self._free: list[Tensor] = []             # the pool: free 1D grad_dtype blocks
+        self._blocks: dict[int, Tensor] = {}      # key -> the block it holds this micro-batch
+        self._staging: dict[int, Tensor] = {}     # key -> that block sliced to the bucket
+        self._in_flight: list[_InFlight] = []
+        self._folded: set[int] = set()            # keys whose target holds this step's data
+        self._pool_bytes = 0
+
+    @property
+    def mode(self) -> ReduceMode:
+        return self._opt.mode
+
+    # -- staging ----------------------------------------------------------------------------
+
+    def staging(self, key: int, numel: int) -> Tensor:
+        """The zeroed staging block of bucket `key` (`numel` elements), taken from the pool on
+        first use in a micro-batch. See Note: [gradient bucket lifetime]."""
+        buf = self._staging.get(key)
+        if buf is None:
+            block = self._take(numel)
+            self._staging[key] = buf = block[:numel].zero_()
+            self._blocks[key] = block
+        return buf
+
+    def _take(self, numel: int) -> Tensor:
+        size = self._block_numel or numel
+        if size < numel:
+            raise AssertionError(f"expected a bucket of at most {size} elements, got {numel}")
+        # Best fit among free blocks no more than twice the need (uniform blocks: any).
+        fits = [i for i, b in enumerate(self._free) if size <= b.numel() <= 2 * size]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        self._pool_bytes += size * self._opt.grad_dtype.itemsize
+        return torch.empty(size, dtype=self._opt.grad_dtype, device=self._device)
+
+    def accumulate(self, key: int, numel: int, offset: int, grad: Tensor, first: bool) -> None:
+        """Add (or, for the first gradient of the micro-batch, copy) `grad` at `offset`."""
+        view = self.staging(key, numel)[offset : offset + grad.numel()]
+        flat = grad.reshape(-1)
+        view.copy_(flat) if first else view.add_(flat)
+
+    def _give_back(self, key: int) -> None:
+        self._staging.pop(key, None)
+        block = self._blocks.pop(key, None)
+        if block is not None:
+            self._free.append(block)
+
+    def pool_bytes(self) -> int:
+        """Bytes of every staging block allocated (kept for reuse across steps)."""
+        return self._pool_bytes
+
+    # -- launch, fold, drain ----------------------------------------------------------------
+
+    def launch(self, key: int, data: Tensor, target: Tensor | None = None) -> None:
+        """Start reducing bucket `key`'s `data` (1D: its staging block, or a view reduced in
+        place); on completion fold this rank's chunk into `target` (copy on the first fold of
+        the step, add after), unless the mode keeps the whole sum in place."""
+        if self._opt.prescale_factor != 1.0:
+            data.mul_(1.0 / self._opt.prescale_factor)
+        handle, result = self._issue(data)
+        if (target is None) != (result is None):
+            raise AssertionError(f"expected a fold target exactly when mode {self.mode} yields a chunk")
+        self._in_flight.append(_InFlight(key, handle, result, target))
+        if not self._opt.overlap_comm:
+            self.drain()
+            return
+        # Only staged buckets hold transient memory; in-place ones are bounded by backward itself.
+        while sum(f.key in self._staging for f in self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
+            self._finish_oldest()
+
+    def _issue(self, data: Tensor) -> tuple["Handle", Tensor | None]:
+        mode, comm_dtype = self._opt.mode, self._opt.comm_dtype
+        if mode is ReduceMode.REDUCE_SCATTER:
+            recv = torch.empty(data.numel() // self._world, dtype=data.dtype, device=data.device)
+            return self._comm.reduce_scatter(recv, data, async_op=True, comm_dtype=comm_dtype), recv
+        handle = self._comm.all_reduce(data, async_op=True, comm_dtype=comm_dtype)
+        if mode is ReduceMode.ALL_REDUCE:
+            return handle, None
+        n = data.numel() // self._world
+        return handle, data[self._rank * n : (self._rank + 1) * n]
+
+    def _finish_oldest(self) -> None:
+        f = self._in_flight.pop(0)
+        f.handle.wait()
+        if f.target is not None and f.result is not None:
+            if f.key in self._folded:
+                f.target.add_(f.result.to(f.target.device, non_blocking=True))
+            else:
+                f.target.copy_(f.result, non_blocking=True)
+                self._folded.add(f.key)
+        self._give_back(f.key)  # staging memory returns to the pool only after the fold
+
+    def drain(self) -> None:
+        """Wait for every bucket in flight and fold it."""
+        while self._in_flight:
+            self._finish_oldest()
+
+    def end_micro_batch(self) -> None:
+        """Return blocks still held (buckets never launched this micro-batch) to the pool."""
+        if self._in_flight:
+            raise AssertionError(f"expected no bucket in flight, found {len(self._in_flight)}")
+        for key in list(self._staging):
+            self._give_back(key)
+
+    def end_step(self) -> None:
+        """The optimizer consumed the targets: the next fold of each bucket copies."""
+        self._folded.clear()
+
+
+class GradAccumulator:
+    """A flat gradient buffer that lives across micro-batches (stage 0, stage 1).
+
+    Each parameter's gradient is copied in on its first arrival of the step and added after;
+    a parameter that received none by launch time is zeroed then.
+    """
+
+    def __init__(self, flat: Tensor, offsets: Sequence[int], shapes: Sequence[torch.Size]) -> None:
+        self.flat = flat  # 1D grad_dtype
+        self.views = [flat[off : off + s.numel()].view(s) for off, s in zip(offsets, shapes)]
+        self._written = [False] * len(self.views)
+
+    def add(self, index: int, grad: Tensor) -> None:
+        view = self.views[index]
+        view.add_(grad) if self._written[index] else view.copy_(grad)
+        self._written[index] = True
+
+    def fill_unwritten(self, first: int, last: int) -> None:
+        for i in range(first, last):
+            if not self._written[i]:  # unused in every micro-batch of the step
+                self.views[i].zero_()
+                self._written[i] = True
+
+    def reset(self) -> None:
+        self._written = [False] * len(self.views)

@@ -1,0 +1,219 @@
+"""One optimizer shard: the fp32 master weights and gradient shard a rank owns (stages 1-3).
+
+The optimizer steps on *fragments* (zero/flat.py): one `nn.Parameter` per piece of a model
+parameter inside this rank's shard, each a view of the master shard, so the optimizer's state
+is sharded with no change to torch.optim. Where the master lives is the offload policy's
+(zero/offload.py) concern. This module knows nothing about units, gathers or hooks.
+
+Note: [shard storage] The low-precision values a rank holds are either the whole flat buffer
+(stages 1/2: every rank holds the model; rank r's shard is chunk r of each bucket, addressed by
+flat offsets) or only the shard (stage 3: addressed by shard offsets). In fp32 without offload
+the fragments are views of those values themselves, so no second copy exists; otherwise a
+separate fp32 master shard is allocated at the optimizer's home. Likewise the gradient shard is
+a separate tensor unless a whole-gradient buffer exists on the model's device (stage 1
+without offload), whose own chunks are then the gradient shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from zeroshard.zero.flat import BucketedPartition, ShardFragment
+from zeroshard.zero.offload import OffloadPolicy
+from zeroshard.zero.strategy import (
+    BytesByHome,
+    GradStats,
+    MasterFragment,
+    attach_grads,
+    sum_of_squares,
+    unscale_and_clip,
+)
+
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm
+
+
+class OptimizerShard:
+    """This rank's master shard, gradient shard and fragments.
+
+    Args:
+        plan: the bucketed partition of the parameters.
+        params: the model parameters in plan order; `trainable[i]` False skips parameter i.
+        lp: this rank's low-precision values, the whole flat buffer (`lp_is_flat`) or the shard
+            (Note: [shard storage]). `device`: the model's device.
+        policy: the optimizer's home (`offload_optimizer`); `lp_policy`: the home of `lp`.
+        grad_dtype: dtype of the gradient shard.
+        whole_grads: a whole-gradient flat buffer whose own chunks serve as the gradient shard
+            when the policy keeps it on the model's device (stage 1), or None.
+    """
+
+    def __init__(self, plan: BucketedPartition, comm: "Comm", params: Sequence[nn.Parameter], *,
+                 trainable: Sequence[bool], lp: Tensor, lp_is_flat: bool, device: torch.device,
+                 policy: OffloadPolicy, lp_policy: OffloadPolicy = OffloadPolicy(),
+                 grad_dtype: torch.dtype, whole_grads: Tensor | None = None) -> None:
+        self._plan, self._comm, self._rank = plan, comm, comm.rank
+        self._params, self._policy = list(params), policy
+        self._device = device  # the model's device (collectives, the norm)
+        self._lp, self._lp_is_flat = lp, lp_is_flat
+        self._separate = lp.dtype != torch.float32 or policy.offloaded or lp_policy.offloaded
+        self.master: Tensor | None = None  # 1D fp32, shard_numel, at the policy's home
+        if self._separate:
+            self.master = policy.allocate(plan.shard_numel, torch.float32, self._device, zero=False)
+            self.load_master_from_lp()
+        self._whole_grads = whole_grads if not policy.offloaded else None
+        self.grad_shard: Tensor | None = None  # 1D grad_dtype, shard_numel, at the policy's home
+        if self._whole_grads is None:
+            self.grad_shard = policy.allocate(plan.shard_numel, grad_dtype, self._device)
+        self._init_fragments(trainable)
+
+    def _init_fragments(self, trainable: Sequence[bool]) -> None:
+        self._fragments: list[ShardFragment] = [f for f in self._plan.rank_fragments(self._rank)
+                                                if trainable[f.param_index]]
+        self.fragment_params: list[nn.Parameter] = []
+        self._fragment_grads: list[Tensor] = []
+        self._master_of: dict[int, nn.Parameter] = {}
+        for f in self._fragments:
+            frag = nn.Parameter(self._values(f), requires_grad=True)  # shares the shard's storage
+            self.fragment_params.append(frag)
+            self._master_of[id(self._params[f.param_index])] = frag
+            if self.grad_shard is not None:
+                self._fragment_grads.append(self.grad_shard[f.shard_offset : f.shard_offset + f.numel])
+            else:
+                self._fragment_grads.append(self._whole(f.flat_offset, f.numel))
+
+    def _values(self, f: ShardFragment) -> Tensor:
+        if self.master is not None:
+            return self.master[f.shard_offset : f.shard_offset + f.numel]
+        start = f.flat_offset if self._lp_is_flat else f.shard_offset
+        return self._lp[start : start + f.numel]
+
+    def _whole(self, start: int, numel: int) -> Tensor:
+        if self._whole_grads is None:
+            raise AssertionError("expected a whole-gradient buffer")
+        return self._whole_grads[start : start + numel]
+
+    def __repr__(self) -> str:
+        home = self._policy.home(self._device)
+        return (f"OptimizerShard({self._plan.shard_numel} elements, {len(self._fragments)} fragments, "
+                f"master {'separate' if self._separate else 'aliases the parameters'} on {home})")
+
+    # -- what the reducer and the strategies read ---------------------------------------------
+
+    def grad_target(self, bucket: int) -> Tensor | None:
+        """Where bucket `bucket`'s reduced chunk is folded (None: it stays in the whole buffer)."""
+        return None if self.grad_shard is None else self.grad_shard[slice(*self._plan.shard_range(bucket))]
+
+    def master_chunk(self, bucket: int) -> Tensor | None:
+        """This rank's updated fp32 values of bucket `bucket` (None: the parameters are the master)."""
+        return None if self.master is None else self.master[slice(*self._plan.shard_range(bucket))]
+
+    def _own_lp(self, bucket: int) -> Tensor:
+        if self._lp_is_flat:
+            return self._lp[slice(*self._plan.chunk_range(bucket, self._rank))]
+        return self._lp[slice(*self._plan.shard_range(bucket))]
+
+    def _grad_views(self) -> list[Tensor]:
+        if self.grad_shard is not None:
+            return [self.grad_shard]
+        chunks = [self._plan.chunk_range(b, self._rank) for b in range(len(self._plan.buckets))]
+        return [self._whole(start, end - start) for start, end in chunks]
+
+    # -- the optimizer -----------------------------------------------------------------------
+
+    @property
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return list(self.fragment_params)
+
+    def master_params_for(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        known = {id(p) for p in self._params}
+        out = []
+        for p in params:
+            if id(p) not in known:
+                raise ValueError("the optimizer was given a parameter that is not a trainable parameter of "
+                                 "the model passed to initialize(); build it from model.parameters()")
+            if id(p) in self._master_of:  # this rank owns part of it
+                out.append(self._master_of[id(p)])
+        return out
+
+    def prepare_step(self, grad_scale: float, max_norm: float, prescale_factor: float) -> GradStats:
+        """Global norm from this rank's sum of squares (one all-reduce), then average, unscale
+        and clip in place and give the fragments their gradients (Note: [norm rounding])."""
+        views = self._grad_views()
+        sq = sum_of_squares(views).to(self._device)
+        self._comm.all_reduce(sq)
+        mult = grad_scale * prescale_factor / self._comm.world_size
+        stats = unscale_and_clip(views, sq.item(), mult, max_norm)
+        if not stats.overflow:
+            attach_grads(self.fragment_params, self._fragment_grads)
+        return stats
+
+    def fragment_grads(self, grad_scale: float, prescale_factor: float) -> list[Tensor]:
+        """Each fragment's reduced gradient as a new 1-D fp32 tensor, averaged over ranks and
+        multiplied by `grad_scale`, before clipping (`safe_get_full_grad`)."""
+        mult = grad_scale * prescale_factor / self._comm.world_size
+        return [g.float() * mult for g in self._fragment_grads]
+
+    def after_step(self) -> None:
+        for frag in self.fragment_params:
+            frag.grad = None
+
+    @torch.no_grad()
+    def load_master_from_lp(self) -> None:
+        """(Re-)initialise the master from the low-precision values (construction, weights-only load)."""
+        if self.master is None:
+            return
+        for b in range(len(self._plan.buckets)):
+            self.master[slice(*self._plan.shard_range(b))].copy_(self._own_lp(b))
+
+    @torch.no_grad()
+    def store_master_to_lp(self) -> None:
+        """Cast the master into this rank's own low-precision values (stage 3: the shard)."""
+        if self.master is None:
+            return
+        for b in range(len(self._plan.buckets)):
+            self._own_lp(b).copy_(self.master[slice(*self._plan.shard_range(b))], non_blocking=True)
+
+    # -- checkpoints and accounting ------------------------------------------------------------
+
+    def checkpoint_fragments(self) -> list[MasterFragment]:
+        return [MasterFragment(param=self._params[f.param_index], param_offset=f.param_offset,
+                               numel=f.numel, master=frag)
+                for f, frag in zip(self._fragments, self.fragment_params)]
+
+    def count_bytes(self, acc: BytesByHome, optimizer_state_bytes: int) -> None:
+        """Add the gradient shard, master shard and optimizer state at the policy's home."""
+        home = self._policy.label(self._device)
+        acc.add(home, "grads", _nbytes(self.grad_shard))
+        acc.add(home, "master_params", _nbytes(self.master))
+        acc.add(home, "optimizer_states", optimizer_state_bytes)
+
+
+class ShardedStrategyBase:
+    """The `ZeroStrategy` methods every sharded stage (1-3) answers from its optimizer shard."""
+
+    _shard: OptimizerShard
+    _prescale_factor: float
+
+    @property
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return self._shard.optimizer_params
+
+    def master_params_for(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        return self._shard.master_params_for(params)
+
+    def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
+        return self._shard.prepare_step(grad_scale, max_norm, self._prescale_factor)
+
+    def checkpoint_fragments(self) -> list[MasterFragment]:
+        return self._shard.checkpoint_fragments()
+
+    def fragment_grads(self, grad_scale: float) -> list[Tensor]:
+        return self._shard.fragment_grads(grad_scale, self._prescale_factor)
+
+
+def _nbytes(t: Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
