@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from os import PathLike
 from typing import Any
@@ -12,9 +13,12 @@ from torch import nn
 
 from zeroshard.arguments import config_path_from_args
 from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
-from zeroshard.config import Config, load_config
-from zeroshard.errors import ConfigError
+from zeroshard.config import Config, load_config, read_config_file
+from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.runtime.activation_checkpointing import configure_from_config
+from zeroshard.runtime.autocast import autocast_dtype, safe_module_classes
 from zeroshard.runtime.checkpointing import Checkpointer
+from zeroshard.runtime.config_sync import check_same_config
 from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
 from zeroshard.runtime.loss_scaler import build_loss_scaler
@@ -81,9 +85,14 @@ def initialize(
     model_parameters: Iterable[Any] | None = None,
     training_data: torch.utils.data.Dataset | None = None,
     lr_scheduler: Any = None,
-    config: str | PathLike[str] | Mapping[str, Any] | None = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    config: str | PathLike[str] | Mapping[str, Any] | None = None,
+    mesh_param: Any = None,
     config_params: Mapping[str, Any] | None = None,
+    *,
     zero_units: list[nn.Module | type[nn.Module]] | None = None,
 ) -> tuple[ZeroEngine, torch.optim.Optimizer | None, DistributedDataLoader | None, Any]:
     """Wrap `model` for ZeRO data-parallel training, as `deepspeed.initialize` does.
@@ -98,8 +107,15 @@ def initialize(
         training_data: a Dataset; a distributed data loader over it is returned.
         lr_scheduler: a scheduler object, or a callable taking the optimizer; None to build
             the config's `scheduler`.
-        config: a ds_config path or dict (DeepSpeed's format, see docs/config.md).
+        distributed_port: the rendezvous port when the launcher's environment has none
+            (DeepSpeed's argument; `MASTER_PORT` wins when set).
+        mpu: model-parallel unit (tensor / pipeline parallelism): not supported yet; anything
+            but None raises NotSupportedError.
+        dist_init_required: accepted for DeepSpeed scripts; zeroshard joins the launcher's
+            process group when none exists and reuses the script's own otherwise.
         collate_fn: collate function of the returned data loader.
+        config: a ds_config path or dict (DeepSpeed's format, see docs/config.md).
+        mesh_param: DeepSpeed's device-mesh shape: None only (data parallelism).
         config_params: DeepSpeed's legacy name for `config`.
         zero_units: stage 3 only: the modules (or module classes) whose parameters are
             gathered together; default every block of a ModuleList plus the root.
@@ -111,6 +127,7 @@ def initialize(
     Raises:
         ConfigError: the config is invalid, names an unsupported feature, or has an "auto"
             value nothing can resolve.
+        NotSupportedError: `mpu` or `mesh_param` was given.
 
     Example::
 
@@ -124,9 +141,20 @@ def initialize(
     """
     if model is None:
         raise ConfigError("initialize() needs model=")
+    if mpu is not None:
+        raise NotSupportedError(
+            "initialize(mpu=...): model parallelism (tensor / pipeline) is not supported by "
+            "zeroshard yet; drop mpu= to train with ZeRO data parallelism only")
+    if mesh_param is not None:
+        raise NotSupportedError(
+            f"initialize(mesh_param={mesh_param!r}): device meshes (sequence / tensor parallelism) "
+            "are not supported by zeroshard yet; drop mesh_param=")
     if config is not None and config_params is not None:
         raise ConfigError("pass the config once: config= or config_params=, not both")
     source = _resolve_config_source(args, config if config is not None else config_params)
+    raw_config = source if isinstance(source, Mapping) else read_config_file(source)
+    if distributed_port is not None:
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
     groups = init_distributed()
     setup_logging(groups.rank)
     auto = dict(client_auto_values(optimizer))
@@ -138,7 +166,9 @@ def initialize(
     )
     for note in cfg.notes:  # deprecated spellings mapped, other stages' tuning keys: once, at start-up
         logger.warning(note)
+    _check_optimizer_present(cfg, optimizer, model_parameters, training_data, lr_scheduler)
 
+    configure_from_config(cfg)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     if any(init_partitioned(p) for p in model.parameters()):
         if cfg.zero_optimization.stage != 3:
@@ -155,6 +185,7 @@ def initialize(
     comms = cfg.comms_logger
     comm = Comm(groups, log=CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
                 if comms.enabled else None)
+    check_same_config(cfg, comm)  # the first collective: before anything trains on it
     broadcast_module_state(model, comm)
     param_groups = _param_groups(model, model_parameters)
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
@@ -162,7 +193,13 @@ def initialize(
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
     sched = _make_scheduler(cfg, lr_scheduler, opt)
     scaler = None
-    if cfg.precision == "fp16":
+    safe_module_classes(cfg.torch_autocast)  # a bad class name fails here, before training
+    if cfg.precision == "fp32" and autocast_dtype(cfg.torch_autocast, groups.device.type) == torch.float16:
+        # fp16 autocast on fp32 parameters: dynamic loss scaling as torch's GradScaler (DeepSpeed's
+        # choice in this mode): 2**16 to start, halve on overflow, double after 2000 good steps.
+        scaler = build_loss_scaler(loss_scale=0.0, initial_scale_power=16, loss_scale_window=2000,
+                                   hysteresis=1, consecutive_hysteresis=False, min_loss_scale=2.0**-24)
+    elif cfg.precision == "fp16":
         f = cfg.fp16
         scaler = build_loss_scaler(
             loss_scale=f.loss_scale, initial_scale_power=f.initial_scale_power,
@@ -176,10 +213,32 @@ def initialize(
     engine = ZeroEngine(
         module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,
         lr_scheduler=sched, loss_scaler=scaler, sinks=build_sinks(cfg, groups.rank),
-        training_dataloader=loader)
+        training_dataloader=loader, raw_config=raw_config)
     engine.checkpointer = _checkpointer(comm)
     _log_start(engine, groups)
     return engine, opt, loader, sched
+
+
+def _check_optimizer_present(cfg: Config, optimizer: Any, model_parameters: Any,
+                             training_data: Any, lr_scheduler: Any) -> None:
+    """Training asked for, but nothing to step with: fail now, not at the first step().
+
+    Training is asked for by `model_parameters=`, `training_data=`, a client `lr_scheduler=`
+    or a config `scheduler`. Without any of them (and without an optimizer) the engine is for
+    inference only (ZeRO inference, `engine.generate`), as in DeepSpeed.
+    """
+    if optimizer is not None or cfg.optimizer is not None:
+        return
+    asks = [name for name, given in (("model_parameters=", model_parameters is not None),
+                                     ("training_data=", training_data is not None),
+                                     ("lr_scheduler=", lr_scheduler is not None),
+                                     ('a "scheduler" section', cfg.scheduler is not None)) if given]
+    if asks:
+        raise ConfigError(
+            f"no optimizer: the config has no \"optimizer\" section and initialize() got no "
+            f"optimizer=, but {' and '.join(asks)} ask(s) for training. Add an \"optimizer\" "
+            "section (e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}) or pass optimizer=; "
+            "for inference only, leave out model_parameters=, training_data= and schedulers.")
 
 
 def _checkpointer(comm: Comm) -> Checkpointer:
@@ -215,7 +274,7 @@ def _make_scheduler(cfg: Config, client: Any, opt: torch.optim.Optimizer | None)
 
 
 def _log_start(engine: ZeroEngine, groups: ProcessGroups) -> None:
-    if engine.config.dump_state:
+    if engine.zs_config.dump_state:
         logger.info(f"engine state (dump_state):\n{engine.describe_state()}")
     for s in engine.model_state_bytes():
         logger.info(
@@ -225,7 +284,7 @@ def _log_start(engine: ZeroEngine, groups: ProcessGroups) -> None:
         )
     logger.info(
         f"world size {groups.world_size} ({groups.backend or 'no process group'}), device "
-        f"{groups.device}, precision {engine.config.precision}, "
+        f"{groups.device}, precision {engine.zs_config.precision}, "
         f"batch {engine.train_batch_size()} = {engine.train_micro_batch_size_per_gpu()} x "
         f"{engine.gradient_accumulation_steps()} x {groups.world_size}"
     )
