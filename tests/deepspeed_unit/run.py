@@ -93,9 +93,15 @@ def run_pytest(checkout: Path, engine: str, targets: list[str], xml: Path, timeo
 
 
 def outcomes(xml: Path) -> dict[str, tuple[str, str]]:
-    """node id -> (outcome, first line of the failure message)."""
-    if not xml.exists():
-        return {}
+    """node id -> (outcome, first line of the failure message), from a junit XML file, or from
+    a pytest log (`node PASSED` lines, for a pass cut short before it wrote its XML)."""
+    if xml.suffix != ".xml" or not xml.exists():
+        log = xml if xml.suffix != ".xml" else xml.with_suffix(".log")
+        if not log.exists():
+            return {}
+        text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text())
+        found = re.findall(r"^(unit/\S+) (PASSED|FAILED|SKIPPED|ERROR)", text, re.M)
+        return {n: ("passed" if o == "PASSED" else o.lower(), "") for n, o in found}
     out: dict[str, tuple[str, str]] = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
         path = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"

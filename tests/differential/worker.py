@@ -146,7 +146,9 @@ class ZeroshardEngine(Engine):
         return engine
 
     def loss_scale(self, engine: Any) -> float | None:
-        return float(engine.get_loss_scale()) if engine.config.fp16.enabled else None
+        # fp16_enabled() is DeepSpeed's name (issue 9 item 4); older engines: the typed config.
+        fp16 = engine.fp16_enabled() if hasattr(engine, "fp16_enabled") else engine.config.fp16.enabled
+        return float(engine.get_loss_scale()) if fp16 else None
 
     def final_weights(self, engine: Any, ckpt_dir: str) -> dict[str, Tensor] | None:
         engine.save_checkpoint(ckpt_dir, tag="end")
