@@ -37,6 +37,6 @@ class ShardedCheckpointer:
         ds_ckpt = find_deepspeed(load_dir, tag)
         if ds_ckpt is not None:
             return load_deepspeed(target, self._comm, ds_ckpt, load_optimizer_states=load_optimizer_states,
-                                  load_module_only=load_module_only)
+                                  load_module_only=load_module_only, strict=strict)
         return load_state(target, self._comm, load_dir, tag, load_optimizer_states=load_optimizer_states,
                           load_module_only=load_module_only, strict=strict)

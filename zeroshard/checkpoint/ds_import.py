@@ -444,13 +444,13 @@ class DeepSpeedReader(CheckpointReader):
 
 
 def load_deepspeed(target: EngineState, comm: "Comm", ckpt: Path, *, load_optimizer_states: bool,
-                   load_module_only: bool) -> LoadedState:
+                   load_module_only: bool, strict: bool = True) -> LoadedState:
     """Read DeepSpeed tag directory `ckpt` for this rank; collective (every rank agrees first)."""
     error, loaded = None, None
     try:
         layout = read_layout(ckpt, target.manifest)
         need_opt = load_optimizer_states and not load_module_only
-        check_compatible(layout.manifest, target.manifest, ckpt, need_optimizer=need_opt)
+        check_compatible(layout.manifest, target.manifest, ckpt, need_optimizer=need_opt, strict=strict)
         reader = DeepSpeedReader(layout)
         try:
             loaded = _read_files(reader, target, layout.manifest, need_opt, load_module_only, target.rank)
