@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from zeroshard.zero.leaf import DEFAULT_LEAF_CLASSES, apply_leaf_config, leaf_units
 from zeroshard.zero.stage0 import Stage0Strategy
 from zeroshard.zero.stage12 import PartitionedStrategy, PartitionOptions
 from zeroshard.zero.stage3 import Stage3Options, Stage3Strategy
 from zeroshard.zero.strategy import ZeroStrategy
+from zeroshard.zero.units import default_units
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, ProcessGroups
@@ -30,6 +32,17 @@ def resolve_units(module: nn.Module, units: Sequence[nn.Module | type[nn.Module]
     chosen = [u for u in units if isinstance(u, nn.Module)]
     chosen += [m for m in module.modules() if classes and isinstance(m, classes) and m is not module]
     return [module] + list({id(m): m for m in chosen if m is not module}.values())
+
+
+def _mark_leaves(module: nn.Module, zero: object) -> None:
+    """Apply `zero_optimization.leaf_module` where the config models it; else DeepSpeed's
+    default leaf classes (its MoE blocks). Marks set by `set_z3_leaf_modules` are kept."""
+    leaf = getattr(zero, "leaf_module", None)
+    if leaf is None:
+        apply_leaf_config(module, DEFAULT_LEAF_CLASSES, (), ())
+        return
+    apply_leaf_config(module, tuple(getattr(leaf, "classes", DEFAULT_LEAF_CLASSES)),
+                      tuple(getattr(leaf, "names", ())), tuple(getattr(leaf, "name_suffixes", ())))
 
 
 def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
@@ -78,6 +91,8 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             optimizer_home=cpu if zero.offload_optimizer.device == "cpu" else None,
             param_home=cpu if zero.offload_param.device == "cpu" else None,
         )
+        _mark_leaves(module, zero)
+        chosen = resolve_units(module, units) if units else default_units(module)
         return Stage3Strategy(module, params, comm=comm, rank=groups.rank, world_size=groups.world_size,
-                              options=options3, units=resolve_units(module, units) if units else None)
+                              options=options3, units=leaf_units(module, chosen))
     raise AssertionError(f"stage {zero.stage} passed config validation but has no strategy")

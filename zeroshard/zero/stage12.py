@@ -381,6 +381,10 @@ class PartitionedStrategy:
     def param_pieces(self) -> list[ParamPiece] | None:
         return None  # every rank holds the whole model (the all-gathered flat buffer)
 
+    def fragment_grads(self, grad_scale: float) -> list[Tensor]:
+        mult = grad_scale * self._opt.prescale_factor / self._world
+        return [g.float() * mult for g in self._fragment_grads]
+
     @torch.no_grad()
     def sync_params_from_master(self) -> None:
         self._gather_params()  # each rank casts its master shard into its chunks; all-gather

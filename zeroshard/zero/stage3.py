@@ -490,6 +490,25 @@ class Stage3Strategy:
     def unit_of(self, param: nn.Parameter) -> int:
         return int(getattr(param, "_zs_unit"))
 
+    # -- DeepSpeed's ds_* attributes (ZeroParameter's properties read these) ---------------
+
+    def param_index(self, param: nn.Parameter) -> int:
+        for i, p in enumerate(self._params):
+            if p is param:
+                return i
+        raise AssertionError(f"expected {getattr(param, '_zs_name', '?')} to be managed by this strategy")
+
+    def local_shard(self, param: nn.Parameter) -> Tensor:
+        """A view of this rank's piece of `param` in the low-precision shard (1-D; may be empty)."""
+        index = self.param_index(param)
+        for f in self._plan.rank_fragments(self._rank):
+            if f.param_index == index:
+                return self._lp_shard[f.shard_offset : f.shard_offset + f.numel]
+        return self._lp_shard[:0]
+
+    def is_persistent(self, param: nn.Parameter) -> bool:
+        return self.unit_of(param) == self._persistent
+
     # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpointing.py) -------------
 
     def checkpoint_fragments(self) -> list[MasterFragment]:
@@ -502,6 +521,10 @@ class Stage3Strategy:
         return [ParamPiece(param=self._params[f.param_index], param_offset=f.param_offset, numel=f.numel,
                            data=self._lp_shard[f.shard_offset : f.shard_offset + f.numel])
                 for f in self._plan.rank_fragments(self._rank)]
+
+    def fragment_grads(self, grad_scale: float) -> list[Tensor]:
+        mult = grad_scale * self._opt.prescale_factor / self._world
+        return [g.float() * mult for g in self._fragment_grads]
 
     @torch.no_grad()
     def sync_params_from_master(self) -> None:

@@ -11,6 +11,7 @@ it, instead of computing with garbage.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from enum import Enum
 from typing import Any
 
 import torch
@@ -35,6 +36,17 @@ _METADATA = {
 
 class PartitionedParameterError(ZeroshardError, RuntimeError):
     """A stage-3 parameter's data was read while it is partitioned across ranks."""
+
+
+class ZeroParamStatus(Enum):
+    """DeepSpeed's `ds_status` values (libraries compare against these)."""
+
+    AVAILABLE = 1
+    """Gathered: the whole parameter is on this rank."""
+    NOT_AVAILABLE = 2
+    """Partitioned: only this rank's shard exists."""
+    INFLIGHT = 3
+    """Being gathered."""
 
 
 class ZeroParameter(nn.Parameter):
@@ -72,6 +84,37 @@ class ZeroParameter(nn.Parameter):
             f"`with zeroshard.zero.GatheredParameters([param]):` (add modifier_rank=0 to change "
             f"it), or use engine.module(...) / engine(...), which gathers as it goes."
         )
+
+    # -- DeepSpeed's ds_* attributes, read-only views of the strategy's state -------------------
+    # PEFT, TRL and transformers detect and count ZeRO-3 parameters through these; the
+    # parameter keeps its true shape, so ds_shape == shape and ds_numel == numel().
+
+    @property
+    def ds_id(self) -> int:
+        """A number unique to this parameter within its engine (tied parameters share it)."""
+        return int(self._zs_strategy.param_index(self))
+
+    @property
+    def ds_numel(self) -> int:
+        return self.numel()
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        return self.shape
+
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        return ZeroParamStatus.AVAILABLE if self._zs_gathered else ZeroParamStatus.NOT_AVAILABLE
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        """This rank's shard of the parameter (1-D, the parameter's dtype; may be empty)."""
+        return self._zs_strategy.local_shard(self)
+
+    @property
+    def ds_persist(self) -> bool:
+        """True for small parameters that stay gathered (`stage3_param_persistence_threshold`)."""
+        return bool(self._zs_strategy.is_persistent(self))
 
     def __repr__(self) -> str:
         state = "gathered" if self._zs_gathered else "partitioned"
