@@ -17,8 +17,8 @@ __git_hash__ = None
 __git_branch__ = None
 
 __getattr__, __dir__ = _reexport(__name__, {
-    "initialize": "zeroshard:initialize",
-    "init_distributed": "zeroshard:init_distributed",
+    "initialize": "zeroshard.compat.comm:initialize",
+    "init_distributed": "zeroshard.compat.comm:init_distributed",
     "add_config_arguments": "zeroshard:add_config_arguments",
     "DeepSpeedEngine": "zeroshard.runtime.engine:ZeroEngine",
     "DeepSpeedConfig": "zeroshard.config:Config",
