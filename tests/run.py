@@ -34,6 +34,10 @@ STAGES: dict[str, list[str]] = {
     "dist2": [*torchrun(2), *PYTEST, "tests/dist"],
     "dist3": [*torchrun(3), *PYTEST, "tests/dist"],
     "launch": [sys.executable, *PYTEST, "tests/launch"],
+    # CUDA/NCCL paths: every test skips, with its reason printed (-rs), where there is no GPU.
+    # On a machine with N GPUs, also run them at world size N:
+    #   torchrun --standalone --nproc-per-node=N -m pytest tests/gpu -x -q
+    "gpu": [sys.executable, *PYTEST, "-rs", "tests/gpu"],
 }
 
 
@@ -52,7 +56,7 @@ def counts(output: str) -> dict[str, int]:
     """pytest's closing counts, from the last summary line of one run (rank 0's under torchrun)."""
     found: dict[str, int] = {}
     for line in output.splitlines():
-        if re.search(r"\d+ (passed|failed|error)", line) and " in " in line:
+        if re.search(r"\d+ (passed|failed|errors?|skipped)", line) and " in " in line:
             found = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", line)}
     return found
 

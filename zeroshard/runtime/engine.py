@@ -93,6 +93,7 @@ class ZeroEngine(EngineQueries, nn.Module):
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._no_sync = False
         self._grads_ready = False  # reduced gradients wait for step() (safe_get_full_grad)
+        self._pending_backwards = 0  # backward passes since the last optimizer step
         self._init_progress()
         self._publish_loss_scale(overflow=False)
         register_engine(self, module)
@@ -247,6 +248,7 @@ class ZeroEngine(EngineQueries, nn.Module):
         self._strategy.after_backward()
         self.timers.stop("reduce_wait")
         self._grads_ready = boundary
+        self._pending_backwards += 1
         detached = loss.detach().double()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._loss_count += 1
@@ -275,6 +277,7 @@ class ZeroEngine(EngineQueries, nn.Module):
             )
         self.timers.start("step")
         self._grads_ready = False
+        self._pending_backwards = 0
         stats = self._strategy.prepare_step(1.0 / self.get_loss_scale(), self._config.gradient_clipping)
         if not stats.overflow:
             self.optimizer.step()
@@ -368,6 +371,11 @@ class ZeroEngine(EngineQueries, nn.Module):
             logger.info(f"saved the {len(out)}-tensor model state to {path}")
         return True
 
+    def save_fp16_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
+
     # -- progress -------------------------------------------------------------------------
 
     def _mean_loss_over_ranks(self) -> float | None:
@@ -444,7 +452,8 @@ class ZeroEngine(EngineQueries, nn.Module):
         return collect_state(self, self._strategy, include_frozen=include_frozen)
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
-                        client_state: Mapping[str, Any] | None = None, save_latest: bool = True,
+                        client_state: Mapping[str, Any] | None = {},  # noqa: B006 (DeepSpeed's; never mutated)
+                        save_latest: bool = True,
                         exclude_frozen_parameters: bool = False, *, save_optimizer_states: bool = True) -> str:
         """Save a checkpoint; every rank must call it (like DeepSpeed's `save_checkpoint`).
 
@@ -476,10 +485,10 @@ class ZeroEngine(EngineQueries, nn.Module):
                                   "(nothing was written)")
         if self.checkpointer is None:
             raise CheckpointError("this engine has no checkpointer; build it with zeroshard.initialize()")
-        if self.micro_steps % self._grad_accum_steps != 0:
+        if self._pending_backwards:
             raise CheckpointError(
-                f"save_checkpoint at micro-step {self.micro_steps % self._grad_accum_steps} of "
-                f"{self._grad_accum_steps} (gradient accumulation): accumulated gradients are not saved. "
+                f"save_checkpoint after {self._pending_backwards} backward pass(es) of an unfinished "
+                f"optimizer step (gradient accumulation): accumulated gradients are not saved. "
                 "Save right after the engine.step() that ends an optimizer step.")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         path = self.checkpointer.save(self.state(include_frozen=not exclude_frozen_parameters), str(save_dir),
@@ -532,7 +541,7 @@ class ZeroEngine(EngineQueries, nn.Module):
             return None, None
         apply_state(self, self._strategy, loaded, load_lr_scheduler_states=load_lr_scheduler_states,
                     load_module_only=load_module_only)
-        self._grads_ready = False
+        self._grads_ready, self._pending_backwards = False, 0
         self._publish_loss_scale(overflow=False)
         logger.info(f"loaded checkpoint {loaded.path} (step {self.global_steps})")
         return loaded.path, loaded.client_state if loaded.client_state is not None else {}

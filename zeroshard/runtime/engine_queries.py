@@ -46,6 +46,32 @@ class EngineQueries:
     def zero_optimization(self) -> bool:
         return self._config.zero_optimization.stage > 0
 
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self._config.zero_optimization.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self._config.zero_optimization.stage >= 3
+
+    def zero_offload_optimizer(self) -> bool:
+        return self._config.zero_optimization.offload_optimizer.device != "none"
+
+    zero_cpu_offload = zero_offload_optimizer
+
+    def zero_offload_param(self) -> bool:
+        return self._config.zero_optimization.offload_param.device != "none"
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)."""
+        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+
+    def dump_state(self) -> bool:
+        return bool(self._config.dump_state)
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed releases stage-3 parameters it kept gathered; zeroshard releases every
+        unit after use already (only `stage3_param_persistence_threshold` ones stay), so
+        there is nothing to free."""
+
     def fp16_enabled(self) -> bool:
         return self._config.precision == "fp16"
 
@@ -74,6 +100,14 @@ class EngineQueries:
     @property
     def global_rank(self) -> int:
         return self._groups.rank
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1  # no model parallelism (initialize refuses mpu=)
+
+    @property
+    def data_parallel_group(self) -> Any:
+        return self._groups.dp_group
 
     def get_lr(self) -> list[float]:
         """The learning rate of every param group."""

@@ -493,10 +493,12 @@ class Stage3Strategy:
     # -- DeepSpeed's ds_* attributes (ZeroParameter's properties read these) ---------------
 
     def param_index(self, param: nn.Parameter) -> int:
-        for i, p in enumerate(self._params):
-            if p is param:
-                return i
-        raise AssertionError(f"expected {getattr(param, '_zs_name', '?')} to be managed by this strategy")
+        index = getattr(self, "_index_of", None)
+        if index is None:
+            index = self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        if id(param) not in index:
+            raise AssertionError(f"expected {getattr(param, '_zs_name', '?')} to be managed by this strategy")
+        return index[id(param)]
 
     def local_shard(self, param: nn.Parameter) -> Tensor:
         """A view of this rank's piece of `param` in the low-precision shard (1-D; may be empty)."""

@@ -89,10 +89,15 @@ class ZeroParameter(nn.Parameter):
     # PEFT, TRL and transformers detect and count ZeRO-3 parameters through these; the
     # parameter keeps its true shape, so ds_shape == shape and ds_numel == numel().
 
+    # Under zero.Init, before initialize() builds the strategy, the parameter holds its own
+    # shard (`_zs_init_shard`); the properties read that instead.
+
     @property
     def ds_id(self) -> int:
-        """A number unique to this parameter within its engine (tied parameters share it)."""
-        return int(self._zs_strategy.param_index(self))
+        """A number unique to this parameter within its engine (tied parameters share it);
+        under zero.Init, before initialize, unique within the process."""
+        strategy = getattr(self, "_zs_strategy", None)
+        return int(strategy.param_index(self)) if strategy is not None else id(self)
 
     @property
     def ds_numel(self) -> int:
@@ -109,12 +114,16 @@ class ZeroParameter(nn.Parameter):
     @property
     def ds_tensor(self) -> torch.Tensor:
         """This rank's shard of the parameter (1-D, the parameter's dtype; may be empty)."""
-        return self._zs_strategy.local_shard(self)
+        strategy = getattr(self, "_zs_strategy", None)
+        if strategy is None:
+            return self._zs_init_shard.reshape(-1)  # type: ignore[attr-defined, no-any-return]
+        return strategy.local_shard(self)
 
     @property
     def ds_persist(self) -> bool:
         """True for small parameters that stay gathered (`stage3_param_persistence_threshold`)."""
-        return bool(self._zs_strategy.is_persistent(self))
+        strategy = getattr(self, "_zs_strategy", None)
+        return strategy is not None and bool(strategy.is_persistent(self))
 
     def __repr__(self) -> str:
         state = "gathered" if self._zs_gathered else "partitioned"

@@ -1,0 +1,69 @@
+"""Every stage, precision and offload on CUDA (NCCL across ranks) reproduces stage 0 on CUDA.
+
+The GPU twin of tests/dist/test_zero12.py and test_zero3.py::test_matches_stage0: the same tiny
+tied-weight GPT, config and data, 20 steps of 2 micro-batches, active clipping, and in fp16 an
+overflow injected on the last rank at step 3. Deterministic CUDA kernels are on (conftest), so
+the only grouping that differs between stage 0 and stage N is the reduction itself.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+
+from gpu_helpers import assert_params_close, global_batches, init_engine, make_model, precision_config, train_on_device
+
+STEPS = 20
+OVERFLOW_STEP = 3
+# NCCL's all-reduce and reduce-scatter sum in different orders (ring vs tree, chunking by
+# message size), unlike stage 0's single all-reduce per bucket: fp32 rounds differ by a few ulp
+# per step; 1e-5 norm-relative over 20 steps is the bound the gloo tests also use.
+TOL = {"fp32": 1e-5, "bf16": 2e-3, "fp16": 1e-3}
+CASES = [(s, p, o) for s in (1, 2, 3) for p in ("fp32", "bf16", "fp16")
+         for o in (("none", "optimizer", "both") if s == 3 else ("none", "optimizer"))]
+
+
+def run(stage: int, precision: str, offload: str, rank: int, world: int):
+    engine = init_engine(make_model(), precision_config(stage, precision, offload))
+    last = world - 1
+
+    def inject(step: int, loss: torch.Tensor) -> torch.Tensor:
+        hit = precision == "fp16" and step == OVERFLOW_STEP and rank == last
+        return loss * float("inf") if hit else loss
+
+    losses, snaps = train_on_device(engine, global_batches(STEPS, 2 * 2 * world), rank, world,
+                                    before_backward=inject)
+    return engine, losses, snaps
+
+
+@cache
+def stage0(precision: str, rank: int, world: int):
+    engine, losses, snaps = run(0, precision, "none", rank, world)
+    return losses, snaps, engine.skipped_steps
+
+
+@pytest.mark.parametrize("stage,precision,offload", CASES,
+                         ids=[f"s{s}-{p}-{o}" for s, p, o in CASES])
+def test_matches_stage0_on_cuda(groups, stage: int, precision: str, offload: str) -> None:
+    want_losses, want, want_skipped = stage0(precision, groups.rank, groups.world_size)
+    engine, losses, got = run(stage, precision, offload, groups.rank, groups.world_size)
+    assert engine.device.type == "cuda"
+    for step in range(STEPS):
+        assert_params_close(got[step], want[step], TOL[precision], f"stage {stage} {offload} step {step}")
+    assert engine.skipped_steps == want_skipped == (1 if precision == "fp16" else 0)
+    assert losses[-1] < losses[0], "the tiny GPT must learn on the GPU too"
+
+
+def test_offloaded_master_is_pinned(groups) -> None:
+    """offload_optimizer.pin_memory on a CUDA job: the CPU master shard is page-locked, so the
+    device<->host copies of the step can run asynchronously."""
+    engine = init_engine(make_model(), precision_config(2, "bf16", "optimizer"))
+    pinned = [t for t in _cpu_tensors(engine.optimizer) if t.is_pinned()]
+    assert pinned, "expected the offloaded master/optimizer tensors to be pinned"
+
+
+def _cpu_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [p for g in optimizer.param_groups for p in g["params"] if p.device.type == "cpu"]
+    return out
