@@ -28,8 +28,9 @@ _EXPORTS = {
     "DeepSpeedEngine": "zeroshard.runtime.engine",
 }
 
-_SUBMODULES = ("comm", "zero", "utils", "runtime", "checkpoint", "config", "estimate")
-"""DeepSpeed scripts reach these as attributes (`deepspeed.zero.Init`, `deepspeed.comm.get_rank`)."""
+_SUBMODULES = ("comm", "zero", "utils", "runtime", "checkpoint", "config", "estimate", "accelerator", "moe")
+"""DeepSpeed scripts reach these as attributes (`deepspeed.zero.Init`, `deepspeed.comm.get_rank`,
+`deepspeed.accelerator.get_accelerator()`)."""
 
 __all__ = sorted(_EXPORTS)
 
@@ -40,6 +41,10 @@ if TYPE_CHECKING:
     from zeroshard.errors import CommError, ConfigError, LaunchError, NotSupportedError, ZeroshardError
     from zeroshard.runtime.engine import ZeroEngine
     from zeroshard.runtime.initialize import initialize
+
+
+_SUBMODULES = ("checkpointing",)
+"""Reachable as `zeroshard.<name>` after `import zeroshard`, as `deepspeed.checkpointing` is."""
 
 
 def __getattr__(name: str) -> Any:

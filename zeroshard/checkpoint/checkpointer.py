@@ -1,4 +1,6 @@
-"""`ShardedCheckpointer`: the `Checkpointer` (runtime/checkpointing.py) initialize() gives the engine."""
+"""`ShardedCheckpointer`: the `Checkpointer` (runtime/checkpointing.py) initialize() gives the engine.
+
+Saves zeroshard's format; loads zeroshard's and DeepSpeed 0.19's (checkpoint/ds_import.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from zeroshard.checkpoint.ds_import import find_deepspeed, load_deepspeed
 from zeroshard.checkpoint.load import load_state
 from zeroshard.checkpoint.recovery import write_recovery_script
 from zeroshard.checkpoint.save import save_state
@@ -34,5 +37,10 @@ class ShardedCheckpointer:
 
     def load(self, target: EngineState, load_dir: str | os.PathLike[str], tag: str | None, *,
              load_optimizer_states: bool, load_module_only: bool, strict: bool = True) -> LoadedState | None:
+        # A tag directory DeepSpeed wrote (no zeroshard manifest) is read in place (ds_import.py).
+        ds_ckpt = find_deepspeed(load_dir, tag)
+        if ds_ckpt is not None:
+            return load_deepspeed(target, self._comm, ds_ckpt, load_optimizer_states=load_optimizer_states,
+                                  load_module_only=load_module_only)
         return load_state(target, self._comm, load_dir, tag, load_optimizer_states=load_optimizer_states,
                           load_module_only=load_module_only, strict=strict)

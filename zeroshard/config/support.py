@@ -55,10 +55,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     *(Unsupported(key=f"bf16.{k}", why="bf16 master weights, optimizer states and gradients are fp32.",
                   fix="Remove the key.")
       for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states")),
-    Unsupported(key="wandb.enabled", why="the Weights & Biases monitor is not implemented.",
-                fix="Use tensorboard or csv_monitor."),
-    Unsupported(key="activation_checkpointing", why="DeepSpeed's activation checkpointing is not implemented.",
-                fix="Use torch.utils.checkpoint in the model and remove the section."),
     Unsupported(key="aio", why="asynchronous NVMe I/O comes with NVMe offload, which is not implemented.",
                 fix="Remove the section."),
     *(Unsupported(key=f"checkpoint.{k}", why=f"checkpoint.{k} is not implemented (zeroshard's checkpoints "
@@ -105,7 +101,7 @@ UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
 
 UNMODELLED: dict[str, str] = {
     name: f"DeepSpeed's {name} feature is not implemented." for name in (
-        "amp", "torch_autocast", "flops_profiler", "autotuning", "eigenvalue", "progressive_layer_drop",
+        "amp", "flops_profiler", "autotuning", "eigenvalue", "progressive_layer_drop",
         "curriculum_learning", "data_efficiency", "sparse_attention", "pipeline", "compression_training",
         "hybrid_engine", "nebula", "datastates", "elasticity", "weight_quantization", "compile",
         "tensor_parallel", "comet", "quantize_training", "graph_harvesting", "timers",

@@ -16,6 +16,17 @@ Per micro-batch:
                      gradient arrives, reduce-scatter it into the gradient shard and release
 The optimizer steps on fragments (views of the fp32 master shard), exactly as stages 1/2.
 
+Note: [recompute under activation checkpointing] torch.utils.checkpoint (and
+zeroshard.checkpointing, HF's gradient_checkpointing_enable) runs a unit's forward a second
+time during backward. That forward is recognised by running inside an autograd graph task
+(`_in_recompute`): it gathers the unit again and prefetches the units before it, but it does
+not record the execution order, start a micro-batch or prefetch forward, so the recorded
+order that drives prefetch stays the order of the real forward. After it, the unit stays
+gathered when its own backward is running (non-reentrant checkpoint) or comes next (it is the
+last unit the recompute ran, or within `stage3_max_reuse_distance`); a unit the recompute ran
+before another is released when the next one finishes and its recomputed outputs' hooks gather
+it again for its backward, so a region spanning many units keeps about one gathered at a time.
+
 Note: [released storage] a released unit's flat buffer keeps its tensor object but its storage
 is resized to 0 bytes; parameters and any views autograd saved keep pointing at it and see the
 data again after `resize_` + all-gather. Reading a released parameter raises (ZeroParameter).
@@ -67,6 +78,11 @@ class Stage3Options:
     """`offload_optimizer`: where master shard, gradient shard and optimizer state live."""
     param_home: torch.device | None = None
     """`offload_param`: where the low-precision parameter shards live between gathers."""
+
+
+def _in_recompute() -> bool:
+    """True inside a backward pass: a forward there is a checkpointed region's recompute."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class UnitState(Enum):
@@ -247,6 +263,10 @@ class Stage3Strategy:
     # -- hooks ----------------------------------------------------------------------------
 
     def _pre_forward(self, u: int) -> None:
+        if _in_recompute():  # Note: [recompute under activation checkpointing]
+            self._gather(u)
+            self._prefetch_before(u)
+            return
         if u == 0:  # the root: a new forward (and, when training, a new micro-batch)
             self._in_forward = True
             self._training = torch.is_grad_enabled()
@@ -285,6 +305,10 @@ class Stage3Strategy:
         for prev in reversed(self._order[:position]):
             need = self._full[prev].numel()
             if self._state[prev] is not UnitState.RELEASED:
+                # Already gathered or in flight: it is part of what is ahead of use. (Without
+                # counting it, a second call for the same unit, as the recompute of activation
+                # checkpointing makes, prefetched one unit further each time.)
+                budget -= need
                 continue
             if budget < need or self._live_numel() + need > self._opt.max_live_numel:
                 break
@@ -299,11 +323,20 @@ class Stage3Strategy:
             def pre_backward(grad: Tensor, u: int = u) -> None:
                 if not fired[0]:
                     fired[0] = True
+                    self._backward_started.add(u)
                     self._gather(u)
                     self._prefetch_before(u)
 
             for t in outs:
                 t.register_hook(pre_backward)
+        if _in_recompute():  # Note: [recompute under activation checkpointing]
+            # The region's last unit is the first whose backward runs: keep it. The one kept
+            # before it is not last after all; release it unless its backward is running.
+            prev, self._recompute_tail = self._recompute_tail, u
+            if (prev is not None and prev != u and prev not in self._backward_started
+                    and self._full[prev].numel() > self._opt.max_reuse_distance):
+                self._release(prev)
+            return None
         if not self._reused_soon(u):
             self._release(u)
         if u == 0:
@@ -403,6 +436,8 @@ class Stage3Strategy:
         self._staging: dict[int, Tensor] = {}
         self._in_flight: list[tuple[int, "Handle", Tensor, Tensor]] = []
         self._reduced: set[int] = set()
+        self._backward_started: set[int] = set()  # units whose outputs' gradients arrived
+        self._recompute_tail: int | None = None  # the unit whose recompute finished last
 
     def begin_micro_batch(self, boundary: bool) -> None:
         """Nothing to do: the root unit's forward pre-hook starts each micro-batch."""
