@@ -130,3 +130,19 @@ def test_launch_as_deepspeed_sets_the_switch(tmp_path: Path, monkeypatch: pytest
     assert plan.commands[0].env.get("ZEROSHARD_AS_DEEPSPEED") == "1"
     plan = plan_launch(["--dry_run", "--nproc_per_node", "1", "--no_env_file", str(script)])
     assert "ZEROSHARD_AS_DEEPSPEED" not in plan.commands[0].env
+
+
+def test_every_listed_name_resolves() -> None:
+    """No alias module advertises (in dir()) a name that then fails: each maps onto real code."""
+    code = ("import importlib, json, zeroshard.compat as c; c.install(); import deepspeed\n"
+            "mods = [m for m in ['deepspeed', 'deepspeed.comm', 'deepspeed.zero', 'deepspeed.utils',\n"
+            " 'deepspeed.utils.zero_to_fp32', 'deepspeed.runtime.lr_schedules', 'deepspeed.runtime.utils',\n"
+            " 'deepspeed.runtime.zero', 'deepspeed.runtime.zero.partition_parameters',\n"
+            " 'deepspeed.runtime.activation_checkpointing.checkpointing', 'deepspeed.checkpointing',\n"
+            " 'deepspeed.accelerator', 'deepspeed.moe.utils', 'deepspeed.ops.adam', 'deepspeed.checkpoint.utils']]\n"
+            "bad = [f'{m}.{n}' for m in mods for n in dir(importlib.import_module(m))\n"
+            "       if not n.startswith('_') and not hasattr(importlib.import_module(m), n)]\n"
+            "n = sum(1 for m in mods for x in dir(importlib.import_module(m)) if not x.startswith('_'))\n"
+            "print('PROBE' + json.dumps({'bad': bad, 'n': n}))")
+    out, _ = probe({}, code)
+    assert out["bad"] == [] and out["n"] > 60, out

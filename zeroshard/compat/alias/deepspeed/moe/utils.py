@@ -2,6 +2,5 @@
 
 from zeroshard.compat._names import reexport as _reexport
 
-_NAMES = ["split_params_into_different_moe_groups_for_optimizer", "is_moe_param",
-          "split_params_grads_into_shared_and_expert_params"]
+_NAMES = ["split_params_into_different_moe_groups_for_optimizer", "is_moe_param"]
 __getattr__, __dir__ = _reexport(__name__, {n: f"zeroshard.moe.utils:{n}" for n in _NAMES})
