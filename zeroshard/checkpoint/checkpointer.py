@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from zeroshard.checkpoint.ds_import import find_deepspeed, load_deepspeed
 from zeroshard.checkpoint.load import load_state
+from zeroshard.checkpoint.recovery import write_recovery_script
 from zeroshard.checkpoint.save import save_state
 from zeroshard.checkpoint_format import EngineState, LoadedState
 
@@ -29,7 +30,10 @@ class ShardedCheckpointer:
 
     def save(self, state: EngineState, save_dir: str | os.PathLike[str], tag: str,
              client_state: Mapping[str, Any] | None, save_latest: bool, save_optimizer_states: bool = True) -> str:
-        return save_state(state, self._comm, save_dir, tag, client_state, save_latest, save_optimizer_states)
+        path = save_state(state, self._comm, save_dir, tag, client_state, save_latest, save_optimizer_states)
+        if self._comm.rank == 0:
+            write_recovery_script(save_dir)  # DeepSpeed's zero_to_fp32.py, for its documented workflow
+        return path
 
     def load(self, target: EngineState, load_dir: str | os.PathLike[str], tag: str | None, *,
              load_optimizer_states: bool, load_module_only: bool, strict: bool = True) -> LoadedState | None:

@@ -44,6 +44,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "fp16.enabled": ("runtime/initialize.py::cfg.precision",), "bf16.enabled": ("runtime/initialize.py::cfg.precision",),
     "fp16.loss_scale": _SCALER, "fp16.initial_scale_power": _SCALER, "fp16.loss_scale_window": _SCALER,
     "fp16.hysteresis": _SCALER, "fp16.consecutive_hysteresis": _SCALER, "fp16.min_loss_scale": _SCALER,
+    "fp16.auto_cast": ("runtime/engine.py::fp16.auto_cast",),
     "data_types.grad_accum_dtype": _BUILD,
     # gradients and communication
     "gradient_clipping": _ENGINE, "communication_data_type": _BUILD, "prescale_gradients": _BUILD,

@@ -48,8 +48,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
         "zero_hpz_partition_size", "mics_shard_size", "mics_hierarchical_params_gather")),
     Unsupported(key="zero_optimization.legacy_stage1", why="DeepSpeed's legacy stage 1 is not provided.",
                 fix="Remove the key."),
-    Unsupported(key="fp16.auto_cast", why="casting model inputs to fp16 is not implemented.",
-                fix="Cast the inputs in the model or data pipeline, and remove the key."),
     Unsupported(key="fp16.fp16_master_weights_and_grads",
                 why="master weights are always fp32.", fix="Remove the key."),
     *(Unsupported(key=f"bf16.{k}", why="bf16 master weights, optimizer states and gradients are fp32.",

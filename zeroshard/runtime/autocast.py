@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,3 +59,16 @@ def forward_context(dtype: torch.dtype | None, device_type: str) -> contextlib.A
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=dtype, enabled=True)
+
+
+def cast_inputs_half(inputs: Any) -> Any:
+    """`fp16.auto_cast`: the floating tensors among the forward's positional inputs (through
+    lists, tuples and dicts) cast to fp16, as DeepSpeed does; keyword inputs are left alone,
+    as in DeepSpeed."""
+    if isinstance(inputs, (list, tuple)):
+        return type(inputs)(cast_inputs_half(v) for v in inputs)
+    if isinstance(inputs, dict):
+        return {k: cast_inputs_half(v) for k, v in inputs.items()}
+    if isinstance(inputs, torch.Tensor) and inputs.is_floating_point():
+        return inputs.half()
+    return inputs

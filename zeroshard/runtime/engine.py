@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from zeroshard.checkpoint_format import EngineState, LoadedState
 from zeroshard.errors import CheckpointError
 from zeroshard.runtime import activation_checkpointing
-from zeroshard.runtime.autocast import autocast_dtype, forward_context
+from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
 from zeroshard.runtime.checkpointing import Checkpointer, apply_state, collect_state
 from zeroshard.runtime.engine_queries import EngineQueries
 from zeroshard.runtime.param_access import forget_engine, register_engine
@@ -229,6 +229,8 @@ class ZeroEngine(EngineQueries, nn.Module):
         if self._run_start is None:
             self._run_start = time.perf_counter()
         self.timers.start("forward")
+        if self._config.fp16.auto_cast:  # DeepSpeed casts the positional inputs only
+            args = cast_inputs_half(args)
         with forward_context(self._autocast_dtype, self.device.type):  # torch_autocast section
             out = self.module(*args, **kwargs)
         # A training forward must be followed by engine.backward before step(): see step().
