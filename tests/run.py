@@ -137,6 +137,10 @@ def main(argv: list[str]) -> int:
     stages = [a for a in argv if a != "--deepspeed"] or list(STAGES)
     if "--deepspeed" in argv:
         stages.append("deepspeed")
+    if "deepspeed" in stages:
+        # Note: [DeepSpeed comparison tests are opt-in] (tests/conftest.py): the stages of this
+        # run also run their tests marked `deepspeed`.
+        os.environ["ZEROSHARD_DEEPSPEED_TESTS"] = "1"
     commands = {**STAGES, **OPT_IN}
     total = {"passed": 0, "failed": 0, "skipped": 0}
     ok = True

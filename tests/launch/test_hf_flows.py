@@ -143,7 +143,7 @@ def test_accelerate_launch_use_deepspeed(tmp_path: Path, name: str) -> None:
     assert (tmp_path / "zeroshard" / name / "ckpt" / "zero_to_fp32.py").exists()
 
 
-@pytest.mark.deepspeed
+@pytest.mark.deepspeed  # opt-in: tests/run.py --deepspeed (tests/conftest.py)
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="the differential flows need a real DeepSpeed 0.19 (pip install -e .[bench])")
 class TestAgainstDeepSpeed:
     """The same scripts under real DeepSpeed 0.19: per-step loss, grad norm and lr within 1e-5."""
