@@ -69,3 +69,32 @@ def test_transformers_model_from_config_under_init(groups) -> None:
     engine.backward(out.loss)
     engine.step()
     assert engine.global_steps == 1 and torch.isfinite(out.loss)
+
+
+def test_gathered_parameters_before_initialize(groups) -> None:
+    """GatheredParameters on a model built under zero.Init, before initialize() (transformers
+    does this for weight init, from_pretrained and resize_token_embeddings): a read-only gather
+    gives every rank the whole values; with modifier_rank the modifying rank's values are
+    broadcast and re-cut, and initialize() then trains from them."""
+    from zeroshard.zero.init import GatheredParameters
+
+    with Init():
+        model = make_model(seed=1)
+    want = make_model(seed=1)
+    w = model.blocks[0].mlp[0].weight
+    with pytest.raises(PartitionedParameterError):
+        w.sum()
+    with GatheredParameters([w, w]):  # a parameter named twice is gathered once
+        assert torch.equal(w.detach(), want.blocks[0].mlp[0].weight.detach())
+    assert not w._zs.gathered
+    with GatheredParameters(list(model.blocks[0].parameters()), modifier_rank=0):
+        if groups.rank == 0:
+            with torch.no_grad():
+                w.fill_(0.25)
+        else:
+            with torch.no_grad():
+                w.fill_(-1.0)  # not the modifier: discarded
+    engine = init_engine(model, make_config(zero_optimization={"stage": 3}))
+    with GatheredParameters([w]):
+        assert torch.all(w.detach() == 0.25)
+    train_engine(engine, global_batches(1, 2 * groups.world_size), groups.rank, groups.world_size)

@@ -99,10 +99,29 @@ def test_trainer_hf_optimizer_offload_eval_world2(tmp_path: Path) -> None:
     assert 4.0 < got["eval_loss"] < 5.5 and got["log"][-1]["learning_rate"] > 0
 
 
-def test_nontrainer_generate_synced_world2(tmp_path: Path) -> None:
+def test_trainer_zero3_init_eval_save16_world2(tmp_path: Path) -> None:
+    """ZeRO-3 at 2 ranks: the model is built under zero.Init by from_config (transformers then
+    initialises its weights through GatheredParameters before initialize()), HF's optimizer,
+    Trainer.evaluate() (ZeRO inference) and save_model with stage3_gather_16bit_weights_on_model_save;
+    without that key save_model writes no weights file, as with DeepSpeed."""
+    got = trainer(tmp_path, "zeroshard", "z3", "--stage", "3", "--optim", "hf", "--eval", "--gather16",
+                  "--save-model", str(tmp_path / "z3_final"), nproc=2)
+    assert got["world_size"] == 2 and got["global_step"] == 4 and 4.0 < got["eval_loss"] < 5.5
+    assert "model.safetensors" in got["saved"]
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "z3_final" / "model.safetensors")
+    assert weights["model.embed_tokens.weight"].shape == (128, 32), "whole tensors, not shards"
+    plain = trainer(tmp_path, "zeroshard", "z3_nogather", "--stage", "3", "--steps", "1",
+                    "--save-model", str(tmp_path / "z3_nogather_final"))
+    assert "model.safetensors" not in plain["saved"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nontrainer_generate_synced_world2(tmp_path: Path, stage: int) -> None:
     """HfDeepSpeedConfig + deepspeed.initialize + generate(synced_gpus=True): ranks asking for
     different lengths all finish and each gets its own length."""
-    run([str(SCRIPTS / "hf_nontrainer.py"), "--stage", "2", "--results", str(tmp_path / "r")],
+    run([str(SCRIPTS / "hf_nontrainer.py"), "--stage", str(stage), "--results", str(tmp_path / "r")],
         "zeroshard", tmp_path, nproc=2)
     r0, r1 = (json.loads((tmp_path / f"r.rank{r}").read_text()) for r in (0, 1))
     assert (r0["new_tokens"], r1["new_tokens"]) == (2, 5)
@@ -111,6 +130,8 @@ def test_nontrainer_generate_synced_world2(tmp_path: Path) -> None:
 
 ACCELERATE_FLOWS = {
     "config_file": ["--deepspeed_config_file", "{cfg}"],
+    "zero3_flags": ["--zero_stage", "3", "--zero3_init_flag", "true", "--zero3_save_16bit_model", "true",
+                    "--gradient_accumulation_steps", "2", "--gradient_clipping", "1.0"],
     "flags": ["--zero_stage", "2", "--offload_optimizer_device", "cpu", "--gradient_accumulation_steps", "2",
               "--gradient_clipping", "1.0"],
 }

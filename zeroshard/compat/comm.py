@@ -29,6 +29,7 @@ def init_distributed(*args: Any, **kwargs: Any) -> Any:
     one-rank group instead of staying group-free."""
     import torch.distributed as dist
 
+    from zeroshard.comm import destroy_distributed
     from zeroshard.comm import init_distributed as zs_init
 
     if not dist.is_initialized() and parse_launch_env(os.environ) is None \
@@ -36,6 +37,7 @@ def init_distributed(*args: Any, **kwargs: Any) -> Any:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+        destroy_distributed()  # forget a group-free world of 1 joined earlier (e.g. by zero.Init)
     zs_init(*args, **kwargs)
     return None  # DeepSpeed returns None
 
@@ -48,3 +50,26 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     if kwargs.get("dist_init_required", None) is not False:
         init_distributed()
     return zs_initialize(*args, **kwargs)
+
+
+def _zero_init_class() -> type:
+    from zeroshard.zero import Init
+
+    class DeepSpeedInit(Init):  # type: ignore[misc, valid-type]
+        """`deepspeed.zero.Init` under the alias: like DeepSpeed's, it makes sure a process group
+        exists first (see `init_distributed`), then partitions as zeroshard's Init does."""
+
+        def __enter__(self) -> "DeepSpeedInit":
+            if getattr(self, "_enabled", True):
+                init_distributed()
+            return super().__enter__()  # type: ignore[no-any-return]
+
+    return DeepSpeedInit
+
+
+def __getattr__(name: str) -> object:
+    if name == "Init":  # built on first use: importing zeroshard.zero pulls in torch
+        value = _zero_init_class()
+        globals()["Init"] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

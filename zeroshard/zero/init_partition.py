@@ -8,6 +8,7 @@ shards into its unit layout and takes the state over.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -107,6 +108,35 @@ class InitPartitioner:
             self._materialized.append(p)
         return True
 
+    # -- zero.GatheredParameters before initialize() -----------------------------------------
+    # Transformers gathers a model built under zero.Init (with modifier_rank=0) to initialise
+    # its weights and to load from_pretrained, before initialize() hands the parameters to the
+    # stage-3 strategy; the partitioner is their owner until then (UserGatherable, units.py).
+
+    def gather_params(self, params: Sequence[ZeroParameter]) -> None:
+        """Whole values of `params` on every rank until `release_params`; collective (every
+        rank passes the same parameters in the same order)."""
+        for p in _unique(params):
+            if p._zs.gathered:
+                continue
+            full = gather_init_shards(self._comm, p, self._world)
+            p.data = full.view(p.shape).clone()
+            p._zs.gathered = True
+
+    @torch.no_grad()
+    def release_params(self, params: Sequence[ZeroParameter], modifier_rank: int | None) -> None:
+        """Cut `params` again; with `modifier_rank`, that rank's values (changed in the block)
+        are broadcast first, so every rank keeps its 1/N of them."""
+        for p in _unique(params):
+            if not p._zs.gathered:
+                continue
+            if modifier_rank is not None:
+                data = p.detach().contiguous()
+                self._comm.broadcast(data, src=modifier_rank)
+                p.data = data
+            self._materialized = [m for m in self._materialized if m is not p]
+            self._cut(p)
+
     def _repartition_materialized(self, keep: set[int] | None = None) -> None:
         still = []
         for p in self._materialized:
@@ -142,3 +172,7 @@ def init_partitioned(p: Any) -> bool:
     """Whether `p` was cut by `zero.Init` and not yet taken over by a strategy."""
     state = zero_state(p)
     return state is not None and state.init_shard is not None
+
+
+def _unique(params: Sequence[ZeroParameter]) -> list[ZeroParameter]:
+    return list({id(p): p for p in params}.values())

@@ -82,6 +82,6 @@ if args.eval:
     out["eval_loss"] = trainer.evaluate()["eval_loss"]
 if args.save_model:
     trainer.save_model(args.save_model)
-    out["saved"] = sorted(os.listdir(args.save_model))
+    out["saved"] = sorted(os.listdir(args.save_model)) if trainer.is_world_process_zero() else []
 if trainer.is_world_process_zero():
     Path(args.results).write_text(json.dumps(out))

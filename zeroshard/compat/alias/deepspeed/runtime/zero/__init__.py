@@ -5,5 +5,5 @@ from zeroshard.compat._names import reexport as _reexport
 from deepspeed.runtime.zero import partition_parameters  # noqa: F401
 
 __getattr__, __dir__ = _reexport(__name__, {
-    "GatheredParameters": "zeroshard.zero:GatheredParameters", "Init": "zeroshard.zero:Init",
+    "GatheredParameters": "zeroshard.zero:GatheredParameters", "Init": "zeroshard.compat.comm:Init",
     "register_external_parameter": "zeroshard.zero:register_external_parameter"})

@@ -14,7 +14,9 @@ import torch
 
 from zeroshard.compat._names import reexport as _reexport
 
-__getattr__, __dir__ = _reexport(__name__, {n: f"zeroshard.zero:{n}" for n in ["GatheredParameters", "Init", "register_external_parameter"]})
+__getattr__, __dir__ = _reexport(__name__, {
+    **{n: f"zeroshard.zero:{n}" for n in ["GatheredParameters", "register_external_parameter"]},
+    "Init": "zeroshard.compat.comm:Init", "ZeroParamStatus": "zeroshard.zero.units:ZeroParamStatus"})
 
 _orig_torch_arange = torch.arange
 _orig_torch_empty = torch.empty
