@@ -342,7 +342,7 @@ def test_save_rules(groups: Any, shared_dir: Path) -> None:
     fresh = init_engine(make_model(seed=2), config(2))
     fresh.load_checkpoint(shared_dir)
     assert fresh.global_steps == 2 and not all(torch.equal(a, b) for a, b in zip(snapshot(fresh), first))
-    assert sorted(os.listdir(shared_dir)) == ["latest", "same"]
+    assert sorted(os.listdir(shared_dir)) == ["latest", "same", "zero_to_fp32.py"]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -422,7 +422,7 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
      'not supported yet: zero_optimization.offload_param.device="nvme". parameter offload to NVMe'),
     ({"comet": {"enabled": True}}, 'not supported yet: comet={"enabled": true}.'),
-    ({"fp16": {"enabled": True, "auto_cast": True}}, "not supported yet: fp16.auto_cast=true."),
+    ({"checkpoint": {"use_node_local_storage": True}}, "not supported yet: checkpoint.use_node_local_storage=true."),
     ({"aio__block_size": 2097152}, "not supported yet: aio.block_size=2097152."),
     ({"checkpoint__load_universal": True}, "not supported yet: checkpoint.load_universal=true."),
     ({"gradient_allreduce_op": "sum"}, 'not supported yet: gradient_allreduce_op="sum".'),

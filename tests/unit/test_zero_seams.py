@@ -45,7 +45,13 @@ def test_prefetch_respects_both_budgets_and_reuse_distance() -> None:
     released = {0: True, 1: False, 2: True, 3: True}
     started.clear()
     policy.prefetch_backward(3, lambda: 0, lambda u: released[u], started.append)
-    assert started == [2, 0], "backward gathers the released units before 3, nearest first"
+    # Unit 1 is already gathered: it is skipped but counts toward the 25-element budget (so
+    # that a recompute's second call does not prefetch one unit further), leaving room for 2 only.
+    assert started == [2], "backward gathers the released units before 3, nearest first, within budget"
+    wide = PrefetchPolicy(order, [10, 10, 10, 10], prefetch_numel=35, max_live_numel=1000, max_reuse_distance=15)
+    started.clear()
+    wide.prefetch_backward(3, lambda: 0, lambda u: released[u], started.append)
+    assert started == [2, 0]
 
 
 def test_offload_policy_from_config() -> None:
