@@ -136,6 +136,8 @@ def initialize(
         "resolved config (values not at their DeepSpeed default, with their source; "
         "`zeroshard config check FILE` lists every key):\n" + cfg.describe(non_default_only=True)
     )
+    for note in cfg.notes:  # deprecated spellings mapped, other stages' tuning keys: once, at start-up
+        logger.warning(note)
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     if any(init_partitioned(p) for p in model.parameters()):
@@ -150,7 +152,9 @@ def initialize(
         model.to(device=groups.device, dtype=dtype)
     else:
         model.to(groups.device)
-    comm = Comm(groups, log=CommLog() if cfg.comms_logger.enabled else None)
+    comms = cfg.comms_logger
+    comm = Comm(groups, log=CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
+                if comms.enabled else None)
     broadcast_module_state(model, comm)
     param_groups = _param_groups(model, model_parameters)
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
