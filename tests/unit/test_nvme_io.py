@@ -165,3 +165,32 @@ def test_options_validated() -> None:
     with pytest.raises(ConfigError, match="aio.queue_depth: must be at least 1"):
         IOOptions(queue_depth=0)
     assert IOOptions(queue_depth=4, thread_count=3).in_flight == 12
+
+
+def test_bench_io_cli_prints_table_and_aio_block(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from zeroshard.cli.main import main
+
+    rc = main(["bench-io", str(tmp_path), "--block-sizes", "64k,128k", "--queue-depths", "1,2",
+               "--thread-counts", "1", "--file-size", "1m", "--request-size", "256k"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = [line for line in out.splitlines() if line.strip().endswith("direct")]
+    assert len(rows) == 4
+    block = json.loads(out[out.index("{"):])["aio"]
+    assert block["block_size"] in (65536, 131072) and block["queue_depth"] in (1, 2)
+    assert list(tmp_path.iterdir()) == []  # the scratch file is gone
+    assert main(["bench-io", str(tmp_path / "nope")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_best_prefers_the_slower_side_then_fewer_in_flight() -> None:
+    from zeroshard.zero.nvme_bench import IOPoint, aio_block, best
+
+    mib = 2**20
+    pts = [IOPoint(1 << 20, 8, 2, 900 * mib, 100 * mib, True),  # fast writes, slow reads
+           IOPoint(1 << 20, 4, 1, 500 * mib, 500 * mib, True),
+           IOPoint(1 << 20, 8, 1, 500 * mib, 500 * mib, True)]
+    assert best(pts) is pts[1]
+    assert aio_block(pts[1])["intra_op_parallelism"] == 1

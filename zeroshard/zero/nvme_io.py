@@ -143,6 +143,8 @@ class SwapFile:
         self._direct_fd: int | None = None
         try:
             os.ftruncate(self._fd, self.nbytes)
+            if self.nbytes:  # reserve the blocks now: no ENOSPC mid-step, no allocation in the writes
+                os.posix_fallocate(self._fd, 0, self.nbytes)
             if io.direct:
                 self._direct_fd = os.open(path, os.O_RDWR | _O_DIRECT)
         except OSError as e:
