@@ -150,3 +150,31 @@ def test_sub_groups_cut_fragments_only_at_whole_vectors() -> None:
         assert (s - owner) % 64 == 0  # a cut inside a fragment is a whole number of vectors from its start
     with pytest.raises(ValueError, match="sum to 10, not the shard's 11"):
         SwappedAdam(Path("/nonexistent"), 11, rank=0, sub_group_numel=64, fragments=[4, 6])
+
+
+def test_fragments_with_their_own_settings_and_checkpoint_access(tmp_path: Path) -> None:
+    """Two parameter groups (decay / no decay) stepped as torch steps them; per-fragment state
+    read and written for checkpoints."""
+    gen = torch.Generator().manual_seed(3)
+    splits = [3000, 130, 5000]
+    start = torch.randn(sum(splits), generator=gen)
+    grads = [torch.randn(sum(splits), generator=gen) for _ in range(3)]
+    frags = [torch.nn.Parameter(t) for t in start.clone().split(splits)]
+    opt = torch.optim.AdamW([{"params": [frags[0], frags[2]], "weight_decay": 0.1},
+                             {"params": [frags[1]], "weight_decay": 0.0}], lr=1e-2, fused=True)
+    hypers = [AdamHyper(lr=1e-2, weight_decay=wd) for wd in (0.1, 0.0, 0.1)]
+    swap = SwappedAdam(tmp_path, sum(splits), rank=0, sub_group_numel=1024, fragments=splits, io=IO)
+    swap.write_state("master", start)
+    outs = [torch.empty(n) for n in splits]
+    for g in grads:
+        for f, gg in zip(frags, g.split(splits)):
+            f.grad = gg.clone()
+        opt.step()
+        swap.step_fragments(list(g.split(splits)), hypers, outs)
+    for i, f in enumerate(frags):
+        assert torch.equal(outs[i], f.detach())
+        assert torch.equal(swap.fragment_state("exp_avg_sq", i), opt.state[f]["exp_avg_sq"])
+    swap.load_fragment_state("exp_avg", 1, torch.full((130,), 2.5))
+    assert torch.equal(swap.fragment_state("exp_avg", 1), torch.full((130,), 2.5))
+    assert torch.equal(swap.fragment_state("exp_avg", 2), opt.state[frags[2]]["exp_avg"])
+    swap.close()

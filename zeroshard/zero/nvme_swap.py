@@ -20,6 +20,8 @@ Imports nothing of ours but zero/nvme_io.py and `errors`.
 from __future__ import annotations
 
 import atexit
+import bisect
+import itertools
 import os
 import shutil
 import socket
@@ -148,6 +150,8 @@ class SwappedAdam:
         if sum(fragments) != numel:
             raise ValueError(f"fragment lengths sum to {sum(fragments)}, not the shard's {numel} elements")
         self._groups_cache = sub_groups(fragments, self.sub_group_numel)
+        self._fragments = fragments
+        self._starts = [0, *itertools.accumulate(fragments)][:-1]
         self.dir = new_run_dir(Path(root), rank)
         self._io = AsyncIO(self.dir, io)
         self._files: dict[str, SwapFile] = {s: self._io.open(f"{s}.swp", numel * 4) for s in STATES}
@@ -227,33 +231,65 @@ class SwappedAdam:
 
     @torch.no_grad()
     def step(self, grad: Tensor, hyper: AdamHyper, lp_out: Tensor | None = None) -> None:
-        """One Adam(W) step of the whole shard with gradient `grad` (`numel` values, CPU):
-        Note: [swap pipeline]. `lp_out`, when given, receives the updated master (cast to its
-        dtype), sub-group by sub-group, so the model's weights need no second pass."""
+        """One Adam(W) step of the whole shard with the flat gradient `grad` (`numel` values)."""
+        grads = list(grad.split(self._fragments))
+        outs = list(lp_out.split(self._fragments)) if lp_out is not None else None
+        self.step_fragments(grads, [hyper] * len(grads), outs)
+
+    @torch.no_grad()
+    def step_fragments(self, grads: Sequence[Tensor], hypers: Sequence[AdamHyper],
+                       outs: Sequence[Tensor] | None = None) -> None:
+        """One Adam(W) step: fragment i has gradient `grads[i]` (CPU) and settings `hypers[i]`;
+        Note: [swap pipeline]. `outs[i]`, when given, receives fragment i's updated master (cast
+        to its dtype and device) as each sub-group finishes, so the weights need no second pass."""
         groups = self._groups()
         self._step += 1
         reads: dict[int, list[IOHandle]] = {0: self._read(0)} if groups else {}
         writes: dict[int, list[IOHandle]] = {}
-        for k, (s, e) in enumerate(groups):
+        for k, (s, _) in enumerate(groups):
             if k + 1 < len(groups):
                 for h in writes.pop(k + 1 - _SLOTS, []):  # slot (k+1) % 3 was sub-group k-2's
                     h.wait()
                 reads[k + 1] = self._read(k + 1)
             for h in reads.pop(k):
                 h.wait()
-            slot = self._slots[k % _SLOTS]
-            p, m, v = ([slot[n][ps - s : pe - s] for ps, pe in self._groups_cache[k]] for n in STATES)
-            g = [grad[ps:pe] for ps, pe in self._groups_cache[k]]
-            kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
-            kernel(p, g, m, v, [], [self._step] * len(p), amsgrad=False, lr=hyper.lr,
-                   beta1=hyper.betas[0], beta2=hyper.betas[1], weight_decay=hyper.weight_decay,
-                   eps=hyper.eps, maximize=False)
-            if lp_out is not None:
-                lp_out[s:e].copy_(slot["master"][: e - s])
+            self._step_group(k, s, grads, hypers, outs)
             writes[k] = self._write(k)
         for hs in writes.values():
             for h in hs:
                 h.wait()
+
+    def _step_group(self, k: int, s: int, grads: Sequence[Tensor], hypers: Sequence[AdamHyper],
+                    outs: Sequence[Tensor] | None) -> None:
+        slot = self._slots[k % _SLOTS]
+        by_hyper: dict[AdamHyper, list[tuple[int, int, int]]] = {}
+        for ps, pe in self._groups_cache[k]:
+            i = bisect.bisect_right(self._starts, ps) - 1
+            by_hyper.setdefault(hypers[i], []).append((i, ps, pe))
+        for hyper, pieces in by_hyper.items():
+            p, m, v = ([slot[n][ps - s : pe - s] for _, ps, pe in pieces] for n in STATES)
+            g = [grads[i].reshape(-1)[ps - self._starts[i] : pe - self._starts[i]] for i, ps, pe in pieces]
+            kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
+            kernel(p, g, m, v, [], [self._step] * len(p), amsgrad=False, lr=hyper.lr,
+                   beta1=hyper.betas[0], beta2=hyper.betas[1], weight_decay=hyper.weight_decay,
+                   eps=hyper.eps, maximize=False)
+            if outs is not None:
+                for (i, ps, pe), new in zip(pieces, p):
+                    outs[i].reshape(-1)[ps - self._starts[i] : pe - self._starts[i]].copy_(new)
+
+    def fragment_state(self, name: str, index: int) -> Tensor:
+        """Fragment `index`'s part of state `name`, read into a new CPU tensor (checkpoints)."""
+        start, n = self._starts[index], self._fragments[index]
+        out = aligned_empty(n, torch.float32)
+        self._files[name].read(out, start * 4).wait()
+        return out
+
+    def load_fragment_state(self, name: str, index: int, values: Tensor) -> None:
+        """Write fragment `index`'s part of state `name` (a checkpoint's, or the master from weights)."""
+        start = self._starts[index]
+        src = aligned_empty(self._fragments[index], torch.float32)
+        src.copy_(values.reshape(-1))
+        self._files[name].write(src, start * 4).wait()
 
     def close(self) -> None:
         """Remove this run's swap files (Note: [swap files are scratch])."""
