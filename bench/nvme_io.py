@@ -28,8 +28,6 @@ def fio(directory: Path, rw: str, size: int, block: int, depth: int) -> float:
         ["fio", "--name=raw", f"--filename={target}", f"--size={size}", f"--rw={rw}", f"--bs={block}",
          f"--iodepth={depth}", "--ioengine=libaio", "--direct=1", "--output-format=json"],
         check=True, capture_output=True, text=True).stdout
-    if rw == "read":
-        target.unlink(missing_ok=True)
     job = json.loads(out)["jobs"][0]
     return job[rw]["bw_bytes"]
 
@@ -63,6 +61,7 @@ def main() -> None:
         ratios_r.append(ours.read_bytes_per_s / raw_r)
         print(f"| {r + 1} | {raw_w / 2**20:.0f} | {ours.write_bytes_per_s / 2**20:.0f} | {ratios_w[-1]:.2f} "
               f"| {raw_r / 2**20:.0f} | {ours.read_bytes_per_s / 2**20:.0f} | {ratios_r[-1]:.2f} |", flush=True)
+    (args.dir / "fio-raw.bin").unlink(missing_ok=True)
     print(f"\nmedian ratio: write {statistics.median(ratios_w):.2f}, read {statistics.median(ratios_r):.2f}")
 
 

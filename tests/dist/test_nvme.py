@@ -45,3 +45,22 @@ def test_nvme_matches_cpu_offload_bitwise(groups, stage: int, precision: str) ->
     assert len(swap._groups()) > 1, "the test must walk several sub-groups"
     engine.optimizer.close()
     assert not swap.dir.exists()
+
+
+def test_swap_dir_checked_at_initialize(groups, tmp_path: Path) -> None:
+    from engine_helpers import init_engine, make_model
+
+    from zeroshard.errors import ConfigError
+
+    def cfg(path: Path, **opt: Any) -> dict[str, Any]:
+        return make_config(zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(path)}},
+                           **opt)
+
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path: .*missing.* does not exist"):
+        init_engine(make_model(), cfg(tmp_path / "missing"))
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        init_engine(make_model(), cfg(tmp_path / "f"))
+    with pytest.raises(ConfigError, match=r'"nvme" steps Adam/AdamW; the optimizer is SGD'):
+        init_engine(make_model(), cfg(tmp_path, optimizer={"type": "SGD", "params": {"lr": 0.1}}))
+    assert not list((tmp_path / "zeroshard-swap").glob("*/rank*")), "a refused optimizer leaves no swap files"

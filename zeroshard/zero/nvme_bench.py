@@ -1,7 +1,8 @@
 """Swap bandwidth on a directory for a grid of `aio` settings (`zeroshard bench-io`, like
 DeepSpeed's ds_io), and the `aio` block that did best.
 
-Each point writes then reads a scratch file of `file_bytes` through `zero/nvme_io.py`, as the
+Each point writes (once untimed, to lay the blocks out, then timed: every optimizer step
+overwrites its swap files), then reads a scratch file of `file_bytes` through `zero/nvme_io.py`, as the
 optimizer swap does: requests of `request_bytes` (one swap buffer) from page-aligned memory,
 `overlap` requests in flight, each cut into `block_size` system calls. Direct I/O bypasses the
 page cache, so reads measure the disk; without O_DIRECT the numbers are the page cache's and the
@@ -62,7 +63,8 @@ def measure(directory: Path, options: IOOptions, *, file_bytes: int, request_byt
     with AsyncIO(directory, options) as io:
         f = io.open(f".zeroshard-bench-io-{os.getpid()}.swp", file_bytes)
         try:
-            w = _timed(f, buffers, file_bytes, write=True)
+            _timed(f, buffers, file_bytes, write=True)  # lay the file out, as fio does before timing
+            w = _timed(f, buffers, file_bytes, write=True)  # the swap's steady state: overwriting
             r = _timed(f, buffers, file_bytes, write=False)
             direct = f.direct
         finally:
