@@ -64,3 +64,38 @@ def test_swap_dir_checked_at_initialize(groups, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r'"nvme" steps Adam/AdamW; the optimizer is SGD'):
         init_engine(make_model(), cfg(tmp_path, optimizer={"type": "SGD", "params": {"lr": 0.1}}))
     assert not list((tmp_path / "zeroshard-swap").glob("*/rank*")), "a refused optimizer leaves no swap files"
+
+
+@pytest.mark.parametrize("stage,precision", [(2, "bf16"), (3, "fp32")])
+def test_checkpoint_resume_and_cpu_offload_load_it(groups, stage: int, precision: str) -> None:
+    """save_checkpoint writes the normal format from the swap files; a resumed NVMe run rebuilds
+    its swap files from it and continues bitwise, and a CPU-offload run loads it the same way."""
+    from engine_helpers import init_engine, make_model, train_engine
+    from test_checkpoint import STEPS_BEFORE, assert_equal, batches
+    from test_checkpoint import config as ckpt_config
+    from test_checkpoint import shared_dir  # noqa: F401  (fixture)
+
+    def cfg(device: str) -> dict[str, Any]:
+        c = ckpt_config(stage, precision)
+        c["zero_optimization"]["offload_optimizer"] = config(stage, precision, device)["zero_optimization"][
+            "offload_optimizer"]
+        c["zero_optimization"]["sub_group_size"] = 640
+        return c
+
+    rank, world = groups.rank, groups.world_size
+    data = batches(world)
+    ckpt = ROOT / f"ckpt-{stage}-{precision}"
+    engine = init_engine(make_model(), cfg("nvme"))
+    train_engine(engine, data[:STEPS_BEFORE], rank, world)
+    engine.save_checkpoint(ckpt)
+    want_losses, want = train_engine(engine, data[STEPS_BEFORE:], rank, world)
+    for device in ("nvme", "cpu"):
+        resumed = init_engine(make_model(seed=7), cfg(device))
+        resumed.load_checkpoint(ckpt)
+        got_losses, got = train_engine(resumed, data[STEPS_BEFORE:], rank, world)
+        assert got_losses == want_losses, device
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert_equal(g, w, f"{device}: step {STEPS_BEFORE + step}")
+        if device == "nvme":
+            resumed.optimizer.close()
+    engine.optimizer.close()

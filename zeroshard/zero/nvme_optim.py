@@ -78,6 +78,7 @@ class SwapAdam(torch.optim.Optimizer):
         self._decoupled = isinstance(inner, torch.optim.AdamW) or bool(inner.defaults.get("decoupled_weight_decay"))
         self.fragments, self.swap = list(fragments), swap
         self._grads = list(grads) if grads is not None else None
+        self._staged: list[Tensor] | None = None
         self._index = {id(p): i for i, p in enumerate(self.fragments)}
         self.state = _SwapState(self)  # type: ignore[assignment]
         for g in self.param_groups:
@@ -97,16 +98,27 @@ class SwapAdam(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("the NVMe optimizer step takes no closure")
+        self._staged = None  # a checkpoint's staged masters are stale once the master moves on
         if self._grads is not None:
             grads = self._grads
         else:
             grads = [p.grad if p.grad is not None else torch.zeros(p.shape) for p in self.fragments]
         self.swap.step_fragments([g.to("cpu", torch.float32) for g in grads], self._settings(), self.fragments)
 
-    def write_master(self) -> None:
-        """The fragments' current values become the fp32 master (construction, checkpoint loads)."""
+    def write_master(self, *, from_params: bool = False) -> None:
+        """The fp32 master from the staged values of a checkpoint load (`stage_masters`), else
+        from the fragments' current values (construction, weights-only loads)."""
+        staged, self._staged = (None if from_params else self._staged), None
         for i, p in enumerate(self.fragments):
-            self.swap.load_fragment_state("master", i, p.detach().to("cpu", torch.float32))
+            values = staged[i] if staged is not None else p.detach().to("cpu", torch.float32)
+            self.swap.load_fragment_state("master", i, values)
+
+    def stage_masters(self) -> list[Tensor]:
+        """fp32 copies of each fragment's master, read from the swap file, for a checkpoint to
+        save, or to fill on load (then `load_state_dict` writes them back). Temporarily one fp32
+        copy of the shard in memory."""
+        self._staged = [self.swap.fragment_state("master", i) for i in range(len(self.fragments))]
+        return self._staged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         params = [p for g in self.param_groups for p in g["params"]]

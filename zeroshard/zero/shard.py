@@ -185,7 +185,7 @@ class OptimizerShard:
     def load_master_from_lp(self) -> None:
         """(Re-)initialise the master from the low-precision values (construction, weights-only load)."""
         if self._swap_optimizer is not None:
-            self._swap_optimizer.write_master()
+            self._swap_optimizer.write_master(from_params=True)
         if self.master is None:
             return
         for b in range(len(self._plan.buckets)):
@@ -202,9 +202,13 @@ class OptimizerShard:
     # -- checkpoints and accounting ------------------------------------------------------------
 
     def checkpoint_fragments(self) -> list[MasterFragment]:
+        swap = self._swap_optimizer
+        staged: list[Tensor | None] = [None] * len(self._fragments)
+        if swap is not None and any(p.dtype != torch.float32 for p in self.fragment_params):
+            staged = swap.stage_masters()  # fp32 copies read from the swap file (save and load)
         return [MasterFragment(param=self._params[f.param_index], param_offset=f.param_offset,
-                               numel=f.numel, master=frag)
-                for f, frag in zip(self._fragments, self.fragment_params)]
+                               numel=f.numel, master=frag, values=v)
+                for f, frag, v in zip(self._fragments, self.fragment_params, staged)]
 
     def count_bytes(self, acc: BytesByHome, optimizer_state_bytes: int) -> None:
         """Add the gradient shard, master shard and optimizer state at the policy's home."""
