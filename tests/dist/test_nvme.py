@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine_helpers import assert_params_close, make_config
+from test_checkpoint import shared_dir  # noqa: F401  (fixture: a directory every rank sees, removed after)
 from test_zero12 import STEPS, run
 
 ROOT = Path(tempfile.gettempdir()) / "zeroshard-test-nvme"
@@ -67,13 +68,12 @@ def test_swap_dir_checked_at_initialize(groups, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("stage,precision", [(2, "bf16"), (3, "fp32")])
-def test_checkpoint_resume_and_cpu_offload_load_it(groups, stage: int, precision: str) -> None:
+def test_checkpoint_resume_and_cpu_offload_load_it(groups, shared_dir: Path, stage: int, precision: str) -> None:  # noqa: F811
     """save_checkpoint writes the normal format from the swap files; a resumed NVMe run rebuilds
     its swap files from it and continues bitwise, and a CPU-offload run loads it the same way."""
     from engine_helpers import init_engine, make_model, train_engine
     from test_checkpoint import STEPS_BEFORE, assert_equal, batches
     from test_checkpoint import config as ckpt_config
-    from test_checkpoint import shared_dir  # noqa: F401  (fixture)
 
     def cfg(device: str) -> dict[str, Any]:
         c = ckpt_config(stage, precision)
@@ -84,7 +84,7 @@ def test_checkpoint_resume_and_cpu_offload_load_it(groups, stage: int, precision
 
     rank, world = groups.rank, groups.world_size
     data = batches(world)
-    ckpt = ROOT / f"ckpt-{stage}-{precision}"
+    ckpt = shared_dir
     engine = init_engine(make_model(), cfg("nvme"))
     train_engine(engine, data[:STEPS_BEFORE], rank, world)
     engine.save_checkpoint(ckpt)
