@@ -31,8 +31,8 @@ class OffloadOptimizerConfig:
     keeps per parameter (Adam: 4). DeepSpeed's default, 4."""
     pin_memory: bool = True
     """Keep the CPU copies in page-locked memory: faster host<->device copies, at the cost of
-    memory the OS cannot page out. Default true, as in DeepSpeed 0.19. Acted on at stages 1
-    and 2 when a CUDA device exists; stage 3 does not pin yet."""
+    memory the OS cannot page out. Default true, as in DeepSpeed 0.19. Acted on at stages 1-3
+    when a CUDA device exists (zero/offload.py)."""
     pipeline_read: bool = False
     """Overlap reading the next sub-group from NVMe with the current step (NVMe only)."""
     pipeline_write: bool = False
@@ -64,8 +64,7 @@ class OffloadParamConfig:
     """Parameter elements kept in CPU memory when offloading to NVMe. Default 1e9."""
     pin_memory: bool = True
     """Keep the CPU parameter copies in page-locked memory (faster copies, unpageable).
-    Default true, as in DeepSpeed 0.19. Stage 3 does not pin parameter shards yet: accepted
-    without effect."""
+    Default true, as in DeepSpeed 0.19. Acted on when a CUDA device exists (zero/offload.py)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

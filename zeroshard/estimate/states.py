@@ -298,13 +298,14 @@ def _stage12(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
     if setup.stage == 2:
         # Staging: the bucket being filled plus those in flight (two with overlap_comm, see
         # MAX_BUCKETS_IN_FLIGHT in zero/reduce.py); the pool keeps them after the step.
-        buffers = g * _staging_pool(lay.bucket_padded, setup.overlap_comm)
+        # Blocks are all of the largest bucket's size, so similar buckets share them.
+        buffers = g * max(lay.bucket_padded) * min(len(lay.bucket_padded), 3 if setup.overlap_comm else 1)
     return RankEstimate(device, host, StateBytes(), buffers, 0, _init_host(spec, setup), buffers)
 
 
 def _staging_pool(sizes: tuple[int, ...], overlap_comm: bool) -> int:
-    """Elements of the staging blocks pooled by exact size when buckets of `sizes` (in launch
-    order) are staged one after another: the one filling plus the two still in flight."""
+    """Elements of the staging blocks pooled by size (stage 3's units) when buckets of `sizes`
+    (in launch order) are staged one after another: the one filling plus two still in flight."""
     window = 3 if overlap_comm else 1
     most: dict[int, int] = {}
     for start in range(max(1, len(sizes) - window + 1)):

@@ -364,6 +364,14 @@ class LRRangeTest(LRSchedule):
         return [lr * (1.0 + self.step_rate * interval) for lr in self.min_lrs]
 
 
+LR_RANGE_TEST = "LRRangeTest"
+ONE_CYCLE = "OneCycle"
+WARMUP_LR = "WarmupLR"
+WARMUP_DECAY_LR = "WarmupDecayLR"
+WARMUP_COSINE_LR = "WarmupCosineLR"
+VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
+"""DeepSpeed's names for its schedules (`deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`)."""
+
 SCHEDULERS: dict[str, type[LRSchedule]] = {
     cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)
 }

@@ -125,13 +125,19 @@ class GradReducer:
         comm: collectives over the data-parallel group.
         options: mode, dtypes, prescale, overlap.
         device: where staging blocks live (the model's device).
+        block_numel: every staging block has this many elements (buckets of similar sizes, as
+            stage 2 plans them, then share blocks); None: blocks are taken best-fit by size
+            (stage 3, whose units differ: a large root unit never lends its block to a small one).
     """
 
-    def __init__(self, comm: "Comm", options: ReduceOptions, *, device: torch.device) -> None:
+    def __init__(self, comm: "Comm", options: ReduceOptions, *, device: torch.device,
+                 block_numel: int | None = None) -> None:
         self._comm, self._opt, self._device = comm, options, device
+        self._block_numel = block_numel
         self._rank, self._world = comm.rank, comm.world_size
-        self._free: dict[int, list[Tensor]] = {}  # the pool: numel -> free 1D grad_dtype blocks
-        self._staging: dict[int, Tensor] = {}     # key -> the block it holds this micro-batch
+        self._free: list[Tensor] = []             # the pool: free 1D grad_dtype blocks
+        self._blocks: dict[int, Tensor] = {}      # key -> the block it holds this micro-batch
+        self._staging: dict[int, Tensor] = {}     # key -> that block sliced to the bucket
         self._in_flight: list[_InFlight] = []
         self._folded: set[int] = set()            # keys whose target holds this step's data
         self._pool_bytes = 0
@@ -144,22 +150,24 @@ class GradReducer:
 
     def staging(self, key: int, numel: int) -> Tensor:
         """The zeroed staging block of bucket `key` (`numel` elements), taken from the pool on
-        first use in a micro-batch. See Note: [gradient bucket lifetime].
-
-        Blocks are pooled by exact size: buckets of one size (transformer blocks, equal
-        buckets) share blocks, and a large bucket (an embedding) never lends its block to a
-        small one, so the pool holds what the busiest moment of backward needed, no more.
-        """
+        first use in a micro-batch. See Note: [gradient bucket lifetime]."""
         buf = self._staging.get(key)
         if buf is None:
-            free = self._free.get(numel)
-            if free:
-                buf = free.pop()
-            else:
-                buf = torch.empty(numel, dtype=self._opt.grad_dtype, device=self._device)
-                self._pool_bytes += numel * buf.element_size()
-            self._staging[key] = buf.zero_()
+            block = self._take(numel)
+            self._staging[key] = buf = block[:numel].zero_()
+            self._blocks[key] = block
         return buf
+
+    def _take(self, numel: int) -> Tensor:
+        size = self._block_numel or numel
+        if size < numel:
+            raise AssertionError(f"expected a bucket of at most {size} elements, got {numel}")
+        # Best fit among free blocks no more than twice the need (uniform blocks: any).
+        fits = [i for i, b in enumerate(self._free) if size <= b.numel() <= 2 * size]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        self._pool_bytes += size * self._opt.grad_dtype.itemsize
+        return torch.empty(size, dtype=self._opt.grad_dtype, device=self._device)
 
     def accumulate(self, key: int, numel: int, offset: int, grad: Tensor, first: bool) -> None:
         """Add (or, for the first gradient of the micro-batch, copy) `grad` at `offset`."""
@@ -168,9 +176,10 @@ class GradReducer:
         view.copy_(flat) if first else view.add_(flat)
 
     def _give_back(self, key: int) -> None:
-        block = self._staging.pop(key, None)
+        self._staging.pop(key, None)
+        block = self._blocks.pop(key, None)
         if block is not None:
-            self._free.setdefault(block.numel(), []).append(block)
+            self._free.append(block)
 
     def pool_bytes(self) -> int:
         """Bytes of every staging block allocated (kept for reuse across steps)."""

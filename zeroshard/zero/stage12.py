@@ -87,7 +87,7 @@ class PartitionedStrategy(ShardedStrategyBase):
         self._reducer = GradReducer(comm, ReduceOptions(
             mode=self._reduce_mode(), grad_dtype=options.grad_dtype, comm_dtype=options.comm_dtype,
             prescale_factor=options.prescale_factor, overlap_comm=options.overlap_comm),
-            device=self._device)
+            device=self._device, block_numel=max(layout.padded_numel for layout in self._plan.layouts))
         self._boundary = False
         for index, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(lambda t, i=index: self._on_grad_ready(i, t))
