@@ -2,19 +2,30 @@
 
     python tests/run.py            # everything (README's test command)
     python tests/run.py unit dist2 # some stages
+    python tests/run.py --deepspeed  # everything, plus the differential suite against DeepSpeed
+    python tests/run.py deepspeed  # the differential suite only (needs DeepSpeed 0.19, opt-in)
 
 The distributed tests share one gloo process group per run (process start-up dominates on a
 small CPU box), so they run under torchrun, not plain pytest. On a machine without torch or
 zeroshard installed, this installs them first (torch 2.13.0, the CPU build on the CI image).
 The last line is the total over every stage: "total: N passed, N failed, N skipped".
+
+Every stage runs with -x: in a distributed stage a failure on one rank would otherwise pair its
+peers' collectives with the next test. So that one failure never hides the rest, a stage that
+stops early is restarted (a fresh process group) with every test that already ran deselected,
+until every test has run once. Counts come from rank 0's per-test log (tests/conftest.py), so
+each test is counted exactly once; a test that started and never reported (a crash) counts as
+failed.
 """
 
 from __future__ import annotations
 
 import os
+import json
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +50,11 @@ STAGES: dict[str, list[str]] = {
     #   torchrun --standalone --nproc-per-node=N -m pytest tests/gpu -x -q
     "gpu": [sys.executable, *PYTEST, "-rs", "tests/gpu"],
 }
+# Opt-in: zeroshard against DeepSpeed 0.19 on the same cases (tests/differential/harness.py).
+# Not -x: each case is one test, and one deviating case must not hide the others.
+OPT_IN: dict[str, list[str]] = {
+    "deepspeed": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/differential"],
+}
 
 
 def ensure_installed() -> None:
@@ -61,26 +77,82 @@ def counts(output: str) -> dict[str, int]:
     return found
 
 
+def read_log(path: Path) -> dict[str, str]:
+    """nodeid -> outcome ("passed", "failed", "skipped") for every test that started."""
+    result: dict[str, str | None] = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
+            if "start" in record:
+                result.setdefault(record["start"], None)
+            elif record["outcome"] == "failed" or result.get(record["nodeid"]) != "failed":
+                result[record["nodeid"]] = record["outcome"]
+    # Started and never reported: the process died inside the test.
+    return {nodeid: outcome or "failed" for nodeid, outcome in result.items()}
+
+
+def run_stage(name: str) -> tuple[dict[str, int], bool]:
+    """Run one stage, restarting after each early stop; return its counts and whether it passed."""
+    ran: dict[str, str] = {}
+    ok, rounds = True, 0
+    with tempfile.TemporaryDirectory(prefix="zeroshard-tests-") as tmp:
+        while True:
+            rounds += 1
+            log = Path(tmp) / f"round{rounds}.jsonl"
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                   "ZEROSHARD_TEST_LOG": str(log)}
+            deselect = [arg for nodeid in ran for arg in ("--deselect", nodeid)]
+            if rounds > 1:
+                print(f"=== {name}: restarting with a fresh group after the failure, "
+                      f"{len(ran)} tests already run", flush=True)
+            proc = subprocess.run([*STAGES.get(name, OPT_IN.get(name, [])), *deselect], cwd=ROOT, env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            out = proc.stdout
+            print(out if proc.returncode or name in OPT_IN else "\n".join(out.splitlines()[-3:]), flush=True)
+            this_round = read_log(log)
+            ran.update(this_round)
+            if rounds > 1 and not this_round and re.search(r"no tests ran|\d+ deselected in", out):
+                break  # the failing test was the stage's last one
+            if proc.returncode != 0:
+                ok = False
+            summary = counts(out)
+            stopped_early = proc.returncode != 0 and "failed" in this_round.values()
+            if not stopped_early or not this_round:
+                if proc.returncode != 0 and not this_round and not summary:
+                    ran[f"{name}: exit {proc.returncode} before any test ran"] = "failed"
+                break
+    c = {"passed": 0, "failed": 0, "skipped": 0}
+    for outcome in ran.values():
+        c[outcome] = c.get(outcome, 0) + 1
+    if not ok and c["failed"] == 0:
+        c["failed"] = 1  # a non-zero exit with every test passing (a rank crashed at exit)
+    return c, ok
+
+
 def main(argv: list[str]) -> int:
     ensure_installed()
-    stages = argv or list(STAGES)
+    stages = [a for a in argv if a != "--deepspeed"] or list(STAGES)
+    if "--deepspeed" in argv:
+        stages.append("deepspeed")
+    if "deepspeed" in stages:
+        # Note: [DeepSpeed comparison tests are opt-in] (tests/conftest.py): the stages of this
+        # run also run their tests marked `deepspeed`.
+        os.environ["ZEROSHARD_DEEPSPEED_TESTS"] = "1"
+    commands = {**STAGES, **OPT_IN}
     total = {"passed": 0, "failed": 0, "skipped": 0}
     ok = True
     for name in stages:
         start = time.perf_counter()
-        print(f"=== {name}: {' '.join(STAGES[name][1:])}", flush=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(STAGES[name], cwd=ROOT, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        out = proc.stdout
-        c = counts(out)
-        print(out if proc.returncode else "\n".join(out.splitlines()[-3:]), flush=True)
-        if proc.returncode != 0 or not c:
-            ok = False
-            c.setdefault("failed", max(1, c.get("failed", 0)))
+        print(f"=== {name}: {' '.join(commands[name][1:])}", flush=True)
+        c, stage_ok = run_stage(name)
+        ok = ok and stage_ok
         for key in total:
-            total[key] += c.get(key, 0) + (c.get("errors", 0) + c.get("error", 0) if key == "failed" else 0)
-        print(f"=== {name}: exit {proc.returncode}, {time.perf_counter() - start:.0f} s", flush=True)
+            total[key] += c[key]
+        print(f"=== {name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped, "
+              f"{'ok' if stage_ok else 'FAILED'}, {time.perf_counter() - start:.0f} s", flush=True)
     print(f"total: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
     return 0 if ok else 1
 

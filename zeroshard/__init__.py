@@ -28,8 +28,10 @@ _EXPORTS = {
     "DeepSpeedEngine": "zeroshard.runtime.engine",
 }
 
-_SUBMODULES = ("comm", "zero", "utils", "runtime", "checkpoint", "config", "estimate")
-"""DeepSpeed scripts reach these as attributes (`deepspeed.zero.Init`, `deepspeed.comm.get_rank`)."""
+_SUBMODULES = ("comm", "zero", "utils", "runtime", "checkpoint", "config", "estimate", "accelerator", "moe",
+               "checkpointing")
+"""DeepSpeed scripts reach these as attributes (`deepspeed.zero.Init`, `deepspeed.comm.get_rank`,
+`deepspeed.accelerator.get_accelerator()`, `deepspeed.checkpointing`)."""
 
 __all__ = sorted(_EXPORTS)
 

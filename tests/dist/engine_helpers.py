@@ -125,13 +125,53 @@ def train_reference(
     return losses, snapshots, norms
 
 
+def train_bf16_reference(
+    model: nn.Module, batches: list[tuple[Tensor, Tensor]], lr: float = 1e-2,
+    weight_decay: float = 0.01, micro: int = 2,
+) -> tuple[list[float], list[list[Tensor]]]:
+    """One process, plain torch, the bf16 recipe zeroshard documents: the oracle for bf16.
+
+    bf16 forward and backward per micro-batch of the ranks' size; the bf16 gradients summed in
+    fp32 (data_types.grad_accum_dtype's default) and averaged; fused AdamW on fp32 master
+    weights; the masters cast back into the bf16 model. Sums of bf16 values in fp32 are exact
+    whatever their order, so a correct engine at any world size reproduces this bit for bit.
+    """
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    params = list(model.parameters())
+    master = [nn.Parameter(p.detach().float().clone()) for p in params]
+    opt = torch.optim.AdamW(master, lr=lr, weight_decay=weight_decay, fused=True)
+    losses, snapshots = [], []
+    for x, y in batches:
+        n = x.shape[0] // micro
+        sums = [torch.zeros_like(m) for m in master]
+        loss = 0.0
+        for i in range(n):
+            part = model(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro])
+            part.backward()
+            for total, p in zip(sums, params):
+                total.add_(p.grad.float())
+            model.zero_grad(set_to_none=True)
+            loss += part.item()
+        for m, total in zip(master, sums):
+            m.grad = total.mul_(1.0 / n)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(params, master):
+                p.copy_(m)
+        losses.append(loss / n)
+        snapshots.append([p.detach().float().clone() for p in params])
+    return losses, snapshots
+
+
 def assert_params_close(got: list[Tensor], want: list[Tensor], rtol: float, what: str) -> None:
     if len(got) != len(want):
         raise AssertionError(f"{what}: {len(got)} params vs {len(want)}")
     for i, (a, b) in enumerate(zip(got, want)):
         rel = (a - b).norm() / b.norm().clamp_min(1e-12)
         if not rel <= rtol:
-            raise AssertionError(f"{what}: param {i} differs, relative error {rel:.3e} > {rtol:g}")
+            bound = "0 (bitwise equality expected)" if rtol == 0 else f"{rtol:.3g}"
+            raise AssertionError(f"{what}: param {i} differs, relative error {rel:.3e} > {bound}")
 
 
 @contextmanager

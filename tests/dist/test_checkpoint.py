@@ -84,7 +84,7 @@ def test_resume_is_bitwise_exact(groups: Any, shared_dir: Path, stage: int, prec
     assert Path(path) == shared_dir / "global_step3"
     want_losses, want = train_engine(engine, data[STEPS_BEFORE:], rank, world)
     resumed = init_engine(make_model(seed=7), config(stage, precision, offload))
-    got_path, client = resumed.load_checkpoint(shared_dir)
+    got_path, client = resumed.load_checkpoint(shared_dir, load_rng_state=True)
     assert got_path == path and client == {"note": "hi", "step": 3}
     assert resumed.global_steps == STEPS_BEFORE and resumed.micro_steps == 2 * STEPS_BEFORE
     got_losses, got = train_engine(resumed, data[STEPS_BEFORE:], rank, world)
@@ -163,6 +163,37 @@ def test_frozen_parameters_saved_only_when_asked(groups: Any, shared_dir: Path) 
     assert_equal(snapshot(full), snapshot(engine), "frozen parameters saved")
 
 
+def test_frozen_parameters_load_at_stage3_bf16(groups: Any, shared_dir: Path) -> None:
+    """Stage 3 with a separate master: a saved frozen parameter is loaded (its master range is
+    not restored from the checkpoint and must not copy the old value back), and a frozen one left
+    out keeps its value (the load target lists every piece the strategy holds)."""
+    from engine_helpers import gathered_snapshot
+
+    rank, world = groups.rank, groups.world_size
+
+    def frozen_model(seed: int) -> torch.nn.Module:
+        model = make_model(seed)
+        model.wpe.weight.requires_grad_(False)
+        return model
+
+    engine = init_engine(frozen_model(0), config(3, "bf16"))
+    train_engine(engine, batches(world, 2), rank, world)
+    engine.save_checkpoint(shared_dir, tag="full", exclude_frozen_parameters=False)
+    engine.save_checkpoint(shared_dir, tag="lean", exclude_frozen_parameters=True)
+    full = init_engine(frozen_model(9), config(3, "bf16"))
+    full.load_checkpoint(shared_dir, tag="full")
+    assert_equal(gathered_snapshot(full.module), gathered_snapshot(engine.module), "frozen parameters saved")
+    train_engine(full, batches(world, 1), rank, world)
+    assert torch.equal(gathered_snapshot(full.module)[1], gathered_snapshot(engine.module)[1]), \
+        "a step after the load must not bring back the frozen parameter's old value"
+    lean = init_engine(frozen_model(9), config(3, "bf16"))
+    own_frozen = gathered_snapshot(lean.module)[1]
+    lean.load_checkpoint(shared_dir, tag="lean")
+    got = gathered_snapshot(lean.module)
+    assert torch.equal(got[1], own_frozen), "a frozen parameter not saved keeps its value"
+    assert torch.equal(got[0], gathered_snapshot(engine.module)[0])
+
+
 def test_data_loader_resumes_sample_order(groups: Any, shared_dir: Path) -> None:
     dataset = torch.utils.data.TensorDataset(torch.arange(40).float().unsqueeze(1))
 
@@ -178,10 +209,51 @@ def test_data_loader_resumes_sample_order(groups: Any, shared_dir: Path) -> None
     engine.save_checkpoint(shared_dir)
     want = [b[0] for b in it] + [b[0] for b in loader]  # rest of epoch 0, then epoch 1
     resumed, resumed_loader = start(1)
-    resumed.load_checkpoint(shared_dir)
+    resumed.load_checkpoint(shared_dir, load_rng_state=True)
     got = [b[0] for b in resumed_loader] + [b[0] for b in resumed_loader]
     assert len(head) == 3 and len(got) == len(want)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_load_leaves_rng_and_loader_alone_unless_asked(groups: Any, shared_dir: Path) -> None:
+    """DeepSpeed's load_checkpoint leaves the script's generators and data order alone; zeroshard
+    does the same unless load_rng_state=True (the exact resume)."""
+    import random
+
+    import numpy as np
+
+    dataset = torch.utils.data.TensorDataset(torch.arange(40).float().unsqueeze(1))
+
+    def start(seed: int) -> tuple[Any, Any]:
+        torch.manual_seed(seed)
+        engine, _, loader, _ = zeroshard.initialize(model=torch.nn.Linear(1, 1), training_data=dataset,
+                                                    config=make_config(train_micro_batch_size_per_gpu=2))
+        return engine, loader
+
+    def draws() -> tuple[float, float, Any]:
+        return random.random(), float(np.random.rand()), torch.rand(3)
+
+    engine, loader = start(0)
+    it = iter(loader)
+    [next(it) for _ in range(3)]
+    engine.save_checkpoint(shared_dir)
+    saved_draws = draws()
+
+    resumed, resumed_loader = start(1)
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    script_draws = draws()
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    resumed.load_checkpoint(shared_dir)
+    after = draws()
+    assert after[:2] == script_draws[:2] and torch.equal(after[2], script_draws[2]), "RNG overwritten"
+    first = [b[0] for b in resumed_loader]
+    assert len(first) == len(dataset) // (2 * groups.world_size), "loader position restored by default"
+
+    asked, asked_loader = start(1)
+    asked.load_checkpoint(shared_dir, load_rng_state=True)
+    exact = draws()
+    assert exact[:2] == saved_draws[:2] and torch.equal(exact[2], saved_draws[2])
+    assert len([b for b in asked_loader]) == len(first) - 3
 
 
 def _copy_checkpoint(comm: Any, src: Path, dst: Path, mutate: Any) -> None:
@@ -202,7 +274,16 @@ BAD_CASES = {
                            MODEL_FILE),
     "damaged manifest": (lambda d: (d / MANIFEST).write_text("{not json"), MANIFEST),
     "missing file": (lambda d: (d / optim_file(0)).unlink(), optim_file(0)),
+    # Only the last rank's file: the other ranks load theirs fine and must still name it.
+    "truncated file of the last rank": (lambda d: _truncate(d / optim_file(_last_rank())),
+                                        "LAST-RANK-FILE"),
 }
+
+
+def _last_rank() -> int:
+    from zeroshard.comm import init_distributed
+
+    return init_distributed().world_size - 1
 
 
 def test_bad_input_raises_and_loads_nothing(groups: Any, comm: Any, shared_dir: Path) -> None:
@@ -220,7 +301,10 @@ def test_bad_input_raises_and_loads_nothing(groups: Any, comm: Any, shared_dir: 
         _copy_checkpoint(comm, good, bad, mutate)
         with pytest.raises(CheckpointError) as info:
             target.load_checkpoint(bad)
-        assert culprit in str(info.value) or "failed on rank" in str(info.value), (name, str(info.value))
+        if culprit == "LAST-RANK-FILE":
+            culprit = optim_file(world - 1)
+        # Every rank's error names the culprit: a failing rank's message is gathered to all.
+        assert culprit in str(info.value), (name, str(info.value))
         assert_equal(snapshot(target), before, f"after {name}")
         assert target.global_steps == 0 and not target.optimizer.state
     wide = make_model()

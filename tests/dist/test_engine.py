@@ -18,6 +18,7 @@ from engine_helpers import (
     init_engine,
     make_config,
     make_model,
+    train_bf16_reference,
     train_engine,
     train_reference,
 )
@@ -102,21 +103,28 @@ def test_prescale_and_comm_log(groups) -> None:
         assert reduced == 0
 
 
-def test_bf16_close_to_fp32(groups) -> None:
-    # bf16 keeps 8 mantissa bits (relative rounding 2^-8 = 0.4%); with fp32 master weights and
-    # fp32 gradient accumulation the loss trajectory stays within a few roundings of fp32.
+def test_bf16_matches_one_process_bf16(groups) -> None:
+    # The anchor is bf16 itself, not fp32: plain torch in one process with the same bf16 recipe
+    # (engine_helpers.train_bf16_reference). A 2% band around fp32 was loose enough for a model
+    # that never steps to pass; this one is not. The gradients are bf16 values summed in fp32,
+    # which is exact in any order, so the world-N engine must match the one-process run bit for
+    # bit (measured: bitwise at 1, 2 and 3 ranks).
     world = groups.world_size
     model = make_model()
     batches = global_batches(5, 2 * world)
-    ref_losses, _, _ = train_reference(model, batches)
+    ref_losses, ref_params = train_bf16_reference(model, batches)
     engine = init_engine(copy.deepcopy(model), make_config(bf16={"enabled": True}))
     assert next(engine.module.parameters()).dtype == torch.bfloat16
     assert engine.optimizer.param_groups[0]["params"][0].dtype == torch.float32
-    losses, _ = train_engine(engine, batches, groups.rank, world)
+    losses, params = train_engine(engine, batches, groups.rank, world)
+    for step, (got, want) in enumerate(zip(params, ref_params)):
+        assert_params_close(got, want, 0.0, f"bf16 step {step}")
     t = torch.tensor(losses)
     engine._comm.all_reduce(t, op="avg")
-    for got, want in zip(t.tolist(), ref_losses):
-        assert abs(got - want) / want < 2e-2
+    # The loss is each rank's bf16 loss averaged in fp32: equal up to that average's rounding.
+    assert t.tolist() == pytest.approx(ref_losses, rel=1e-6)
+    start = next(model.parameters()).detach().to(torch.bfloat16).float()
+    assert params[-1][0].ne(start).float().mean() > 0.5, "most weights must have moved"
 
 
 def test_fp16_overflow_on_one_rank_skips_everywhere(groups) -> None:

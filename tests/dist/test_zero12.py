@@ -25,15 +25,40 @@ from engine_helpers import (
 
 STEPS = 20
 OVERFLOW_STEP = 3
-# Tolerance (norm-relative, per parameter, every step): 1e-5 for every precision.
+
+# Note: [stage parity tolerance]. Which comparisons are bitwise, and how the others are bounded.
+#
 # Stages 1/2 run the same fp32 element-wise operations as stage 0 (fp32 gradient sums, fp32
-# master weights, the same fused AdamW), and the one grouping that differs, the global norm's
-# sum of squares, is accumulated in float64 by every stage so the clip multiplier rounds to the
-# same fp32 value. Measured on gloo at 1, 2 and 3 ranks: bitwise equal in fp32, bf16 and fp16.
-# Why not a looser bf16 bound: when the clip multiplier differed by one fp32 rounding (norm in
-# fp32), bf16 weights drifted to 1.6e-2 over 20 steps at lr 1e-2 (one flipped 8-bit rounding
-# changes the next forward) -- a loose bound would hide exactly that kind of mismatch.
-TOL = {"fp32": 1e-5, "bf16": 1e-5, "fp16": 1e-5}
+# master weights, the same fused AdamW, the global norm's sum of squares in float64). What can
+# differ is only the ORDER in which gradients are added, and that matters only where fp32
+# addition is not exact:
+# - across ranks, at 3+ ranks: gloo's ring all-reduce cuts a buffer into chunks and reduces
+#   each chunk around the ring starting at a different rank, so an element's sum is
+#   (g0 + g1) + g2 or (g1 + g2) + g0 depending on where its chunk starts. Stages 1/2 pad each
+#   bucket to a multiple of world * 16 elements and cut it into rank chunks; stage 0's buckets
+#   are unpadded, so the chunk boundaries -- and the order for some elements -- differ
+#   (2 ranks: a + b == b + a exactly, so no difference);
+# - across micro-batches, stage 2 (and 3) reduce every micro-batch and then add the two
+#   reduced micro-batches, (g0a + g1a) + (g0b + g1b); stages 0/1 add locally first,
+#   (g0a + g0b) + (g1a + g1b): a different association at any world size > 1.
+# In bf16/fp16 the gradients summed in fp32 are short-mantissa values, whose fp32 sums are
+# exact, so every order gives the same bits. A one-ulp difference does not stay one ulp: Adam's
+# first update is lr * sign(g), so an element whose gradient nearly cancels across ranks can
+# step the other way, and over 20 steps at lr 1e-2 the trajectories drift apart to ~1e-5
+# (measured at 3 ranks: stage 1 1.3e-5, stage 2 1.6e-5 at step 19).
+#
+# So: where the order cannot matter, the test demands bitwise equality (tolerance 0). Where it
+# can (fp32 at 3+ ranks, or stage 2/3 fp32 at 2+ ranks), the tolerance is DERIVED per run from
+# the measured round-off sensitivity of this very training run: stage 0 is rerun with
+# perturbations that change only the round-off of the reduced gradients (other bucket sizes,
+# which move gloo's chunk boundaries; a gradient predivide factor of 3, which adds one fp32
+# rounding per element), and the tolerance at each step is ROUNDOFF_MARGIN times the largest
+# drift any perturbation shows up to that step. A real bug (a wrong shard, a stale gradient,
+# a skipped clip) moves parameters by ~1e-3 after one step, far above that bound.
+ROUNDOFF_MARGIN = 10.0
+PERTURBATIONS: tuple[dict[str, Any], ...] = (
+    {"reduce_bucket_size": 97}, {"reduce_bucket_size": 10**9}, {"gradient_predivide_factor": 3.0},
+)
 
 
 def config(stage: int, precision: str, offload: bool, **zero: Any) -> dict[str, Any]:
@@ -69,33 +94,75 @@ def stage0(precision: str, rank: int, world: int) -> tuple[list[list[torch.Tenso
     return params, engine.skipped_steps
 
 
+def max_rel_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max(float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(got, want))
+
+
+@cache
+def roundoff_tolerance(precision: str, rank: int, world: int) -> tuple[float, ...]:
+    """Per-step tolerance: ROUNDOFF_MARGIN x the drift of stage 0 under round-off-only changes."""
+    want, _ = stage0(precision, rank, world)
+    drift = [0.0] * STEPS
+    for perturbation in PERTURBATIONS:
+        cfg = config(0, precision, False)
+        if "gradient_predivide_factor" in perturbation:
+            cfg.update(prescale_gradients=True, **perturbation)
+        else:
+            cfg["zero_optimization"] = {**cfg["zero_optimization"], **perturbation}
+        _, got = run(cfg, rank, world)
+        for step in range(STEPS):
+            drift[step] = max(drift[step], max_rel_error(got[step], want[step]))
+    for step in range(1, STEPS):  # the bound never shrinks along the run
+        drift[step] = max(drift[step], drift[step - 1])
+    return tuple(ROUNDOFF_MARGIN * d for d in drift)
+
+
+def order_is_exact(precision: str, world: int, reduces_per_micro_batch: bool) -> bool:
+    """True where every summation order gives the same bits (Note: [stage parity tolerance])."""
+    if precision != "fp32" or world == 1:
+        return True
+    return world == 2 and not reduces_per_micro_batch
+
+
+def tolerance(precision: str, rank: int, world: int, reduces_per_micro_batch: bool) -> tuple[float, ...]:
+    if order_is_exact(precision, world, reduces_per_micro_batch):
+        return (0.0,) * STEPS
+    return roundoff_tolerance(precision, rank, world)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("offload", [False, True], ids=["no-offload", "cpu-offload"])
 @pytest.mark.parametrize("stage", [1, 2])
 def test_matches_stage0(groups, stage: int, offload: bool, precision: str) -> None:
     want, want_skipped = stage0(precision, groups.rank, groups.world_size)
     engine, got = run(config(stage, precision, offload), groups.rank, groups.world_size)
+    tol = tolerance(precision, groups.rank, groups.world_size, reduces_per_micro_batch=stage == 2)
     for step in range(STEPS):
-        assert_params_close(got[step], want[step], TOL[precision], f"stage {stage} step {step}")
+        assert_params_close(got[step], want[step], tol[step], f"stage {stage} step {step}")
     assert engine.skipped_steps == want_skipped == (1 if precision == "fp16" else 0)
     assert engine.global_steps == STEPS
 
 
 @pytest.mark.parametrize("zero", [
     {"overlap_comm": False}, {"reduce_scatter": False}, {"allgather_partitions": False},
-    {"reduce_bucket_size": 10**9}, {"allgather_bucket_size": 100},
-], ids=["no-overlap", "all-reduce", "broadcast", "one-bucket", "small-gather"])
+    {"reduce_bucket_size": 10**9}, {"allgather_bucket_size": 100}, {"allgather_bucket_size": 1001},
+], ids=["no-overlap", "all-reduce", "broadcast", "one-bucket", "small-gather", "odd-gather"])
 def test_stage2_options_match_stage0(groups, zero: dict[str, Any]) -> None:
     want, _ = stage0("fp32", groups.rank, groups.world_size)
     _, got = run(config(2, "fp32", False, **zero), groups.rank, groups.world_size)
+    tol = tolerance("fp32", groups.rank, groups.world_size, reduces_per_micro_batch=True)
     for step in range(STEPS):
-        assert_params_close(got[step], want[step], TOL["fp32"], f"{zero} step {step}")
+        assert_params_close(got[step], want[step], tol[step], f"{zero} step {step}")
 
 
-def test_client_adam_is_moved_to_cpu_kernel(groups) -> None:
+@pytest.mark.parametrize("stage", [1, 2])
+def test_client_adam_is_moved_to_cpu_kernel(groups, stage: int) -> None:
+    # Issue 11 saw this combination (with zero_force_ds_cpu_optimizer: true) take > 60 s; on
+    # this branch it trains at the speed of the other offload runs (measured ~0.1 s per step).
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=True)
-    cfg = make_config(optimizer=None, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})
+    cfg = make_config(optimizer=None, zero_force_ds_cpu_optimizer=True,
+                      zero_optimization={"stage": stage, "offload_optimizer": {"device": "cpu"}})
     engine, got_opt, _, _ = __import__("zeroshard").initialize(model=model, optimizer=opt, config=cfg)
     assert got_opt is opt and all(g["fused"] for g in opt.param_groups)
     owned = sum(p.numel() for g in opt.param_groups for p in g["params"])

@@ -23,7 +23,7 @@ from engine_helpers import (
     make_model,
     train_engine,
 )
-from test_zero12 import STEPS, TOL, config, run, stage0
+from test_zero12 import STEPS, config, run, stage0, tolerance
 
 from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.units import PartitionedParameterError
@@ -48,8 +48,10 @@ def stage3_config(precision: str, offload: str, **zero: Any) -> dict[str, Any]:
 def test_matches_stage0(groups, offload: str, precision: str) -> None:
     want, want_skipped = stage0(precision, groups.rank, groups.world_size)
     engine, got = run(stage3_config(precision, offload), groups.rank, groups.world_size)
+    # Stage 3 reduce-scatters every micro-batch, like stage 2 (Note: [stage parity tolerance]).
+    tol = tolerance(precision, groups.rank, groups.world_size, reduces_per_micro_batch=True)
     for step in range(STEPS):
-        assert_params_close(got[step], want[step], TOL[precision], f"stage 3 {offload} step {step}")
+        assert_params_close(got[step], want[step], tol[step], f"stage 3 {offload} step {step}")
     assert engine.skipped_steps == want_skipped
     assert engine.module.lm_head.weight is engine.module.wte.weight, "tied weights stay tied"
 
@@ -128,6 +130,11 @@ class Quirky(nn.Module):
         return {"loss": F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)), "logits": logits}
 
 
+# 6 steps with one micro-batch on a small model: round-off drift (Note: [stage parity
+# tolerance] in test_zero12) has few steps to grow here; a fixed 1e-5 has held at 1-3 ranks.
+HARD_CASES_TOL = 1e-5
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_hard_cases_match_stage0(groups, precision: str) -> None:
     torch.manual_seed(0)
@@ -151,7 +158,7 @@ def test_hard_cases_match_stage0(groups, precision: str) -> None:
         results.append((snaps, evals))
     (want, want_eval), (got, got_eval) = results
     for step in range(len(batches)):
-        assert_params_close(got[step], want[step], TOL[precision], f"step {step}")
+        assert_params_close(got[step], want[step], HARD_CASES_TOL, f"step {step}")
         assert torch.allclose(got_eval[step], want_eval[step], rtol=1e-5, atol=1e-6)
 
 
@@ -193,5 +200,6 @@ def test_user_chosen_units(groups) -> None:
 
     batches = global_batches(STEPS, 2 * 2 * groups.world_size)
     _, got = _train(engine, batches, groups.rank, groups.world_size)
+    tol = tolerance("fp32", groups.rank, groups.world_size, reduces_per_micro_batch=True)
     for step in range(STEPS):
-        assert_params_close(got[step], want[step], TOL["fp32"], f"step {step}")
+        assert_params_close(got[step], want[step], tol[step], f"step {step}")

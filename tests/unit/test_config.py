@@ -428,11 +428,9 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
 @pytest.mark.parametrize("overrides, message", [
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
      'not supported yet: zero_optimization.offload_param.device="nvme". parameter offload to NVMe'),
-    ({"wandb__enabled": True}, "not supported yet: wandb.enabled=true."),
+    ({"comet": {"enabled": True}}, 'not supported yet: comet={"enabled": true}.'),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "not supported yet: fp16.auto_cast=true."),
     ({"aio__use_gds": True}, "not supported yet: aio.use_gds=true. GPUDirect Storage is not built"),
-    ({"activation_checkpointing__partition_activations": True},
-     "not supported yet: activation_checkpointing.partition_activations=true."),
     ({"checkpoint__load_universal": True}, "not supported yet: checkpoint.load_universal=true."),
     ({"gradient_allreduce_op": "sum"}, 'not supported yet: gradient_allreduce_op="sum".'),
     ({"zero_optimization": {"stage": 2, "ignore_unused_parameters": False}},

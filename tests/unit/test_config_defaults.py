@@ -91,6 +91,9 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     # comm/config.py, comm/constants.py
     "comms_logger.enabled": False, "comms_logger.verbose": False, "comms_logger.prof_all": True,
     "comms_logger.debug": False, "comms_logger.prof_ops": (),
+    # runtime/config.py get_torch_autocast_* (no section: disabled, dtype and modules None)
+    "torch_autocast.enabled": False, "torch_autocast.dtype": None,
+    "torch_autocast.lower_precision_safe_modules": None,
     # runtime/swap_tensor/constants.py
     "aio.block_size": 1_048_576, "aio.queue_depth": 8, "aio.intra_op_parallelism": 1, "aio.single_submit": False,
     "aio.overlap_events": True, "aio.use_gds": False,
@@ -272,6 +275,10 @@ def _deepspeed_values() -> dict[str, Any]:
                 "disable_allgather", "memory_breakdown", "dataloader_drop_last"):
         got[key] = getattr(c, key.upper() + "_DEFAULT")
     got["optimizer.legacy_fusion"] = c.LEGACY_FUSION_DEFAULT
+    got["torch_autocast.enabled"] = c.TORCH_AUTOCAST_ENABLED_DEFAULT
+    from deepspeed.runtime.config import get_lower_precision_safe_modules, get_torch_autocast_dtype
+    got["torch_autocast.dtype"] = get_torch_autocast_dtype({})
+    got["torch_autocast.lower_precision_safe_modules"] = get_lower_precision_safe_modules({})
     got["data_types.grad_accum_dtype"] = c.GRAD_ACCUM_DTYPE_DEFAULT
     tag = c.CHECKPOINT_TAG_VALIDATION_DEFAULT
     got["checkpoint.tag_validation"] = getattr(tag, "value", tag)

@@ -151,3 +151,17 @@ def test_estimate_cli_activations_and_config(tmp_path: Path, capsys: pytest.Capt
     text = capsys.readouterr().out
     assert rc == 0 and text.count("stage  offload_optimizer") == 1 and "bf16 mixed precision" in text
     assert "with activation checkpointing" in text and "without activation checkpointing" in text
+
+
+def test_activation_checkpointing_is_a_planned_choice_with_its_cost() -> None:
+    plan = make_plan(count_hf_params(t0_3b()), Workload(seq_len=512, checkpointing="auto"), hw(8, 60))
+    names = [d.name for d in plan.decisions]
+    assert names[:4] == ["stage 0", "stage 1", "stage 2", "stage 2 + activation checkpointing"]
+    assert plan.chosen is not None and plan.chosen.checkpointing
+    assert plan.chosen.name == "stage 2 + offload_optimizer=cpu + activation checkpointing"
+    assert "recompute costs ~33% more compute per step" in plan.chosen.line
+    assert any("gradient_checkpointing_enable()" in n for n in plan.notes)
+    assert not any(n.startswith("hint:") for n in plan.notes), "a choice now, not a hint"
+    # Where it fits without recompute, auto never picks it.
+    roomy = make_plan(count_hf_params(t0_3b()), Workload(seq_len=512, checkpointing="auto"), hw(80, 512))
+    assert roomy.chosen is not None and not roomy.chosen.checkpointing and roomy.chosen.name == "stage 0"

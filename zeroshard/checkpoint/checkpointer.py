@@ -1,4 +1,6 @@
-"""`ShardedCheckpointer`: the `Checkpointer` (runtime/checkpointing.py) initialize() gives the engine."""
+"""`ShardedCheckpointer`: the `Checkpointer` (runtime/checkpointing.py) initialize() gives the engine.
+
+Saves zeroshard's format; loads zeroshard's and DeepSpeed 0.19's (checkpoint/ds_import.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,9 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from zeroshard.checkpoint.ds_import import find_deepspeed, load_deepspeed
 from zeroshard.checkpoint.load import load_state
+from zeroshard.checkpoint.recovery import write_recovery_script
 from zeroshard.checkpoint.save import save_state
 from zeroshard.checkpoint_format import EngineState, LoadedState
 
@@ -26,9 +30,17 @@ class ShardedCheckpointer:
 
     def save(self, state: EngineState, save_dir: str | os.PathLike[str], tag: str,
              client_state: Mapping[str, Any] | None, save_latest: bool, save_optimizer_states: bool = True) -> str:
-        return save_state(state, self._comm, save_dir, tag, client_state, save_latest, save_optimizer_states)
+        path = save_state(state, self._comm, save_dir, tag, client_state, save_latest, save_optimizer_states)
+        if self._comm.rank == 0:
+            write_recovery_script(save_dir)  # DeepSpeed's zero_to_fp32.py, for its documented workflow
+        return path
 
     def load(self, target: EngineState, load_dir: str | os.PathLike[str], tag: str | None, *,
              load_optimizer_states: bool, load_module_only: bool, strict: bool = True) -> LoadedState | None:
+        # A tag directory DeepSpeed wrote (no zeroshard manifest) is read in place (ds_import.py).
+        ds_ckpt = find_deepspeed(load_dir, tag)
+        if ds_ckpt is not None:
+            return load_deepspeed(target, self._comm, ds_ckpt, load_optimizer_states=load_optimizer_states,
+                                  load_module_only=load_module_only, strict=strict)
         return load_state(target, self._comm, load_dir, tag, load_optimizer_states=load_optimizer_states,
                           load_module_only=load_module_only, strict=strict)

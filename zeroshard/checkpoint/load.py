@@ -21,6 +21,7 @@ from zeroshard.checkpoint.manifest import check_compatible, resolve
 from zeroshard.checkpoint.reshard import RangeIndex
 from zeroshard.checkpoint.save import agree
 from zeroshard.errors import CheckpointError
+from zeroshard.progress import PROGRESS_MIN_BYTES, Progress
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, unpickle_bytes
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ class CheckpointReader:
     def __init__(self, ckpt: Path, manifest: Manifest) -> None:
         self.ckpt, self.manifest = ckpt, manifest
         self._open: dict[str, Any] = {}
+        self.progress: Progress | None = None
+        """Advanced by each file opened (large checkpoints, rank 0)."""
         self.names = [p.name for p in manifest.params]
         self.index_of = manifest.param_index()
 
@@ -47,6 +50,8 @@ class CheckpointReader:
             if not isinstance(data, dict):
                 raise CheckpointError(f"{self.ckpt / name}: not a zeroshard checkpoint file (a {type(data).__name__})")
             self._open[name] = data
+            if self.progress is not None:
+                self.progress.advance(self.manifest.files[name], name)
         return self._open[name]
 
     def close(self) -> None:
@@ -139,9 +144,13 @@ def _read(target: EngineState, ckpt: Path, saved: Manifest, *, load_optimizer_st
     need_opt = load_optimizer_states and not load_module_only
     check_compatible(saved, tm, ckpt / MANIFEST, need_optimizer=need_opt, strict=strict)
     reader = CheckpointReader(ckpt, saved)
+    total = sum(saved.files.values())
+    # Files this rank reads are known only as it reads them: the bar's total is the whole checkpoint.
+    reader.progress = Progress(total, f"load {ckpt.name}", rank == 0 and total >= PROGRESS_MIN_BYTES, unit="B")
     try:
         return _read_files(reader, target, saved, need_opt, load_module_only, rank)
     finally:
+        reader.progress.close()
         reader.close()
 
 

@@ -28,14 +28,23 @@ from zeroshard.checkpoint.files import (
 )
 from zeroshard.checkpoint.manifest import to_json
 from zeroshard.errors import CheckpointError
+from zeroshard.progress import PROGRESS_MIN_BYTES, Progress
 from zeroshard.checkpoint_format import FORMAT_VERSION, EngineState, Range, pickle_bytes
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
 
 
+_MAX_ERROR_BYTES = 2000
+"""A failing rank's message is cut to this many bytes before it is gathered."""
+
+
 def agree(comm: "Comm", error: str | None, what: str) -> None:
-    """Every rank learns whether any rank failed `what`; all raise together (no hang)."""
+    """Every rank learns whether any rank failed `what`; all raise together (no hang).
+
+    Each failing rank's message is gathered, so every rank -- rank 0's log in particular, the
+    one a multi-node user reads -- names the cause, not just the failing ranks.
+    """
     flags = torch.zeros(comm.world_size, dtype=torch.float32, device=comm.groups.device)
     if error is not None:
         flags[comm.rank] = 1.0
@@ -43,9 +52,12 @@ def agree(comm: "Comm", error: str | None, what: str) -> None:
     failed = [r for r, f in enumerate(flags.tolist()) if f]
     if not failed:
         return
-    if error is not None:
+    mine = list((error or "").encode("utf-8", "replace")[:_MAX_ERROR_BYTES])
+    messages = [bytes(row).decode("utf-8", "replace") for row in gather_rows(comm, mine)]
+    if error is not None and failed == [comm.rank]:
         raise CheckpointError(f"rank {comm.rank}: {what} failed: {error}")
-    raise CheckpointError(f"rank {comm.rank}: {what} failed on rank(s) {failed}; see their error")
+    causes = "\n".join(f"  rank {r}: {messages[r]}" for r in failed)
+    raise CheckpointError(f"rank {comm.rank}: {what} failed on rank(s) {failed}:\n{causes}")
 
 
 def gather_rows(comm: "Comm", row: list[int]) -> list[list[int]]:
@@ -106,18 +118,30 @@ def _model_payload(state: EngineState, client_state: Mapping[str, Any] | None) -
     }
 
 
+def _state_bytes(state: EngineState) -> int:
+    """Roughly what this rank writes: masters, their optimizer state, weight pieces, whole tensors."""
+    def nbytes(t: Any) -> int:
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    return (sum(map(nbytes, state.masters)) + sum(nbytes(v) for s in state.optimizer_states for v in s.values())
+            + sum(map(nbytes, state.weight_pieces)) + sum(map(nbytes, state.module.values())))
+
+
 def _write_rank_files(state: EngineState, staging: Path, client_state: Mapping[str, Any] | None,
-                      save_optimizer_states: bool) -> list[int]:
+                      save_optimizer_states: bool, bar: Progress) -> list[int]:
     """This rank's files; returns [optim, rng, pieces, model] sizes (0: not written)."""
     rank = state.rank
     sizes = [0, 0, 0, 0]
     if save_optimizer_states:
         sizes[0] = save_torch(staging / optim_file(rank), _optim_payload(state))
+        bar.advance(1, f"{optim_file(rank)} ({sizes[0] / 2**20:,.0f} MiB)")
     sizes[1] = save_torch(staging / rng_file(rank), state.rng)
     if state.manifest.weight_pieces is not None:
         sizes[2] = save_torch(staging / pieces_file(rank), {"pieces": [_own(t) for t in state.weight_pieces]})
+        bar.advance(1, f"{pieces_file(rank)} ({sizes[2] / 2**20:,.0f} MiB)")
     if rank == 0:
         sizes[3] = save_torch(staging / MODEL_FILE, _model_payload(state, client_state))
+        bar.advance(1, f"{MODEL_FILE} ({sizes[3] / 2**20:,.0f} MiB)")
     fsync_dir(staging)
     return sizes
 
@@ -170,8 +194,11 @@ def save_state(state: EngineState, comm: "Comm", save_dir: str | os.PathLike[str
             error = f"{staging}: {e}"
     agree(comm, error, "preparing the checkpoint directory")
     sizes: list[int] = [0, 0, 0, 0]
+    stages = int(save_optimizer_states) + int(state.manifest.weight_pieces is not None) + int(rank == 0) + 1
+    bar = Progress(stages, f"save {tag} (rank 0's files)", rank == 0 and _state_bytes(state) >= PROGRESS_MIN_BYTES,
+                   unit="stage", expected_updates=stages)
     try:
-        sizes = _write_rank_files(state, staging, client_state, save_optimizer_states)
+        sizes = _write_rank_files(state, staging, client_state, save_optimizer_states, bar)
     except (OSError, RuntimeError) as e:
         error = f"writing to {staging}: {e}"
     agree(comm, error, "writing checkpoint files")
@@ -185,6 +212,8 @@ def save_state(state: EngineState, comm: "Comm", save_dir: str | os.PathLike[str
         except OSError as e:
             error = f"publishing {root / tag}: {e}"
     agree(comm, error, "publishing the checkpoint")
+    bar.advance(1, f"published {root / tag}")
+    bar.close()
     return str(root / tag)
 
 

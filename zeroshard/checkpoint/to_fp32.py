@@ -14,9 +14,8 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -24,11 +23,14 @@ from typing import Any, TextIO
 import torch
 from torch import Tensor, nn
 
+from zeroshard.checkpoint.ds_files import is_deepspeed_dir, resolve_ds
+from zeroshard.checkpoint.ds_import import DeepSpeedReader, read_layout
 from zeroshard.checkpoint.files import MANIFEST, write_atomic
 from zeroshard.checkpoint.load import CheckpointReader
 from zeroshard.checkpoint.manifest import read_manifest, resolve
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter
 from zeroshard.errors import CheckpointError
+from zeroshard.progress import Progress as _Progress
 from zeroshard.checkpoint_format import Manifest, TensorInfo
 
 logger = logging.getLogger("zeroshard")
@@ -37,34 +39,9 @@ CHUNK_BYTES = 64 * 2**20
 """Output bytes assembled per pass over the rank files (bounds the memory-mapped pages)."""
 
 
-class Progress:
-    """A plain-text progress bar on stderr: redrawn in place on a terminal, else every 10%."""
-
-    def __init__(self, total_bytes: int, enabled: bool, stream: TextIO | None = None) -> None:
-        self.total, self.done, self.enabled = max(total_bytes, 1), 0, enabled
-        self.stream = stream or sys.stderr
-        self._tty = self.stream.isatty()
-        self._last_decile = -1
-        self._start = time.perf_counter()
-
-    def advance(self, nbytes: int, label: str) -> None:
-        self.done += nbytes
-        if not self.enabled:
-            return
-        frac = min(self.done / self.total, 1.0)
-        bar = "#" * int(frac * 30)
-        line = (f"to-fp32 [{bar:<30}] {frac * 100:5.1f}% {self.done / 2**20:,.1f}/{self.total / 2**20:,.1f} MiB "
-                f"{time.perf_counter() - self._start:.1f}s {label}")
-        if self._tty:
-            self.stream.write("\r" + line[:150].ljust(150))
-        elif int(frac * 10) != self._last_decile:
-            self._last_decile = int(frac * 10)
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled and self._tty:
-            self.stream.write("\n")
+def Progress(total_bytes: int, enabled: bool, stream: TextIO | None = None) -> _Progress:  # noqa: N802
+    """to-fp32's bar over the output bytes (zeroshard/progress.py: tqdm on a terminal)."""
+    return _Progress(total_bytes, "to-fp32", enabled, unit="B", stream=stream)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,14 +60,23 @@ class _Entry:
         return self.info.numel * torch.empty((), dtype=self.out_dtype).element_size()
 
 
-def _open_checkpoint(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, Manifest]:
+def _open_checkpoint(checkpoint_dir: str | os.PathLike[str],
+                     tag: str | None) -> tuple[Path, Manifest, Callable[[], CheckpointReader]]:
+    """The tag directory, its manifest, and how to open a reader on it (zeroshard's format, or
+    DeepSpeed's read in place through the same reader interface: checkpoint/ds_import.py)."""
     root = Path(checkpoint_dir)
+    ds = root if tag is None and is_deepspeed_dir(root) else resolve_ds(root, tag)
+    if ds is not None:
+        layout = read_layout(ds, None)
+        return ds, layout.manifest, lambda: DeepSpeedReader(layout)
     if tag is None and (root / MANIFEST).is_file():  # given the tag directory itself
-        return root, read_manifest(root)
-    resolved = resolve(root, tag)
-    if resolved is None:
-        raise CheckpointError(f"{root}: no 'latest' file; pass the tag (--tag) of the checkpoint to convert")
-    return resolved
+        ckpt, manifest = root, read_manifest(root)
+    else:
+        resolved = resolve(root, tag)
+        if resolved is None:
+            raise CheckpointError(f"{root}: no 'latest' file; pass the tag (--tag) of the checkpoint to convert")
+        ckpt, manifest = resolved
+    return ckpt, manifest, lambda: CheckpointReader(ckpt, manifest)
 
 
 def _plan(m: Manifest) -> list[_Entry]:
@@ -127,11 +113,13 @@ def _chunks(entries: list[_Entry], chunk_bytes: int) -> Iterator[list[_Entry]]:
 
 
 def iter_fp32_tensors(ckpt: Path, manifest: Manifest, *, chunk_bytes: int = CHUNK_BYTES,
-                      progress: Progress | None = None) -> Iterator[tuple[str, Tensor]]:
+                      progress: Progress | None = None,
+                      open_reader: Callable[[], CheckpointReader] | None = None) -> Iterator[tuple[str, Tensor]]:
     """(name, fp32 tensor) for every saved parameter and buffer, assembled chunk by chunk."""
     entries = _plan(manifest)
     for chunk in _chunks(entries, chunk_bytes):
-        reader = CheckpointReader(ckpt, manifest)  # a fresh reader per chunk: maps dropped after it
+        # A fresh reader per chunk: maps dropped after it.
+        reader = open_reader() if open_reader is not None else CheckpointReader(ckpt, manifest)
         index = reader.master_index()
         for e in chunk:
             info = e.info
@@ -182,9 +170,9 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[s
 
         model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint("ckpt"))
     """
-    ckpt, manifest = _open_checkpoint(checkpoint_dir, tag)
+    ckpt, manifest, open_reader = _open_checkpoint(checkpoint_dir, tag)
     bar = Progress(sum(e.nbytes for e in _plan(manifest)), progress)
-    tensors = dict(iter_fp32_tensors(ckpt, manifest, progress=bar))
+    tensors = dict(iter_fp32_tensors(ckpt, manifest, progress=bar, open_reader=open_reader))
     bar.close()
     return {key: tensors[src] for key, src in _output_names(manifest, list(tensors)).items()}
 
@@ -199,7 +187,7 @@ def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str |
         CheckpointError: a file problem, or the model's names / shapes differ from the
             checkpoint's (checked before anything is copied).
     """
-    ckpt, manifest = _open_checkpoint(checkpoint_dir, tag)
+    ckpt, manifest, open_reader = _open_checkpoint(checkpoint_dir, tag)
     targets = dict(model.state_dict(keep_vars=True))
     entries = _plan(manifest)
     missing = [e.name for e in entries if e.name not in targets]
@@ -212,7 +200,7 @@ def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str |
         raise CheckpointError(f"{ckpt}: does not match the model: in the checkpoint only {missing[:5]}, "
                               f"shapes {shapes[:3]}, in the model only {absent[:5]}")
     bar = Progress(sum(e.nbytes for e in entries), progress)
-    for name, tensor in iter_fp32_tensors(ckpt, manifest, progress=bar):
+    for name, tensor in iter_fp32_tensors(ckpt, manifest, progress=bar, open_reader=open_reader):
         targets[name].data.copy_(tensor)
     bar.close()
     return model
@@ -235,7 +223,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
     aliases are written as separate copies (the format has no shared tensors).
     """
     start = time.perf_counter()
-    ckpt, manifest = _open_checkpoint(checkpoint_dir, tag)
+    ckpt, manifest, open_reader = _open_checkpoint(checkpoint_dir, tag)
     entries = _plan(manifest)
     bar = Progress(sum(e.nbytes for e in entries), progress)
     out = Path(output_file)
@@ -250,12 +238,15 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
                 aliases.setdefault(src, []).append(key)
         order = [(k, by_name[n].info.shape, by_name[n].out_dtype) for n in by_name for k in [n, *aliases.get(n, [])]]
         with SafetensorsWriter(out, order, {"zeroshard_tag": manifest.tag}) as writer:
-            for name, tensor in iter_fp32_tensors(ckpt, manifest, chunk_bytes=chunk_bytes, progress=bar):
+            tensors_in_order = iter_fp32_tensors(ckpt, manifest, chunk_bytes=chunk_bytes, progress=bar,
+                                                 open_reader=open_reader)
+            for name, tensor in tensors_in_order:
                 for key in [name, *aliases.get(name, [])]:
                     writer.write(key, tensor)
         count = len(order)
     else:
-        tensors = dict(iter_fp32_tensors(ckpt, manifest, chunk_bytes=chunk_bytes, progress=bar))
+        tensors = dict(iter_fp32_tensors(ckpt, manifest, chunk_bytes=chunk_bytes, progress=bar,
+                                         open_reader=open_reader))
         sd = {key: tensors[src] for key, src in _output_names(manifest, list(tensors)).items()}
         write_atomic(out, lambda f: torch.save(sd, f))
         count = len(sd)

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no_python", "--no-python", action="store_true",
       help="run the script as an executable, without 'python'")
     a("-m", "--module", action="store_true", help="the script is a module name (python -m)")
+    a("--as_deepspeed", "--as-deepspeed", action="store_true",
+      help="serve `import deepspeed` from zeroshard in every worker (sets "
+      "ZEROSHARD_AS_DEEPSPEED=1 for them; see docs/huggingface.md)")
     a("--dry_run", "--dry-run", action="store_true",
       help="print the commands instead of running them")
     a("script", help="the training script (or module, or executable)")
@@ -298,6 +301,11 @@ def plan_launch(argv: list[str]) -> LaunchPlan:
     file_env: dict[str, str] = {}
     for path in env_files:
         file_env.update(parse_env_file(path))
+    if args.as_deepspeed:
+        # Local workers inherit it from file_env; remote nodes and their per-node launches get
+        # it with the other ZEROSHARD_* variables of this process (collect_exports).
+        os.environ["ZEROSHARD_AS_DEEPSPEED"] = "1"
+        file_env["ZEROSHARD_AS_DEEPSPEED"] = "1"
     if args.launcher == "slurm":
         plan = _plan_slurm(args, worker, file_env)
     else:

@@ -48,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
                    help="training precision (default: the --config's, else bf16)")
     p.add_argument("--config", help="base ds_config.json: its optimizer, scheduler, etc. are kept")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="the model recomputes activations in backward (torch.utils.checkpoint)")
+    p.add_argument("--activation-checkpointing", nargs="?", const="on", default="auto", choices=["on", "off", "auto"],
+                   help="on: the model recomputes activations in backward (torch.utils.checkpoint, HF "
+                        "gradient_checkpointing_enable); off: it does not; auto (default): a planned choice, "
+                        "tried from stage 2 on before a slower candidate, at ~33%% more compute")
     p.add_argument("--nvme-path", help="a directory on NVMe, to allow the ZeRO-Infinity candidate")
     p.add_argument("--reserve", type=float, default=0.10,
                    help="fraction of each memory kept free for the allocator and runtime (default 0.10)")
@@ -72,7 +74,7 @@ def _workload(args: argparse.Namespace, spec: ModelSpec) -> Workload:
     if seq is None and spec.shape is not None:
         seq = 512
     return Workload(precision=precision, seq_len=seq, global_batch=args.global_batch,
-                    max_micro_batch=args.max_micro_batch, checkpointing=args.activation_checkpointing,
+                    max_micro_batch=args.max_micro_batch, checkpointing={"on": True, "off": False, "auto": "auto"}[args.activation_checkpointing],
                     base_config=base)
 
 

@@ -7,12 +7,13 @@ launcher (one node, N processes); inside a job it trains on the group the launch
 from __future__ import annotations
 
 import argparse
-import logging
+import dataclasses
 import os
 import subprocess
 import sys
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -73,6 +74,7 @@ def train(args: argparse.Namespace) -> int:
             if engine.global_steps >= args.steps:  # only ever reached at a step boundary
                 break
     engine.print_summary()
+    _print_model_state_saving(engine, n_params)
     # Leave the process group explicitly, after every rank is done: left to interpreter exit,
     # the teardown of gloo and the comm watcher can race with a peer that already exited.
     from zeroshard.comm import destroy_distributed
@@ -80,6 +82,33 @@ def train(args: argparse.Namespace) -> int:
     engine._comm.barrier()
     destroy_distributed()
     return 0
+
+
+def _print_model_state_saving(engine: Any, n_params: int) -> None:
+    """What ZeRO saved: this run's model-state bytes per rank against plain data parallelism.
+
+    Every rank must call it (one all-gather). The stage-0 figure is the estimator's exact
+    stage-0 accounting for the same precision, gradient dtype and optimizer.
+    """
+    from zeroshard.estimate.spec import spec_from_counts
+    from zeroshard.estimate.states import Setup, estimate_rank
+    from zeroshard.runtime.monitor import format_bytes
+
+    held = engine.model_state_bytes()
+    mine = torch.tensor([sum(s.total for s in held)], dtype=torch.int64, device=engine.device)
+    every = torch.zeros(engine.world_size, dtype=torch.int64, device=engine.device)
+    engine._comm.all_gather(every, mine)
+    setup = dataclasses.replace(Setup.from_config(engine.zs_config), stage=0,
+                                offload_optimizer="none", offload_param="none")
+    stage0 = estimate_rank(spec_from_counts(n_params), setup).device.total
+    if engine.rank != 0:
+        return
+    homes = " + ".join(f"{format_bytes(s.total)} {s.device}" for s in held if s.total)
+    ranks = ", ".join(f"rank {r}: {format_bytes(int(b))}" for r, b in enumerate(every.tolist()))
+    ratio = stage0 / max(1, int(every.max()))
+    print(f"[zeroshard] model states per rank (stage {engine.zs_config.zero_optimization.stage}): "
+          f"{ranks} (rank 0: {homes}) | stage 0 would hold {format_bytes(stage0)} on every rank "
+          f"({ratio:.1f}x the largest rank here)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,15 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     except ZeroshardError as e:
         print(f"zeroshard train: {e}", file=sys.stderr)
         return 2
-    if "RANK" in os.environ:
-        # Under a launcher, end the worker here, once everything is written and flushed: seen
-        # in CI, a rank that finished cleanly was then aborted at interpreter teardown by a C++
-        # "terminate called without an active exception" from a thread torch's distributed
-        # stack leaves joinable. Skipping the teardown keeps the job's exit code honest.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    # A normal interpreter exit: the abort at teardown that os._exit used to hide here is fixed
+    # where it came from (Note: [watcher shutdown] in comm/divergence.py).
     return code
 
 

@@ -9,6 +9,16 @@ demand. When a collective fails or times out, the failing rank asks every peer t
 naming each rank's last collective. A rank busy in Python (training, sleeping) answers from its
 thread; a rank blocked in C without the GIL still left its last published state; a rank that
 exited said so from ``atexit``. Imports nothing of ours but ``errors``.
+
+Note: [watcher shutdown]
+The watcher must never be inside a c10d store call when the interpreter finalizes: the call
+returns without the GIL, pybind11 re-acquires it in a noexcept destructor, the finalizing
+interpreter ends the thread with pthread_exit, and the forced unwind through that noexcept
+frame is std::terminate -- "terminate called without an active exception", SIGABRT, on a rank
+that had finished cleanly. A daemon thread joined from ``atexit`` with a short timeout left
+exactly that window open on a loaded machine. So the watcher is a non-daemon thread, and a
+``threading`` exit hook (run before Python joins non-daemon threads, before ``atexit`` and
+long before finalization) stops it and waits for its current store call to finish.
 """
 
 from __future__ import annotations
@@ -47,6 +57,12 @@ _PKG_DIR = os.path.dirname(_COMM_DIR)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _MAX_PENDING = 4096
 """Records of async collectives never waited are dropped beyond this many."""
+
+
+_register_thread_exit: Callable[[Callable[[], None]], None] | None = getattr(
+    threading, "_register_atexit", None)
+"""Runs a callback when the interpreter starts shutting down, before non-daemon threads are
+joined (what concurrent.futures uses). Without it, fall back to a daemon thread + atexit."""
 
 
 def _poll_s(world_size: int) -> float:
@@ -129,10 +145,14 @@ class CollectiveTracker:
         self._thread: threading.Thread | None = None
         if store is not None:
             self._publish()
+            # Note: [watcher shutdown]
             self._thread = threading.Thread(target=self._watch, name="zeroshard-comm-watch",
-                                            daemon=True)
+                                            daemon=_register_thread_exit is None)
             self._thread.start()
-            atexit.register(self._at_exit)
+            if _register_thread_exit is not None:
+                _register_thread_exit(self._at_exit)
+            else:
+                atexit.register(self._at_exit)
 
     # ---- hot path -------------------------------------------------------------------------
     def issue(self, op: str, numel: int, dtype: torch.dtype | None) -> CallRecord:
@@ -235,7 +255,9 @@ class CollectiveTracker:
         self._state, self._reason = state, reason
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * _poll_s(self.world_size) + 1.0)
+            # Wait for the whole current store call (Note: [watcher shutdown]): it ends with
+            # the store's own timeout at worst, and an abandoned one aborts the process later.
+            self._thread.join()
         try:
             self._publish()
         except Exception:
@@ -369,6 +391,14 @@ def tracker_for(group: dist.ProcessGroup, rank: int, world_size: int,
         tracker = CollectiveTracker(group, rank, world_size, store=store_of(group))
         _TRACKERS[id(group)] = tracker
     return tracker
+
+
+def tracker_is_idle(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is healthy with no collective issued and not yet completed."""
+    tracker = _TRACKERS.get(id(group))
+    if tracker is None:
+        return True
+    return tracker.broken is None and tracker._waiting is None and not tracker._pending
 
 
 def forget_tracker(group: dist.ProcessGroup, state: str = "left the process group") -> None:

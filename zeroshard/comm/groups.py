@@ -7,6 +7,7 @@ port). Imports nothing of ours but ``errors`` and ``comm``.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm.divergence import forget_tracker, tracker_for
+from zeroshard.comm.divergence import forget_tracker, tracker_for, tracker_is_idle
 from zeroshard.comm.env import DEFAULT_TIMEOUT_S, LaunchEnv, parse_launch_env, resolve_timeout_s
 from zeroshard.errors import CommError
 
@@ -61,11 +62,14 @@ class ProcessGroups:
 
 _GROUPS: ProcessGroups | None = None
 _OWNS_GROUP = False
+_EXIT_HOOK_REGISTERED = False
 
 
 def _accelerator(local_rank: int, backend: str | None) -> torch.device:
-    """cpu for gloo or without an accelerator; else the accelerator with index local_rank."""
-    if backend == "gloo" or not torch.accelerator.is_available():
+    """cpu for gloo, without an accelerator or with DS_ACCELERATOR=cpu (as get_accelerator());
+    else the accelerator with index local_rank."""
+    if (backend == "gloo" or not torch.accelerator.is_available()
+            or os.environ.get("DS_ACCELERATOR", "").strip().lower() == "cpu"):
         return torch.device("cpu")
     acc = torch.accelerator.current_accelerator()
     if acc is None or acc.type == "mps":  # no collective backend for mps
@@ -82,6 +86,13 @@ def _default_backend(device: torch.device) -> str:
     if get is not None:
         return str(get(device))
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def default_backend_name(device_type: str) -> str:
+    """torch.distributed's default backend for a device type ("nccl", "gloo", "xccl", ...); the
+    accelerator's `communication_backend_name()`."""
+    known = dist.Backend.default_device_backend_map.get(device_type)
+    return known if known is not None else _default_backend(torch.device(device_type))
 
 
 def _group_store(group: dist.ProcessGroup) -> Store | None:
@@ -191,7 +202,30 @@ def init_distributed(*, backend: str | None = None,
         # this rank's state even before it issues its first collective.
         tracker_for(groups.dp_group, groups.rank, groups.world_size, _group_store)
     _GROUPS, _OWNS_GROUP = groups, owns
+    global _EXIT_HOOK_REGISTERED
+    if owns and not _EXIT_HOOK_REGISTERED:
+        atexit.register(_leave_at_exit)
+        _EXIT_HOOK_REGISTERED = True
     return groups
+
+
+def _leave_at_exit() -> None:
+    """Destroy the group we created while the interpreter is still whole.
+
+    Left to finalization, gloo's worker threads can drop the last reference to a tensor that
+    Python still tracks and need the GIL to free it, which a finalizing interpreter answers
+    with pthread_exit (SIGABRT, "terminate called without an active exception"). A group with
+    a collective in flight or a broken group is left alone: its teardown could wait for peers.
+    """
+    groups = _GROUPS
+    if groups is None or not _OWNS_GROUP or groups.dp_group is None or not dist.is_initialized():
+        return
+    if not tracker_is_idle(groups.dp_group):
+        return
+    try:
+        destroy_distributed()
+    except Exception:  # exiting anyway: nothing left to tell the user
+        pass
 
 
 def destroy_distributed() -> None:

@@ -17,6 +17,7 @@ from zeroshard.config.schema import (
     FP16Config,
     ParallelWriteConfig,
     TensorBoardConfig,
+    TorchAutocastConfig,
     WandbConfig,
 )
 from zeroshard.config.schema_optim import (
@@ -53,6 +54,7 @@ __all__ = [
     "ParallelWriteConfig",
     "SchedulerConfig",
     "TensorBoardConfig",
+    "TorchAutocastConfig",
     "WandbConfig",
     "WarmupCosineLRParams",
     "WarmupDecayLRParams",

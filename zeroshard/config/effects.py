@@ -44,6 +44,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "fp16.enabled": ("runtime/initialize.py::cfg.precision",), "bf16.enabled": ("runtime/initialize.py::cfg.precision",),
     "fp16.loss_scale": _SCALER, "fp16.initial_scale_power": _SCALER, "fp16.loss_scale_window": _SCALER,
     "fp16.hysteresis": _SCALER, "fp16.consecutive_hysteresis": _SCALER, "fp16.min_loss_scale": _SCALER,
+    "fp16.auto_cast": ("runtime/engine.py::fp16.auto_cast",),
     "data_types.grad_accum_dtype": _BUILD,
     # gradients and communication
     "gradient_clipping": _ENGINE, "communication_data_type": _BUILD, "prescale_gradients": _BUILD,
@@ -73,10 +74,17 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "tensorboard.output_path": ("runtime/monitor.py",), "tensorboard.job_name": ("runtime/monitor.py",),
     "csv_monitor.enabled": ("runtime/monitor.py::csv_monitor.enabled",),
     "csv_monitor.output_path": ("runtime/monitor.py",), "csv_monitor.job_name": ("runtime/monitor.py",),
+    "wandb.enabled": ("runtime/monitor.py::wandb.enabled",), "wandb.group": ("runtime/monitor.py::wandb.group",),
+    "wandb.team": ("runtime/monitor.py::wandb.team",), "wandb.project": ("runtime/monitor.py::wandb.project",),
+    # activation checkpointing (initialize() -> configure_from_config)
+    **{f"activation_checkpointing.{k}": ("runtime/activation_checkpointing.py",) for k in (
+        "cpu_checkpointing", "synchronize_checkpoint_boundary", "profile")},
     "comms_logger.enabled": ("runtime/initialize.py::comms.enabled",),
     "comms_logger.verbose": ("runtime/initialize.py::comms.verbose",),
     "comms_logger.prof_all": ("runtime/initialize.py::comms.prof_all",),
     "comms_logger.prof_ops": ("runtime/initialize.py::comms.prof_ops",),
+    "torch_autocast.enabled": ("runtime/autocast.py::section.enabled",),
+    "torch_autocast.dtype": ("runtime/autocast.py::section.precision",),
     # scheduler parameters: the schedule classes take them by name
     **{f"scheduler.params[{cls}].{k}": _SCHED for cls, keys in (
         ("WarmupLR", ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration")),
@@ -130,10 +138,18 @@ NO_EFFECT: dict[str, str] = {
     "completions, so there is nothing to overlap or not (zero/nvme_io.py).",
     _Z + "offload_optimizer.cpuadam_cores_perc": "a SuperOffload setting; super_offload is not "
     "supported yet (refused).",
+    "torch_autocast.lower_precision_safe_modules": "checked to import at initialize; zeroshard reduces "
+    "every gradient in its accumulation dtype, where DeepSpeed sends these modules' gradients in the "
+    "autocast dtype (docs/deepspeed-differences.md).",
     "comms_logger.debug": "logging detail: DeepSpeed adds the caller's name to each record; "
     "zeroshard's records do not carry it.",
-    **{f"wandb.{k}": "the Weights & Biases monitor is not implemented yet (wandb.enabled is refused)."
-       for k in ("group", "team", "project")},
+    "activation_checkpointing.partition_activations": "zeroshard has no model parallelism, so the "
+    "model-parallel size is 1 and there is nothing to partition over (configure() with a larger mpu refuses it).",
+    "activation_checkpointing.contiguous_memory_optimization": "DeepSpeed's preallocated buffer for "
+    "partitioned checkpoints; PyTorch's caching allocator handles fragmentation (validated: needs "
+    "partition_activations and number_checkpoints, as in DeepSpeed).",
+    "activation_checkpointing.number_checkpoints": "sizes DeepSpeed's contiguous buffer, which zeroshard "
+    "does not allocate (validated with contiguous_memory_optimization).",
     "zero_allow_untested_optimizer": "zeroshard partitions any torch.optim optimizer; there is no "
     "list of tested optimizers to bypass.",
     "zero_force_ds_cpu_optimizer": "zeroshard steps any torch optimizer on the CPU shard; there is no "

@@ -172,6 +172,13 @@ def _check_cross_fields(cfg: Config) -> None:
             "fp16.enabled and bf16.enabled are both true; choose one: set bf16.enabled to false "
             "for fp16 with loss scaling, or fp16.enabled to false for bf16."
         )
+    act = cfg.activation_checkpointing
+    if act.contiguous_memory_optimization and not act.partition_activations:
+        raise ConfigError("activation_checkpointing.contiguous_memory_optimization: needs "
+                          "partition_activations true (as in DeepSpeed). Set both, or neither.")
+    if act.contiguous_memory_optimization and act.number_checkpoints is None:
+        raise ConfigError("activation_checkpointing.contiguous_memory_optimization: needs "
+                          "number_checkpoints (the number of checkpointed layers). Set it.")
     fp16 = cfg.fp16
     if fp16.enabled and fp16.dynamic_loss_scale and not 0 < fp16.min_loss_scale <= fp16.initial_loss_scale:
         raise ConfigError(

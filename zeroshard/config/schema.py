@@ -84,6 +84,33 @@ class DataTypesConfig:
     bf16/fp16 mixed precision (zeroshard's numerics-first default), the parameter dtype otherwise."""
 
 
+AutocastDType = Literal["torch.bfloat16", "bfloat16", "bf16", "torch.float16", "float16", "fp16", "half"]
+"""DeepSpeed's spellings of the two autocast dtypes (its DtypeEnum); fp32 and int8 are refused."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TorchAutocastConfig:
+    """`torch_autocast`: run the forward under `torch.autocast` while parameters, gradients and
+    master weights keep their training dtype (fp32 unless `bf16`/`fp16` is also enabled)."""
+
+    enabled: bool = False
+    """Wrap the engine's forward in `torch.autocast(device_type, dtype)`."""
+    dtype: AutocastDType | None = None
+    """Autocast dtype; null = torch's default for the device (bf16 on CPU, fp16 on CUDA)."""
+    lower_precision_safe_modules: tuple[str, ...] | None = None
+    """Fully qualified module classes ("torch.nn.Linear") whose parameters' gradients DeepSpeed
+    communicates in the autocast dtype; null = Linear and Conv1d/2d/3d. Checked to import at
+    initialize; zeroshard reduces every gradient in its accumulation dtype (see
+    docs/deepspeed-differences.md)."""
+
+    @property
+    def precision(self) -> Literal["bf16", "fp16"] | None:
+        """The autocast dtype as a precision name; None = the device's default."""
+        if self.dtype is None:
+            return None
+        return "bf16" if "bf" in self.dtype else "fp16"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TensorBoardConfig:
     """`tensorboard`: write training scalars as TensorBoard event files (rank 0)."""
@@ -113,7 +140,8 @@ class WandbConfig:
     """`wandb`: log training scalars to Weights & Biases."""
 
     enabled: bool = False
-    """Log to W&B."""
+    """Log to W&B from rank 0 (needs the wandb package: pip install 'zeroshard[wandb]').
+    WANDB_MODE=offline writes the run locally, with no network."""
     group: str | None = None
     """W&B run group."""
     team: str | None = None
@@ -158,20 +186,29 @@ class AioConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ActivationCheckpointingConfig:
-    """`activation_checkpointing`: DeepSpeed's activation-checkpointing options."""
+    """`activation_checkpointing`: how `zeroshard.checkpointing.checkpoint` runs (DeepSpeed's block).
+
+    initialize() applies the block when the file sets any of its keys, as
+    `zeroshard.checkpointing.configure(None, deepspeed_config=...)` would. It affects regions the
+    model runs through `zeroshard.checkpointing`; HF's gradient_checkpointing_enable() uses
+    torch.utils.checkpoint directly and needs no block.
+    """
 
     partition_activations: bool = False
-    """Partition checkpointed activations across model-parallel ranks."""
+    """Split checkpointed inputs over model-parallel ranks. zeroshard has no model parallelism:
+    accepted as a no-op (model-parallel size 1); refused by configure() for a larger mpu."""
     cpu_checkpointing: bool = False
-    """Move checkpointed activations to CPU memory."""
+    """Keep checkpointed inputs in CPU memory until their recompute; a no-op when training on CPU."""
     contiguous_memory_optimization: bool = False
-    """Copy checkpointed activations into one contiguous buffer."""
+    """DeepSpeed copies partitioned checkpoints into one preallocated buffer against
+    fragmentation. Accepted, no effect (the caching allocator handles it; see
+    docs/deepspeed-differences.md). Needs partition_activations and number_checkpoints, as in DeepSpeed."""
     number_checkpoints: int | None = spec(None, ge=1)
-    """Number of checkpoints (for contiguous_memory_optimization)."""
+    """Checkpointed layers per forward (sizes DeepSpeed's contiguous buffer)."""
     synchronize_checkpoint_boundary: bool = False
-    """Synchronize the device at each checkpoint boundary."""
+    """Synchronize the device before and after each checkpointed forward and recompute."""
     profile: bool = False
-    """Time the checkpointed forward/backward."""
+    """Time the recomputes; shown as `recompute` in the wall-clock breakdown and monitors."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -223,6 +260,8 @@ class Config:
     """fp16 mixed precision."""
     bf16: BF16Config = spec(default_factory=BF16Config)
     """bf16 mixed precision (legacy key `bfloat16`)."""
+    torch_autocast: TorchAutocastConfig = spec(default_factory=TorchAutocastConfig)
+    """Forward under torch.autocast with parameters in their training dtype."""
     zero_optimization: ZeroConfig = spec(default_factory=ZeroConfig)
     """ZeRO partitioning and offload."""
     data_types: DataTypesConfig = spec(default_factory=DataTypesConfig)

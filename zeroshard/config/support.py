@@ -46,17 +46,11 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
         "zero_hpz_partition_size", "mics_shard_size", "mics_hierarchical_params_gather")),
     Unsupported(key="zero_optimization.legacy_stage1", why="DeepSpeed's legacy stage 1 is not provided.",
                 fix="Remove the key."),
-    Unsupported(key="fp16.auto_cast", why="casting model inputs to fp16 is not implemented.",
-                fix="Cast the inputs in the model or data pipeline, and remove the key."),
     Unsupported(key="fp16.fp16_master_weights_and_grads",
                 why="master weights are always fp32.", fix="Remove the key."),
     *(Unsupported(key=f"bf16.{k}", why="bf16 master weights, optimizer states and gradients are fp32.",
                   fix="Remove the key.")
       for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states")),
-    Unsupported(key="wandb.enabled", why="the Weights & Biases monitor is not implemented.",
-                fix="Use tensorboard or csv_monitor."),
-    Unsupported(key="activation_checkpointing", why="DeepSpeed's activation checkpointing is not implemented.",
-                fix="Use torch.utils.checkpoint in the model and remove the section."),
     Unsupported(key="aio.use_gds", why="GPUDirect Storage is not built: swap I/O goes through page-aligned "
                 "host buffers (zero/nvme_io.py).", fix='Remove the key (or set it to false).'),
     *(Unsupported(key=f"checkpoint.{k}", why=f"checkpoint.{k} is not implemented (zeroshard's checkpoints "
@@ -103,7 +97,7 @@ UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
 
 UNMODELLED: dict[str, str] = {
     name: f"DeepSpeed's {name} feature is not implemented." for name in (
-        "amp", "torch_autocast", "flops_profiler", "autotuning", "eigenvalue", "progressive_layer_drop",
+        "amp", "flops_profiler", "autotuning", "eigenvalue", "progressive_layer_drop",
         "curriculum_learning", "data_efficiency", "sparse_attention", "pipeline", "compression_training",
         "hybrid_engine", "nebula", "datastates", "elasticity", "weight_quantization", "compile",
         "tensor_parallel", "comet", "quantize_training", "graph_harvesting", "timers",

@@ -37,6 +37,12 @@ STEP_DOWN: tuple[tuple[Stage, Device, Device], ...] = (
 )
 """(stage, offload_optimizer, offload_param), fastest first (seed 002's procedure)."""
 
+RECOMPUTE_COST = 1 / 3
+"""Extra compute of full activation checkpointing, as a fraction of a step without it: every
+layer's forward runs again in backward, and a forward is about 1/3 of a step's FLOPs (backward
+costs twice the forward). Communication and optimizer time do not grow, so the wall-clock cost is
+at most this (measured: docs/activation-checkpointing.md)."""
+
 DEFAULT_OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}
 
 
@@ -76,8 +82,12 @@ class Workload:
     seq_len: int | None = None
     global_batch: int | None = None
     max_micro_batch: int = 64
-    checkpointing: bool = False
-    """The model recomputes activations (torch.utils.checkpoint); only changes the estimate."""
+    checkpointing: bool | Literal["auto"] = False
+    """True: the model recomputes activations (torch.utils.checkpoint / HF
+    gradient_checkpointing_enable()); False: it does not. "auto": a planned choice: from stage
+    2 on, each candidate that does not fit is tried again with checkpointing (costing
+    RECOMPUTE_COST more compute) before the walk steps down to a slower one, as the seeds say
+    ("turn on activation checkpointing first")."""
     base_config: Mapping[str, Any] = field(default_factory=dict)
     """Keys kept in every written ds_config (optimizer, scheduler, clipping, ...)."""
 
@@ -93,6 +103,8 @@ class Decision:
     activations: int = 0
     micro_batch: int = 1
     ds_config: dict[str, Any] | None = None
+    checkpointing: bool = False
+    """The model must recompute activations for this candidate to fit (see RECOMPUTE_COST)."""
 
     @property
     def device_need(self) -> int:
@@ -165,18 +177,23 @@ def _batches(work: Workload, world: int) -> list[tuple[int, int]]:
     return [(m, per_rank // m) for m in range(1, min(per_rank, work.max_micro_batch) + 1) if per_rank % m == 0]
 
 
-def _activations(spec: ModelSpec, work: Workload, precision: Precision, micro: int) -> int:
+def _activations(spec: ModelSpec, work: Workload, precision: Precision, micro: int, checkpointing: bool) -> int:
     if spec.shape is None or work.seq_len is None:
         return 0
     return activation_bytes(spec.shape, ActivationOptions(
-        seq_len=work.seq_len, micro_batch=micro, checkpointing=work.checkpointing,
+        seq_len=work.seq_len, micro_batch=micro, checkpointing=checkpointing,
         act_bytes=4 if precision == "fp32" else 2))
 
 
 def evaluate(spec: ModelSpec, work: Workload, hw: Hardware, stage: Stage, opt: Device, param: Device,
-             precision: Precision) -> Decision:
-    """Estimate one candidate at the smallest batch; say in one line whether it fits."""
+             precision: Precision, checkpointing: bool | None = None) -> Decision:
+    """Estimate one candidate at the smallest batch; say in one line whether it fits.
+
+    `checkpointing` None: as the workload says (True only when it is True)."""
+    ckpt = work.checkpointing is True if checkpointing is None else checkpointing
     name = Setup(stage=stage, offload_optimizer=opt, offload_param=param).label()
+    if ckpt and work.checkpointing == "auto":
+        name += " + activation checkpointing"
     micro, gas = _batches(work, hw.world_size)[0]
     if opt == "nvme" and hw.nvme_path is None:
         return Decision(name=name, status="skipped", line=f"{name}: skipped, no --nvme-path given")
@@ -190,7 +207,7 @@ def evaluate(spec: ModelSpec, work: Workload, hw: Hardware, stage: Stage, opt: D
     except ConfigError as e:
         return Decision(name=name, status="skipped", line=f"{name}: skipped, {str(e).splitlines()[0]}")
     est = estimate_node(spec, Setup.from_config(cfg, devices_per_node=hw.devices_per_node, nodes=hw.nodes))
-    act = _activations(spec, work, precision, micro)
+    act = _activations(spec, work, precision, micro, ckpt)
     need, cpu = est.device_peak + act, est.cpu_peak
     fits = need <= hw.device_budget and cpu <= hw.cpu_budget
     detail = f"states {format_gb(est.device_states)} + buffers {format_gb(est.device_peak - est.device_states)}"
@@ -205,10 +222,12 @@ def evaluate(spec: ModelSpec, work: Workload, hw: Hardware, stage: Stage, opt: D
         verdict = f"too big for the device ({format_gb(hw.device_budget)} usable)"
     else:
         verdict = f"too big for the CPU ({format_gb(hw.cpu_budget)} usable)"
+    planned = ckpt and work.checkpointing == "auto"
+    cost = f", recompute costs ~{RECOMPUTE_COST:.0%} more compute per step" if planned else ""
     line = (f"{name} ({precision}): needs {format_gb(need)} of {format_gb(hw.device_memory)} per device ({detail}), "
-            f"{cpu_text} -> {verdict}")
+            f"{cpu_text}{cost} -> {verdict}")
     return Decision(name=name, status="fits" if fits else "too big", line=line, estimate=est, activations=act,
-                    micro_batch=micro, ds_config=ds)
+                    micro_batch=micro, ds_config=ds, checkpointing=ckpt)
 
 
 def raise_batch(spec: ModelSpec, work: Workload, hw: Hardware, d: Decision) -> Decision:
@@ -218,12 +237,12 @@ def raise_batch(spec: ModelSpec, work: Workload, hw: Hardware, d: Decision) -> D
     s = d.estimate.setup
     best = d
     for micro, gas in _batches(work, hw.world_size)[1:]:
-        act = _activations(spec, work, s.precision, micro)
+        act = _activations(spec, work, s.precision, micro, d.checkpointing)
         if act == 0 or d.estimate.device_peak + act > hw.device_budget:
             break
         ds = build_ds_config(spec, work, hw, s.stage, s.offload_optimizer, s.offload_param, s.precision, micro, gas)
         best = Decision(name=d.name, status="fits", line=d.line, estimate=d.estimate, activations=act,
-                        micro_batch=micro, ds_config=ds)
+                        micro_batch=micro, ds_config=ds, checkpointing=d.checkpointing)
     return best
 
 
@@ -241,12 +260,17 @@ def make_plan(spec: ModelSpec, work: Workload, hw: Hardware, *, evaluate_all: bo
         if i == 1:
             notes.append("nothing fits in fp32: trying bf16 mixed precision (the seeds' next step)")
         for stage, opt, param in STEP_DOWN:
-            d = evaluate(spec, work, hw, stage, opt, param, precision)
-            decisions.append(d)
-            if d.status == "fits" and chosen is None:
-                chosen = d
-                if not evaluate_all:
-                    break
+            for ckpt in _checkpointing_choices(work, stage):
+                d = evaluate(spec, work, hw, stage, opt, param, precision, ckpt)
+                if d.status == "skipped" and ckpt and work.checkpointing == "auto":
+                    continue  # said once, for the candidate without checkpointing
+                decisions.append(d)
+                if d.status == "fits" and chosen is None:
+                    chosen = d
+                    if not evaluate_all:
+                        break
+            if chosen is not None and not evaluate_all:
+                break
         if chosen is not None:
             break
     if spec.shape is None or work.seq_len is None:
@@ -256,13 +280,25 @@ def make_plan(spec: ModelSpec, work: Workload, hw: Hardware, *, evaluate_all: bo
         notes.append(hint)
     if chosen is not None:
         chosen = raise_batch(spec, work, hw, chosen)
+        if chosen.checkpointing and work.checkpointing == "auto":
+            notes.append("the choice needs activation checkpointing in the model: "
+                         "model.gradient_checkpointing_enable() (Hugging Face) or "
+                         "zeroshard.checkpointing.checkpoint(layer, x) per layer")
     return Plan(decisions=decisions, chosen=chosen, notes=notes, hardware=hw)
+
+
+def _checkpointing_choices(work: Workload, stage: int) -> tuple[bool, ...]:
+    """Checkpointing settings to try for one candidate. Under "auto", stages 0 and 1 are tried
+    without it only: stage 2 runs as fast with less memory, so it comes before any recompute."""
+    if work.checkpointing == "auto":
+        return (False, True) if stage >= 2 else (False,)
+    return (bool(work.checkpointing),)
 
 
 def _checkpointing_hint(spec: ModelSpec, work: Workload, hw: Hardware, decisions: list[Decision],
                         chosen: Decision | None) -> str | None:
     """The seeds' first step: would activation checkpointing let a faster candidate fit?"""
-    if work.checkpointing or spec.shape is None or work.seq_len is None:
+    if work.checkpointing is not False or spec.shape is None or work.seq_len is None:
         return None
     for d in decisions:
         if d is chosen:

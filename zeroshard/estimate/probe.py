@@ -23,6 +23,7 @@ from typing import Any
 
 from zeroshard.errors import ZeroshardError
 from zeroshard.estimate.plan import Decision, Hardware, format_gb
+from zeroshard.progress import Progress
 
 KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
 
@@ -118,9 +119,12 @@ def probe_all(candidates: list[Decision], model: str, seq_len: int, hw: Hardware
         raise ZeroshardError("--probe runs on this node only; plan for one node, or drop --probe")
     order = sorted(candidates, key=lambda d: d.device_need)
     results = []
-    for d in order:
-        r = run_probe(d, model, seq_len, hw, steps=steps, warmup=warmup, timeout_s=timeout_s)
-        report(r.line())
-        results.append(r)
+    # The report lines are the per-stage lines; on a terminal a bar shows where the walk is.
+    with Progress(len(order), "plan --probe", sys.stderr.isatty(), unit="candidate") as bar:
+        for d in order:
+            r = run_probe(d, model, seq_len, hw, steps=steps, warmup=warmup, timeout_s=timeout_s)
+            report(r.line())
+            results.append(r)
+            bar.advance(1, d.name)
     ran = [r for r in results if r.status == "ok"]
     return results, max(ran, key=lambda r: r.samples_per_s) if ran else None

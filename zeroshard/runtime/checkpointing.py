@@ -193,9 +193,12 @@ def _optimizer_state_dict(optimizer: torch.optim.Optimizer, frags: list[MasterFr
 
 @torch.no_grad()
 def apply_state(engine: "ZeroEngine", strategy: ZeroStrategy, loaded: LoadedState, *,
-                load_lr_scheduler_states: bool, load_module_only: bool) -> None:
+                load_lr_scheduler_states: bool, load_module_only: bool, load_rng_state: bool = False) -> None:
     """Copy what was loaded into the engine. Everything was read and checked before: this
-    step does not fail halfway (Note: [no partial load] in checkpoint/load.py)."""
+    step does not fail halfway (Note: [no partial load] in checkpoint/load.py).
+
+    The random generators and the data loader's position are restored only with
+    `load_rng_state` (DeepSpeed's load leaves them to the script)."""
     targets: dict[str, Tensor] = {**dict(_persistent_buffers(engine.module)),
                                   **dict(engine.module.named_parameters())}
     for name, value in loaded.module.items():
@@ -207,6 +210,9 @@ def apply_state(engine: "ZeroEngine", strategy: ZeroStrategy, loaded: LoadedStat
                 piece.data.copy_(maybe)
     frags = strategy.checkpoint_fragments()
     if loaded.masters is not None:
+        # Masters first take the loaded weights: a separate master also covers frozen ranges
+        # (stage 3), which no loaded master overwrites and the sync below copies back.
+        strategy.sync_master_from_params()
         for frag, value in zip(frags, loaded.masters):
             frag.master.data.view(-1).copy_(value)
             if frag.values is not None:  # the fp32 master kept apart (NVMe home, low precision)
@@ -220,12 +226,13 @@ def apply_state(engine: "ZeroEngine", strategy: ZeroStrategy, loaded: LoadedStat
     if opt is not None and loaded.optimizer_states is not None and loaded.param_groups is not None:
         opt.load_state_dict(_optimizer_state_dict(opt, frags, loaded.optimizer_states, loaded.param_groups))
     if loaded.run_state is not None:
-        _apply_run_state(engine, loaded.run_state, load_lr_scheduler_states)
-    if loaded.rng is not None:
+        _apply_run_state(engine, loaded.run_state, load_lr_scheduler_states, load_rng_state)
+    if loaded.rng is not None and load_rng_state:
         set_rng_state(loaded.rng)
 
 
-def _apply_run_state(engine: "ZeroEngine", run: Mapping[str, Any], load_lr_scheduler_states: bool) -> None:
+def _apply_run_state(engine: "ZeroEngine", run: Mapping[str, Any], load_lr_scheduler_states: bool,
+                     load_data_loader_state: bool) -> None:
     engine.global_steps = int(run["global_steps"])
     engine.global_samples = int(run["global_samples"])
     engine.micro_steps = int(run["micro_steps"])
@@ -235,7 +242,8 @@ def _apply_run_state(engine: "ZeroEngine", run: Mapping[str, Any], load_lr_sched
     if engine.loss_scaler is not None and run.get("loss_scaler") is not None:
         engine.loss_scaler.load_state_dict(run["loss_scaler"])
     loader = engine.training_dataloader
-    if loader is not None and hasattr(loader, "load_state_dict") and run.get("data_loader") is not None:
+    if (load_data_loader_state and loader is not None and hasattr(loader, "load_state_dict")
+            and run.get("data_loader") is not None):
         loader.load_state_dict(run["data_loader"])
 
 

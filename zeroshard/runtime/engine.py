@@ -21,6 +21,8 @@ from torch import Tensor, nn
 
 from zeroshard.checkpoint_format import EngineState, LoadedState
 from zeroshard.errors import CheckpointError
+from zeroshard.runtime import activation_checkpointing
+from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
 from zeroshard.runtime.checkpointing import Checkpointer, apply_state, collect_state
 from zeroshard.runtime.engine_queries import EngineQueries
 from zeroshard.runtime.param_access import forget_engine, register_engine
@@ -91,9 +93,11 @@ class ZeroEngine(EngineQueries, nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._last_grad_stats: GradStats | None = None
+        self._autocast_dtype = autocast_dtype(config.torch_autocast, groups.device.type)
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._no_sync = False
         self._grads_ready = False  # reduced gradients wait for step() (safe_get_full_grad)
+        self._forward_awaits_backward = False  # a training forward not yet followed by backward
         self._pending_backwards = 0  # backward passes since the last optimizer step
         self._init_progress()
         self._publish_loss_scale(overflow=False)
@@ -149,6 +153,13 @@ class ZeroEngine(EngineQueries, nn.Module):
             yield
         finally:
             self._no_sync = False
+
+    def torch_autocast_enabled(self) -> bool:
+        """The `torch_autocast` section is on: the forward runs under torch.autocast."""
+        return self._autocast_dtype is not None
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        return self._autocast_dtype
 
     def get_loss_scale(self) -> float:
         return self._loss_scaler.loss_scale if self._loss_scaler is not None else 1.0
@@ -218,7 +229,12 @@ class ZeroEngine(EngineQueries, nn.Module):
         if self._run_start is None:
             self._run_start = time.perf_counter()
         self.timers.start("forward")
-        out = self.module(*args, **kwargs)
+        if self._config.fp16.auto_cast:  # DeepSpeed casts the positional inputs only
+            args = cast_inputs_half(args)
+        with forward_context(self._autocast_dtype, self.device.type):  # torch_autocast section
+            out = self.module(*args, **kwargs)
+        # A training forward must be followed by engine.backward before step(): see step().
+        self._forward_awaits_backward = torch.is_grad_enabled() and self.module.training
         self.timers.stop("forward")
         return out
 
@@ -253,6 +269,7 @@ class ZeroEngine(EngineQueries, nn.Module):
         self._strategy.after_backward()
         self.timers.stop("reduce_wait")
         self._grads_ready = boundary
+        self._forward_awaits_backward = False
         self._pending_backwards += 1
         detached = loss.detach().double()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
@@ -269,6 +286,13 @@ class ZeroEngine(EngineQueries, nn.Module):
         if self._no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave the block and run one "
                                "more backward (it reduces the accumulated gradients) before step()")
+        if self._forward_awaits_backward:
+            # loss.backward() alone skips the strategy's reduction (silently wrong at world
+            # size > 1); DeepSpeed 0.19 supports it at stages 1-3, zeroshard does not yet.
+            raise RuntimeError(
+                "engine.step() after a training forward without engine.backward(loss): call "
+                "engine.backward(loss) instead of loss.backward() (zeroshard does not support a "
+                "direct loss.backward() yet; its gradients would not be reduced across ranks)")
         samples = self._config.train_micro_batch_size_per_gpu * self._groups.world_size
         self._window_samples += samples
         self._run_samples += samples
@@ -390,28 +414,51 @@ class ZeroEngine(EngineQueries, nn.Module):
         self._comm.all_reduce(t, op="avg")
         return float(t.item())
 
+    def _memory_per_rank(self) -> tuple[list[int], list[int]]:
+        """(model-state bytes on this rank's device, peak memory) of every rank; collective."""
+        on_device = sum(m.params + m.grads + m.master_params + m.optimizer_states
+                        for m in self.model_state_bytes() if not m.device.endswith("(offload)"))
+        mine = torch.tensor([on_device, peak_memory_bytes(self.device)], dtype=torch.int64, device=self.device)
+        every = torch.zeros(2 * self._groups.world_size, dtype=torch.int64, device=self.device)
+        self._comm.all_gather(every, mine)
+        values = [int(v) for v in every.tolist()]
+        return values[0::2], values[1::2]
+
     def _report(self) -> None:
+        """Progress line and monitor events; collective (every rank reaches it on the same step).
+
+        Every sink gets the same metrics (Note: [monitor events] in runtime/monitor.py)."""
         now = time.perf_counter()
         self.last_loss = self._mean_loss_over_ranks()
         self.last_samples_per_s = self._window_samples / max(now - self._window_start, 1e-9)
+        model_states, peaks = self._memory_per_rank()
         lr = self.get_lr()[0] if self.get_lr() else 0.0
         norm = self.get_global_grad_norm()
         metrics = {
             "loss": self.last_loss if self.last_loss is not None else float("nan"),
             "lr": lr,
             "loss_scale": self.get_loss_scale(),
+            "skipped_steps": float(self.skipped_steps),
             "grad_norm": norm if norm is not None else float("nan"),
             "samples_per_s": self.last_samples_per_s,
             "samples": float(self.global_samples),
         }
+        for r, (m, p) in enumerate(zip(model_states, peaks)):
+            metrics[f"model_state_bytes_rank{r}"] = float(m)
+            metrics[f"peak_memory_bytes_rank{r}"] = float(p)
         logger.info(
             f"step {self.global_steps} | loss {metrics['loss']:.4f} | lr {lr:.3e} | "
             f"scale {metrics['loss_scale']:g} | grad norm {metrics['grad_norm']:.3f} | "
             f"{self.last_samples_per_s:.1f} samples/s | "
             f"peak mem {format_bytes(peak_memory_bytes(self.device))}"
         )
-        if self.timers.enabled:
-            logger.info(self.timers.report_and_reset(self._config.steps_per_print or 1))
+        steps = self._config.steps_per_print or 1
+        phases = self.timers.means_ms_and_reset(steps) if self.timers.enabled else {}
+        if activation_checkpointing.settings().profile:  # the recompute is part of backward
+            phases["recompute"] = 1000 * activation_checkpointing.recompute_seconds() / steps
+        if phases:
+            logger.info("time per step (ms) | " + " | ".join(f"{k}: {v:.1f}" for k, v in phases.items()))
+            metrics.update({f"time_{k}_ms": v for k, v in phases.items()})
         for sink in self._sinks:
             sink.write(self.global_steps, metrics)
         self._loss_sum, self._loss_count = None, 0
@@ -457,10 +504,11 @@ class ZeroEngine(EngineQueries, nn.Module):
         return collect_state(self, self._strategy, include_frozen=include_frozen)
 
     def apply_state(self, loaded: LoadedState, *, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> None:
-        """Copy what a checkpointer read (for the `EngineState` of `state()`) into this engine."""
+                    load_module_only: bool = False, load_rng_state: bool = False) -> None:
+        """Copy what a checkpointer read (for the `EngineState` of `state()`) into this engine.
+        RNG states and the data loader's position only with `load_rng_state` (DeepSpeed's rule)."""
         apply_state(self, self._strategy, loaded, load_lr_scheduler_states=load_lr_scheduler_states,
-                    load_module_only=load_module_only)
+                    load_module_only=load_module_only, load_rng_state=load_rng_state)
 
     @property
     def loss_scaler(self) -> LossScaler | None:
@@ -515,8 +563,8 @@ class ZeroEngine(EngineQueries, nn.Module):
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        custom_load_fn: Callable[..., Any] | None = None,
-                        ) -> tuple[str | None, dict[str, Any] | None]:
+                        custom_load_fn: Callable[..., Any] | None = None, *,
+                        load_rng_state: bool = False) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint saved at any world size and ZeRO stage; every rank must call it.
 
         DeepSpeed 0.19's signature; every argument is honoured.
@@ -536,6 +584,12 @@ class ZeroEngine(EngineQueries, nn.Module):
                 place of the weight copy, on every rank, with the checkpoint's whole
                 low-precision state_dict (gathered from the shards at stage 3). The masters
                 are then re-initialised from the module's values.
+            load_rng_state: also restore what an exact resume needs beyond the model states:
+                the Python, NumPy and torch random generators and the position of the data
+                loader `initialize` returned, as saved. Off by default, as in DeepSpeed, whose
+                load leaves the script's generators (seeded before the load) alone;
+                `zeroshard train`-style loops that want the uninterrupted run's samples and
+                dropout masks pass True (zeroshard's own keyword; DeepSpeed has none).
 
         Returns:
             `(checkpoint directory, client_state)`, or `(None, None)` when `load_dir` exists
@@ -549,14 +603,16 @@ class ZeroEngine(EngineQueries, nn.Module):
             raise CheckpointError("this engine has no checkpointer; build it with zeroshard.initialize()")
         if custom_load_fn is not None:
             return self._load_with_custom_fn(load_dir, tag, custom_load_fn)
-        loaded = self.checkpointer.load(self.state(), str(load_dir), tag,
+        # The target lists frozen parameters too: at stage 3 its pieces must align one to one
+        # with the strategy's (a frozen piece the checkpoint lacks keeps its values).
+        loaded = self.checkpointer.load(self.state(include_frozen=True), str(load_dir), tag,
                                         load_optimizer_states=load_optimizer_states,
                                         load_module_only=load_module_only, strict=load_module_strict)
         if loaded is None:
             logger.warning(f"{load_dir} has no 'latest' file: no checkpoint loaded")
             return None, None
         self.apply_state(loaded, load_lr_scheduler_states=load_lr_scheduler_states,
-                         load_module_only=load_module_only)
+                         load_module_only=load_module_only, load_rng_state=load_rng_state)
         self._grads_ready, self._pending_backwards = False, 0
         self._publish_loss_scale(overflow=False)
         logger.info(f"loaded checkpoint {loaded.path} (step {self.global_steps})")

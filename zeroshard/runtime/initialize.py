@@ -14,9 +14,11 @@ from torch import nn
 from zeroshard.arguments import config_path_from_args
 from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
 from zeroshard.config import Config, load_config, read_config_file
-
 from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.runtime.activation_checkpointing import configure_from_config
+from zeroshard.runtime.autocast import autocast_dtype, safe_module_classes
 from zeroshard.runtime.checkpointing import Checkpointer
+from zeroshard.runtime.config_sync import check_same_config
 from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
 from zeroshard.runtime.loss_scaler import build_loss_scaler
@@ -164,7 +166,9 @@ def initialize(
     )
     for note in cfg.notes:  # deprecated spellings mapped, other stages' tuning keys: once, at start-up
         logger.warning(note)
+    _check_optimizer_present(cfg, optimizer, model_parameters, training_data, lr_scheduler)
 
+    configure_from_config(cfg)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     if any(init_partitioned(p) for p in model.parameters()):
         if cfg.zero_optimization.stage != 3:
@@ -181,6 +185,7 @@ def initialize(
     comms = cfg.comms_logger
     comm = Comm(groups, log=CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
                 if comms.enabled else None)
+    check_same_config(cfg, comm)  # the first collective: before anything trains on it
     broadcast_module_state(model, comm)
     param_groups = _param_groups(model, model_parameters)
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
@@ -191,7 +196,13 @@ def initialize(
         opt = wrap(opt)
     sched = _make_scheduler(cfg, lr_scheduler, opt)
     scaler = None
-    if cfg.precision == "fp16":
+    safe_module_classes(cfg.torch_autocast)  # a bad class name fails here, before training
+    if cfg.precision == "fp32" and autocast_dtype(cfg.torch_autocast, groups.device.type) == torch.float16:
+        # fp16 autocast on fp32 parameters: dynamic loss scaling as torch's GradScaler (DeepSpeed's
+        # choice in this mode): 2**16 to start, halve on overflow, double after 2000 good steps.
+        scaler = build_loss_scaler(loss_scale=0.0, initial_scale_power=16, loss_scale_window=2000,
+                                   hysteresis=1, consecutive_hysteresis=False, min_loss_scale=2.0**-24)
+    elif cfg.precision == "fp16":
         f = cfg.fp16
         scaler = build_loss_scaler(
             loss_scale=f.loss_scale, initial_scale_power=f.initial_scale_power,
@@ -209,6 +220,28 @@ def initialize(
     engine.checkpointer = _checkpointer(comm)
     _log_start(engine, groups)
     return engine, opt, loader, sched
+
+
+def _check_optimizer_present(cfg: Config, optimizer: Any, model_parameters: Any,
+                             training_data: Any, lr_scheduler: Any) -> None:
+    """Training asked for, but nothing to step with: fail now, not at the first step().
+
+    Training is asked for by `model_parameters=`, `training_data=`, a client `lr_scheduler=`
+    or a config `scheduler`. Without any of them (and without an optimizer) the engine is for
+    inference only (ZeRO inference, `engine.generate`), as in DeepSpeed.
+    """
+    if optimizer is not None or cfg.optimizer is not None:
+        return
+    asks = [name for name, given in (("model_parameters=", model_parameters is not None),
+                                     ("training_data=", training_data is not None),
+                                     ("lr_scheduler=", lr_scheduler is not None),
+                                     ('a "scheduler" section', cfg.scheduler is not None)) if given]
+    if asks:
+        raise ConfigError(
+            f"no optimizer: the config has no \"optimizer\" section and initialize() got no "
+            f"optimizer=, but {' and '.join(asks)} ask(s) for training. Add an \"optimizer\" "
+            "section (e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}) or pass optimizer=; "
+            "for inference only, leave out model_parameters=, training_data= and schedulers.")
 
 
 def _checkpointer(comm: Comm) -> Checkpointer:

@@ -1,6 +1,12 @@
-"""Progress, timers and metric sinks (console, CSV, TensorBoard).
+"""Progress, timers and metric sinks (console, CSV, TensorBoard, Weights & Biases).
 
 Rank 0 writes; other ranks keep their timers so the breakdown can be averaged if needed.
+
+Note: [monitor events] Every sink receives the same dict at every printed step
+(`steps_per_print`), built once by the engine: loss, lr, loss_scale, skipped_steps,
+grad_norm, samples_per_s, samples, model_state_bytes_rank{r} and peak_memory_bytes_rank{r}
+for every rank, and with wall_clock_breakdown (or activation_checkpointing.profile)
+time_{phase}_ms. `zeroshard report` reads the CSV sink's file; docs/monitoring.md lists them.
 """
 
 from __future__ import annotations
@@ -96,10 +102,11 @@ class Timers:
             elapsed = time.perf_counter() - self._start.pop(name)
             self.totals[name] = self.totals.get(name, 0.0) + elapsed
 
-    def report_and_reset(self, steps: int) -> str:
-        parts = [f"{k}: {1000 * v / max(steps, 1):.1f}" for k, v in self.totals.items()]
+    def means_ms_and_reset(self, steps: int) -> dict[str, float]:
+        """Milliseconds per step of each phase since the last call."""
+        means = {k: 1000 * v / max(steps, 1) for k, v in self.totals.items()}
         self.totals.clear()
-        return "time per step (ms) | " + " | ".join(parts)
+        return means
 
 
 class MetricSink(Protocol):
@@ -109,21 +116,33 @@ class MetricSink(Protocol):
 
 
 class CsvSink:
-    """One CSV file per job: `output_path/job_name/metrics.csv`, a row per printed step."""
+    """One CSV file per job: `output_path/job_name/metrics.csv`, a row per printed step.
+
+    The header is the union of every metric seen; when a later row brings a new one, the file
+    is rewritten with the wider header (rows are few: one per `steps_per_print`)."""
 
     def __init__(self, output_path: str, job_name: str) -> None:
         directory = Path(output_path or "./runs") / (job_name or "zeroshard")
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / "metrics.csv"
+        self._rows: list[dict[str, float]] = []
+        self._fields: list[str] = []
         self._file = self.path.open("w", newline="")
         self._writer: csv.DictWriter | None = None
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         row = {"step": step, **metrics}
-        if self._writer is None:
-            self._writer = csv.DictWriter(self._file, fieldnames=list(row))
+        self._rows.append(row)
+        new = [k for k in row if k not in self._fields]
+        if new or self._writer is None:
+            self._fields += new
+            self._file.seek(0)
+            self._file.truncate()
+            self._writer = csv.DictWriter(self._file, fieldnames=self._fields)
             self._writer.writeheader()
-        self._writer.writerow(row)
+            self._writer.writerows(self._rows)
+        else:
+            self._writer.writerow(row)
         self._file.flush()
 
     def close(self) -> None:
@@ -152,8 +171,31 @@ class TensorBoardSink:
         self._writer.close()
 
 
+class WandbSink:
+    """Logs every metric to a Weights & Biases run (`wandb` section: project, group, team).
+
+    `WANDB_MODE=offline` keeps the run in `./wandb` with no network (`wandb sync` uploads it
+    later); the package is an optional extra."""
+
+    def __init__(self, project: str, group: str | None, team: str | None, config: Mapping[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError as e:
+            raise ConfigError(
+                "wandb.enabled is true but the wandb package is not installed; "
+                "pip install 'zeroshard[wandb]' or set wandb.enabled to false"
+            ) from e
+        self._run = wandb.init(project=project, group=group, entity=team, config=dict(config))
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 def build_sinks(cfg: Any, rank: int) -> list[MetricSink]:
-    """Metric sinks enabled in the config (`tensorboard`, `csv_monitor`); rank 0 only."""
+    """Metric sinks enabled in the config (`tensorboard`, `csv_monitor`, `wandb`); rank 0 only."""
     if rank != 0:
         return []
     sinks: list[MetricSink] = []
@@ -161,4 +203,8 @@ def build_sinks(cfg: Any, rank: int) -> list[MetricSink]:
         sinks.append(CsvSink(cfg.csv_monitor.output_path, cfg.csv_monitor.job_name))
     if cfg.tensorboard.enabled:
         sinks.append(TensorBoardSink(cfg.tensorboard.output_path, cfg.tensorboard.job_name))
+    if cfg.wandb.enabled:
+        run_config = {"stage": cfg.zero_optimization.stage, "precision": cfg.precision,
+                      "train_batch_size": cfg.train_batch_size, "dp_world_size": cfg.dp_world_size}
+        sinks.append(WandbSink(cfg.wandb.project, cfg.wandb.group, cfg.wandb.team, run_config))
     return sinks

@@ -92,7 +92,7 @@ def adopt_client_optimizer(
             )
         for group in optimizer.param_groups:
             group["params"] = master_params_for(group["params"])
-        if cpu_offload and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        if cpu_offload and isinstance(optimizer, torch.optim.Adam):  # AdamW and DeepSpeed's Adam classes too
             _use_fused_cpu_kernel(optimizer)
         return optimizer
     if callable(optimizer):

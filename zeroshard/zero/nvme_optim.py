@@ -108,7 +108,9 @@ class SwapAdam(torch.optim.Optimizer):
     def write_master(self, *, from_params: bool = False) -> None:
         """The fp32 master from the staged values of a checkpoint load (`stage_masters`), else
         from the fragments' current values (construction, weights-only loads)."""
-        staged, self._staged = (None if from_params else self._staged), None
+        staged = None if from_params else self._staged
+        if not from_params:
+            self._staged = None
         for i, p in enumerate(self.fragments):
             values = staged[i] if staged is not None else p.detach().to("cpu", torch.float32)
             self.swap.load_fragment_state("master", i, values)

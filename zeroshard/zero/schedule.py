@@ -92,6 +92,10 @@ class PrefetchPolicy:
         for prev in self._order.before(unit):
             need = self._numel[prev]
             if not is_released(prev):
+                # Already gathered or in flight: part of what is ahead of use. (Without counting
+                # it, a second call for the same unit, as the recompute of activation
+                # checkpointing makes, prefetched one unit further each time.)
+                budget -= need
                 continue
             if budget < need or live_numel() + need > self._max_live:
                 break

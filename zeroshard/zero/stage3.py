@@ -17,6 +17,17 @@ Per micro-batch:
 The optimizer shard (zero/shard.py) and the gradient reducer (zero/reduce.py) are the ones
 stages 1/2 use; this module keeps the units and their gather / release state machine.
 
+Note: [recompute under activation checkpointing] torch.utils.checkpoint (and
+zeroshard.checkpointing, HF's gradient_checkpointing_enable) runs a unit's forward a second
+time during backward. That forward is recognised by running inside an autograd graph task
+(`_in_recompute`): it gathers the unit again and prefetches the units before it, but it does
+not record the execution order, start a micro-batch or prefetch forward, so the recorded
+order that drives prefetch stays the order of the real forward. After it, the unit stays
+gathered when its own backward is running (non-reentrant checkpoint) or comes next (it is the
+last unit the recompute ran, or within `stage3_max_reuse_distance`); a unit the recompute ran
+before another is released when the next one finishes and its recomputed outputs' hooks gather
+it again for its backward, so a region spanning many units keeps about one gathered at a time.
+
 Note: [released storage] a released unit's flat buffer keeps its tensor object but its storage
 is resized to 0 bytes; parameters and any views autograd saved keep pointing at it and see the
 data again after `resize_` + all-gather. Reading a released parameter raises (ZeroParameter).
@@ -75,6 +86,11 @@ class Stage3Options:
     """Where the low-precision parameter shards live between gathers."""
 
 
+def _in_recompute() -> bool:
+    """True inside a backward pass: a forward there is a checkpointed region's recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class UnitState(Enum):
     RELEASED = "released"
     GATHERING = "gathering"
@@ -89,6 +105,8 @@ class Stage3Strategy(ShardedStrategyBase):
                  world_size: int, options: Stage3Options, units: Sequence[nn.Module] | None = None) -> None:
         self._comm, self._rank, self._world, self._opt = comm, rank, world_size, options
         self._prescale_factor = options.prescale_factor
+        self._backward_started: set[int] = set()  # units whose outputs' gradients arrived
+        self._recompute_tail: int | None = None  # the unit whose recompute finished last
         self._device = params[0].device if params else torch.device("cpu")
         trainable = {id(p) for p in params}
         self._init_units(module, list(units) if units is not None else default_units(module), trainable)
@@ -256,11 +274,17 @@ class Stage3Strategy(ShardedStrategyBase):
     # -- hooks ----------------------------------------------------------------------------
 
     def _pre_forward(self, u: int) -> None:
+        if _in_recompute():  # Note: [recompute under activation checkpointing]
+            self._gather(u)
+            self._prefetch.prefetch_backward(u, self._live_numel, self._is_released, self._start_gather)
+            return
         if u == 0:  # the root: a new forward (and, when training, a new micro-batch)
             self._in_forward = True
             self._training = torch.is_grad_enabled()
             if self._training:
                 self._arrivals.reset()
+                self._backward_started = set()  # units whose outputs' gradients arrived
+                self._recompute_tail = None  # the unit whose recompute finished last
                 self._reducer.end_micro_batch()
                 self._exec.start_forward()
         if self._training:
@@ -276,11 +300,20 @@ class Stage3Strategy(ShardedStrategyBase):
             def pre_backward(grad: Tensor, u: int = u) -> None:
                 if not fired[0]:
                     fired[0] = True
+                    self._backward_started.add(u)
                     self._gather(u)
                     self._prefetch.prefetch_backward(u, self._live_numel, self._is_released, self._start_gather)
 
             for t in outs:
                 t.register_hook(pre_backward)
+        if _in_recompute():  # Note: [recompute under activation checkpointing]
+            # The region's last unit is the first whose backward runs: keep it. The one kept
+            # before it is not last after all; release it unless its backward is running.
+            prev, self._recompute_tail = self._recompute_tail, u
+            if (prev is not None and prev != u and prev not in self._backward_started
+                    and self._full[prev].numel() > self._opt.max_reuse_distance):
+                self._release(prev)
+            return None
         if not (torch.is_grad_enabled() and self._prefetch.reused_soon(u)):
             self._release(u)
         if u == 0:

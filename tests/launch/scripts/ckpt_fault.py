@@ -95,7 +95,7 @@ def main(out: Path, points: int, seed: int) -> None:
         if not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL):
             raise AssertionError(f"point {k}: the child was not killed (status {status})")
         fresh = init_engine(make_model(seed=5), CONFIG)
-        path, _ = fresh.load_checkpoint(trial)
+        path, _ = fresh.load_checkpoint(trial, load_rng_state=True)
         tag = Path(str(path)).name
         if tag == "global_step2":
             if not same(snapshot(fresh), step2):

@@ -37,7 +37,7 @@ def main(mode: str, out: Path, args: list[str]) -> None:
         print("SAVE COMPLETED (the kill did not happen)", flush=True)
         return
     engine = init_engine(make_model(seed=5), CONFIG)
-    path, _ = engine.load_checkpoint(out)
+    path, _ = engine.load_checkpoint(out, load_rng_state=True)
     if Path(str(path)).name != "global_step2" or engine.global_steps != 2:
         raise AssertionError(f"loaded {path} at step {engine.global_steps}")
     _, got = train_engine(engine, batches[2:], rank, 2)

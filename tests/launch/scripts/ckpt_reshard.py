@@ -54,7 +54,7 @@ def main(mode: str, out: Path) -> None:
     _, want = train_engine(init_engine(make_model(), config(2, world)), batches, rank, world)
     for saved, stage in PAIRS:
         engine = init_engine(make_model(seed=9), config(stage, world))
-        engine.load_checkpoint(out / f"s{saved}")
+        engine.load_checkpoint(out / f"s{saved}", load_rng_state=True)
         if engine.global_steps != J:
             raise AssertionError(f"loaded global_steps {engine.global_steps}, expected {J}")
         _, got = train_engine(engine, batches[J:], rank, world)

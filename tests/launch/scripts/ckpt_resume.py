@@ -102,7 +102,7 @@ def main(mode: str, out: Path) -> None:
             print(f"SAVED {name}", flush=True)
         else:
             engine, loader = build(name, seed=12)  # another init: the load must overwrite it all
-            _, client = engine.load_checkpoint(out / name)
+            _, client = engine.load_checkpoint(out / name, load_rng_state=True)
             if client != {"config": name}:
                 raise AssertionError(f"{name}: client_state {client}")
             losses = train(engine, loader, K - J)

@@ -6,6 +6,9 @@ MODE "skip": rank 1 never reaches rank 0's all_reduce (it sleeps outside any col
 MODE "exit": rank 1 returns after the first barrier, leaving rank 0 in the all_reduce.
 MODE "mismatch": rank 1 issues a broadcast where rank 0 issues the all_reduce.
 Rank 0 must fail within the 3 s timeout with a CommError naming both ranks' last collectives.
+MODE "size": both issue an all_reduce, of different sizes (gloo alone aborts the process).
+MODE "extra": rank 0 issues an extra all_gather before the all_reduce both issue.
+In "size" and "extra" every rank must raise zeroshard's report at once, without SIGABRT.
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ def main(mode: str) -> None:
     groups = init_distributed(timeout_s=60)
     comm = Comm(groups, timeout_s=3)
     comm.barrier()  # seq 1 on both ranks
+    if mode == "size":
+        comm.all_reduce(torch.ones(4 if groups.rank == 0 else 1000))  # seq 2: sizes differ
+    if mode == "extra":
+        if groups.rank == 0:
+            comm.all_gather(torch.empty(2 * 3), torch.ones(3))  # seq 2: rank 0 only
+        comm.all_reduce(torch.ones(100))  # seq 2 on rank 1, seq 3 on rank 0
     if mode == "mismatch" and groups.rank == 1:
         comm.broadcast(torch.ones(8), 0)  # seq 2 on rank 1: not what rank 0 issued
     if groups.rank == 0:

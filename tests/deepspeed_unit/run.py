@@ -1,0 +1,171 @@
+"""Measure zeroshard against DeepSpeed's own unit tests, run from a DeepSpeed checkout.
+
+    python tests/deepspeed_unit/run.py PATH_TO_DEEPSPEED [--files unit/...py ...] [--out DIR]
+    python tests/deepspeed_unit/run.py PATH --only zs --passed-from DIR/ds.xml   # zeroshard pass only
+
+PATH is a checkout of github.com/deepspeedai/DeepSpeed; only its `tests/` folder is used (the
+installed deepspeed 0.19.x package is what runs: do not put the checkout's own `deepspeed/`
+source on the path). Nothing of DeepSpeed's tests is copied into this repository.
+
+Two passes, both on CPU (DS_ACCELERATOR=cpu, DeepSpeed's DistributedTest harness over gloo):
+1. DeepSpeed itself runs the selected test files; the tests that pass are the baseline.
+2. The same tests run again with `shim/` on PYTHONPATH and ZEROSHARD_AS_DEEPSPEED=1: every
+   process then points DeepSpeed's public names (initialize, zero.Init, safe_get_*,
+   zero_to_fp32, ...) at zeroshard (shim/zs_as_deepspeed.py). DeepSpeed's accelerator, comm
+   and test harness stay, since they only set up devices and the process group.
+The report: how many pass under each, and the zeroshard failures grouped by their error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter, defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+# DeepSpeed's tests for the checkpoint, half-precision, runtime and ZeRO areas that exercise
+# the public surface zeroshard replaces. Files about pipeline/tensor/expert parallelism,
+# compression, NVMe, ZeRO++ or compile are left out: zeroshard refuses those features by name.
+DEFAULT_FILES = [
+    "unit/checkpoint/test_latest_checkpoint.py",
+    "unit/checkpoint/test_lr_scheduler.py",
+    "unit/checkpoint/test_other_optimizer.py",
+    "unit/checkpoint/test_tag_validation.py",
+    "unit/checkpoint/test_shared_weights.py",
+    "unit/checkpoint/test_convert_checkpoint.py",
+    "unit/checkpoint/test_zero_optimizer.py",
+    "unit/runtime/half_precision/test_dynamic_loss_scale.py",
+    "unit/runtime/half_precision/test_fp16.py",
+    "unit/v1/half_precision/test_bf16.py",
+    "unit/v1/half_precision/test_gradient_clipping_default.py",
+    "unit/runtime/test_ds_initialize.py",
+    "unit/runtime/test_lr_schedulers.py",
+    "unit/runtime/test_ds_config_dict.py",
+    "unit/runtime/test_no_sync_ctxt.py",
+    "unit/runtime/test_multi_output_model.py",
+    "unit/runtime/zero/test_zero_config.py",
+    "unit/runtime/zero/test_zero_grad_clip.py",
+    "unit/runtime/zero/test_zero_tensor_fragment.py",
+    "unit/runtime/zero/test_unwrap_model.py",
+    "unit/runtime/zero/test_ignore_unused_parameters.py",
+    "unit/v1/zero/test_zero.py",
+]
+
+
+def env_for(engine: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["DS_ACCELERATOR"] = "cpu"
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".ds_build"))
+    env.setdefault("DS_UNITTEST_TIMEOUT", "300")
+    # DeepSpeed's CPU accelerator counts NUMA nodes as devices (1 here), so its DistributedTest
+    # skips every test of world size 2 "for lack of GPUs"; LOCAL_SIZE is its override.
+    env.setdefault("LOCAL_SIZE", "2")
+    env["OMP_NUM_THREADS"] = "1"
+    paths = [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+    if engine == "zs":
+        paths.insert(0, str(HERE / "shim"))
+        env["ZEROSHARD_AS_DEEPSPEED"] = "1"
+    else:
+        env.pop("ZEROSHARD_AS_DEEPSPEED", None)
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def run_pytest(checkout: Path, engine: str, targets: list[str], xml: Path, timeout_s: int) -> float:
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--color=no", "-q",
+           f"--junitxml={xml}", "-o", "junit_family=xunit1", *targets]
+    start = time.perf_counter()
+    with open(xml.with_suffix(".log"), "w") as log:
+        try:
+            subprocess.run(cmd, cwd=checkout / "tests", env=env_for(engine), stdout=log,
+                           stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            log.write(f"\n*** timed out after {timeout_s} s\n")
+    return time.perf_counter() - start
+
+
+def outcomes(xml: Path) -> dict[str, tuple[str, str]]:
+    """node id -> (outcome, first line of the failure message), from a junit XML file, or from
+    a pytest log (`node PASSED` lines, for a pass cut short before it wrote its XML)."""
+    if xml.suffix != ".xml" or not xml.exists():
+        log = xml if xml.suffix != ".xml" else xml.with_suffix(".log")
+        if not log.exists():
+            return {}
+        text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text())
+        found = re.findall(r"^(unit/\S+) (PASSED|FAILED|SKIPPED|ERROR)", text, re.M)
+        return {n: ("passed" if o == "PASSED" else o.lower(), "") for n, o in found}
+    out: dict[str, tuple[str, str]] = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        path = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
+        cls = case.get("classname", "").rsplit(".", 1)[-1]
+        node = f"{path}::{cls}::{case.get('name')}" if cls and cls[0].isupper() else f"{path}::{case.get('name')}"
+        outcome, msg = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = "skipped" if tag == "skipped" else "failed"
+                msg = (el.get("message") or el.text or "").strip().splitlines()[0][:200] if (el.get("message") or el.text) else ""
+                break
+        out[node] = (outcome, msg)
+    return out
+
+
+def reason(msg: str) -> str:
+    """Group failure messages: strip numbers, addresses and quoted values."""
+    msg = re.sub(r"0x[0-9a-f]+", "0x?", msg)
+    msg = re.sub(r"\d+(\.\d+)?", "N", msg)
+    return msg[:150]
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkout", type=Path, help="a DeepSpeed checkout (its tests/ folder is used)")
+    ap.add_argument("--files", nargs="*", default=DEFAULT_FILES, help="paths under tests/")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "deepspeed_unit")
+    ap.add_argument("--only", choices=["ds", "zs"], help="run one pass only")
+    ap.add_argument("--passed-from", type=Path, help="DeepSpeed junit XML: run zeroshard on its passes")
+    ap.add_argument("--timeout", type=int, default=7200, help="per pass, seconds")
+    args = ap.parse_args(argv)
+    checkout = args.checkout.resolve()
+    if not (checkout / "tests" / "unit" / "common.py").exists():
+        ap.error(f"{checkout} is not a DeepSpeed checkout: tests/unit/common.py is missing")
+    args.out.mkdir(parents=True, exist_ok=True)
+    ds_xml, zs_xml = args.out / "ds.xml", args.out / "zs.xml"
+    if args.only != "zs":
+        t = run_pytest(checkout, "ds", args.files, ds_xml, args.timeout)
+        print(f"DeepSpeed pass: {t:.0f} s")
+    ds = outcomes(args.passed_from or ds_xml)
+    passed = sorted(n for n, (o, _) in ds.items() if o == "passed")
+    print(f"DeepSpeed on CPU: {len(ds)} tests, {len(passed)} pass, "
+          f"{sum(o == 'failed' for o, _ in ds.values())} fail, {sum(o == 'skipped' for o, _ in ds.values())} skip")
+    if args.only == "ds" or not passed:
+        return 0
+    t = run_pytest(checkout, "zs", passed, zs_xml, args.timeout)
+    zs = outcomes(zs_xml)
+    ok = [n for n in passed if zs.get(n, ("missing", ""))[0] == "passed"]
+    print(f"zeroshard (shim) pass: {t:.0f} s; {len(ok)} of DeepSpeed's {len(passed)} passing tests pass")
+    per_file: dict[str, Counter[str]] = defaultdict(Counter)
+    groups: dict[str, list[str]] = defaultdict(list)
+    for n in passed:
+        o, msg = zs.get(n, ("not run", ""))
+        per_file[n.split("::")[0]][o] += 1
+        if o != "passed":
+            groups[reason(msg) or o].append(n)
+    for f, c in sorted(per_file.items()):
+        print(f"  {f}: " + ", ".join(f"{v} {k}" for k, v in sorted(c.items())))
+    print("zeroshard failures by reason:")
+    for r, nodes in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        print(f"  {len(nodes):4d}  {r}   (e.g. {nodes[0]})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

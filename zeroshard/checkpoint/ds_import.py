@@ -1,0 +1,473 @@
+"""DeepSpeed 0.19 checkpoints seen as zeroshard's fragment description: a `Manifest` plus a reader.
+
+A DeepSpeed save is translated, from its own metadata and without copying tensors, into what
+zeroshard's format states explicitly: the parameters, and per saved rank the fragments
+`(param, offset, numel)` its fp32 master and Adam moments hold (Note: [checkpoint fragments]).
+Loading then goes through zeroshard's own path (checkpoint/load.py): the same compatibility
+checks, the same range intersection (reshard.py), the same all-ranks-agree-before-apply rule.
+
+Where each layout keeps what (read from DeepSpeed 0.19's files; `ds_files.py` opens them):
+- stage 0 (`mp_rank_00_model_states.pt` only): whole weights in `module`; `optimizer` is the
+  torch optimizer's state dict (fp32), or for fp16/bf16 `{fp32_groups, optimizer_state_dict,
+  cur_scale, ...}`; parameters are numbered in the optimizer's order (the model's trainable
+  parameters; checked by shape).
+- stages 1/2 and BF16_Optimizer (`[bf16_]zero_pp_rank_R_..._optim_states.pt`): per group,
+  one flat fp32 partition per rank (`single_partition_of_fp32_groups`), the moments as one flat
+  tensor per group, and `param_slice_mappings` (name -> start, numel in the partition). The
+  partitions concatenate in rank order, so a fragment at `start` on rank r sits at flat offset
+  `r * partition_numel + start`, and a parameter's first fragment is its first element.
+- stage 3 (`zero_pp_rank_R_mp_rank_00_model_states.pt` per rank): each parameter is cut into
+  `ceil(numel / world)` elements per rank; rank r's sub-group k (`fp32_flat_groups[k]`, moments
+  `state[k]`) is its piece of every parameter of `param_shapes[k]`, in order. Low-precision
+  trainable weights are not saved (they are the masters, cast); frozen ones are per-rank pieces
+  in `frozen_param_fragments`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from zeroshard.checkpoint.ds_files import (DS_MODEL_FILE, DsFiles, address, check_parallelism, list_files, load_ds,
+                                           loss_scaler_state, resolve_ds)
+from zeroshard.checkpoint.files import MODEL_FILE
+from zeroshard.checkpoint.load import CheckpointReader, _read_files
+from zeroshard.checkpoint.manifest import check_compatible
+from zeroshard.checkpoint.reshard import RangeIndex
+from zeroshard.checkpoint.save import agree
+from zeroshard.errors import CheckpointError
+from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, TensorInfo, pickle_bytes
+
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm
+
+logger = logging.getLogger("zeroshard")
+
+_DS_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "checkpoint_parallel_dimensions", "data_parallel_sampler_state"})
+"""DeepSpeed's own keys of the model file; every other key is the user's `client_state`."""
+
+_OFFLINE = "<no model>"
+"""The tag of the stand-in hint `read_layout` builds when converting without a model."""
+
+Loc = tuple[int, int]
+"""Where a fragment lives in its rank's optimizer data: (group or sub-group, start)."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class DsLayout:
+    """A DeepSpeed checkpoint's content as fragments; `manifest` is zeroshard's view of it."""
+
+    files: DsFiles
+    stage: int
+    manifest: Manifest
+    locs: list[list[Loc]]
+    """Per saved rank, aligned with `manifest.fragments[rank]`."""
+    frozen_pieces: list[list[Range]] | None = None
+    """Stage 3: per rank, the frozen parameters' pieces in `frozen_param_fragments`."""
+    model: dict[str, Any] = field(default_factory=dict)
+    """The (rank 0) model file."""
+
+
+# -- building the layout ------------------------------------------------------------------------
+
+
+def _match_stage0(entries: list[tuple[tuple[int, ...], Tensor | None]], hint: Manifest,
+                  module: dict[str, Tensor], path: Path) -> list[str]:
+    """Stage 0 stores no names with the optimizer: its k-th parameter (in the optimizer's group
+    order) is the first unmatched trainable parameter of the model, in model order, with its
+    shape and, when a 16-bit copy is saved, whose saved weight is its fp32 master cast. This
+    follows the usual groupings (e.g. no weight decay on 1-D tensors) and, offline, where every
+    saved weight is a candidate, skips frozen ones."""
+    candidates = [p for p in hint.params if p.trainable]
+    used: set[str] = set()
+    out = []
+    for k, (shape, master) in enumerate(entries):
+        for p in candidates:
+            if p.name in used or tuple(p.shape) != shape:
+                continue
+            lp = module.get(p.name)
+            if master is not None and lp is not None and not torch.equal(master.to(lp.dtype), lp):
+                continue
+            used.add(p.name)
+            out.append(p.name)
+            break
+        else:
+            raise CheckpointError(f"{path}: the optimizer's parameter {k} (shape {list(shape)}) matches no trainable "
+                                  "parameter of the model (a different parameter set, or parameters frozen or "
+                                  "regrouped since the save); load with load_optimizer_states=False")
+    if hint.tag != _OFFLINE and len(out) != len(candidates):
+        rest = [p.name for p in candidates if p.name not in used]
+        raise CheckpointError(f"{path}: the optimizer holds {len(out)} parameters, the model has {len(candidates)} "
+                              f"trainable ones (not in the checkpoint's optimizer: {rest[:5]}); load with "
+                              "load_optimizer_states=False")
+    return out
+
+
+def _module_infos(model: dict[str, Any], trainable: set[str], aliases: dict[str, str]) -> list[TensorInfo]:
+    buffers = set(model.get("buffer_names") or [])
+    return [TensorInfo(n, tuple(t.shape), _dtype_name(t.dtype), n in trainable)
+            for n, t in (model.get("module") or {}).items()
+            if n not in buffers and n not in aliases and t.numel() > 0]
+
+
+def _buffers(model: dict[str, Any]) -> list[TensorInfo]:
+    module = model.get("module") or {}
+    return [TensorInfo(n, tuple(module[n].shape), _dtype_name(module[n].dtype))
+            for n in model.get("buffer_names") or [] if n in module]
+
+
+def _new_manifest(world: int, stage: int, precision: str, params: list[TensorInfo], aliases: dict[str, str],
+                  buffers: list[TensorInfo], groups: int, fragments: list[list[Range]], has_opt: bool,
+                  model: dict[str, Any], tag: str) -> Manifest:
+    return Manifest(world_size=world, stage=stage, precision=precision, params=params, aliases=aliases,
+                    buffers=buffers, optimizer="deepspeed", param_groups=groups, fragments=fragments,
+                    weight_pieces=None, frozen_saved=any(not p.trainable for p in params),
+                    has_optimizer_states=has_opt, global_steps=int(model.get("global_steps", 0)), tag=tag)
+
+
+def _precision(model: dict[str, Any]) -> str:
+    cfg = model.get("ds_config") or {}
+    if (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled"):
+        return "bf16"
+    if (cfg.get("fp16") or {}).get("enabled"):
+        return "fp16"
+    return "fp32"
+
+
+def _stage0(files: DsFiles, model: dict[str, Any], hint: Manifest) -> DsLayout:
+    path = files.ckpt / DS_MODEL_FILE
+    opt = model.get("optimizer")
+    module = model.get("module") or {}
+    aliases = {a: c for a, c in hint.aliases.items() if a in module}
+    if not isinstance(opt, dict):
+        params = _module_infos(model, {p.name for p in hint.params if p.trainable}, aliases)
+        m = _new_manifest(1, 0, _precision(model), params, aliases, _buffers(model), 0, [[]], False, model,
+                          files.ckpt.name)
+        return DsLayout(files=files, stage=0, manifest=m, locs=[[]], model=model)
+    inner = opt.get("optimizer_state_dict", opt)
+    entries: list[tuple[tuple[int, ...], Tensor | None]]
+    if "fp32_groups" in opt:
+        entries = [(tuple(t.shape), t) for g in opt["fp32_groups"] for t in g]
+    else:  # fp32: the masters are the module's weights; the moments give the optimizer's shapes
+        state = inner.get("state", {})
+        numbered = [i for g in inner["param_groups"] for i in g["params"]]
+        if any("exp_avg" not in state.get(k, {}) for k in numbered):
+            raise CheckpointError(f"{path}: optimizer state without exp_avg for some parameters (not an Adam "
+                                  "state, or saved before the first step); load with load_optimizer_states=False")
+        entries = [(tuple(state[k]["exp_avg"].shape), None) for k in numbered]
+    names_in_order = _match_stage0(entries, hint, module, path)
+    order = [(n, shape) for n, (shape, _) in zip(names_in_order, entries)]
+    names = {n for n, _ in order}
+    params = _module_infos(model, names, aliases)
+    index = {p.name: i for i, p in enumerate(params)}
+    missing = [n for n in names if n not in index]
+    if missing:
+        raise CheckpointError(f"{path}: \"module\" lacks trainable parameters {missing[:5]}")
+    frags = [(index[n], 0, math.prod(s)) for n, s in order]
+    m = _new_manifest(1, 0, _precision(model), params, aliases, _buffers(model), len(inner["param_groups"]),
+                      [frags], True, model, files.ckpt.name)
+    return DsLayout(files=files, stage=0, manifest=m, locs=[[(k, 0) for k in range(len(frags))]], model=model)
+
+
+def _stage12(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int) -> DsLayout:
+    world = len(files.optim)
+    module = model.get("module") or {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for group in model.get("param_shapes") or []:
+        shapes.update({n: tuple(s) for n, s in group.items()})
+    first: dict[str, int] = {}  # name -> flat offset of its first element (per group)
+    order: list[tuple[int, str]] = []  # (group, name) in flat order
+    per_rank: list[list[tuple[str, int, int, int, int]]] = []  # name, group, flat pos, start, numel
+    groups_n = 0
+    for r, name in enumerate(files.optim):
+        osd = load_ds(files.ckpt / name).get("optimizer_state_dict") or {}
+        parts, maps = osd.get("single_partition_of_fp32_groups"), osd.get("param_slice_mappings")
+        if parts is None or maps is None:
+            raise CheckpointError(f"{files.ckpt / name}: no single_partition_of_fp32_groups / param_slice_mappings "
+                                  "(not a ZeRO-1/2 optimizer file of DeepSpeed 0.19)")
+        groups_n = len(parts)
+        rows = []
+        for g, mapping in enumerate(maps):
+            size = parts[g].numel()
+            for pname, addr in mapping.items():
+                start, numel = address(addr)
+                pos = r * size + start
+                if (g, pname) not in first:
+                    first[(g, pname)] = pos  # type: ignore[index]
+                    order.append((g, pname))
+                rows.append((pname, g, pos, start, numel))
+        per_rank.append(rows)
+    trainable = [n for _, n in order]
+    for n in trainable:
+        if n not in shapes:
+            if n not in module:
+                raise CheckpointError(f"{files.ckpt / DS_MODEL_FILE}: no shape for parameter {n!r}")
+            shapes[n] = tuple(module[n].shape)
+    aliases = dict(model.get("shared_params") or {}) or {a: c for a, c in hint.aliases.items() if a in module}
+    # frozen_param_shapes is not always written (None with fp32 ZeRO-1): the module has them all.
+    buffers = set(model.get("buffer_names") or [])
+    frozen = {n: tuple(t.shape) for n, t in module.items()
+              if n not in shapes and n not in aliases and n not in buffers and t.numel() > 0}
+    params = [TensorInfo(n, shapes[n], _dtype_name(module[n].dtype) if n in module else "float32", True)
+              for n in trainable]
+    params += [TensorInfo(n, s, _dtype_name(module[n].dtype) if n in module else "float32", False)
+               for n, s in frozen.items() if n in module]
+    index = {p.name: i for i, p in enumerate(params)}
+    fragments = [[(index[n], pos - first[(g, n)], numel) for n, g, pos, _, numel in rows]  # type: ignore[index]
+                 for rows in per_rank]
+    locs = [[(g, start) for _, g, _, start, _ in rows] for rows in per_rank]
+    m = _new_manifest(world, stage, _precision(model), params, aliases, _buffers(model), groups_n, fragments, True,
+                      model, files.ckpt.name)
+    return DsLayout(files=files, stage=stage, manifest=m, locs=locs, model=model)
+
+
+def _stage3(files: DsFiles, model: dict[str, Any]) -> DsLayout:
+    world = len(files.zero3_models)
+    path0 = files.ckpt / files.zero3_models[0]
+    sub_groups = model.get("param_shapes") or []
+    frozen = {n: tuple(s) for n, s in (model.get("frozen_param_shapes") or {}).items()}
+    precision = _precision(model)
+    lp = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
+    params = [TensorInfo(n, tuple(s), lp, True) for g in sub_groups for n, s in g.items()]
+    params += [TensorInfo(n, s, lp, False) for n, s in frozen.items()]
+    flats = (load_ds(files.ckpt / files.optim[0]).get("optimizer_state_dict") or {}).get("fp32_flat_groups")
+    if flats is None or len(flats) != len(sub_groups):
+        raise CheckpointError(f"{files.ckpt / files.optim[0]}: {0 if flats is None else len(flats)} fp32 sub-groups, "
+                              f"{path0} lists {len(sub_groups)} (files from different saves?)")
+    fragments: list[list[Range]] = [[] for _ in range(world)]
+    locs: list[list[Loc]] = [[] for _ in range(world)]
+    i = 0
+    for k, group in enumerate(sub_groups):
+        offset = 0
+        for shape in group.values():
+            numel = math.prod(shape)
+            per = math.ceil(numel / world)
+            for r in range(world):
+                count = min(per, numel - r * per)
+                if count > 0:
+                    fragments[r].append((i, r * per, count))
+                    locs[r].append((k, offset))
+            offset += per
+            i += 1
+        if offset != flats[k].numel():
+            raise CheckpointError(f"{files.ckpt / files.optim[0]}: sub-group {k} holds {flats[k].numel()} elements, "
+                                  f"its parameters' pieces add up to {offset}: not a layout zeroshard understands")
+    frozen_pieces: list[list[Range]] = [[] for _ in range(world)]
+    for j, (n, s) in enumerate(frozen.items()):
+        numel, per = math.prod(s), math.ceil(math.prod(s) / world)
+        for r in range(world):
+            if numel - r * per > 0:
+                frozen_pieces[r].append((i + j, r * per, min(per, numel - r * per)))
+    aliases = _storage_aliases(model, [p.name for p in params])
+    m = _new_manifest(world, 3, precision, params, aliases, _buffers(model), 0, fragments, True, model, files.ckpt.name)
+    inner = (load_ds(files.ckpt / files.optim[0]).get("optimizer_state_dict") or {}).get("optimizer_state_dict") or {}
+    m.param_groups = len(inner.get("param_groups", []))
+    return DsLayout(files=files, stage=3, manifest=m, locs=locs, frozen_pieces=frozen_pieces, model=model)
+
+
+def _storage_aliases(model: dict[str, Any], names: list[str]) -> dict[str, str]:
+    """Module names whose tensor shares its storage with one of `names` (tied parameters: the
+    files are memory-mapped, so every saved storage has its own address, empty ones included)."""
+    module = model.get("module") or {}
+    owner = {module[n].untyped_storage().data_ptr(): n for n in reversed(names) if n in module}
+    return {n: owner[t.untyped_storage().data_ptr()] for n, t in module.items()
+            if n not in names and t.untyped_storage().data_ptr() in owner}
+
+
+def _hint_from_module(model: dict[str, Any]) -> Manifest:
+    """Without a model (to-fp32): every saved weight is taken as trainable, and names whose
+    tensors share storage in the file (torch.save keeps tied tensors tied) as aliases."""
+    buffers = set(model.get("buffer_names") or [])
+    seen: dict[tuple[int, int], str] = {}
+    params, aliases = [], {}
+    for n, t in (model.get("module") or {}).items():
+        if n in buffers or t.numel() == 0:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            aliases[n] = seen[key]
+            continue
+        seen[key] = n
+        params.append(TensorInfo(n, tuple(t.shape), _dtype_name(t.dtype), True))
+    return _new_manifest(1, 0, "", params, aliases, [], 0, [[]], False, model, _OFFLINE)
+
+
+def read_layout(ckpt: Path, hint: Manifest | None) -> DsLayout:
+    """The layout of DeepSpeed tag directory `ckpt`. `hint`: the model being loaded into (stage
+    0 numbers parameters by the model's trainable ones; tied names are taken from it); None
+    offline, where the model file stands in for it."""
+    first = ckpt / DS_MODEL_FILE
+    if not first.is_file():
+        first = ckpt / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    model = load_ds(first)
+    if hint is None:
+        hint = _hint_from_module(model)
+    check_parallelism(model, first)
+    world = int(model.get("dp_world_size", 1) or 1)
+    stage = int(((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
+    if first.name != DS_MODEL_FILE:
+        stage = 3
+    files = list_files(ckpt, world, stage)
+    if stage == 3:
+        return _stage3(files, model)
+    if stage == 0 and not files.optim:
+        return _stage0(files, model, hint)
+    return _stage12(files, model, hint, stage)
+
+
+# -- reading, through zeroshard's reader -------------------------------------------------------
+
+
+class DeepSpeedReader(CheckpointReader):
+    """zeroshard's `CheckpointReader` over DeepSpeed's files: `optim(rank)` presents rank r's
+    fragments as views into the memory-mapped DeepSpeed tensors (no copies), `file(MODEL_FILE)`
+    the run state in zeroshard's terms. Resharding and checks are the base class's."""
+
+    def __init__(self, layout: DsLayout) -> None:
+        super().__init__(layout.files.ckpt, layout.manifest)
+        self.layout = layout
+        self._optim: dict[int, dict[str, Any]] = {}
+        self._raw: dict[str, dict[str, Any]] = {}
+
+    def raw(self, name: str) -> dict[str, Any]:
+        if name not in self._raw:
+            self._raw[name] = load_ds(self.ckpt / name)
+        return self._raw[name]
+
+    def close(self) -> None:
+        self._raw.clear()
+        self._optim.clear()
+        super().close()
+
+    def file(self, name: str) -> Any:
+        if name == MODEL_FILE:
+            return self._run_file()
+        if name.startswith("rng_state_"):
+            return None  # DeepSpeed saves no random generator state
+        return self.raw(name)
+
+    def module(self) -> dict[str, Tensor]:
+        return self.layout.model.get("module") or {}
+
+    def _run_file(self) -> dict[str, Any]:
+        model = self.layout.model
+        sched = model.get("lr_scheduler")
+        client = {k: v for k, v in model.items() if k not in _DS_KEYS}
+        return {"global_steps": int(model.get("global_steps", 0)),
+                "global_samples": int(model.get("global_samples", 0)),
+                "micro_steps": 0,  # not saved by DeepSpeed; any multiple of the accumulation steps
+                "skipped_steps": int(model.get("skipped_steps", 0)),
+                "lr_scheduler": pickle_bytes(sched) if sched is not None else None,
+                "loss_scaler": self._loss_scaler(), "data_loader": None,
+                "client_state": pickle_bytes(client)}
+
+    def _loss_scaler(self) -> dict[str, Any] | None:
+        opt = self.layout.model.get("optimizer")
+        if self.layout.files.optim:
+            osd = self.raw(self.layout.files.optim[0]).get("optimizer_state_dict") or {}
+            return loss_scaler_state(osd.get("loss_scaler"))
+        return loss_scaler_state(opt) if isinstance(opt, dict) else None
+
+    def _optimizer_parts(self, rank: int) -> tuple[list[Tensor], dict[int, dict[str, Any]], list[dict[str, Any]]]:
+        """(flat fp32 tensors per group, moments per group, param_groups) of saved rank `rank`."""
+        lay = self.layout
+        if not lay.files.optim:  # stage 0: one tensor per parameter, in the model file
+            opt = lay.model["optimizer"]
+            inner = opt.get("optimizer_state_dict", opt)
+            if "fp32_groups" in opt:
+                flats = [t for g in opt["fp32_groups"] for t in g]
+            else:
+                flats = [self.module()[self.names[i]] for i, _, _ in lay.manifest.fragments[0]]
+            return flats, inner.get("state", {}), inner["param_groups"]
+        osd = self.raw(lay.files.optim[rank]).get("optimizer_state_dict") or {}
+        if lay.stage == 3:
+            inner = osd.get("optimizer_state_dict") or {}
+            return list(osd["fp32_flat_groups"]), inner.get("state", {}), inner.get("param_groups", [])
+        base = osd.get("base_optimizer_state") or {}
+        return list(osd["single_partition_of_fp32_groups"]), base.get("state", {}), base.get("param_groups", [])
+
+    def optim(self, rank: int) -> dict[str, Any]:
+        if rank in self._optim:
+            return self._optim[rank]
+        flats, states, groups = self._optimizer_parts(rank)
+        masters, frag_states, elementwise = [], [], []
+        for (_, _, numel), (k, start) in zip(self.manifest.fragments[rank], self.layout.locs[rank], strict=True):
+            # A view; `_assemble` copies it into an fp32 tensor (fp32 stage 0: the module's weight).
+            masters.append(flats[k].reshape(-1)[start : start + numel])
+            state, keys = {}, []
+            for key, value in (states.get(k) or {}).items():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == flats[k].numel():
+                    state[key] = value.reshape(-1)[start : start + numel]
+                    keys.append(key)
+                else:
+                    state[key] = value
+            frag_states.append(state)
+            elementwise.append(sorted(keys))
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        self._optim[rank] = {"master": masters, "state": frag_states, "elementwise": elementwise,
+                             "param_groups": groups, "fragments": self.manifest.fragments[rank]}
+        return self._optim[rank]
+
+    def weights(self, name: str, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
+        if self.layout.stage != 3:
+            return super().weights(name, offset, numel, dtype)
+        info = self.manifest.params[self.index_of[name]]
+        if info.trainable:  # stage 3 saves no low-precision copy: it is the master, cast
+            master, _ = self.masters(self.master_index(), name, offset, numel, with_state=False)
+            return master.to(dtype)
+        index = RangeIndex(self.layout.frozen_pieces or [], self.names)
+        files = self.layout.files.zero3_models
+
+        def piece(source: int, entry: int) -> Tensor:
+            frags = self.raw(files[source]).get("frozen_param_fragments") or {}
+            i = self.layout.frozen_pieces[source][entry][0]  # type: ignore[index]
+            if self.names[i] not in frags:
+                raise CheckpointError(f"{self.ckpt / files[source]}: no frozen_param_fragments[{self.names[i]!r}]")
+            return frags[self.names[i]]
+
+        return self._assemble(index, piece, self.index_of[name], offset, numel, dtype)
+
+
+def load_deepspeed(target: EngineState, comm: "Comm", ckpt: Path, *, load_optimizer_states: bool,
+                   load_module_only: bool, strict: bool = True) -> LoadedState:
+    """Read DeepSpeed tag directory `ckpt` for this rank; collective (every rank agrees first)."""
+    error, loaded = None, None
+    try:
+        layout = read_layout(ckpt, target.manifest)
+        need_opt = load_optimizer_states and not load_module_only
+        check_compatible(layout.manifest, target.manifest, ckpt, need_optimizer=need_opt, strict=strict)
+        reader = DeepSpeedReader(layout)
+        try:
+            loaded = _read_files(reader, target, layout.manifest, need_opt, load_module_only, target.rank)
+        finally:
+            reader.close()
+    except CheckpointError as e:
+        error = str(e)
+    except (OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        error = f"{ckpt}: DeepSpeed checkpoint: {type(e).__name__}: {e}"
+    agree(comm, error, "loading the DeepSpeed checkpoint")
+    if loaded is None:
+        raise AssertionError("expected a loaded state after every rank agreed")
+    logger.info(f"loaded DeepSpeed checkpoint {ckpt} (stage {layout.stage}, saved by "
+                f"{layout.manifest.world_size} ranks)")
+    return loaded
+
+
+def find_deepspeed(load_dir: str | os.PathLike[str], tag: str | None) -> Path | None:
+    """The DeepSpeed tag directory to load, or None when `load_dir`/`tag` is not DeepSpeed's."""
+    return resolve_ds(Path(load_dir), tag)

@@ -1,0 +1,1 @@
+from deepspeed.checkpoint import utils  # noqa: F401

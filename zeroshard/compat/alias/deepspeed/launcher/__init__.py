@@ -1,0 +1,1 @@
+from deepspeed.launcher import runner  # noqa: F401

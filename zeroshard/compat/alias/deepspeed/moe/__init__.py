@@ -1,0 +1,1 @@
+from deepspeed.moe import utils  # noqa: F401

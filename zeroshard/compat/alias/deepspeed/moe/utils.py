@@ -1,0 +1,6 @@
+"""deepspeed.moe.utils -> zeroshard.moe.utils."""
+
+from zeroshard.compat._names import reexport as _reexport
+
+_NAMES = ["split_params_into_different_moe_groups_for_optimizer", "is_moe_param"]
+__getattr__, __dir__ = _reexport(__name__, {n: f"zeroshard.moe.utils:{n}" for n in _NAMES})

@@ -1,0 +1,1 @@
+from deepspeed.ops import adagrad, adam, lion  # noqa: F401

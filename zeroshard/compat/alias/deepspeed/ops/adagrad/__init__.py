@@ -1,0 +1,3 @@
+from zeroshard.compat.optimizers import DeepSpeedCPUAdagrad
+
+__all__ = ["DeepSpeedCPUAdagrad"]

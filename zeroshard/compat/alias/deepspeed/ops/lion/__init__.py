@@ -1,0 +1,3 @@
+from zeroshard.compat.optimizers import DeepSpeedCPULion, FusedLion
+
+__all__ = ["DeepSpeedCPULion", "FusedLion"]

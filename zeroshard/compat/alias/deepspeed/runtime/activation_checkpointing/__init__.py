@@ -1,0 +1,1 @@
+from deepspeed.runtime.activation_checkpointing import checkpointing  # noqa: F401

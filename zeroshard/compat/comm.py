@@ -1,0 +1,50 @@
+"""`deepspeed.init_distributed` as the alias serves it: DeepSpeed's rule for a lone process.
+
+DeepSpeed's `init_distributed()` always ends with a process group: without a launcher's
+variables it asks MPI for them (and fails without mpi4py). Libraries then call
+torch.distributed freely (Transformers' Trainer gathers its loss through it). zeroshard's own
+`init_distributed` keeps a lone process group-free; under the alias a lone process gets what
+a one-process MPI world would give it (rank 0 of 1 on 127.0.0.1, a free port), so
+`python train.py --deepspeed ds.json` runs without a launcher, which DeepSpeed cannot do
+without MPI installed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from zeroshard.comm.env import parse_launch_env
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(*args: Any, **kwargs: Any) -> Any:
+    """DeepSpeed's signature (see zeroshard.comm.init_distributed); a lone process joins a
+    one-rank group instead of staying group-free."""
+    import torch.distributed as dist
+
+    from zeroshard.comm import init_distributed as zs_init
+
+    if not dist.is_initialized() and parse_launch_env(os.environ) is None \
+            and kwargs.get("dist_init_required", True) is not False:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    zs_init(*args, **kwargs)
+    return None  # DeepSpeed returns None
+
+
+def initialize(*args: Any, **kwargs: Any) -> Any:
+    """`deepspeed.initialize` under the alias: like DeepSpeed's, it first makes sure a process
+    group exists (see `init_distributed`), then runs zeroshard.initialize."""
+    from zeroshard import initialize as zs_initialize
+
+    if kwargs.get("dist_init_required", None) is not False:
+        init_distributed()
+    return zs_initialize(*args, **kwargs)
