@@ -229,6 +229,13 @@ def test_steps_per_print_infinity_means_never(tmp_path: Path) -> None:
     assert make_config(steps_per_print=float("inf")).steps_per_print is None
 
 
+def test_nvme_optimizer_offload_loads_at_stages_1_to_3() -> None:
+    for stage in (1, 2, 3):
+        cfg = make_config(zero_optimization={"stage": stage, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}},
+                          aio={"block_size": 2097152, "queue_depth": 16, "intra_op_parallelism": 2})
+        assert cfg.zero_optimization.offload_optimizer.device == "nvme" and cfg.aio.block_size == 2097152
+
+
 def test_nvme_needs_a_path() -> None:
     with pytest.raises(ConfigError, match=r'offload_optimizer\.nvme_path: required when device is "nvme"'):
         make_config(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme"}})
@@ -382,9 +389,9 @@ def test_batch_auto_is_derived_or_taken_from_initialize() -> None:
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}},
      "zero_optimization.offload_optimizer applies to stages 1, 2 and 3; you chose stage 0. "
      "Remove it or set stage to 1, 2 or 3."),
-    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}},
-     'zero_optimization.offload_optimizer.device = "nvme" applies to stage 3 only; you chose stage 2. '
-     "Remove it or set stage to 3."),
+    ({"stage": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}},
+     "zero_optimization.offload_optimizer applies to stages 1, 2 and 3; you chose stage 0. "
+     "Remove it or set stage to 1, 2 or 3."),
     ({"stage": 0, "zero_quantized_weights": True}, "zero_optimization.zero_quantized_weights = true applies to "
      "stage 3 only; you chose stage 0. Remove it or set stage to 3."),
 ])
@@ -423,7 +430,7 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
      'not supported yet: zero_optimization.offload_param.device="nvme". parameter offload to NVMe'),
     ({"comet": {"enabled": True}}, 'not supported yet: comet={"enabled": true}.'),
     ({"checkpoint": {"use_node_local_storage": True}}, "not supported yet: checkpoint.use_node_local_storage=true."),
-    ({"aio__block_size": 2097152}, "not supported yet: aio.block_size=2097152."),
+    ({"aio__use_gds": True}, "not supported yet: aio.use_gds=true. GPUDirect Storage is not built"),
     ({"checkpoint__load_universal": True}, "not supported yet: checkpoint.load_universal=true."),
     ({"gradient_allreduce_op": "sum"}, 'not supported yet: gradient_allreduce_op="sum".'),
     ({"zero_optimization": {"stage": 2, "ignore_unused_parameters": False}},

@@ -52,14 +52,19 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     # ZeRO
     _Z + "stage": _BUILD, _Z + "reduce_scatter": _BUILD, _Z + "reduce_bucket_size": _BUILD,
     _Z + "allgather_partitions": _BUILD, _Z + "allgather_bucket_size": _BUILD, _Z + "overlap_comm": _BUILD,
-    _Z + "offload_param.device": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param)",
+    _Z + "offload_param.device": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param",
                                   "zero/offload.py::section.device"),
-    _Z + "offload_optimizer.device": ("zero/build.py::OffloadPolicy.from_config(zero.offload_optimizer)",
+    _Z + "offload_optimizer.device": ("zero/build.py::OffloadPolicy.from_config(zero.offload_optimizer",
                                       "zero/offload.py::section.device"),
-    _Z + "offload_optimizer.pin_memory": ("zero/build.py::OffloadPolicy.from_config(zero.offload_optimizer)",
+    _Z + "offload_optimizer.pin_memory": ("zero/build.py::OffloadPolicy.from_config(zero.offload_optimizer",
                                           "zero/offload.py::section.pin_memory"),
-    _Z + "offload_param.pin_memory": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param)",
+    _Z + "offload_param.pin_memory": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param",
                                       "zero/offload.py::section.pin_memory"),
+    _Z + "offload_optimizer.nvme_path": ("zero/offload.py::section.nvme_path",),
+    _Z + "offload_optimizer.fast_init": ("zero/offload.py::fast_init", "zero/nvme_swap.py::fast_init"),
+    "aio.block_size": ("zero/offload.py::aio.block_size",), "aio.queue_depth": ("zero/offload.py::aio.queue_depth",),
+    "aio.intra_op_parallelism": ("zero/offload.py::aio.intra_op_parallelism",),
+    _Z + "sub_group_size": ("zero/build.py::sub_group_size", "zero/nvme_swap.py::sub_group_numel"),
     _Z + "stage3_prefetch_bucket_size": _BUILD, _Z + "stage3_param_persistence_threshold": _BUILD,
     _Z + "stage3_max_live_parameters": _BUILD, _Z + "stage3_max_reuse_distance": _BUILD,
     _Z + "stage3_gather_16bit_weights_on_model_save": _ENGINE,
@@ -101,6 +106,9 @@ as a constructor argument, for parameters passed through as keyword arguments)."
 
 _NVME = 'an NVMe swap setting; device "nvme" is not supported yet (refused), so it cannot apply.'
 
+_PIPE = ("the NVMe step always reads sub-group k+1 and writes k-1 while stepping k, in three slots "
+         "of sub_group_size elements per state (zero/nvme_swap.py); the pool is set by sub_group_size.")
+
 NO_EFFECT: dict[str, str] = {
     "bf16.immediate_grad_update": "zeroshard always folds each micro-batch's gradients into the "
     "grad_accum_dtype buffers right after its backward.",
@@ -114,8 +122,6 @@ NO_EFFECT: dict[str, str] = {
     "(resharded on load).",
     _Z + "round_robin_gradients": "each rank copies only its own gradient shard to the CPU, so there "
     "is no cross-rank copy order to balance.",
-    _Z + "sub_group_size": "stage 3 steps each rank's whole shard at once; sub-groups are DeepSpeed's "
-    "NVMe swap granularity, and NVMe offload is not implemented.",
     _Z + "memory_efficient_linear": "stage 3 re-gathers each unit's weights for its backward, so no "
     "module keeps gathered weights alive; there is no special linear function to switch.",
     _Z + "log_trace_cache_warnings": "logging of DeepSpeed's stage-3 trace cache, which zeroshard does not have.",
@@ -124,8 +130,12 @@ NO_EFFECT: dict[str, str] = {
     _Z + "save_muon_momentum_buffer_in_memory": "applies to DeepSpeed's Muon optimizer, which is not "
     "provided (refused).",
     **{_Z + f"offload_param.{k}": _NVME for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")},
-    **{_Z + f"offload_optimizer.{k}": _NVME for k in (
-        "nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init")},
+    _Z + "offload_optimizer.buffer_count": _PIPE, _Z + "offload_optimizer.pipeline_read": _PIPE,
+    _Z + "offload_optimizer.pipeline_write": _PIPE,
+    "aio.single_submit": "each block is its own preadv/pwritev call from a pool thread; there is no "
+    "batched submission to turn off (zero/nvme_io.py).",
+    "aio.overlap_events": "pool threads complete their own requests; submission never waits on "
+    "completions, so there is nothing to overlap or not (zero/nvme_io.py).",
     _Z + "offload_optimizer.cpuadam_cores_perc": "a SuperOffload setting; super_offload is not "
     "supported yet (refused).",
     "torch_autocast.lower_precision_safe_modules": "checked to import at initialize; zeroshard reduces "

@@ -50,7 +50,6 @@ STAGE_RULES: tuple[StageRule, ...] = (
     StageRule(key=_Z + "offload_param", trigger=_Z + "offload_param.device", stages=(3,), request=True),
     StageRule(key=_Z + "offload_optimizer", trigger=_Z + "offload_optimizer.device", stages=(1, 2, 3),
               request=True),
-    StageRule(key=_Z + "offload_optimizer.device", active_value="nvme", stages=(3,), request=True),
     StageRule(key=_Z + "offload_optimizer.ratio", stages=(3,), request=True),
     *_stage3(
         "zero_hpz_partition_size",

@@ -37,8 +37,6 @@ class Unsupported:
 
 NOT_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(key="zero_optimization.stage", allowed=(0, 1, 2, 3), why=_STAGES, fix=_PLAN),
-    Unsupported(key="zero_optimization.offload_optimizer.device", allowed=("none", "cpu"),
-                why="optimizer offload to NVMe is not implemented.", fix='Use "device": "cpu".'),
     Unsupported(key="zero_optimization.offload_optimizer.super_offload",
                 why="DeepSpeed's SuperOffload is not implemented.", fix="Remove the key."),
     Unsupported(key="zero_optimization.offload_param.device", allowed=("none", "cpu"),
@@ -53,8 +51,8 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     *(Unsupported(key=f"bf16.{k}", why="bf16 master weights, optimizer states and gradients are fp32.",
                   fix="Remove the key.")
       for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states")),
-    Unsupported(key="aio", why="asynchronous NVMe I/O comes with NVMe offload, which is not implemented.",
-                fix="Remove the section."),
+    Unsupported(key="aio.use_gds", why="GPUDirect Storage is not built: swap I/O goes through page-aligned "
+                "host buffers (zero/nvme_io.py).", fix='Remove the key (or set it to false).'),
     *(Unsupported(key=f"checkpoint.{k}", why=f"checkpoint.{k} is not implemented (zeroshard's checkpoints "
                   "are one directory per tag, resharded on load).", fix="Remove the key.")
       for k in ("load_universal", "use_node_local_storage", "parallel_write", "checkpoint_serialization")),

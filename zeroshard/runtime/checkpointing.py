@@ -128,7 +128,7 @@ def collect_state(engine: "ZeroEngine", strategy: ZeroStrategy, *, include_froze
         if id(f.param) not in index:
             raise AssertionError("expected every fragment's parameter to be a parameter of the module")
         ranges.append((index[id(f.param)], f.param_offset, f.numel))
-        masters.append(f.master.detach().reshape(-1))
+        masters.append((f.values if f.values is not None else f.master).detach().reshape(-1))
         state, keys = _fragment_state(optimizer, f)
         states.append(state)
         elementwise.append(keys)
@@ -215,6 +215,8 @@ def apply_state(engine: "ZeroEngine", strategy: ZeroStrategy, loaded: LoadedStat
         strategy.sync_master_from_params()
         for frag, value in zip(frags, loaded.masters):
             frag.master.data.view(-1).copy_(value)
+            if frag.values is not None:  # the fp32 master kept apart (NVMe home, low precision)
+                frag.values.view(-1).copy_(value)
         strategy.sync_params_from_master()
     else:
         strategy.sync_master_from_params()

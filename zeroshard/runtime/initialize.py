@@ -191,6 +191,9 @@ def initialize(
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
     strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units)
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
+    wrap = getattr(strategy, "wrap_optimizer", None)  # an NVMe home swaps the optimizer's states
+    if opt is not None and wrap is not None:
+        opt = wrap(opt)
     sched = _make_scheduler(cfg, lr_scheduler, opt)
     scaler = None
     safe_module_classes(cfg.torch_autocast)  # a bad class name fails here, before training

@@ -129,6 +129,8 @@ def client_auto_values(optimizer: Any) -> Mapping[str, Any]:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    if hasattr(optimizer, "resident_state_bytes"):  # states kept outside memory (NVMe swap)
+        return int(optimizer.resident_state_bytes)
     return sum(
         v.numel() * v.element_size()
         for state in optimizer.state.values()

@@ -82,7 +82,8 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             overlap_comm=bool(zero.overlap_comm),
             reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), groups.backend),
             allgather_partitions=bool(zero.allgather_partitions),
-            offload=OffloadPolicy.from_config(zero.offload_optimizer),
+            offload=OffloadPolicy.from_config(zero.offload_optimizer, sub_group_size=int(zero.sub_group_size),
+                                              aio=cfg.aio),
         )
         cls = Stage1Strategy if zero.stage == 1 else Stage2Strategy
         return cls(params, comm=comm, rank=groups.rank, world_size=groups.world_size, options=options)
@@ -97,7 +98,8 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             prescale_factor=prescale,
             overlap_comm=bool(zero.overlap_comm),
             reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), groups.backend),
-            offload_optimizer=OffloadPolicy.from_config(zero.offload_optimizer),
+            offload_optimizer=OffloadPolicy.from_config(zero.offload_optimizer, sub_group_size=int(zero.sub_group_size),
+                                                        aio=cfg.aio),
             offload_param=OffloadPolicy.from_config(zero.offload_param),
         )
         _mark_leaves(module, zero)

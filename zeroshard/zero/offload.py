@@ -15,8 +15,24 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from pathlib import Path
+
+from zeroshard.zero.nvme_io import IOOptions
+
 if TYPE_CHECKING:
+    from zeroshard.config.schema import AioConfig
     from zeroshard.config.schema_zero import OffloadOptimizerConfig, OffloadParamConfig
+
+
+@dataclass(frozen=True, slots=True)
+class NvmeHome:
+    """Swap files under `path` (zero/nvme_swap.py), read and written with `io`."""
+
+    path: Path
+    sub_group_numel: int
+    io: IOOptions
+    fast_init: bool = True
+    key: str = "zero_optimization.offload_optimizer.nvme_path"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,13 +47,23 @@ class OffloadPolicy:
 
     device: torch.device | None = None
     pin_memory: bool = False
+    nvme: NvmeHome | None = None
+    """Set when the states live in swap files; `device` is then the CPU that steps them."""
 
     @classmethod
-    def from_config(cls, section: "OffloadOptimizerConfig | OffloadParamConfig") -> "OffloadPolicy":
-        """From an `offload_optimizer` / `offload_param` config section."""
+    def from_config(cls, section: "OffloadOptimizerConfig | OffloadParamConfig", *,
+                    sub_group_size: int = 1_000_000_000, aio: "AioConfig | None" = None) -> "OffloadPolicy":
+        """From an `offload_optimizer` / `offload_param` config section (NVMe: with
+        `zero_optimization.sub_group_size` and the `aio` section)."""
         if section.device == "none":
             return cls()
-        if section.device != "cpu":  # TODO(#14): NVMe is one more policy
+        if section.device == "nvme" and section.nvme_path is not None:
+            io = IOOptions() if aio is None else IOOptions(
+                block_size=aio.block_size, queue_depth=aio.queue_depth, thread_count=aio.intra_op_parallelism)
+            home = NvmeHome(path=Path(section.nvme_path), sub_group_numel=int(sub_group_size), io=io,
+                            fast_init=bool(getattr(section, "fast_init", True)))
+            return cls(device=torch.device("cpu"), pin_memory=bool(section.pin_memory), nvme=home)
+        if section.device != "cpu":
             raise AssertionError(f"offload device {section.device!r} passed config validation but has no home")
         return cls(device=torch.device("cpu"), pin_memory=bool(section.pin_memory))
 
@@ -59,4 +85,6 @@ class OffloadPolicy:
 
     def label(self, model_device: torch.device) -> str:
         """The `ModelStateBytes.device` name of this home."""
+        if self.nvme is not None:
+            return "nvme (offload)"
         return f"{self.device.type} (offload)" if self.device is not None else model_device.type

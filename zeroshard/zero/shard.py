@@ -35,6 +35,7 @@ from zeroshard.zero.strategy import (
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
+    from zeroshard.zero.nvme_optim import SwapAdam
 
 
 class OptimizerShard:
@@ -60,6 +61,9 @@ class OptimizerShard:
         self._device = device  # the model's device (collectives, the norm)
         self._lp, self._lp_is_flat = lp, lp_is_flat
         self._separate = lp.dtype != torch.float32 or policy.offloaded or lp_policy.offloaded
+        if policy.nvme is not None:  # the master lives in swap files; fragments alias `lp`
+            self._separate = False
+        self._swap_optimizer: "SwapAdam | None" = None
         self.master: Tensor | None = None  # 1D fp32, shard_numel, at the policy's home
         if self._separate:
             self.master = policy.allocate(plan.shard_numel, torch.float32, self._device, zero=False)
@@ -161,9 +165,33 @@ class OptimizerShard:
         for frag in self.fragment_params:
             frag.grad = None
 
+    def swap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """With an NVMe home, the optimizer whose states live in this shard's swap files (the
+        directory is checked now, before any step); otherwise `optimizer` itself."""
+        home = self._policy.nvme
+        if home is None:
+            return optimizer
+        from zeroshard.zero.nvme_io import check_swap_dir
+        from zeroshard.zero.nvme_optim import SwapAdam
+        from zeroshard.zero.nvme_swap import SwappedAdam, swap_bytes
+
+        numel = sum(f.numel for f in self._fragments)
+        root = check_swap_dir(home.path, swap_bytes(numel), key=home.key, direct=home.io.direct)
+        swap = SwappedAdam(root, numel, rank=self._rank, sub_group_numel=home.sub_group_numel,
+                           fragments=[f.numel for f in self._fragments], io=home.io, fast_init=home.fast_init)
+        try:
+            self._swap_optimizer = SwapAdam(optimizer, self.fragment_params, swap, grads=self._fragment_grads)
+        except BaseException:
+            swap.close()
+            raise
+        self._swap_optimizer.write_master()
+        return self._swap_optimizer
+
     @torch.no_grad()
     def load_master_from_lp(self) -> None:
         """(Re-)initialise the master from the low-precision values (construction, weights-only load)."""
+        if self._swap_optimizer is not None:
+            self._swap_optimizer.write_master(from_params=True)
         if self.master is None:
             return
         for b in range(len(self._plan.buckets)):
@@ -180,9 +208,13 @@ class OptimizerShard:
     # -- checkpoints and accounting ------------------------------------------------------------
 
     def checkpoint_fragments(self) -> list[MasterFragment]:
+        swap = self._swap_optimizer
+        staged: list[Tensor | None] = [None] * len(self._fragments)
+        if swap is not None and any(p.dtype != torch.float32 for p in self.fragment_params):
+            staged = swap.stage_masters()  # fp32 copies read from the swap file (save and load)
         return [MasterFragment(param=self._params[f.param_index], param_offset=f.param_offset,
-                               numel=f.numel, master=frag)
-                for f, frag in zip(self._fragments, self.fragment_params)]
+                               numel=f.numel, master=frag, values=v)
+                for f, frag, v in zip(self._fragments, self.fragment_params, staged)]
 
     def count_bytes(self, acc: BytesByHome, optimizer_state_bytes: int) -> None:
         """Add the gradient shard, master shard and optimizer state at the policy's home."""
@@ -213,6 +245,10 @@ class ShardedStrategyBase:
 
     def fragment_grads(self, grad_scale: float) -> list[Tensor]:
         return self._shard.fragment_grads(grad_scale, self._prescale_factor)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the engine steps (an NVMe home swaps the states: zero/nvme_optim.py)."""
+        return self._shard.swap_optimizer(optimizer)
 
 
 def _nbytes(t: Tensor | None) -> int:

@@ -133,6 +133,9 @@ class MasterFragment:
     """What the optimizer steps on for this range (`numel` fp32 elements, any shape); the key
     of its state in `optimizer.state`. Writing `master.data` then calling
     `sync_params_from_master()` sets the parameter's range."""
+    values: Tensor | None = None
+    """The fp32 master values when `master` holds them at lower precision (NVMe home with bf16/
+    fp16: the master lives in a swap file); checkpoints save and load these instead."""
 
 
 @dataclass(frozen=True, slots=True)
