@@ -157,8 +157,7 @@ class Comm:
                 raise tracker.fail(rec, e, self.timeout_s) from e
             if self._policy.wait_timeout is None:
                 tracker.watch_stream_work(rec, work, self.timeout_s)
-        # Without a process group nothing goes on the wire: the comm log records 0 bytes.
-        handle = Handle(self._policy, work, rec, finish, op, nbytes if issue is not None else 0, t0, async_op)
+        handle = Handle(self._policy, work, rec, finish, op, nbytes, t0, async_op)
         if not async_op:
             handle.wait()
         return handle
