@@ -25,7 +25,11 @@ _EXPORTS = {
     "NotSupportedError": "zeroshard.errors",
     "CommError": "zeroshard.errors",
     "LaunchError": "zeroshard.errors",
+    "DeepSpeedEngine": "zeroshard.runtime.engine",
 }
+
+_SUBMODULES = ("comm", "zero", "utils", "runtime", "checkpoint", "config", "estimate")
+"""DeepSpeed scripts reach these as attributes (`deepspeed.zero.Init`, `deepspeed.comm.get_rank`)."""
 
 __all__ = sorted(_EXPORTS)
 
@@ -39,6 +43,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"zeroshard.{name}")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)

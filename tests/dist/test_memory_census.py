@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from engine_helpers import init_engine, make_config
+from zeroshard.config import load_config
 from zeroshard.estimate import Setup, estimate_rank, spec_from_module
 from zeroshard.examples.gpt import GPT, GPTConfig
 from zeroshard.runtime.monitor import allocated_bytes
@@ -55,7 +56,8 @@ def test_census_matches_estimate(groups, case: tuple[int, str, str], precision: 
     engine.step()
     del x, loss
     measured = allocated_bytes(torch.device("cpu")) - baseline
-    est = estimate_rank(spec, Setup.from_config(engine.config, devices_per_node=groups.world_size), groups.rank)
+    setup = Setup.from_config(load_config(cfg, dp_world_size=groups.world_size), devices_per_node=groups.world_size)
+    est = estimate_rank(spec, setup, groups.rank)
     expected = est.device.total + est.host.total + est.staging_pool + buffers
     pool = engine.transient_bytes()
     print(f"\n[census] stage {case} {precision} rank {groups.rank}: measured {measured} estimate {expected} "

@@ -54,7 +54,7 @@ def run(cfg: dict[str, Any], rank: int, world: int) -> tuple[Any, list[list[torc
     last = world - 1
 
     def inject(step: int, loss: torch.Tensor) -> torch.Tensor:
-        return loss * float("inf") if engine.config.precision == "fp16" and step == OVERFLOW_STEP and rank == last else loss
+        return loss * float("inf") if engine.zs_config.precision == "fp16" and step == OVERFLOW_STEP and rank == last else loss
 
     params = []
     for step, batch in enumerate(global_batches(STEPS, 2 * 2 * world)):

@@ -49,7 +49,7 @@ def test_transformers_model_trains_and_generates(groups) -> None:
     for zero in ({"stage": 0}, STAGE3):
         zero = {**zero, "reduce_bucket_size": "auto"}  # resolved from config.hidden_size: 32 * 32
         engine = init_engine(copy.deepcopy(base), make_config(zero_optimization=zero))
-        assert engine.config.zero_optimization.reduce_bucket_size == 32 * 32
+        assert engine.zs_config.zero_optimization.reduce_bucket_size == 32 * 32
         for x, _ in batches:
             r = groups.rank
             ids = (x[2 * r : 2 * r + 2] % 128)

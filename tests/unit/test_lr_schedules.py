@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -187,17 +188,27 @@ def test_one_cycle_lr_and_momentum(up: int, down: int | None, kind: str) -> None
     total = up + dn
     decay_step, decay_lr, decay_mom = 4, 0.5, 0.01
     opt = make_opt(kind)
-    sched = OneCycle(opt, cycle_min_lr=lo, cycle_max_lr=hi, cycle_first_step_size=up, cycle_second_step_size=down,
-                     decay_step_size=decay_step, decay_lr_rate=decay_lr, cycle_min_mom=mlo, cycle_max_mom=mhi,
-                     decay_mom_rate=decay_mom)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched = OneCycle(opt, cycle_min_lr=lo, cycle_max_lr=hi, cycle_first_step_size=up,
+                         cycle_second_step_size=down, decay_step_size=decay_step, decay_lr_rate=decay_lr,
+                         cycle_min_mom=mlo, cycle_max_mom=mhi, decay_mom_rate=decay_mom)
+    assert [str(w.message).startswith("OneCycle: cycle_momentum disabled") for w in caught] == (
+        [True] if kind == "sgd" else [])
 
     def mom() -> float:
         group = opt.param_groups[0]
-        return float(group["betas"][0] if kind == "adamw" else group["momentum"])
+        if kind == "adamw":
+            assert group["betas"][1] == 0.99  # DeepSpeed's OneCycle pins beta2 at 0.99 (not 0.999)
+            return float(group["betas"][0])
+        return float(group["momentum"])
 
+    if kind == "sgd":  # DeepSpeed cycles betas only: SGD keeps its momentum
+        assert lrs_of(opt) == [lo] and mom() == 0.5 and not sched.cycle_momentum
+        sched.step()
+        assert mom() == 0.5
+        return
     assert lrs_of(opt) == [lo] and mom() == mlo  # construction: the "initial" (minimum) values
-    if kind == "adamw":
-        assert opt.param_groups[0]["betas"][1] == 0.999  # beta2 untouched
     for it in range(3 * total):
         sched.step()
         if it < total:

@@ -29,6 +29,6 @@ class ShardedCheckpointer:
         return save_state(state, self._comm, save_dir, tag, client_state, save_latest, save_optimizer_states)
 
     def load(self, target: EngineState, load_dir: str | os.PathLike[str], tag: str | None, *,
-             load_optimizer_states: bool, load_module_only: bool) -> LoadedState | None:
+             load_optimizer_states: bool, load_module_only: bool, strict: bool = True) -> LoadedState | None:
         return load_state(target, self._comm, load_dir, tag, load_optimizer_states=load_optimizer_states,
-                          load_module_only=load_module_only)
+                          load_module_only=load_module_only, strict=strict)

@@ -134,10 +134,10 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _read(target: EngineState, ckpt: Path, saved: Manifest, *, load_optimizer_states: bool,
-          load_module_only: bool) -> LoadedState:
+          load_module_only: bool, strict: bool = True) -> LoadedState:
     tm, rank = target.manifest, target.rank
     need_opt = load_optimizer_states and not load_module_only
-    check_compatible(saved, tm, ckpt / MANIFEST, need_optimizer=need_opt)
+    check_compatible(saved, tm, ckpt / MANIFEST, need_optimizer=need_opt, strict=strict)
     reader = CheckpointReader(ckpt, saved)
     try:
         return _read_files(reader, target, saved, need_opt, load_module_only, rank)
@@ -201,8 +201,10 @@ def _read_rng(reader: CheckpointReader, rank: int) -> dict[str, Any] | None:
 
 
 def load_state(target: EngineState, comm: "Comm", load_dir: str | os.PathLike[str], tag: str | None, *,
-               load_optimizer_states: bool, load_module_only: bool) -> LoadedState | None:
-    """Read the checkpoint for this rank; collective. None when `load_dir` has no `latest`."""
+               load_optimizer_states: bool, load_module_only: bool, strict: bool = True) -> LoadedState | None:
+    """Read the checkpoint for this rank; collective. None when `load_dir` has no `latest`.
+
+    `strict=False`: parameter names may differ (see `check_compatible`)."""
     error, loaded, found = None, None, True
     try:
         resolved = resolve(load_dir, tag)
@@ -211,7 +213,7 @@ def load_state(target: EngineState, comm: "Comm", load_dir: str | os.PathLike[st
         else:
             ckpt, saved = resolved
             loaded = _read(target, ckpt, saved, load_optimizer_states=load_optimizer_states,
-                           load_module_only=load_module_only)
+                           load_module_only=load_module_only, strict=strict)
     except CheckpointError as e:
         error = str(e)
     except (OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError) as e:

@@ -126,17 +126,25 @@ def _listing(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def check_compatible(saved: Manifest, target: Manifest, path: Path, *, need_optimizer: bool) -> None:
-    """Raise CheckpointError naming `path` and the first mismatches; nothing is loaded yet."""
+def check_compatible(saved: Manifest, target: Manifest, path: Path, *, need_optimizer: bool,
+                     strict: bool = True) -> None:
+    """Raise CheckpointError naming `path` and the first mismatches; nothing is loaded yet.
+
+    `strict=False` (`load_module_strict=False`) lets parameter names be missing on either side:
+    the model's parameters the checkpoint lacks keep their values; shapes must still match, and
+    optimizer state cannot be restored for a parameter the checkpoint lacks."""
     have, want = _names(saved.params), _names(target.params)
     problems = []
     missing = [n for n, t in want.items() if n not in have and (t.trainable or saved.frozen_saved)]
     unexpected = [n for n, s in have.items() if n not in want and (s.trainable or saved.frozen_saved)]
     shapes = [f"{n}: checkpoint {list(have[n].shape)}, model {list(t.shape)}"
               for n, t in want.items() if n in have and have[n].shape != t.shape]
-    if missing:
+    if missing and not strict and need_optimizer:
+        problems.append(f"parameters of the model missing from the checkpoint: {_listing(missing)} "
+                        "have no optimizer state there; load with load_optimizer_states=False")
+    elif missing and strict:
         problems.append(f"parameters of the model missing from the checkpoint: {_listing(missing)}")
-    if unexpected:
+    if unexpected and strict:
         problems.append(f"parameters in the checkpoint the model lacks: {_listing(unexpected)}")
     if shapes:
         problems.append(f"shape mismatch: {_listing(shapes, 3)}")

@@ -68,6 +68,8 @@ def main(argv: list[str]) -> int:
         print(f"{args.file}: error: {err}", file=sys.stderr)
         return 2
     print(cfg.describe(non_default_only=args.changed))
+    for note in cfg.notes:  # what initialize() logs once at start-up
+        print(f"note: {note}")
     print("OK")
     return 0
 

@@ -22,6 +22,13 @@ from typing import Any, Literal, Union
 
 from zeroshard.errors import ConfigError
 
+MAX_INT = sys.maxsize
+"""Bound on every integer key (int64 max): no element count or step count can be larger."""
+
+MAX_SAMPLES = 2**31 - 1
+"""Bound on the batch-size keys: a batch of 2**31 samples is larger than any real run, and the
+bound stops a typo such as 1e30 from being derived into an absurd micro-batch."""
+
 AUTO = "auto"
 """The value HF Transformers / Accelerate configs use for "fill this in for me"."""
 
@@ -191,8 +198,9 @@ def coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any] | None = None
     if tp is int:
         return _coerce_int(value, tp, path, meta, default)
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            raise _fail(path, value, tp, meta, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _fail(path, value, tp, meta, default, "" if isinstance(value, (bool, str)) or not isinstance(
+                value, float) else " Infinity and NaN are not usable values.")
         value = float(value)
         _check_bounds(path, value, tp, meta, default)
         return value
@@ -217,8 +225,17 @@ def _coerce_int(value: Any, tp: Any, path: str, meta: Mapping[str, Any], default
     if isinstance(value, float) and (not math.isfinite(value) or value != int(value)):
         raise _fail(path, value, tp, meta, default)
     result = int(value)
+    if meta.get("le") == MAX_SAMPLES and result > MAX_SAMPLES:
+        raise _fail(path, value, tp, meta, default, " No real run has a batch of 2**31 samples; check for a typo.")
+    if abs(result) > MAX_INT:
+        raise ConfigError(f"{path}: got {show(value)}, larger than any real size or count "
+                          f"(the bound is {MAX_INT}, the int64 maximum).{_default_hint(default)}")
     _check_bounds(path, result, tp, meta, default)
     return result
+
+
+def _default_hint(default: Any) -> str:
+    return "" if default is dataclasses.MISSING else f" Default: {show(default)}."
 
 
 def _coerce_literal(value: Any, tp: Any, path: str, default: Any) -> Any:

@@ -17,40 +17,96 @@ from typing import Any
 
 from zeroshard.config.auto import resolve_autos
 from zeroshard.config.batch import GAS, MICRO, TBS, solve_batch
-from zeroshard.config.fields import FrozenDict, describe_type, hints, is_section, json_fields, show
+from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, describe_type, hints, is_section, json_fields, show
 from zeroshard.config.parse import Draft, FieldSpec, parse_document
 from zeroshard.config.schema import Config
-from zeroshard.config.schema_optim import OptimizerConfig, SchedulerConfig
-from zeroshard.config.stages import check_stages
+from zeroshard.config.schema_optim import LambParams, OptimizerConfig, SchedulerConfig
+from zeroshard.config.stages import check_stages, idle_keys
 from zeroshard.config.support import check_supported
 from zeroshard.errors import ConfigError
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 
 
+class _Pairs(dict):  # type: ignore[type-arg]
+    """A JSON object that remembers keys given twice (the first and the last value)."""
+
+    duplicates: list[tuple[str, Any, Any]]
+
+
+def _object_pairs(pairs: list[tuple[str, Any]]) -> _Pairs:
+    obj = _Pairs()
+    obj.duplicates = []
+    for key, value in pairs:
+        if key in obj:
+            obj.duplicates.append((key, obj[key], value))
+        obj[key] = value
+    return obj
+
+
+def _short(value: Any) -> str:
+    text = show(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_duplicates(obj: Any, path: str, where: str) -> None:
+    """Raise for the first key given twice in one object (JSON says nothing; the last would win)."""
+    if isinstance(obj, dict):
+        for key, first, last in getattr(obj, "duplicates", ()):
+            dotted = f"{path}.{key}" if path else key
+            raise ConfigError(f"{where}: {dotted} is given twice ({_short(first)} and then {_short(last)}); "
+                              "keep one. (A JSON reader would silently keep the last.)")
+        for key, value in obj.items():
+            _check_duplicates(value, f"{path}.{key}" if path else key, where)
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            _check_duplicates(value, f"{path}[{i}]", where)
+
+
+def _parse_text(text: str, p: Path) -> Any:
+    """JSON first; if that fails, hjson (DeepSpeed reads ds_config files with hjson: comments,
+    trailing commas, unquoted keys). Both report keys given twice."""
+    try:
+        return json.loads(text, object_pairs_hook=_object_pairs)
+    except json.JSONDecodeError as err:
+        json_err = err
+    try:
+        import hjson  # DeepSpeed's own config reader; a declared dependency of zeroshard
+    except ImportError:  # pragma: no cover - installed with zeroshard
+        hjson = None
+    if hjson is not None:
+        try:
+            return hjson.loads(text, object_pairs_hook=_object_pairs)
+        except hjson.HjsonDecodeError:
+            pass
+    raise ConfigError(
+        f"{p}:{json_err.lineno}:{json_err.colno}: invalid JSON (and not valid hjson either): {json_err.msg}. "
+        "(A missing comma between entries and an unquoted string value are the usual causes.)"
+    ) from None
+
+
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Parse a ds_config JSON file (JSON's `Infinity` and `NaN` are accepted).
+    """Parse a ds_config file: JSON (with `Infinity`/`NaN`, checked later per key), or hjson as
+    DeepSpeed accepts it. A UTF-8 byte-order mark is skipped.
 
     Raises:
-        ConfigError: missing file, unreadable file, invalid JSON, or not a JSON object.
+        ConfigError: missing file, unreadable file, invalid JSON/hjson, a key given twice in one
+            object, or not a JSON object.
     """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # -sig: Windows editors write a BOM
     except FileNotFoundError:
         raise ConfigError(f"{p}: config file not found.") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {err.start}); save the config as UTF-8.") from None
     except OSError as err:
         raise ConfigError(f"{p}: cannot read the config file ({err.strerror}).") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ConfigError(
-            f"{p}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}. (A missing comma between "
-            "entries and a trailing comma before } are the usual causes.)"
-        ) from None
+    raw = _parse_text(text, p)
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: the top level must be a JSON object, got {type(raw).__name__}.")
-    return raw
+    _check_duplicates(raw, "", str(p))
+    return dict(raw)
 
 
 def _build(cls: type, prefix: str, draft: Draft, owner: str = "") -> Any:
@@ -106,12 +162,26 @@ def _apply_stage_defaults(draft: Draft) -> None:
 
 
 def _check_cross_fields(cfg: Config) -> None:
-    """Rules that involve more than one key (each names every key involved)."""
+    """Rules that involve more than one key (each names every key involved).
+
+    Everything initialize() would refuse about a config value belongs here (or in the schema),
+    so `zeroshard config check` and initialize() give the same verdict.
+    """
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError(
             "fp16.enabled and bf16.enabled are both true; choose one: set bf16.enabled to false "
             "for fp16 with loss scaling, or fp16.enabled to false for bf16."
         )
+    fp16 = cfg.fp16
+    if fp16.enabled and fp16.dynamic_loss_scale and not 0 < fp16.min_loss_scale <= fp16.initial_loss_scale:
+        raise ConfigError(
+            f"fp16.min_loss_scale: got {show(fp16.min_loss_scale)}, expected a number > 0 and <= the initial "
+            f"loss scale 2**fp16.initial_scale_power = {fp16.initial_loss_scale:g}. DeepSpeed's default is 1."
+        )
+    params = cfg.optimizer.params if cfg.optimizer is not None else None
+    if isinstance(params, LambParams) and params.min_coeff > params.max_coeff:
+        raise ConfigError(f"optimizer.params.min_coeff: got {show(params.min_coeff)}, expected <= "
+                          f"optimizer.params.max_coeff ({show(params.max_coeff)}).")
     zero = cfg.zero_optimization
     for name, offload in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
         if offload.device == "nvme" and offload.nvme_path is None:
@@ -169,6 +239,10 @@ def load_config(
         draft.values[key] = getattr(batch, key)
         if key in batch.derived:
             draft.sources[key] = "derived (batch triad)"
+            if draft.values[key] > MAX_SAMPLES:
+                raise ConfigError(
+                    f"{key}: derived as {draft.values[key]} from the other batch sizes, larger than any "
+                    f"real run (the bound is {MAX_SAMPLES}); check {TBS}, {MICRO} and {GAS}.")
     _apply_stage_defaults(draft)
     cfg = Config(
         **_kwargs(Config, "", draft),
@@ -178,6 +252,6 @@ def load_config(
         sources=FrozenDict(draft.sources),
     )
     _check_cross_fields(cfg)
-    check_stages(cfg)
-    check_supported(cfg, draft.unmodelled, draft.pending)
-    return cfg
+    notes = check_stages(cfg)
+    check_supported(cfg, draft.unmodelled, draft.pending, skip=idle_keys(cfg))
+    return dataclasses.replace(cfg, notes=(*draft.notes, *notes))

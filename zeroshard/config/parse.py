@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,13 +40,19 @@ ALIASES: dict[str, str] = {
 """Legacy dotted key -> current dotted key (same parent section)."""
 
 REMOVED: dict[str, str] = {
-    "zero_optimization.cpu_offload": 'removed; use "offload_optimizer": {"device": "cpu"}.',
-    "zero_optimization.cpu_offload_param": 'removed; use "offload_param": {"device": "cpu"}.',
-    "zero_optimization.cpu_offload_use_pin_memory":
-        'removed; use "pin_memory": true inside "offload_optimizer" / "offload_param".',
     "gradient_accumulation_dtype": 'not a ds_config key; use "data_types": {"grad_accum_dtype": "fp32"}.',
 }
-"""Keys DeepSpeed deprecated or users invent, with the spelling to use instead."""
+"""Keys users invent, with the spelling to use instead."""
+
+DEPRECATED_BOOLS: dict[str, tuple[tuple[str, ...], str]] = {
+    "zero_optimization.cpu_offload": (("zero_optimization.offload_optimizer.device",), '"offload_optimizer": {"device": "cpu"}'),
+    "zero_optimization.cpu_offload_param": (("zero_optimization.offload_param.device",), '"offload_param": {"device": "cpu"}'),
+    "zero_optimization.cpu_offload_use_pin_memory": (
+        ("zero_optimization.offload_optimizer.pin_memory", "zero_optimization.offload_param.pin_memory"),
+        '"pin_memory" inside "offload_optimizer" / "offload_param"'),
+}
+"""DeepSpeed's deprecated boolean offload keys, mapped as DeepSpeed maps them: dotted key ->
+(the keys it sets, the spelling to use). true selects "cpu" (or pins); false leaves the defaults."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +73,7 @@ class Draft:
     autos: dict[str, FieldSpec] = field(default_factory=dict)
     unmodelled: dict[str, Any] = field(default_factory=dict)
     pending: list[NotSupportedError] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     optimizer: tuple[str, type | dict[str, FieldSpec]] | None = None
     scheduler: tuple[str, type | dict[str, FieldSpec]] | None = None
 
@@ -92,7 +100,29 @@ def _parent(path: str) -> str:
     return head + "." if head else ""
 
 
+def _non_finite(value: Any, path: str) -> tuple[str, float] | None:
+    """The first inf/nan number inside `value` (nested lists and objects), with its path."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, value
+    if isinstance(value, Mapping):
+        items: Any = ((f"{path}.{k}", v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for sub, v in items:
+        found = _non_finite(v, sub)
+        if found:
+            return found
+    return None
+
+
 def _leaf(draft: Draft, path: str, spec: FieldSpec, value: Any) -> None:
+    found = _non_finite(value, path)
+    if found and not (spec.meta.get("inf_is_none") and value == math.inf):
+        where, number = found
+        raise ConfigError(f"{where}: got {show(number)}, expected a finite number (JSON's Infinity and NaN "
+                          "are not values a run can use).")
     if isinstance(value, str) and value == AUTO and spec.tp is not str:
         draft.autos[path] = spec
         draft.sources[path] = "auto (unresolved)"
@@ -107,10 +137,14 @@ def parse_section(draft: Draft, cls: type, raw: Any, prefix: str) -> None:
     fields = {f.name: f for f in json_fields(cls)}
     types = hints(cls)
     legacy = [old.rpartition(".")[2] for old in ALIASES if _parent(old) == prefix]
+    deferred: list[tuple[str, Any]] = []
     for key, value in raw.items():
         path = prefix + key
         if path in REMOVED:
             raise ConfigError(f"{path}: {REMOVED[path]}")
+        if path in DEPRECATED_BOOLS:
+            deferred.append((path, value))  # after the section, so the order of keys does not matter
+            continue
         if path in ALIASES:
             current = ALIASES[path]
             name = current.rpartition(".")[2]
@@ -130,15 +164,33 @@ def parse_section(draft: Draft, cls: type, raw: Any, prefix: str) -> None:
             parse_section(draft, tp, value, path + ".")
         else:
             _leaf(draft, path, FieldSpec(tp, fields[key].metadata, default_of(fields[key])), value)
+    for path, value in deferred:
+        _deprecated_bool(draft, path, value)
+
+
+def _deprecated_bool(draft: Draft, path: str, value: Any) -> None:
+    """Map a deprecated boolean offload key as DeepSpeed does, with a deprecation note."""
+    targets, spelling = DEPRECATED_BOOLS[path]
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: got {show(value)}, expected true or false (deprecated: use {spelling}).")
+    draft.notes.append(f"{path} is deprecated (DeepSpeed too); read as {spelling}"
+                       f"{'' if value else ' left at its default'}. Use that spelling.")
+    if not value:
+        return
+    for target in targets:
+        if target in draft.values and draft.sources.get(target) == "file":
+            raise ConfigError(f"{path} and {target} are both given; keep only {target} ({spelling}).")
+        draft.set(target, True if target.endswith("pin_memory") else "cpu", f"file ({path.rpartition('.')[2]})")
 
 
 def parse_zero(draft: Draft, raw: Any) -> None:
-    """`zero_optimization`, which DeepSpeed once also accepted as a bare boolean."""
+    """`zero_optimization`, which older DeepSpeed tutorials give as a bare boolean (true = stage 1)."""
     if isinstance(raw, bool):
-        raise ConfigError(
-            f"zero_optimization: {show(raw)} is DeepSpeed's removed format; use "
-            f'"zero_optimization": {{"stage": {1 if raw else 0}}}.'
-        )
+        stage = 1 if raw else 0
+        draft.notes.append(f'"zero_optimization": {show(raw)} is DeepSpeed\'s old format, read as stage '
+                           f'{stage}; write "zero_optimization": {{"stage": {stage}}}.')
+        draft.set("zero_optimization.stage", stage, "file (zero_optimization: " + show(raw) + ")")
+        return
     parse_section(draft, ZeroConfig, raw, "zero_optimization.")
 
 

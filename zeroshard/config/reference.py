@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from zeroshard.config.auto import BATCH_KEYS, HIDDEN_SIZE_RULES, OFF_RULES
+from zeroshard.config.effects import NO_EFFECT, effect_of
 from zeroshard.config.fields import default_of, field_docs, hints, is_section, json_fields, show
 from zeroshard.config.parse import ALIASES, REMOVED
 from zeroshard.config.schema import Config
@@ -36,8 +37,14 @@ names are the JSON keys below; `zeroshard config check FILE` does the same from 
 - **Types and ranges are checked**; integers may be written as `5e8`; booleans are not numbers.
 - **Stage applicability**: a key set to a non-default value at a ZeRO stage it does not apply to
   is an error that names the stage where it applies (column *stages*).
-- **Not supported yet**: a valid DeepSpeed key zeroshard does not implement raises
-  `NotSupportedError` when set to a non-default value (column *status*); defaults always load.
+- **Accepted means acted on** (column *effect*): every key is *acted on*, or *not supported yet*
+  (a valid DeepSpeed value zeroshard does not implement raises `NotSupportedError`; the default
+  always loads), or *accepted without effect*, with the reason (zeroshard/config/effects.py).
+- **One template for every stage**: a tuning key of another ZeRO stage is accepted with one
+  start-up note; a request the chosen stage cannot deliver (e.g. `offload_param` below stage 3) is
+  an error.
+- **Syntax**: JSON or hjson (as DeepSpeed reads it); a key given twice in one object, `Infinity` /
+  `NaN` (except `steps_per_print`) and sizes beyond any real run are errors.
 - **Provenance**: `cfg.describe()` lists every value, marking non-defaults with their source
   (`file`, `auto (...)`, `derived (batch triad)`).
 
@@ -90,7 +97,9 @@ def _fmt_default(value: Any) -> str:
     return f"`{show(value)}`"
 
 
-def _status(path: str, stages: tuple[int, ...] | None) -> str:
+def _status(path: str, stages: tuple[int, ...] | None, effect_key: str) -> str:
+    if effect_of(effect_key) == "accepted without effect":
+        return "accepted without effect: " + NO_EFFECT[effect_key]
     entry = status_of(path)
     stage_entry = status_of("zero_optimization.stage")
     if entry is not None and entry.key == "zero_optimization.stage":
@@ -102,19 +111,20 @@ def _status(path: str, stages: tuple[int, ...] | None) -> str:
     if stages and stage_entry is not None and stage_entry.allowed is not None:
         if not set(stages) & set(stage_entry.allowed):
             return f"waits for stage {'/'.join(str(s) for s in stages)}"
-    return "implemented"
+    return "acted on"
 
 
 def _one_line(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def _table(cls: type, prefix: str, out: list[str]) -> list[tuple[type, str]]:
-    """Rows for `cls`'s leaves; returns its sub-sections for the caller to render next."""
+def _table(cls: type, prefix: str, out: list[str], effect_prefix: str = "") -> list[tuple[type, str]]:
+    """Rows for `cls`'s leaves; returns its sub-sections for the caller to render next.
+    `effect_prefix` spells the keys as effects.py does (e.g. "optimizer.params[Adam].")."""
     docs = field_docs(cls)
     types_ = hints(cls)
     subs: list[tuple[type, str]] = []
-    out.append("| key | type | default | stages | status | meaning |")
+    out.append("| key | type | default | stages | effect | meaning |")
     out.append("|---|---|---|---|---|---|")
     for f in json_fields(cls):
         tp = types_[f.name]
@@ -126,18 +136,19 @@ def _table(cls: type, prefix: str, out: list[str]) -> list[tuple[type, str]]:
         stage_text = "all" if stages is None else ", ".join(str(s) for s in stages)
         default = _DEFAULT_TEXT.get(path) or _fmt_default(default_of(f))
         out.append(f"| `{f.name}` | {_type_name(tp)} | {default} | {stage_text} | "
-                   f"{_status(path, stages)} | {_one_line(docs.get(f.name, ''))} |")
+                   f"{_status(path, stages, (effect_prefix + f.name) if effect_prefix else path)} | "
+                   f"{_one_line(docs.get(f.name, ''))} |")
     return subs
 
 
-def _section(cls: type, path: str, out: list[str], level: int = 2, title: str = "") -> None:
+def _section(cls: type, path: str, out: list[str], level: int = 2, title: str = "", effect_prefix: str = "") -> None:
     out.append("")
     out.append(f"{'#' * level} {title or (f'`{path}`' if path else 'Top-level keys')}")
     out.append("")
     if cls.__doc__:
         out.append(_one_line(cls.__doc__).replace("\\|", "|"))
         out.append("")
-    subs = _table(cls, path + "." if path else "", out)
+    subs = _table(cls, path + "." if path else "", out, effect_prefix)
     for sub_cls, sub_path in subs:
         _section(sub_cls, sub_path, out, level if not path else level + 1)
 
@@ -148,13 +159,15 @@ def _optim_sections(out: list[str]) -> None:
     for canonical, cls in OPTIMIZER_PARAMS.values():
         from_cls.setdefault(cls, []).append(canonical)
     for cls, names in from_cls.items():
-        _section(cls, "optimizer.params", out, 3, f"`optimizer.params` for {' / '.join(names)}")
+        _section(cls, "optimizer.params", out, 3, f"`optimizer.params` for {' / '.join(names)}",
+                 f"optimizer.params[{names[0]}].")
     out += ["", "Any other `torch.optim` optimizer (`SGD`, `Adagrad`, `RMSprop`, ...) takes the keyword "
             "arguments of its constructor; names and simple types are checked against its signature. "
             "DeepSpeed types not provided: " + ", ".join(UNSUPPORTED_OPTIMIZERS.values()) + "."]
     _section(SchedulerConfig, "scheduler", out)
     for canonical, cls in SCHEDULER_PARAMS.values():
-        _section(cls, "scheduler.params", out, 3, f"`scheduler.params` for {canonical}")
+        _section(cls, "scheduler.params", out, 3, f"`scheduler.params` for {canonical}",
+                 f"scheduler.params[{canonical}].")
     out += ["", "Any `torch.optim.lr_scheduler` class (`StepLR`, `CosineAnnealingLR`, ...) takes the "
             "keyword arguments of its constructor (checked against its signature)."]
 

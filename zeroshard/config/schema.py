@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from zeroshard.config.describe import describe_config
-from zeroshard.config.fields import FrozenDict, spec
+from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, spec
 from zeroshard.config.schema_optim import OptimizerConfig, SchedulerConfig
 from zeroshard.config.schema_zero import ZeroConfig
 
@@ -62,9 +62,13 @@ class BF16Config:
     """Train with bf16 weights/activations and fp32 master weights. "auto" resolves to false
     unless initialize() says otherwise."""
     immediate_grad_update: bool = False
-    """Apply gradients to the master weights as soon as they are ready."""
-    check_grad_overflow: bool = False
-    """Check bf16 gradients for inf/nan and skip the step (bf16 rarely overflows)."""
+    """DeepSpeed: fold each micro-batch's bf16 gradients into the fp32 accumulator as soon as
+    backward produces them. Accepted without effect: zeroshard always accumulates into the
+    `data_types.grad_accum_dtype` buffers right after each backward."""
+    check_grad_overflow: bool = True
+    """Skip a step whose gradients hold inf/nan. Default true, as in DeepSpeed 0.19. Accepted
+    without effect: zeroshard computes the global gradient norm every step (for clipping) and
+    always skips a non-finite step, at every precision."""
     bf16_master_weights_and_grads: bool = False
     """Keep master weights and gradients in bf16 instead of fp32."""
     bf16_optimizer_states: bool = False
@@ -183,7 +187,8 @@ class CheckpointConfig:
     """`checkpoint`: DeepSpeed's checkpoint options."""
 
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
-    """Check that every rank saves with the same tag: ignore, warn or fail on a mismatch."""
+    """DeepSpeed: check that every rank saves with the same tag (ignore, warn or fail on a
+    mismatch). Accepted without effect: zeroshard does not compare tags across ranks yet."""
     load_universal: bool = False
     """Load a DeepSpeed universal checkpoint."""
     use_node_local_storage: bool = False
@@ -201,12 +206,12 @@ class Config:
     Build with `load_config`; nothing outside `zeroshard.config` reads the raw JSON.
     """
 
-    train_batch_size: int = spec(ge=1)
+    train_batch_size: int = spec(ge=1, le=MAX_SAMPLES)
     """Samples per optimizer step over all ranks:
     train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp_world_size."""
-    train_micro_batch_size_per_gpu: int = spec(ge=1)
+    train_micro_batch_size_per_gpu: int = spec(ge=1, le=MAX_SAMPLES)
     """Samples per forward/backward on one rank. Derived from the other two when absent."""
-    gradient_accumulation_steps: int = spec(ge=1)
+    gradient_accumulation_steps: int = spec(ge=1, le=MAX_SAMPLES)
     """Micro-batches per optimizer step. 1 when only one of the other two is given."""
     dp_world_size: int = spec(ge=1, json_key=False)
     """Data-parallel world size the batch triad was solved for (from comm, not the file)."""
@@ -222,8 +227,9 @@ class Config:
     """ZeRO partitioning and offload."""
     data_types: DataTypesConfig = spec(default_factory=DataTypesConfig)
     """Internal buffer dtypes."""
-    gradient_clipping: float = spec(0.0, ge=0.0)
-    """Clip the global gradient norm (over all ranks) to this value; 0 = off."""
+    gradient_clipping: float = spec(1.0, ge=0.0)
+    """Clip the global gradient norm (over all ranks) to this value; 0 = off. Default 1.0, as in
+    DeepSpeed 0.19 (its documented and code default): a config without the key is clipped."""
     steps_per_print: int | None = spec(10, ge=1, inf_is_none=True)
     """Log progress every N optimizer steps; Infinity or null = never. Default 10, the
     documented DeepSpeed default (DeepSpeed 0.19's code default is null)."""
@@ -257,7 +263,12 @@ class Config:
     """DeepSpeed refuses client optimizers it has not tested with ZeRO unless true. zeroshard
     partitions any torch.optim optimizer, so the flag is accepted and has no effect."""
     zero_force_ds_cpu_optimizer: bool = True
-    """DeepSpeed: require its own CPU optimizer when offloading."""
+    """DeepSpeed: refuse a client optimizer that is not its CPU Adam when offloading. Accepted
+    without effect: zeroshard steps any torch optimizer on the CPU shard (a client torch
+    Adam/AdamW is switched to torch's fused CPU kernel)."""
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    """How gradients are combined across data-parallel ranks: "mean" (DeepSpeed's default;
+    the only value zeroshard implements) or "sum"."""
     sparse_gradients: bool = False
     """Reduce embedding gradients as sparse tensors."""
     disable_allgather: bool = False
@@ -266,6 +277,9 @@ class Config:
     """Log memory usage at points of each step."""
     dataloader_drop_last: bool = False
     """Drop the last incomplete batch in the data loader built by initialize()."""
+    notes: tuple[str, ...] = spec((), json_key=False)
+    """One-line start-up notes from loading (a deprecated spelling mapped, tuning keys of
+    another ZeRO stage ignored); initialize() logs them once on rank 0."""
     sources: Mapping[str, str] = spec(
         default_factory=FrozenDict, json_key=False)
     """Provenance: dotted key -> where its value came from ("file", "auto (...)", "derived

@@ -95,7 +95,7 @@ class WarmupLRParams:
     warmup_max_lr: float | None = spec(None, ge=0.0)
     """Learning rate reached after warmup. Default null: the optimizer's lr, as DeepSpeed's
     WarmupLR does ("auto" copies optimizer.params.lr)."""
-    warmup_num_steps: int = spec(1000, ge=0)
+    warmup_num_steps: int = spec(1000, ge=1)
     """Optimizer steps of warmup."""
     warmup_type: WarmupType = "log"
     """Warmup curve: "log" (DeepSpeed's default) or "linear"."""
@@ -113,7 +113,7 @@ class WarmupDecayLRParams:
     """Learning rate at step 0."""
     warmup_max_lr: float = spec(0.001, ge=0.0)
     """Learning rate reached after warmup. DeepSpeed's default, 0.001."""
-    warmup_num_steps: int = spec(1000, ge=0)
+    warmup_num_steps: int = spec(1000, ge=1)
     """Optimizer steps of warmup."""
     warmup_type: WarmupType = "log"
     """Warmup curve: "log" or "linear"."""
@@ -129,7 +129,7 @@ class WarmupCosineLRParams:
     """Optimizer steps of the whole run (required)."""
     warmup_min_ratio: float = spec(0.0, ge=0.0)
     """lr at step 0, as a fraction of the optimizer's lr."""
-    warmup_num_steps: int = spec(1000, ge=0)
+    warmup_num_steps: int = spec(1000, ge=1)
     """Optimizer steps of warmup."""
     cos_min_ratio: float = spec(0.0001, ge=0.0)
     """lr at the end of the cosine, as a fraction of the optimizer's lr."""

@@ -29,9 +29,10 @@ class OffloadOptimizerConfig:
     buffer_count: int = spec(4, ge=0)
     """Number of I/O buffers for NVMe swapping; at least the number of tensors the optimizer
     keeps per parameter (Adam: 4). DeepSpeed's default, 4."""
-    pin_memory: bool = False
+    pin_memory: bool = True
     """Keep the CPU copies in page-locked memory: faster host<->device copies, at the cost of
-    memory the OS cannot page out. Off by default, as in DeepSpeed."""
+    memory the OS cannot page out. Default true, as in DeepSpeed 0.19. Acted on at stages 1-3
+    when a CUDA device exists (zero/offload.py)."""
     pipeline_read: bool = False
     """Overlap reading the next sub-group from NVMe with the current step (NVMe only)."""
     pipeline_write: bool = False
@@ -61,8 +62,9 @@ class OffloadParamConfig:
     """Size of each NVMe swap buffer, in elements. DeepSpeed's default, 1e8."""
     max_in_cpu: int = spec(1_000_000_000, ge=0)
     """Parameter elements kept in CPU memory when offloading to NVMe. Default 1e9."""
-    pin_memory: bool = False
-    """Keep the CPU parameter copies in page-locked memory (faster copies, unpageable)."""
+    pin_memory: bool = True
+    """Keep the CPU parameter copies in page-locked memory (faster copies, unpageable).
+    Default true, as in DeepSpeed 0.19. Acted on when a CUDA device exists (zero/offload.py)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,10 +87,13 @@ class ZeroConfig:
     step boundary and keeps its chunk."""
     reduce_bucket_size: int = spec(500_000_000, ge=0)
     """Elements per gradient reduction bucket; larger buckets mean fewer, bigger collectives
-    and more memory. Used by every stage (stage 0 all-reduces in buckets). "auto" with a
-    known hidden size h: h*h. DeepSpeed's default, 5e8."""
+    and more memory. Read by stages 0, 1 and 2 (stage 0 all-reduces in buckets); stage 3
+    reduce-scatters each unit's gradients as one collective and does not read it yet. "auto"
+    with a known hidden size h: h*h. DeepSpeed's default, 5e8."""
     use_multi_rank_bucket_allreduce: bool = True
-    """Reduce a bucket spanning several ranks' partitions with all-reduce (stages 1 and 2)."""
+    """DeepSpeed: reduce a bucket spanning several ranks' partitions with one all-reduce
+    (stages 1 and 2). Accepted without effect: zeroshard reduces each bucket with one collective
+    whatever partitions it spans."""
     allgather_partitions: bool = True
     """Gather updated parameters with all-gather (true) or a series of broadcasts (false)
     after each step (stages 1 and 2)."""
@@ -100,9 +105,12 @@ class ZeroConfig:
     Stages 1 and 2: true keeps up to two bucket reductions in flight while backward goes on;
     false waits for each bucket's reduction before backward continues."""
     load_from_fp32_weights: bool = True
-    """On checkpoint load, rebuild the low-precision weights from the fp32 master copy."""
+    """On checkpoint load, rebuild the low-precision weights from the fp32 master copy, as
+    zeroshard always does; false (keep the saved 16-bit weights) is not supported yet."""
     elastic_checkpoint: bool = False
-    """Save optimizer partitions so they can be loaded at another world size (stages 1, 2)."""
+    """DeepSpeed: save optimizer partitions so they can be loaded at another world size
+    (stages 1, 2). Accepted without effect: every zeroshard checkpoint loads at any world size
+    and stage (resharded on load)."""
     offload_param: OffloadParamConfig = spec(default_factory=OffloadParamConfig)
     """Parameter offload (stage 3 only)."""
     offload_optimizer: OffloadOptimizerConfig = spec(default_factory=OffloadOptimizerConfig)
@@ -133,8 +141,9 @@ class ZeroConfig:
     stage3_allgather_sequential: bool = False
     """Issue stage-3 parameter all-gathers one at a time (DeepSpeed option)."""
     ignore_unused_parameters: bool = True
-    """Tolerate parameters that receive no gradient (stages 1 and 2); when false, such a
-    parameter is an error."""
+    """Tolerate parameters that receive no gradient in a step (they get a zero gradient), as
+    zeroshard does at every stage. false (DeepSpeed: raise on such a parameter) is not
+    supported yet."""
     legacy_stage1: bool = False
     """DeepSpeed's pre-0.3 stage-1 implementation. Not provided by zeroshard."""
     round_robin_gradients: bool = False

@@ -1,7 +1,10 @@
 """Which ZeRO stages each `zero_optimization` key applies to, as data, and the check.
 
-A key set (to a value that would have an effect) at a stage it does not apply to is an error that
-names the stage where it does: DeepSpeed ignores it silently and the user believes it works.
+Users keep one ds_config template for every stage, so a *tuning* key of another stage (bucket
+sizes, stage3_* thresholds, sub_group_size at stage 1/2, reduce_scatter at stage 3) is accepted
+with one start-up note listing what has no effect. A key that *requests* something the chosen stage
+cannot deliver (offload_param below stage 3, NVMe below stage 3, ZeRO++ below stage 3) is an error
+naming the stage where it applies: DeepSpeed ignores it silently and the user believes it works.
 Imports nothing of zeroshard but `errors` and `config.fields`.
 """
 
@@ -30,10 +33,13 @@ class StageRule:
     """Dotted leaf whose value activates the rule ("" = `key` itself)."""
     active_value: Any = _NON_DEFAULT
     """Value of the trigger that activates the rule; by default any non-default value."""
+    request: bool = False
+    """True: the key asks for something the other stages cannot deliver (an error there).
+    False: a tuning knob, noted once at start-up and otherwise without effect there."""
 
 
-def _stage3(*names: str) -> tuple[StageRule, ...]:
-    return tuple(StageRule(key=_Z + n, stages=(3,)) for n in names)
+def _stage3(*names: str, request: bool = False) -> tuple[StageRule, ...]:
+    return tuple(StageRule(key=_Z + n, stages=(3,), request=request) for n in names)
 
 
 def _stage12(*names: str) -> tuple[StageRule, ...]:
@@ -41,10 +47,20 @@ def _stage12(*names: str) -> tuple[StageRule, ...]:
 
 
 STAGE_RULES: tuple[StageRule, ...] = (
-    StageRule(key=_Z + "offload_param", trigger=_Z + "offload_param.device", stages=(3,)),
-    StageRule(key=_Z + "offload_optimizer", trigger=_Z + "offload_optimizer.device", stages=(1, 2, 3)),
-    StageRule(key=_Z + "offload_optimizer.device", active_value="nvme", stages=(3,)),
-    StageRule(key=_Z + "offload_optimizer.ratio", stages=(3,)),
+    StageRule(key=_Z + "offload_param", trigger=_Z + "offload_param.device", stages=(3,), request=True),
+    StageRule(key=_Z + "offload_optimizer", trigger=_Z + "offload_optimizer.device", stages=(1, 2, 3),
+              request=True),
+    StageRule(key=_Z + "offload_optimizer.device", active_value="nvme", stages=(3,), request=True),
+    StageRule(key=_Z + "offload_optimizer.ratio", stages=(3,), request=True),
+    *_stage3(
+        "zero_hpz_partition_size",
+        "zero_quantized_weights",
+        "zero_quantized_nontrainable_weights",
+        "zero_quantized_gradients",
+        "mics_shard_size",
+        "mics_hierarchical_params_gather",
+        request=True,
+    ),
     *_stage3(
         "sub_group_size",
         "stage3_prefetch_bucket_size",
@@ -56,12 +72,6 @@ STAGE_RULES: tuple[StageRule, ...] = (
         "stage3_module_granularity_threshold",
         "stage3_use_all_reduce_for_fetch_params",
         "stage3_allgather_sequential",
-        "zero_hpz_partition_size",
-        "zero_quantized_weights",
-        "zero_quantized_nontrainable_weights",
-        "zero_quantized_gradients",
-        "mics_shard_size",
-        "mics_hierarchical_params_gather",
         "memory_efficient_linear",
         "pipeline_loading_checkpoint",
         "override_module_apply",
@@ -78,7 +88,7 @@ STAGE_RULES: tuple[StageRule, ...] = (
         "ignore_unused_parameters",
         "round_robin_gradients",
     ),
-    StageRule(key=_Z + "legacy_stage1", stages=(1,)),
+    StageRule(key=_Z + "legacy_stage1", stages=(1,), request=True),
     StageRule(key=_Z + "load_from_fp32_weights", stages=(1, 2, 3)),
 )
 """Keys of zero_optimization that do not apply at every stage. Keys absent here apply to all
@@ -107,19 +117,27 @@ def _is_active(cfg: Any, rule: StageRule) -> tuple[bool, Any]:
     return value == rule.active_value, value
 
 
-def check_stages(cfg: Any) -> None:
-    """Raise for the first key set at a stage it does not apply to.
+def check_stages(cfg: Any) -> tuple[str, ...]:
+    """Raise for the first request the chosen stage cannot deliver; note tuning keys of other stages.
+
+    Returns:
+        () or one start-up note naming every tuning key set for another stage (no effect here).
 
     Raises:
         ConfigError: e.g. "zero_optimization.offload_param applies to stage 3 only; you chose
             stage 2. Remove it or set stage to 3."
     """
     stage = cfg.zero_optimization.stage
+    idle: list[str] = []
     for rule in STAGE_RULES:
         if stage in rule.stages:
             continue
         active, value = _is_active(cfg, rule)
         if not active:
+            continue
+        if not rule.request:
+            where = "/".join(str(s) for s in rule.stages)
+            idle.append(f"{rule.key.removeprefix(_Z)} (stage {where})")
             continue
         label = rule.key if rule.trigger else f"{rule.key} = {show(value)}"
         scope = f"stage {rule.stages[0]} only" if len(rule.stages) == 1 else (
@@ -128,3 +146,13 @@ def check_stages(cfg: Any) -> None:
             f"{label} applies to {scope}; you chose stage {stage}. "
             f"Remove it or set stage to {_words(rule.stages, 'or')}."
         )
+    if not idle:
+        return ()
+    return (f"zero_optimization: set for another ZeRO stage, no effect at stage {stage}: "
+            f"{', '.join(idle)}. Accepted so one config serves every stage.",)
+
+
+def idle_keys(cfg: Any) -> frozenset[str]:
+    """Tuning keys (not requests) of zero_optimization that do not apply at the chosen stage."""
+    stage = cfg.zero_optimization.stage
+    return frozenset(r.key for r in STAGE_RULES if not r.request and stage not in r.stages)

@@ -9,7 +9,7 @@ copied config that spells out defaults still loads. When a feature lands, delete
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,18 +52,18 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 fix="Cast the inputs in the model or data pipeline, and remove the key."),
     Unsupported(key="fp16.fp16_master_weights_and_grads",
                 why="master weights are always fp32.", fix="Remove the key."),
-    *(Unsupported(key=f"bf16.{k}", why="bf16 master weights, optimizer states and gradients are fp32; "
-                  "bf16 steps are not checked for overflow.", fix="Remove the key.")
-      for k in ("immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
-                "bf16_optimizer_states")),
+    *(Unsupported(key=f"bf16.{k}", why="bf16 master weights, optimizer states and gradients are fp32.",
+                  fix="Remove the key.")
+      for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states")),
     Unsupported(key="wandb.enabled", why="the Weights & Biases monitor is not implemented.",
                 fix="Use tensorboard or csv_monitor."),
     Unsupported(key="activation_checkpointing", why="DeepSpeed's activation checkpointing is not implemented.",
                 fix="Use torch.utils.checkpoint in the model and remove the section."),
     Unsupported(key="aio", why="asynchronous NVMe I/O comes with NVMe offload, which is not implemented.",
                 fix="Remove the section."),
-    Unsupported(key="checkpoint", why="checkpoint options are not implemented (zeroshard's checkpoints "
-                "always validate tags and reshard on load).", fix="Remove the section."),
+    *(Unsupported(key=f"checkpoint.{k}", why=f"checkpoint.{k} is not implemented (zeroshard's checkpoints "
+                  "are one directory per tag, resharded on load).", fix="Remove the key.")
+      for k in ("load_universal", "use_node_local_storage", "parallel_write", "checkpoint_serialization")),
     Unsupported(key="optimizer.legacy_fusion", why="DeepSpeed's legacy fused optimizers are not provided.",
                 fix="Remove the key."),
     Unsupported(key="optimizer.params.bias_correction", allowed=(True,),
@@ -76,8 +76,24 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 fix="Remove the key."),
     Unsupported(key="dataloader_drop_last", why="dropping the last partial batch is not implemented.",
                 fix="Drop it in your dataset, and remove the key."),
-    Unsupported(key="zero_force_ds_cpu_optimizer", why="zeroshard has no DeepSpeed CPU optimizer to force.",
-                fix="Remove the key."),
+    Unsupported(key="gradient_allreduce_op", allowed=("mean",),
+                why="gradients are always averaged over the data-parallel ranks.", fix='Use "mean".'),
+    Unsupported(key="zero_optimization.ignore_unused_parameters", why="a parameter without a gradient "
+                "always gets a zero gradient; raising on it is not implemented.", fix="Remove the key."),
+    Unsupported(key="zero_optimization.load_from_fp32_weights", why="loading always rebuilds the 16-bit "
+                "weights from the fp32 master copy.", fix="Remove the key."),
+    Unsupported(key="zero_optimization.offload_optimizer.ratio", why="partial optimizer offload (a ratio "
+                "below 1.0) is not implemented.", fix="Remove the key (the whole optimizer step is offloaded)."),
+    *(Unsupported(key=f"zero_optimization.{k}", why=why, fix="Remove the key.") for k, why in (
+        ("stage3_model_persistence_threshold", "a cap on the total size of persistent parameters is not "
+         "implemented (stage3_param_persistence_threshold is)."),
+        ("stage3_module_granularity_threshold", "grouping small modules into leaf units by size is not "
+         "implemented; pass units= to initialize() to choose the gathered units."),
+        ("stage3_use_all_reduce_for_fetch_params", "stage 3 always gathers parameters with all-gather."),
+        ("stage3_allgather_sequential", "stage 3 always issues one all-gather per unit."),
+        ("pipeline_loading_checkpoint", "layer-by-layer pipelined checkpoint loading is not implemented."),
+        ("override_module_apply", "partitioned parameters are always gathered for Module.apply."),
+    )),
 )
 """Keys with values zeroshard rejects as not supported yet. Checked in order."""
 
@@ -94,18 +110,57 @@ UNMODELLED: dict[str, str] = {
         "hybrid_engine", "nebula", "datastates", "elasticity", "weight_quantization", "compile",
         "tensor_parallel", "comet", "quantize_training", "graph_harvesting", "timers",
         "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "vocabulary_size",
+        "managed_gradient_accumulation", "disable_python_gc", "expert_parallel", "log_level",
         "zero_optimization.zenflow", "zero_optimization.zeropp_loco_param", "zero_optimization.leaf_module",
         "checkpoint.writer",
     )
 }
-"""DeepSpeed keys and sections zeroshard does not model. Accepted when absent, null, false, {}
-or {"enabled": false}; anything else raises NotSupportedError."""
+"""DeepSpeed keys and sections zeroshard does not model. Accepted when they ask for nothing
+(`is_inactive`); anything else raises NotSupportedError naming the key."""
 
 
-def is_inactive(value: Any) -> bool:
-    """True for the spellings of "feature off": null, false, {}, [] or {"enabled": false}."""
+def _all_off(value: Any, gates: Mapping[str, tuple[Any, ...]]) -> bool:
+    """A section whose gate keys all hold an "off" value (other keys only tune the gated feature)."""
+    return isinstance(value, Mapping) and all(value.get(k, off[0]) in off for k, off in gates.items())
+
+
+OFF_VALUES: dict[str, Callable[[Any], bool]] = {
+    # DeepSpeed's `compile` options all tune DeepCompile; deepcompile false asks for nothing.
+    "compile": lambda v: _all_off(v, {"deepcompile": (False,)}),
+    # autotp_size 0 (DeepSpeed's default) or 1 means no tensor parallelism.
+    "tensor_parallel": lambda v: _all_off(v, {"autotp_size": (0, 1), "tp_size": (1,)})
+    and _all_off(v.get("tp", v.get("tensor_parallel", {})) or {}, {"tp_size": (1,)}),
+    # Sequence parallelism is not built; its communication dtype at DeepSpeed's default asks nothing.
+    "seq_parallel_communication_data_type": lambda v: v in ("fp32", "float32", "torch.float32"),
+    "managed_gradient_accumulation": lambda v: v is True,
+    "vocabulary_size": lambda v: v is None,
+    "expert_parallel": lambda v: _all_off(v, {"enabled": (False,)}),
+}
+"""UNMODELLED keys whose DeepSpeed default (or "off") spelling is more than null/false/{}:
+key -> predicate that is true when the value asks for nothing."""
+
+
+OFF_HINTS: dict[str, str] = {
+    "compile": 'Remove it, or set "deepcompile": false.',
+    "tensor_parallel": 'Remove it, or set "autotp_size": 1 (no tensor parallelism).',
+    "seq_parallel_communication_data_type": 'Remove it, or set it to "fp32" (DeepSpeed\'s default).',
+    "managed_gradient_accumulation": "Remove it, or set it to true (DeepSpeed's default).",
+    "log_level": 'Remove it, and set the level of the "zeroshard" logger in the script '
+                 '(logging.getLogger("zeroshard").setLevel(...)).',
+}
+"""The "asks for nothing" spelling to suggest for UNMODELLED keys where it is not false / {}."""
+
+
+def is_inactive(value: Any, key: str = "") -> bool:
+    """True for the spellings of "feature off": null, false, {}, [], {"enabled": false}, or
+    the key's own off values (OFF_VALUES), e.g. `"compile": {"deepcompile": false}`."""
     if value is None or value is False or value == {} or value == []:
         return True
+    if key in OFF_VALUES:
+        try:
+            return bool(OFF_VALUES[key](value))
+        except (AttributeError, TypeError):
+            return False
     return isinstance(value, Mapping) and value.get("enabled") is False
 
 
@@ -136,19 +191,22 @@ def _violation(cfg: Any, entry: Unsupported, path: str) -> Any:
     return (value,)
 
 
-def check_supported(cfg: Any, unmodelled: Mapping[str, Any], pending: Iterable[NotSupportedError]) -> None:
+def check_supported(cfg: Any, unmodelled: Mapping[str, Any], pending: Iterable[NotSupportedError],
+                    skip: Container[str] = ()) -> None:
     """Raise NotSupportedError for the first unsupported value in `cfg`.
 
     Args:
         cfg: the built Config.
         unmodelled: dotted key -> raw value for UNMODELLED keys found in the file.
         pending: errors the parser deferred (e.g. an unsupported optimizer type), raised first.
+        skip: keys with no effect at the chosen ZeRO stage (another stage's tuning knobs), which
+            are noted rather than refused.
     """
     for err in pending:
         raise err
     for key, value in unmodelled.items():
-        if not is_inactive(value):
-            raise not_supported(key, value, UNMODELLED[key], "Remove it, or set it to false / {}.")
+        if not is_inactive(value, key):
+            raise not_supported(key, value, UNMODELLED[key], OFF_HINTS.get(key, "Remove it, or set it to false / {}."))
     for entry in NOT_SUPPORTED:
         try:
             target = get_dotted(cfg, entry.key)
@@ -156,6 +214,8 @@ def check_supported(cfg: Any, unmodelled: Mapping[str, Any], pending: Iterable[N
             continue
         paths = list(_leaves(target, entry.key + ".")) if dataclasses.is_dataclass(target) else [entry.key]
         for path in paths:
+            if path in skip:
+                continue
             hit = _violation(cfg, entry, path)
             if hit is not None:
                 raise not_supported(path, hit[0], entry.why, entry.fix)

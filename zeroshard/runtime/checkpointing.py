@@ -51,8 +51,9 @@ class Checkpointer(Protocol):
         ...
 
     def load(self, target: EngineState, load_dir: str, tag: str | None, *, load_optimizer_states: bool,
-             load_module_only: bool) -> LoadedState | None:
-        """Read what `target` needs from a checkpoint; None when `load_dir` has no `latest`."""
+             load_module_only: bool, strict: bool = True) -> LoadedState | None:
+        """Read what `target` needs from a checkpoint; None when `load_dir` has no `latest`.
+        `strict=False` tolerates parameter names missing on either side."""
         ...
 
 
@@ -148,7 +149,7 @@ def collect_state(engine: "ZeroEngine", strategy: ZeroStrategy, *, include_froze
     if rank == 0:
         whole.update({n: b.detach() for n, b in buffers})
     manifest = Manifest(
-        world_size=world, stage=engine.config.zero_optimization.stage, precision=engine.config.precision,
+        world_size=world, stage=engine.zs_config.zero_optimization.stage, precision=engine.zs_config.precision,
         params=params, aliases=aliases,
         buffers=[TensorInfo(n, tuple(b.shape), _dtype_name(b.dtype)) for n, b in buffers],
         optimizer=type(optimizer).__name__ if optimizer is not None else None,

@@ -131,3 +131,28 @@ class DistributedDataLoader:
         self.epoch = int(state["epoch"])
         self._resume_start = int(state["consumed_samples"])
         self._position = None
+
+
+class RepeatingLoader:
+    """Iterate over `loader` forever, restarting it at each end (DeepSpeed's RepeatingLoader).
+
+    Example::
+
+        batches = RepeatingLoader(loader)
+        for step in range(steps):
+            x, y = next(batches)
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> "RepeatingLoader":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,8 @@ from torch import Tensor, nn
 from zeroshard.checkpoint_format import EngineState, LoadedState
 from zeroshard.errors import CheckpointError
 from zeroshard.runtime.checkpointing import Checkpointer, apply_state, collect_state
+from zeroshard.runtime.engine_queries import EngineQueries
+from zeroshard.runtime.param_access import forget_engine, register_engine
 from zeroshard.runtime.inference import generate_tokens, hf_generate
 from zeroshard.runtime.loss_scaler import LossScaler
 from zeroshard.runtime.monitor import MetricSink, Timers, format_bytes, peak_memory_bytes
@@ -35,7 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("zeroshard")
 
 
-class ZeroEngine(nn.Module):
+class ZeroEngine(EngineQueries, nn.Module):
     """Wraps a model for data-parallel ZeRO training. Built by `zeroshard.initialize`.
 
     Use it as DeepSpeed's engine::
@@ -45,6 +49,8 @@ class ZeroEngine(nn.Module):
         engine.step()                 # optimizer + scheduler at the accumulation boundary
 
     Attributes:
+        config: the config as the user gave it (a dict; a file is read into one), like
+            DeepSpeed's `engine.config`. The typed, validated Config is `engine.zs_config`.
         module: the wrapped model (in the training dtype).
         optimizer: the optimizer stepping on the master parameters, or None.
         lr_scheduler: the lr scheduler, stepped after every applied optimizer step, or None.
@@ -67,10 +73,12 @@ class ZeroEngine(nn.Module):
         loss_scaler: LossScaler | None,
         sinks: list[MetricSink],
         training_dataloader: Any = None,
+        raw_config: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.module = module
-        self.config = config
+        self._config = config
+        self.config: Mapping[str, Any] = raw_config if raw_config is not None else {}
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
@@ -83,7 +91,13 @@ class ZeroEngine(nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._last_grad_stats: GradStats | None = None
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
+        self._no_sync = False
+        self._grads_ready = False  # reduced gradients wait for step() (safe_get_full_grad)
+        self._pending_backwards = 0  # backward passes since the last optimizer step
         self._init_progress()
+        self._publish_loss_scale(overflow=False)
+        register_engine(self, module)
 
     def _init_progress(self) -> None:
         self._loss_sum: Tensor | None = None  # on the loss's device: no sync per micro-batch
@@ -98,22 +112,43 @@ class ZeroEngine(nn.Module):
     # -- DeepSpeed-compatible queries -----------------------------------------------------
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the current micro-batch is the last of its step (reduction happens)."""
+        """True when the current micro-batch is the last of its step (reduction happens).
+
+        Follows the micro-step count, unless `set_gradient_accumulation_boundary` said otherwise.
+        """
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self._grad_accum_steps == 0
 
-    def gradient_accumulation_steps(self) -> int:
-        return self._grad_accum_steps
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the micro-step count: the next `backward` reduces (True) or only
+        accumulates (False), and `step()` steps the optimizer only when True. Set it before each
+        micro-batch's forward/backward, as in DeepSpeed::
 
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
+            engine.set_gradient_accumulation_boundary(False)
+            for batch in batches[:-1]:
+                engine.backward(engine(batch))
+            engine.set_gradient_accumulation_boundary(True)
+            engine.backward(engine(batches[-1]))
+            engine.step()
+        """
+        self._boundary_override = bool(is_boundary)
 
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without reducing them; the first
+        `backward` outside reduces the sum. `step()` inside raises, as in DeepSpeed.
 
-    def get_lr(self) -> list[float]:
-        if self.optimizer is None:
-            return []
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
+        Unlike DeepSpeed this also works at stages 2 and 3: their per-micro-batch
+        reduce-scatters still run (they are how those stages accumulate), with the same result.
+        """
+        if self._no_sync:
+            raise RuntimeError("engine.no_sync() cannot be re-entered")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
 
     def get_loss_scale(self) -> float:
         return self._loss_scaler.loss_scale if self._loss_scaler is not None else 1.0
@@ -121,6 +156,13 @@ class ZeroEngine(nn.Module):
     @property
     def loss_scale(self) -> float:
         return self.get_loss_scale()
+
+    def _publish_loss_scale(self, overflow: bool) -> None:
+        # DeepSpeed's optimizer wrappers carry these; ours stays a plain torch optimizer that
+        # is given the same attributes, refreshed after every step and load.
+        if self.optimizer is not None:
+            self.optimizer.loss_scale = self.optimizer.cur_scale = self.get_loss_scale()  # type: ignore[attr-defined]
+            self.optimizer.overflow = overflow  # type: ignore[attr-defined]
 
     def get_global_grad_norm(self) -> float | None:
         """Pre-clip L2 norm of the averaged, unscaled gradient at the last step."""
@@ -131,6 +173,11 @@ class ZeroEngine(nn.Module):
 
     def zero_grad(self) -> None:
         """Gradients live in the strategy's buffers and are reset by `step()`; nothing to do."""
+
+    def destroy(self) -> None:
+        """Forget this engine's parameters in `zeroshard.utils.safe_*` look-ups (DeepSpeed's
+        `destroy` releases its optimizer's buffers). The engine stays usable for inference."""
+        forget_engine(self)
 
     @property
     def device(self) -> torch.device:
@@ -175,30 +222,42 @@ class ZeroEngine(nn.Module):
         self.timers.stop("forward")
         return out
 
-    def backward(self, loss: Tensor, retain_graph: bool = False) -> Tensor:
+    def backward(self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Tensor:
         """Backward of a micro-batch's loss, divided by gradient_accumulation_steps.
 
         Gradients accumulate locally; on the last micro-batch of a step they are reduced in
-        buckets as they become ready. Returns `loss` unchanged.
+        buckets as they become ready.
+
+        Args:
+            loss: the micro-batch's scalar loss.
+            retain_graph: passed to `Tensor.backward`.
+            scale_wrt_gas: divide the loss (and so the gradients) by
+                `gradient_accumulation_steps`; False backpropagates the loss as it is.
+
+        Returns:
+            The loss divided by gradient_accumulation_steps (when `scale_wrt_gas`), as DeepSpeed.
         """
         if loss.dim() != 0:
             raise ValueError(
                 f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; "
                 "reduce it first (e.g. loss.mean())"
             )
-        boundary = self.is_gradient_accumulation_boundary()
+        boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
         self._strategy.begin_micro_batch(boundary)
-        scale = self.get_loss_scale() / self._grad_accum_steps
+        gas = self._grad_accum_steps if scale_wrt_gas else 1
+        scale = self.get_loss_scale() / gas
         self.timers.start("backward")
         (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self.timers.stop("backward")
         self.timers.start("reduce_wait")
         self._strategy.after_backward()
         self.timers.stop("reduce_wait")
+        self._grads_ready = boundary
+        self._pending_backwards += 1
         detached = loss.detach().double()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._loss_count += 1
-        return loss
+        return loss / gas if gas != 1 else loss
 
     def step(self) -> None:
         """End of a micro-batch; at the accumulation boundary, one optimizer step.
@@ -207,7 +266,10 @@ class ZeroEngine(nn.Module):
         fp16 overflow (lowering the loss scale), otherwise step the optimizer and then the
         lr scheduler.
         """
-        samples = self.config.train_micro_batch_size_per_gpu * self._groups.world_size
+        if self._no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync(): leave the block and run one "
+                               "more backward (it reduces the accumulated gradients) before step()")
+        samples = self._config.train_micro_batch_size_per_gpu * self._groups.world_size
         self._window_samples += samples
         self._run_samples += samples
         if not self.is_gradient_accumulation_boundary():
@@ -219,7 +281,9 @@ class ZeroEngine(nn.Module):
                 "or pass optimizer= to zeroshard.initialize()"
             )
         self.timers.start("step")
-        stats = self._strategy.prepare_step(1.0 / self.get_loss_scale(), self.config.gradient_clipping)
+        self._grads_ready = False
+        self._pending_backwards = 0
+        stats = self._strategy.prepare_step(1.0 / self.get_loss_scale(), self._config.gradient_clipping)
         if not stats.overflow:
             self.optimizer.step()
         self._strategy.after_step(applied=not stats.overflow)
@@ -233,14 +297,15 @@ class ZeroEngine(nn.Module):
                     f"step {self.global_steps + 1}: gradient overflow, step skipped; "
                     f"loss scale {before:g} -> {self._loss_scaler.loss_scale:g}"
                 )
+        self._publish_loss_scale(stats.overflow)
         if stats.overflow:
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
-        self.global_samples += self.config.train_batch_size
+        self.global_samples += self._config.train_batch_size
         self.micro_steps += 1
-        every = self.config.steps_per_print  # None: never print progress
+        every = self._config.steps_per_print  # None: never print progress
         if every is not None and self.global_steps % every == 0:
             self._report()
 
@@ -264,6 +329,26 @@ class ZeroEngine(nn.Module):
         finally:
             self.module.train(was_training)
 
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Tensor] | None:
+        """The whole model's state_dict in its training dtype, on CPU, on rank 0 (None on the
+        others), gathering stage-3 shards one parameter at a time. Every rank must call it.
+
+        DeepSpeed's name; unlike DeepSpeed it also works below stage 3 (nothing to gather).
+        Tied parameters stay one tensor under each of their names.
+        """
+        state = self.module.state_dict(keep_vars=True)
+        out: dict[str, Tensor] = {}
+        done: dict[int, Tensor] = {}
+        for name, value in state.items():
+            if exclude_frozen_parameters and isinstance(value, nn.Parameter) and not value.requires_grad:
+                continue
+            if id(value) not in done:
+                with GatheredParameters([value] if isinstance(value, ZeroParameter) else []):
+                    # Only rank 0 keeps a copy; the others take part in the gather.
+                    done[id(value)] = value.detach().to("cpu", copy=True) if self.rank == 0 else value
+            out[name] = done[id(value)]
+        return out if self.rank == 0 else None
+
     def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the whole model's state_dict in its training dtype (fp16/bf16/fp32), on rank 0.
@@ -275,24 +360,14 @@ class ZeroEngine(nn.Module):
         Returns:
             True when the file was written (on rank 0) or would be (other ranks).
         """
-        state = self.module.state_dict(keep_vars=True)
-        partitioned = any(isinstance(v, ZeroParameter) for v in state.values())
-        if partitioned and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        partitioned = any(isinstance(p, ZeroParameter) for p in self.module.parameters())
+        if partitioned and not self.zero_gather_16bit_weights_on_model_save():
             logger.warning("save_16bit_model: the weights are partitioned and "
                            "zero_optimization.stage3_gather_16bit_weights_on_model_save is false; "
                            "nothing written. Set it to true to gather them.")
             return False
-        out: dict[str, Tensor] = {}
-        done: dict[int, Tensor] = {}
-        for name, value in state.items():
-            if exclude_frozen_parameters and isinstance(value, nn.Parameter) and not value.requires_grad:
-                continue
-            if id(value) not in done:
-                with GatheredParameters([value] if isinstance(value, ZeroParameter) else []):
-                    # Only rank 0 keeps a copy; the others take part in the gather.
-                    done[id(value)] = value.detach().to("cpu", copy=True) if self.rank == 0 else value
-            out[name] = done[id(value)]
-        if self.rank == 0:
+        out = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if out is not None:
             path = Path(save_dir) / save_filename
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(path.name + ".tmp")
@@ -300,6 +375,11 @@ class ZeroEngine(nn.Module):
             os.replace(tmp, path)  # never a half-written file under the real name
             logger.info(f"saved the {len(out)}-tensor model state to {path}")
         return True
+
+    def save_fp16_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
 
     # -- progress -------------------------------------------------------------------------
 
@@ -331,7 +411,7 @@ class ZeroEngine(nn.Module):
             f"peak mem {format_bytes(peak_memory_bytes(self.device))}"
         )
         if self.timers.enabled:
-            logger.info(self.timers.report_and_reset(self.config.steps_per_print or 1))
+            logger.info(self.timers.report_and_reset(self._config.steps_per_print or 1))
         for sink in self._sinks:
             sink.write(self.global_steps, metrics)
         self._loss_sum, self._loss_count = None, 0
@@ -388,8 +468,9 @@ class ZeroEngine(nn.Module):
         return self._loss_scaler
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
-                        client_state: dict[str, Any] | None = None, save_latest: bool = True, *,
-                        exclude_frozen_parameters: bool = True, save_optimizer_states: bool = True) -> str:
+                        client_state: Mapping[str, Any] | None = {},  # noqa: B006 (DeepSpeed's; never mutated)
+                        save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False, *, save_optimizer_states: bool = True) -> str:
         """Save a checkpoint; every rank must call it (like DeepSpeed's `save_checkpoint`).
 
         Args:
@@ -398,7 +479,8 @@ class ZeroEngine(nn.Module):
             client_state: any picklable dict, returned by `load_checkpoint`.
             save_latest: point `save_dir/latest` at this tag (after it is complete).
             exclude_frozen_parameters: leave out parameters with requires_grad=False (a frozen
-                LoRA base); a load then keeps the model's own values for them.
+                LoRA base); a load then keeps the model's own values for them. Default False,
+                as in DeepSpeed: every parameter is saved.
             save_optimizer_states: False writes weights only (no master weights, no optimizer
                 state); such a checkpoint loads with `load_optimizer_states=False`.
 
@@ -406,19 +488,23 @@ class ZeroEngine(nn.Module):
             The checkpoint's directory.
 
         Raises:
-            CheckpointError: called in the middle of gradient accumulation, or a rank could not
-                write (every rank raises; the previous checkpoint and `latest` are untouched).
+            CheckpointError: `save_dir` is None or empty, the call is in the middle of gradient
+                accumulation, or a rank could not write (every rank raises; the previous
+                checkpoint and `latest` are untouched).
 
         Example::
 
             engine.save_checkpoint("ckpt", client_state={"epoch": 3})
         """
+        if save_dir is None or str(save_dir) == "":
+            raise CheckpointError(f"save_checkpoint: save_dir must name a directory, got {save_dir!r} "
+                                  "(nothing was written)")
         if self.checkpointer is None:
             raise CheckpointError("this engine has no checkpointer; build it with zeroshard.initialize()")
-        if self.micro_steps % self._grad_accum_steps != 0:
+        if self._pending_backwards:
             raise CheckpointError(
-                f"save_checkpoint at micro-step {self.micro_steps % self._grad_accum_steps} of "
-                f"{self._grad_accum_steps} (gradient accumulation): accumulated gradients are not saved. "
+                f"save_checkpoint after {self._pending_backwards} backward pass(es) of an unfinished "
+                f"optimizer step (gradient accumulation): accumulated gradients are not saved. "
                 "Save right after the engine.step() that ends an optimizer step.")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         path = self.checkpointer.save(self.state(include_frozen=not exclude_frozen_parameters), str(save_dir),
@@ -427,18 +513,29 @@ class ZeroEngine(nn.Module):
         return path
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Callable[..., Any] | None = None,
+                        ) -> tuple[str | None, dict[str, Any] | None]:
         """Load a checkpoint saved at any world size and ZeRO stage; every rank must call it.
+
+        DeepSpeed 0.19's signature; every argument is honoured.
 
         Args:
             load_dir: the checkpoint root given to `save_checkpoint`.
             tag: which checkpoint; default: the one `load_dir/latest` names.
+            load_module_strict: False lets parameter names differ between the checkpoint and
+                the model: parameters the checkpoint lacks keep their values, extra ones are
+                ignored (shapes must still match).
             load_optimizer_states: load fp32 master weights and optimizer state (exact resume);
                 False loads the saved low-precision weights only (never opens optimizer files).
             load_lr_scheduler_states: restore the lr scheduler.
             load_module_only: the module's weights only: no optimizer, scheduler, counters,
                 random generators or data loader position.
+            custom_load_fn: called as `custom_load_fn(src=state_dict, dst=engine.module)` in
+                place of the weight copy, on every rank, with the checkpoint's whole
+                low-precision state_dict (gathered from the shards at stage 3). The masters
+                are then re-initialised from the module's values.
 
         Returns:
             `(checkpoint directory, client_state)`, or `(None, None)` when `load_dir` exists
@@ -450,13 +547,59 @@ class ZeroEngine(nn.Module):
         """
         if self.checkpointer is None:
             raise CheckpointError("this engine has no checkpointer; build it with zeroshard.initialize()")
+        if custom_load_fn is not None:
+            return self._load_with_custom_fn(load_dir, tag, custom_load_fn)
         loaded = self.checkpointer.load(self.state(), str(load_dir), tag,
                                         load_optimizer_states=load_optimizer_states,
-                                        load_module_only=load_module_only)
+                                        load_module_only=load_module_only, strict=load_module_strict)
         if loaded is None:
             logger.warning(f"{load_dir} has no 'latest' file: no checkpoint loaded")
             return None, None
         self.apply_state(loaded, load_lr_scheduler_states=load_lr_scheduler_states,
                          load_module_only=load_module_only)
+        self._grads_ready, self._pending_backwards = False, 0
+        self._publish_loss_scale(overflow=False)
         logger.info(f"loaded checkpoint {loaded.path} (step {self.global_steps})")
         return loaded.path, loaded.client_state if loaded.client_state is not None else {}
+
+    def _load_with_custom_fn(self, load_dir: str | os.PathLike[str], tag: str | None,
+                             custom_load_fn: Callable[..., Any]) -> tuple[str | None, dict[str, Any] | None]:
+        # The checkpoint is read whole into a scratch copy of the engine's state, then handed to
+        # the user's function, as DeepSpeed hands it `state_dict["module"]`.
+        target = self.state()
+        loaded = self.checkpointer.load(target, str(load_dir), tag,  # type: ignore[union-attr]
+                                        load_optimizer_states=False, load_module_only=True)
+        if loaded is None:
+            logger.warning(f"{load_dir} has no 'latest' file: no checkpoint loaded")
+            return None, None
+        src = self._consolidate_loaded(loaded)
+        with GatheredParameters([p for p in self.module.parameters() if isinstance(p, ZeroParameter)],
+                                modifier_rank=0):
+            custom_load_fn(src=src, dst=self.module)
+        self._strategy.sync_master_from_params()
+        logger.info(f"loaded checkpoint {loaded.path} through custom_load_fn")
+        return loaded.path, {}
+
+    def _consolidate_loaded(self, loaded: Any) -> dict[str, Tensor]:
+        """The whole state_dict of a weights-only load (stage-3 pieces gathered over ranks)."""
+        src = dict(loaded.module)
+        pieces = self._strategy.param_pieces()
+        if loaded.weight_pieces is None or pieces is None:
+            return src
+        flat: dict[int, Tensor] = {}  # param -> numel values + 1 flag "this rank read a piece"
+        for piece, value in zip(pieces, loaded.weight_pieces, strict=True):
+            full = flat.setdefault(id(piece.param), torch.zeros(piece.param.numel() + 1, dtype=torch.float32,
+                                                                device=self.device))
+            if value is not None:
+                full[piece.param_offset : piece.param_offset + piece.numel].copy_(value)
+                full[-1] = 1.0
+        for name, p in self.module.named_parameters():
+            full = flat.get(id(p), torch.zeros(p.numel() + 1, dtype=torch.float32, device=self.device))
+            self._comm.all_reduce(full)  # each element is owned by one rank; the others add 0
+            if full[-1].item() > 0:  # absent (a frozen parameter not saved): not in src
+                src[name] = full[:-1].to(p.dtype).view(p.shape).cpu()
+        return src
+
+
+DeepSpeedEngine = ZeroEngine
+"""DeepSpeed's name for the engine class (`isinstance(engine, deepspeed.DeepSpeedEngine)`)."""

@@ -8,10 +8,15 @@ stepping on its last tokens, discarding the result, until every rank is done (th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from zeroshard.zero.init import GatheredParameters
+from zeroshard.zero.units import ZeroParameter
 
 if TYPE_CHECKING:
     from zeroshard.runtime.engine import ZeroEngine
@@ -59,3 +64,29 @@ def hf_generate(engine: "ZeroEngine", **kwargs: Any) -> Any:
     if engine.world_size > 1:
         kwargs.setdefault("synced_gpus", True)
     return engine.module.generate(**kwargs)
+
+
+@contextmanager
+def unwrap_model_for_generation(model: Any, accelerator: Any = None,
+                                gather_deepspeed3_params: bool = True) -> Iterator[nn.Module]:
+    """Yield the plain model to generate with, its stage-3 parameters gathered for the block.
+
+    TRL's helper of this name, for an engine or a module: `model` may be a ZeroEngine (its
+    `.module` is yielded) or the module itself; `accelerator` is accepted and unused. With
+    `gather_deepspeed3_params` every partitioned parameter is gathered on entry (collective:
+    every rank enters together) and released on exit, so `model.generate(...)` runs without
+    one gather per forward; False yields the module as it is (each forward then gathers, which
+    needs every rank to run the same number of forwards: `synced_gpus=True`).
+
+    Example::
+
+        with unwrap_model_for_generation(engine) as m:
+            out = m.generate(input_ids, max_new_tokens=20)
+    """
+    module = getattr(model, "module", model)
+    partitioned = [p for p in module.parameters() if isinstance(p, ZeroParameter)]
+    if not gather_deepspeed3_params or not partitioned:
+        yield module
+        return
+    with GatheredParameters(partitioned):
+        yield module

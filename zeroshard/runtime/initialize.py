@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from os import PathLike
 from typing import Any
@@ -12,8 +13,9 @@ from torch import nn
 
 from zeroshard.arguments import config_path_from_args
 from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
-from zeroshard.config import Config, load_config
-from zeroshard.errors import ConfigError
+from zeroshard.config import Config, load_config, read_config_file
+
+from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.runtime.checkpointing import Checkpointer
 from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
@@ -81,9 +83,14 @@ def initialize(
     model_parameters: Iterable[Any] | None = None,
     training_data: torch.utils.data.Dataset | None = None,
     lr_scheduler: Any = None,
-    config: str | PathLike[str] | Mapping[str, Any] | None = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    config: str | PathLike[str] | Mapping[str, Any] | None = None,
+    mesh_param: Any = None,
     config_params: Mapping[str, Any] | None = None,
+    *,
     zero_units: list[nn.Module | type[nn.Module]] | None = None,
 ) -> tuple[ZeroEngine, torch.optim.Optimizer | None, DistributedDataLoader | None, Any]:
     """Wrap `model` for ZeRO data-parallel training, as `deepspeed.initialize` does.
@@ -98,8 +105,15 @@ def initialize(
         training_data: a Dataset; a distributed data loader over it is returned.
         lr_scheduler: a scheduler object, or a callable taking the optimizer; None to build
             the config's `scheduler`.
-        config: a ds_config path or dict (DeepSpeed's format, see docs/config.md).
+        distributed_port: the rendezvous port when the launcher's environment has none
+            (DeepSpeed's argument; `MASTER_PORT` wins when set).
+        mpu: model-parallel unit (tensor / pipeline parallelism): not supported yet; anything
+            but None raises NotSupportedError.
+        dist_init_required: accepted for DeepSpeed scripts; zeroshard joins the launcher's
+            process group when none exists and reuses the script's own otherwise.
         collate_fn: collate function of the returned data loader.
+        config: a ds_config path or dict (DeepSpeed's format, see docs/config.md).
+        mesh_param: DeepSpeed's device-mesh shape: None only (data parallelism).
         config_params: DeepSpeed's legacy name for `config`.
         zero_units: stage 3 only: the modules (or module classes) whose parameters are
             gathered together; default every block of a ModuleList plus the root.
@@ -111,6 +125,7 @@ def initialize(
     Raises:
         ConfigError: the config is invalid, names an unsupported feature, or has an "auto"
             value nothing can resolve.
+        NotSupportedError: `mpu` or `mesh_param` was given.
 
     Example::
 
@@ -124,9 +139,20 @@ def initialize(
     """
     if model is None:
         raise ConfigError("initialize() needs model=")
+    if mpu is not None:
+        raise NotSupportedError(
+            "initialize(mpu=...): model parallelism (tensor / pipeline) is not supported by "
+            "zeroshard yet; drop mpu= to train with ZeRO data parallelism only")
+    if mesh_param is not None:
+        raise NotSupportedError(
+            f"initialize(mesh_param={mesh_param!r}): device meshes (sequence / tensor parallelism) "
+            "are not supported by zeroshard yet; drop mesh_param=")
     if config is not None and config_params is not None:
         raise ConfigError("pass the config once: config= or config_params=, not both")
     source = _resolve_config_source(args, config if config is not None else config_params)
+    raw_config = source if isinstance(source, Mapping) else read_config_file(source)
+    if distributed_port is not None:
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
     groups = init_distributed()
     setup_logging(groups.rank)
     auto = dict(client_auto_values(optimizer))
@@ -136,6 +162,8 @@ def initialize(
         "resolved config (values not at their DeepSpeed default, with their source; "
         "`zeroshard config check FILE` lists every key):\n" + cfg.describe(non_default_only=True)
     )
+    for note in cfg.notes:  # deprecated spellings mapped, other stages' tuning keys: once, at start-up
+        logger.warning(note)
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     if any(init_partitioned(p) for p in model.parameters()):
@@ -150,7 +178,9 @@ def initialize(
         model.to(device=groups.device, dtype=dtype)
     else:
         model.to(groups.device)
-    comm = Comm(groups, log=CommLog() if cfg.comms_logger.enabled else None)
+    comms = cfg.comms_logger
+    comm = Comm(groups, log=CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
+                if comms.enabled else None)
     broadcast_module_state(model, comm)
     param_groups = _param_groups(model, model_parameters)
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
@@ -172,7 +202,7 @@ def initialize(
     engine = ZeroEngine(
         module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,
         lr_scheduler=sched, loss_scaler=scaler, sinks=build_sinks(cfg, groups.rank),
-        training_dataloader=loader)
+        training_dataloader=loader, raw_config=raw_config)
     engine.checkpointer = _checkpointer(comm)
     _log_start(engine, groups)
     return engine, opt, loader, sched
@@ -211,7 +241,7 @@ def _make_scheduler(cfg: Config, client: Any, opt: torch.optim.Optimizer | None)
 
 
 def _log_start(engine: ZeroEngine, groups: ProcessGroups) -> None:
-    if engine.config.dump_state:
+    if engine.zs_config.dump_state:
         logger.info(f"engine state (dump_state):\n{engine.describe_state()}")
     for s in engine.model_state_bytes():
         logger.info(
@@ -221,7 +251,7 @@ def _log_start(engine: ZeroEngine, groups: ProcessGroups) -> None:
         )
     logger.info(
         f"world size {groups.world_size} ({groups.backend or 'no process group'}), device "
-        f"{groups.device}, precision {engine.config.precision}, "
+        f"{groups.device}, precision {engine.zs_config.precision}, "
         f"batch {engine.train_batch_size()} = {engine.train_micro_batch_size_per_gpu()} x "
         f"{engine.gradient_accumulation_steps()} x {groups.world_size}"
     )

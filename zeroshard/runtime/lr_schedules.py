@@ -239,11 +239,16 @@ class OneCycle(LRSchedule):
     ``d = last_batch_iteration - total + 1`` (no decay when either is 0: lr stays at the minimum).
 
     Momentum (``cycle_momentum``) moves inversely: ``cycle_max_mom - (max - min) * s`` in the
-    cycle, then ``cycle_max_mom * (1 + decay_mom_rate * d / decay_step_size)``. It is written to
-    ``betas[0]`` for Adam-like groups (``betas[1]`` is kept; DeepSpeed overwrites it with 0.99)
-    or to ``momentum`` for SGD-like groups. At construction lr = ``cycle_min_lr`` and momentum =
-    ``cycle_min_mom`` (DeepSpeed's "initial" values).
+    cycle, then ``cycle_max_mom * (1 + decay_mom_rate * d / decay_step_size)``. As DeepSpeed
+    defines OneCycle, each group's ``betas`` becomes ``(momentum, 0.99)``: beta2 is 0.99 for the
+    whole run whatever the optimizer was built with (see docs/deepspeed-differences.md, "OneCycle
+    momentum"). Optimizers without ``betas`` in their defaults (SGD, Adagrad) keep their momentum:
+    cycling is disabled with a warning, as in DeepSpeed. At construction lr = ``cycle_min_lr`` and
+    betas = ``(cycle_min_mom, 0.99)`` (DeepSpeed's "initial" values).
     """
+
+    BETA2 = 0.99
+    """The second Adam coefficient DeepSpeed's OneCycle writes into every group (fixed)."""
 
     def __init__(  # DeepSpeed's parameters, in DeepSpeed's order
         self, optimizer: torch.optim.Optimizer, cycle_min_lr: float | Sequence[float],
@@ -277,12 +282,12 @@ class OneCycle(LRSchedule):
 
     @staticmethod
     def _find_momentum_key(optimizer: torch.optim.Optimizer) -> str | None:
-        group = optimizer.param_groups[0]
-        for key in ("betas", "momentum"):
-            if key in group:
-                return key
+        # DeepSpeed cycles only `betas` (looked up in optimizer.defaults); SGD's `momentum` is left alone.
+        if "betas" in getattr(optimizer, "defaults", {}) or "betas" in optimizer.param_groups[0]:
+            return "betas"
         name = type(optimizer).__name__
-        warnings.warn(f"OneCycle: cycle_momentum disabled: {name} has neither 'betas' nor 'momentum'", stacklevel=3)
+        warnings.warn(f"OneCycle: cycle_momentum disabled: {name} has no 'betas' (DeepSpeed's OneCycle "
+                      "cycles Adam-style betas only)", stacklevel=3)
         return None
 
     def _scale(self) -> float:
@@ -332,7 +337,7 @@ class OneCycle(LRSchedule):
         if mom is None or key is None:
             return
         for group in self.optimizer.param_groups:
-            group[key] = (mom, group["betas"][1]) if key == "betas" else mom
+            group[key] = (mom, self.BETA2)
 
 
 class LRRangeTest(LRSchedule):
@@ -358,6 +363,14 @@ class LRRangeTest(LRSchedule):
         interval = math.floor(interval) if self.staircase else interval
         return [lr * (1.0 + self.step_rate * interval) for lr in self.min_lrs]
 
+
+LR_RANGE_TEST = "LRRangeTest"
+ONE_CYCLE = "OneCycle"
+WARMUP_LR = "WarmupLR"
+WARMUP_DECAY_LR = "WarmupDecayLR"
+WARMUP_COSINE_LR = "WarmupCosineLR"
+VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
+"""DeepSpeed's names for its schedules (`deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`)."""
 
 SCHEDULERS: dict[str, type[LRSchedule]] = {
     cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)

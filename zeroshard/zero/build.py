@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from zeroshard.zero.leaf import DEFAULT_LEAF_CLASSES, apply_leaf_config, leaf_units
 from zeroshard.zero.stage0 import Stage0Strategy
 from zeroshard.zero.offload import OffloadPolicy
 from zeroshard.zero.stage12 import PartitionOptions, Stage1Strategy, Stage2Strategy
 from zeroshard.zero.stage3 import Stage3Options, Stage3Strategy
 from zeroshard.zero.strategy import ZeroStrategy
+from zeroshard.zero.units import default_units
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, ProcessGroups
@@ -42,6 +44,17 @@ def _use_reduce_scatter(configured: bool, backend: str) -> bool:
     gloo every sharded stage all-reduces; elsewhere `reduce_scatter` decides.
     """
     return configured and backend != "gloo"
+
+
+def _mark_leaves(module: nn.Module, zero: object) -> None:
+    """Apply `zero_optimization.leaf_module` where the config models it; else DeepSpeed's
+    default leaf classes (its MoE blocks). Marks set by `set_z3_leaf_modules` are kept."""
+    leaf = getattr(zero, "leaf_module", None)
+    if leaf is None:
+        apply_leaf_config(module, DEFAULT_LEAF_CLASSES, (), ())
+        return
+    apply_leaf_config(module, tuple(getattr(leaf, "classes", DEFAULT_LEAF_CLASSES)),
+                      tuple(getattr(leaf, "names", ())), tuple(getattr(leaf, "name_suffixes", ())))
 
 
 def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
@@ -87,6 +100,8 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             offload_optimizer=OffloadPolicy.from_config(zero.offload_optimizer),
             offload_param=OffloadPolicy.from_config(zero.offload_param),
         )
+        _mark_leaves(module, zero)
+        chosen = resolve_units(module, units) if units else default_units(module)
         return Stage3Strategy(module, params, comm=comm, rank=groups.rank, world_size=groups.world_size,
-                              options=options3, units=resolve_units(module, units) if units else None)
+                              options=options3, units=leaf_units(module, chosen))
     raise AssertionError(f"stage {zero.stage} passed config validation but has no strategy")

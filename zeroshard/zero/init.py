@@ -1,4 +1,4 @@
-"""User-facing stage-3 helpers: `GatheredParameters` (and, later, `Init`).
+"""User-facing stage-3 helpers: `GatheredParameters`, `Init`, `register_external_parameter`.
 
     with zeroshard.zero.GatheredParameters(model.lm_head.weight, modifier_rank=0):
         if rank == 0:
@@ -112,3 +112,25 @@ class Init:
         self._hooks = []
         if self._enabled and exc_type is None:
             self._partitioner.finish()
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """DeepSpeed's way to say `module`'s forward uses `parameter` of another module.
+
+    zeroshard needs no registration: a stage-3 parameter used outside its unit during a
+    training forward is gathered on demand (and kept gathered from then on), so this only
+    checks its arguments, for scripts written for DeepSpeed.
+
+    Raises:
+        TypeError: `module` is not an nn.Module or `parameter` not an nn.Parameter.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_external_parameter: module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(parameter, nn.Parameter):
+        raise TypeError(f"register_external_parameter: parameter must be an nn.Parameter, got "
+                        f"{type(parameter).__name__}")
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """The inverse of `register_external_parameter`: nothing to undo (see there)."""
+    register_external_parameter(module, parameter)

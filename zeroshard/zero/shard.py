@@ -151,6 +151,12 @@ class OptimizerShard:
             attach_grads(self.fragment_params, self._fragment_grads)
         return stats
 
+    def fragment_grads(self, grad_scale: float, prescale_factor: float) -> list[Tensor]:
+        """Each fragment's reduced gradient as a new 1-D fp32 tensor, averaged over ranks and
+        multiplied by `grad_scale`, before clipping (`safe_get_full_grad`)."""
+        mult = grad_scale * prescale_factor / self._comm.world_size
+        return [g.float() * mult for g in self._fragment_grads]
+
     def after_step(self) -> None:
         for frag in self.fragment_params:
             frag.grad = None
@@ -204,6 +210,9 @@ class ShardedStrategyBase:
 
     def checkpoint_fragments(self) -> list[MasterFragment]:
         return self._shard.checkpoint_fragments()
+
+    def fragment_grads(self, grad_scale: float) -> list[Tensor]:
+        return self._shard.fragment_grads(grad_scale, self._prescale_factor)
 
 
 def _nbytes(t: Tensor | None) -> int:

@@ -208,6 +208,10 @@ class Stage0Strategy:
     def param_pieces(self) -> list[ParamPiece] | None:
         return None  # every rank holds the whole model
 
+    def fragment_grads(self, grad_scale: float) -> list[Tensor]:
+        mult = grad_scale * self._prescale_factor / self._world_size
+        return [g.reshape(-1).float() * mult for g in reversed(self._grads.views)]
+
     @torch.no_grad()
     def sync_params_from_master(self) -> None:
         if self._mixed:

@@ -376,6 +376,31 @@ class Stage3Strategy(ShardedStrategyBase):
                 del self._user_pins[u]
                 self._release(u)
 
+    def unit_of(self, param: ZeroParameter) -> int:
+        return param._zs.unit
+
+    # -- DeepSpeed's ds_* attributes (ZeroParameter's properties read these) ---------------
+
+    def param_index(self, param: nn.Parameter) -> int:
+        index = getattr(self, "_index_of", None)
+        if index is None:
+            index = self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        if id(param) not in index:
+            raise AssertionError(f"expected {param._zs.name if isinstance(param, ZeroParameter) else '?'} "
+                                 "to be managed by this strategy")
+        return index[id(param)]
+
+    def local_shard(self, param: nn.Parameter) -> Tensor:
+        """A view of this rank's piece of `param` in the low-precision shard (1-D; may be empty)."""
+        index = self.param_index(param)
+        for f in self._plan.rank_fragments(self._rank):
+            if f.param_index == index:
+                return self._lp_shard[f.shard_offset : f.shard_offset + f.numel]
+        return self._lp_shard[:0]
+
+    def is_persistent(self, param: ZeroParameter) -> bool:
+        return self.unit_of(param) == self._persistent
+
     # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpointing.py) -------------
 
     def param_pieces(self) -> list[ParamPiece] | None:

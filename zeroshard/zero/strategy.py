@@ -197,3 +197,10 @@ class ZeroStrategy(Protocol):
         """After parameters were overwritten (weights-only load): re-initialise the masters
         from them. Collective where the strategy needs it."""
         ...
+
+    def fragment_grads(self, grad_scale: float) -> list[Tensor]:
+        """The reduced gradient of each fragment of `checkpoint_fragments()` (same order), as
+        new 1-D fp32 tensors: averaged over ranks and multiplied by `grad_scale` (1 / loss
+        scale), before clipping. Meaningful between `after_backward()` of the micro-batch
+        that ends a step and `prepare_step()`; local (no collective)."""
+        ...

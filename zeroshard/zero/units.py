@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -38,6 +39,17 @@ class PartitionedParameterError(ZeroshardError, RuntimeError):
     """A stage-3 parameter's data was read while it is partitioned across ranks."""
 
 
+class ZeroParamStatus(Enum):
+    """DeepSpeed's `ds_status` values (libraries compare against these)."""
+
+    AVAILABLE = 1
+    """Gathered: the whole parameter is on this rank."""
+    NOT_AVAILABLE = 2
+    """Partitioned: only this rank's shard exists."""
+    INFLIGHT = 3
+    """Being gathered."""
+
+
 class ParamOwner(Protocol):
     """Who holds a partitioned parameter's values: the stage-3 strategy, or `zero.Init`'s
     partitioner before `initialize`."""
@@ -54,6 +66,18 @@ class UserGatherable(Protocol):
     def gather_params(self, params: Sequence["ZeroParameter"]) -> None: ...
 
     def release_params(self, params: Sequence["ZeroParameter"], modifier_rank: int | None) -> None: ...
+
+
+@runtime_checkable
+class ShardHolder(Protocol):
+    """An owner that keeps the parameter in its own shard layout (the stage-3 strategy); the
+    DeepSpeed `ds_*` properties read it."""
+
+    def param_index(self, param: "ZeroParameter") -> int: ...
+
+    def local_shard(self, param: "ZeroParameter") -> Tensor: ...
+
+    def is_persistent(self, param: "ZeroParameter") -> bool: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -103,6 +127,48 @@ class ZeroParameter(nn.Parameter):
             f"`with zeroshard.zero.GatheredParameters([param]):` (add modifier_rank=0 to change "
             f"it), or use engine.module(...) / engine(...), which gathers as it goes."
         )
+
+    # -- DeepSpeed's ds_* attributes, read-only views of the strategy's state -------------------
+    # PEFT, TRL and transformers detect and count ZeRO-3 parameters through these; the
+    # parameter keeps its true shape, so ds_shape == shape and ds_numel == numel().
+
+    # Under zero.Init, before initialize() builds the strategy, the parameter holds its own
+    # shard (`ZeroParamState.init_shard`); the properties read that instead.
+
+    @property
+    def ds_id(self) -> int:
+        """A number unique to this parameter within its engine (tied parameters share it);
+        under zero.Init, before initialize, unique within the process."""
+        owner = self._zs.owner
+        return int(owner.param_index(self)) if isinstance(owner, ShardHolder) else id(self)
+
+    @property
+    def ds_numel(self) -> int:
+        return self.numel()
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        return self.shape
+
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        return ZeroParamStatus.AVAILABLE if self._zs.gathered else ZeroParamStatus.NOT_AVAILABLE
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        """This rank's shard of the parameter (1-D, the parameter's dtype; may be empty)."""
+        state = self._zs
+        if state.init_shard is not None:
+            return state.init_shard.reshape(-1)
+        if not isinstance(state.owner, ShardHolder):
+            raise AssertionError(f"expected {state.name!r} to have an init shard or a strategy")
+        return state.owner.local_shard(self)
+
+    @property
+    def ds_persist(self) -> bool:
+        """True for small parameters that stay gathered (`stage3_param_persistence_threshold`)."""
+        owner = self._zs.owner
+        return isinstance(owner, ShardHolder) and owner.is_persistent(self)
 
     def __repr__(self) -> str:
         state = "gathered" if self._zs.gathered else "partitioned"

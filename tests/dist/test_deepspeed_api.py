@@ -1,0 +1,585 @@
+"""DeepSpeed's engine and utility API on zeroshard, at 1/2/3 ranks: the safe_* parameter
+accessors at every stage (against stage 0), backward(scale_wrt_gas), set_gradient_accumulation_
+boundary, no_sync, every load_checkpoint flag, save_checkpoint's named errors, the engine's
+queries, ds_* attributes, leaf modules, unwrap_model_for_generation and zeroshard.comm."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+import zeroshard.comm as zcomm
+from engine_helpers import global_batches, init_engine, make_config, make_model, rank_micro_batches, train_engine
+from zeroshard.errors import CheckpointError, NotSupportedError
+from zeroshard.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+    set_z3_leaf_modules,
+    unwrap_model_for_generation,
+)
+from zeroshard.zero import GatheredParameters, ZeroParamStatus
+
+STAGES = [0, 1, 2, 3]
+
+
+@pytest.fixture
+def shared_dir(comm: Any) -> Iterator[Path]:
+    token = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1 if comm.rank == 0 else 0])
+    comm.broadcast(token, src=0)
+    path = Path(tempfile.gettempdir()) / f"zeroshard-dsapi-test-{int(token.item())}"
+    yield path
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def cfg(stage: int, precision: str = "fp32", gas: int = 2, **extra: Any) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 300}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 100
+    if precision == "bf16":
+        extra["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        extra["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return make_config(gradient_accumulation_steps=gas, zero_optimization=zero, **extra)
+
+
+def fresh(stage: int, precision: str = "fp32", seed: int = 0, **extra: Any) -> Any:
+    return init_engine(make_model(seed), cfg(stage, precision, **extra))
+
+
+def params_of(engine: Any) -> list[nn.Parameter]:
+    return list(engine.module.parameters())
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rtol: float, what: str) -> None:
+    a, b = a.detach().float(), b.detach().float()
+    rel = float((a - b).norm() / b.norm().clamp_min(1e-12))
+    assert rel <= rtol, f"{what}: relative difference {rel:.3e} > {rtol:g}"
+
+
+def backward_only(engine: Any, batch: Any, rank: int, world: int) -> None:
+    """All micro-batches of one step, stopping before the final step()."""
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    parts = rank_micro_batches(batch, rank, world, micro, gas)
+    for i, (x, y) in enumerate(parts):
+        engine.backward(engine(x, y))
+        if i < len(parts) - 1:
+            engine.step()
+
+
+# -- safe_* accessors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_safe_get_full_matches_stage0_at_every_stage(groups: Any, precision: str) -> None:
+    rank, world = groups.rank, groups.world_size
+    batches = global_batches(3, 2 * 2 * world)
+    ref = fresh(0, precision)
+    train_engine(ref, batches[:2], rank, world)
+    backward_only(ref, batches[2], rank, world)
+    want_p = [safe_get_full_fp32_param(p) for p in params_of(ref)]
+    want_g = [safe_get_full_grad(p) for p in params_of(ref)]
+    want_m = [safe_get_full_optimizer_state(p, "exp_avg_sq") for p in params_of(ref)]
+    if precision == "fp32":  # stage 0 in fp32: the master is the parameter itself
+        for p, w in zip(params_of(ref), want_p):
+            assert torch.equal(p.detach(), w)
+    # Stage 2/3 sum each micro-batch's reduced gradient, stage 0/1 reduce the summed gradient:
+    # the same numbers added in another order (fp32 round-off, ~1e-6 relative).
+    tol = 1e-5 if precision == "fp32" else 1e-3
+    for stage in STAGES[1:]:
+        engine = fresh(stage, precision)
+        train_engine(engine, batches[:2], rank, world)
+        backward_only(engine, batches[2], rank, world)
+        for i, p in enumerate(params_of(engine)):
+            close(safe_get_full_fp32_param(p), want_p[i], tol, f"stage {stage} fp32 param {i}")
+            close(safe_get_full_grad(p), want_g[i], tol, f"stage {stage} grad {i}")
+            close(safe_get_full_optimizer_state(p, "exp_avg_sq"), want_m[i], tol, f"stage {stage} exp_avg_sq {i}")
+            assert safe_get_full_fp32_param(p).shape == p.shape and safe_get_full_fp32_param(p).dtype == torch.float32
+        engine.step()
+        assert safe_get_full_grad(params_of(engine)[0]) is None, "gradients are gone after step()"
+
+
+def test_safe_get_full_grad_is_the_averaged_gradient(groups: Any) -> None:
+    rank, world = groups.rank, groups.world_size
+    (batch,) = global_batches(1, 2 * 2 * world)
+    model = make_model(0)
+    reference = make_model(0)
+    engine = init_engine(model, cfg(2))
+    backward_only(engine, batch, rank, world)
+    x, y = batch
+    n = x.shape[0] // 2
+    for i in range(n):
+        (reference(x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2]) / n).backward()
+    for (name, p), q in zip(engine.module.named_parameters(), reference.parameters()):
+        close(safe_get_full_grad(p), q.grad, 1e-5, name)
+    local = safe_get_local_grad(params_of(engine)[0])
+    assert local is not None and local.dim() == 1
+    engine.step()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_local_fragments_cover_each_parameter_once(groups: Any, comm: Any, stage: int) -> None:
+    rank, world = groups.rank, groups.world_size
+    engine = fresh(stage)
+    train_engine(engine, global_batches(1, 2 * 2 * world), rank, world)
+    for p in params_of(engine):
+        local = safe_get_local_fp32_param(p)
+        state = safe_get_local_optimizer_state(p, "exp_avg")
+        assert local is not None and state is not None and local.shape == state.shape
+        count = torch.tensor([float(local.numel())])
+        comm.all_reduce(count)
+        owners = world if stage == 0 else 1  # stage 0: every rank holds all of it
+        assert int(count.item()) == owners * p.numel()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_safe_set_full_fp32_param_and_optimizer_state(groups: Any, stage: int) -> None:
+    rank, world = groups.rank, groups.world_size
+    batches = global_batches(2, 2 * 2 * world)
+    engines = [fresh(0), fresh(stage)]
+    for engine in engines:
+        train_engine(engine, batches[:1], rank, world)
+        target = engine.module.lm_head.weight if hasattr(engine.module, "lm_head") else params_of(engine)[0]
+        value = torch.full(target.shape, 0.125)
+        safe_set_full_fp32_param(target, value)
+        assert torch.equal(safe_get_full_fp32_param(target), value)
+        with GatheredParameters([target]):
+            assert torch.equal(target.detach().float(), value), "the parameter itself follows the master"
+        safe_set_full_optimizer_state(target, torch.zeros(target.shape), "exp_avg")
+        assert torch.count_nonzero(safe_get_full_optimizer_state(target, "exp_avg")) == 0
+    losses = [train_engine(e, batches[1:], rank, world)[0] for e in engines]
+    assert abs(losses[0][0] - losses[1][0]) <= 1e-5 * abs(losses[0][0])
+    for a, b in zip(params_of(engines[0]), params_of(engines[1])):
+        close(safe_get_full_fp32_param(b), safe_get_full_fp32_param(a), 1e-5, "after set + one step")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_safe_get_right_after_load_checkpoint(groups: Any, shared_dir: Path, stage: int) -> None:
+    rank, world = groups.rank, groups.world_size
+    engine = fresh(stage)
+    train_engine(engine, global_batches(2, 2 * 2 * world), rank, world)
+    want = [safe_get_full_fp32_param(p) for p in params_of(engine)]
+    want_state = [safe_get_full_optimizer_state(p, "exp_avg") for p in params_of(engine)]
+    engine.save_checkpoint(shared_dir)
+    loaded = fresh(stage, seed=5)
+    loaded.load_checkpoint(shared_dir)
+    for i, p in enumerate(params_of(loaded)):
+        assert torch.equal(safe_get_full_fp32_param(p), want[i])
+        assert torch.equal(safe_get_full_optimizer_state(p, "exp_avg"), want_state[i])
+
+
+def test_safe_functions_need_an_engine(groups: Any) -> None:
+    with pytest.raises(ValueError, match="zeroshard.initialize"):
+        safe_get_full_fp32_param(nn.Parameter(torch.zeros(2)))
+
+
+def test_optimizer_state_is_none_before_the_first_step(groups: Any) -> None:
+    engine = fresh(2)
+    assert safe_get_full_optimizer_state(params_of(engine)[0], "exp_avg") is None
+
+
+# -- backward / accumulation ---------------------------------------------------------------------
+
+
+def test_backward_returns_loss_over_gas_and_scale_wrt_gas_false(groups: Any) -> None:
+    rank, world = groups.rank, groups.world_size
+    batches = global_batches(2, 2 * 2 * world)
+    plain, manual = fresh(1), fresh(1)
+    for batch in batches:
+        for x, y in rank_micro_batches(batch, rank, world, 2, 2):
+            loss = plain(x, y)
+            returned = plain.backward(loss)
+            assert torch.allclose(returned.detach(), loss.detach() / 2)
+            plain.step()
+            loss = manual(x, y)
+            returned = manual.backward(loss / 2, scale_wrt_gas=False)
+            assert torch.allclose(returned.detach(), loss.detach() / 2), "scale_wrt_gas=False: as given"
+            manual.step()
+    for a, b in zip(params_of(plain), params_of(manual)):
+        close(b, a, 1e-6, "scale_wrt_gas=False on a pre-divided loss")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_set_gradient_accumulation_boundary(groups: Any, stage: int) -> None:
+    rank, world = groups.rank, groups.world_size
+    batches = global_batches(2, 2 * 2 * world)
+    counted = fresh(stage)
+    want, _ = train_engine(counted, batches, rank, world)
+    manual = fresh(stage)
+    for batch in batches:
+        first, last = rank_micro_batches(batch, rank, world, 2, 2)
+        manual.set_gradient_accumulation_boundary(False)
+        manual.backward(manual(*first))
+        assert not manual.is_gradient_accumulation_boundary()
+        manual.step()  # not a boundary: no optimizer step
+        manual.set_gradient_accumulation_boundary(True)
+        manual.backward(manual(*last))
+        manual.step()
+    assert manual.global_steps == counted.global_steps == 2
+    for a, b in zip(params_of(counted), params_of(manual)):
+        close(safe_get_full_fp32_param(b), safe_get_full_fp32_param(a), 1e-6, "manual boundary")
+
+
+def test_boundary_loop_stepping_once_per_step_can_save(groups: Any, shared_dir: Path) -> None:
+    rank, world = groups.rank, groups.world_size
+    engine = fresh(2)
+    for batch in global_batches(2, 2 * 2 * world):
+        first, last = rank_micro_batches(batch, rank, world, 2, 2)
+        engine.set_gradient_accumulation_boundary(False)
+        engine.backward(engine(*first))
+        with pytest.raises(CheckpointError, match="gradient accumulation"):
+            engine.save_checkpoint(shared_dir)
+        engine.set_gradient_accumulation_boundary(True)
+        engine.backward(engine(*last))
+        engine.step()  # DeepSpeed's documented pattern: one step() per optimizer step
+    assert engine.global_steps == 2
+    engine.save_checkpoint(shared_dir)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_no_sync_accumulates_then_reduces(groups: Any, stage: int) -> None:
+    rank, world = groups.rank, groups.world_size
+    batches = global_batches(2, 2 * 2 * world)
+    summed = fresh(stage)  # GAS 2, undivided losses: the step uses the sum of both micro-batches
+    for batch in batches:
+        for x, y in rank_micro_batches(batch, rank, world, 2, 2):
+            summed.backward(summed(x, y), scale_wrt_gas=False)
+            summed.step()
+    synced = fresh(stage, gas=1)
+    for batch in batches:
+        first, last = rank_micro_batches(batch, rank, world, 2, 2)
+        with synced.no_sync():
+            synced.backward(synced(*first))
+            with pytest.raises(RuntimeError, match="no_sync"):
+                synced.step()
+        synced.backward(synced(*last))
+        synced.step()
+    for a, b in zip(params_of(summed), params_of(synced)):
+        close(safe_get_full_fp32_param(b), safe_get_full_fp32_param(a), 1e-6, "no_sync")
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def test_save_checkpoint_refuses_no_directory(groups: Any) -> None:
+    engine = fresh(1)
+    before = set(os.listdir("."))
+    for bad in (None, ""):
+        with pytest.raises(CheckpointError, match="save_dir"):
+            engine.save_checkpoint(bad)
+    assert set(os.listdir(".")) == before
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_load_checkpoint_flags_are_honoured(groups: Any, shared_dir: Path, stage: int) -> None:
+    rank, world = groups.rank, groups.world_size
+    sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}
+    engine = fresh(stage, scheduler=sched)
+    train_engine(engine, global_batches(3, 2 * 2 * world), rank, world)
+    weights = [safe_get_full_fp32_param(p) for p in params_of(engine)]
+    engine.save_checkpoint(shared_dir)
+
+    no_opt = fresh(stage, seed=3, scheduler=sched)
+    no_opt.load_checkpoint(shared_dir, load_optimizer_states=False)
+    assert safe_get_full_optimizer_state(params_of(no_opt)[0], "exp_avg") is None
+    assert no_opt.global_steps == 3 and no_opt.get_lr() == engine.get_lr()
+
+    no_sched = fresh(stage, seed=3, scheduler=sched)
+    no_sched.load_checkpoint(shared_dir, load_lr_scheduler_states=False)
+    assert no_sched.lr_scheduler.last_batch_iteration == fresh(stage, scheduler=sched).lr_scheduler.last_batch_iteration
+    assert safe_get_full_optimizer_state(params_of(no_sched)[0], "exp_avg") is not None
+
+    module_only = fresh(stage, seed=3, scheduler=sched)
+    module_only.load_checkpoint(shared_dir, load_module_only=True)
+    assert module_only.global_steps == 0
+    for p, w in zip(params_of(module_only), weights):
+        close(safe_get_full_fp32_param(p), w, 1e-7, "module only")
+
+    calls: list[Any] = []
+
+    def custom(src: dict[str, torch.Tensor], dst: nn.Module) -> None:
+        calls.append(sorted(src))
+        dst.load_state_dict(src, strict=False)
+
+    custom_engine = fresh(stage, seed=3)
+    custom_engine.load_checkpoint(shared_dir, custom_load_fn=custom)
+    assert calls and "wte.weight" in calls[0]
+    for p, w in zip(params_of(custom_engine), weights):
+        close(safe_get_full_fp32_param(p), w, 1e-7, "custom_load_fn")
+
+
+class _Extra(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.gpt = make_model(seed)
+        self.head2 = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.gpt(x, y)
+
+
+def test_load_module_strict_false_tolerates_missing_names(groups: Any, shared_dir: Path) -> None:
+    rank, world = groups.rank, groups.world_size
+    small = init_engine(_Extra(0), cfg(1))
+    train_engine(small, global_batches(1, 2 * 2 * world), rank, world)
+    small.save_checkpoint(shared_dir)
+    bigger = nn.Module()
+    model = _Extra(4)
+    model.head3 = nn.Linear(2, 2)  # a parameter the checkpoint lacks
+    bigger = init_engine(model, cfg(1))
+    own = model.head3.weight.detach().clone()
+    with pytest.raises(CheckpointError, match="head3"):
+        bigger.load_checkpoint(shared_dir)
+    bigger.load_checkpoint(shared_dir, load_module_strict=False, load_optimizer_states=False)
+    assert torch.equal(model.head3.weight.detach(), own)
+    close(safe_get_full_fp32_param(model.gpt.wte.weight), safe_get_full_fp32_param(small.module.gpt.wte.weight),
+          1e-7, "strict=False load")
+
+
+# -- queries and initialize ----------------------------------------------------------------------
+
+
+def test_engine_queries_and_config_dict(groups: Any) -> None:
+    world = groups.world_size
+    config = cfg(2, "bf16")
+    engine, opt, _, _ = zeroshard.initialize(model=make_model(0), config_params=config)
+    assert engine.config is config and engine.config.get("bf16") == {"enabled": True}
+    assert engine.zs_config.zero_optimization.stage == 2 == engine.zero_optimization_stage()
+    assert engine.train_batch_size() == 2 * 2 * world and engine.train_micro_batch_size_per_gpu() == 2
+    assert engine.gradient_accumulation_steps() == 2
+    assert engine.bfloat16_enabled() and not engine.fp16_enabled()
+    assert engine.get_mom() == [g["betas"] for g in opt.param_groups]
+    assert engine.local_rank == groups.local_rank and engine.dp_world_size == world
+    assert opt.loss_scale == 1.0 and opt.cur_scale == 1.0 and opt.overflow is False
+    assert isinstance(opt, torch.optim.Optimizer) and "state" in opt.state_dict()
+    assert isinstance(engine, zeroshard.DeepSpeedEngine)
+    assert engine.zero_gather_16bit_weights_on_model_save() is False
+    engine.destroy()
+    with pytest.raises(ValueError, match="initialize"):
+        safe_get_full_fp32_param(params_of(engine)[0])
+
+
+def test_fp16_optimizer_carries_the_loss_scale(groups: Any) -> None:
+    rank, world = groups.rank, groups.world_size
+    config = cfg(1, "fp16")
+    config["fp16"]["hysteresis"] = 1  # the first overflow lowers the scale
+    engine, opt, _, _ = zeroshard.initialize(model=make_model(0), config=config)
+    assert opt.loss_scale == 256.0 == opt.cur_scale
+
+    def overflow(step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("inf") if step == 0 else loss
+
+    train_engine(engine, global_batches(1, 2 * 2 * world), rank, world, before_backward=overflow)
+    assert opt.overflow is True and opt.loss_scale == engine.get_loss_scale() < 256.0
+
+
+def test_initialize_accepts_deepspeed_arguments(groups: Any, shared_dir: Path, comm: Any) -> None:
+    with pytest.raises(NotSupportedError, match="mpu"):
+        zeroshard.initialize(model=make_model(0), config=cfg(0), mpu=object())
+    path = shared_dir / "ds_config.json"
+    if groups.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cfg(0)))
+    comm.barrier()
+    parser = zeroshard.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    engine, _, loader, _ = zeroshard.initialize(args=args, model=make_model(0), dist_init_required=False,
+                                                training_data=torch.utils.data.TensorDataset(torch.zeros(8, 2)),
+                                                collate_fn=lambda items: torch.stack([i[0] for i in items]) + 1)
+    assert engine.config == cfg(0), "a config file is read into engine.config"
+    assert torch.equal(next(iter(loader)), torch.ones(2, 2))
+
+
+def test_consolidated_16bit_state_dict(groups: Any) -> None:
+    rank, world = groups.rank, groups.world_size
+    engine = fresh(3)
+    train_engine(engine, global_batches(1, 2 * 2 * world), rank, world)
+    state = engine._zero3_consolidated_16bit_state_dict()
+    if rank == 0:
+        with GatheredParameters(list(engine.module.parameters())):
+            want = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        assert state is not None and set(state) == set(want)
+        for k in want:
+            assert torch.equal(state[k], want[k]), k
+    else:
+        assert state is None
+        with GatheredParameters(list(engine.module.parameters())):
+            pass
+
+
+# -- stage-3 surface -----------------------------------------------------------------------------
+
+
+def test_ds_attributes_at_stage3(groups: Any, comm: Any) -> None:
+    engine = fresh(3)
+    ids = set()
+    for p in params_of(engine):
+        if not hasattr(p, "ds_id"):
+            continue
+        ids.add(p.ds_id)
+        assert p.ds_numel == p.numel() and p.ds_shape == p.shape and p.ds_tensor.dim() == 1
+        count = torch.tensor([float(p.ds_tensor.numel())])
+        comm.all_reduce(count)
+        assert int(count.item()) == p.numel()
+    big = engine.module.wte.weight
+    assert not big.ds_persist and big.ds_status is ZeroParamStatus.NOT_AVAILABLE
+    with GatheredParameters([big]):
+        assert big.ds_status is ZeroParamStatus.AVAILABLE
+    assert len(ids) == len([p for p in params_of(engine) if hasattr(p, "ds_id")]) > 0
+    assert not hasattr(params_of(fresh(2))[0], "ds_id"), "only partitioned parameters carry ds_*"
+
+
+class _Experts(nn.Module):
+    """A mixture-of-experts block: which experts run depends on the data (differs per rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.router = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            mask = choice == i
+            if mask.any():
+                out[mask] = expert(x[mask])
+        return out
+
+
+class _MoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.moe = _Experts()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.moe(self.inp(x))).pow(2).mean()
+
+
+def test_leaf_module_gathered_as_one_unit(groups: Any) -> None:
+    rank = groups.rank
+    losses = {}
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        model = _MoE()
+        set_z3_leaf_modules(model, [_Experts])
+        zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+        config = make_config(zero_optimization=zero)
+        engine = init_engine(model, config)
+        if stage == 3:
+            units = [m for m in engine._strategy._unit_modules if m is not None]
+            assert model.moe in units and not any(e in units for e in model.moe.experts)
+        g = torch.Generator().manual_seed(10 + rank)
+        run = []
+        for _ in range(3):
+            loss = engine(torch.randn(4, 4, generator=g))
+            engine.backward(loss)
+            engine.step()
+            run.append(loss.item())
+        losses[stage] = run
+    assert losses[0] == pytest.approx(losses[3], rel=1e-5)
+
+
+def test_unwrap_model_for_generation(groups: Any) -> None:
+    engine = fresh(3)
+    weight = engine.module.wte.weight
+    with unwrap_model_for_generation(engine) as model:
+        assert model is engine.module and weight.ds_status is ZeroParamStatus.AVAILABLE
+        model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+    assert weight.ds_status is ZeroParamStatus.NOT_AVAILABLE
+
+
+# -- zeroshard.comm ------------------------------------------------------------------------------
+
+
+def test_comm_functions(groups: Any) -> None:
+    rank, world = groups.rank, groups.world_size
+    assert zcomm.get_rank() == rank and zcomm.get_world_size() == world
+    assert zcomm.get_local_rank() == groups.local_rank
+    assert zcomm.is_initialized() == (world > 1 or groups.dp_group is not None)
+    t = torch.tensor([float(rank + 1)])
+    zcomm.all_reduce(t)
+    assert t.item() == world * (world + 1) / 2
+    b = torch.tensor([float(rank)])
+    zcomm.broadcast(b, src=world - 1)
+    assert b.item() == world - 1
+    out = [torch.zeros(1) for _ in range(world)]
+    zcomm.all_gather(out, torch.tensor([float(rank)]))
+    assert [o.item() for o in out] == list(range(world))
+    zcomm.barrier()
+    assert zeroshard.init_distributed(dist_backend=groups.backend if groups.backend != "none" else None) is groups
+
+
+# -- module-path aliases: zero_to_fp32 and the estimators -----------------------------------------
+
+
+def test_zero_to_fp32_aliases(groups: Any, shared_dir: Path, comm: Any) -> None:
+    from zeroshard.utils import zero_to_fp32
+
+    rank, world = groups.rank, groups.world_size
+    model = make_model(0)
+    model.wpe.weight.requires_grad_(False)
+    engine = init_engine(model, cfg(3))
+    train_engine(engine, global_batches(1, 2 * 2 * world), rank, world)
+    want = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if p.requires_grad}
+    engine.save_checkpoint(shared_dir)
+    comm.barrier()
+    if rank == 0:
+        state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(shared_dir)
+        for name, value in want.items():
+            assert torch.equal(state[name], value), name
+        assert "wpe.weight" in state
+        lean = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(shared_dir, exclude_frozen_parameters=True)
+        assert "wpe.weight" not in lean and "wte.weight" in lean
+        zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(shared_dir, shared_dir / "out")
+        saved = torch.load(shared_dir / "out" / "pytorch_model.bin", weights_only=True)
+        assert torch.equal(saved["wte.weight"], want["wte.weight"])
+        fresh_model = zero_to_fp32.load_state_dict_from_zero_checkpoint(make_model(7), shared_dir)
+        assert torch.equal(fresh_model.wte.weight.detach(), want["wte.weight"])
+        with pytest.raises(NotSupportedError, match="lazy_mode"):
+            zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(shared_dir, lazy_mode=True)
+    comm.barrier()
+
+
+def test_estimator_aliases_print_deepspeeds_tables(groups: Any, capsys: Any) -> None:
+    from zeroshard.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
+    from zeroshard.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_live
+
+    rows3 = estimate_zero3_model_states_mem_needs_all_cold(total_params=1e9, largest_layer_params=1e8,
+                                                            num_gpus_per_node=8)
+    rows2 = estimate_zero2_model_states_mem_needs_all_live(make_model(0), num_gpus_per_node=2)
+    assert len(rows3) == 6 and len(rows2) >= 2
+    assert "offload" in capsys.readouterr().out.lower()
+
+
+def test_ds_attributes_under_zero_init(groups: Any, comm: Any) -> None:
+    import zeroshard.zero as zero
+
+    with zero.Init():
+        layer = nn.Linear(64, 64)
+    assert layer.weight.ds_numel == 64 * 64 and layer.weight.ds_shape == (64, 64)
+    assert layer.weight.ds_status is ZeroParamStatus.NOT_AVAILABLE or groups.world_size == 1
+    count = torch.tensor([float(layer.weight.ds_tensor.numel())])
+    comm.all_reduce(count)
+    assert int(count.item()) >= 64 * 64
+    assert layer.weight.ds_id != layer.bias.ds_id

@@ -1,0 +1,211 @@
+"""`deepspeed.comm`'s functions (torch.distributed's shape) over zeroshard's process group.
+
+Scripts written for DeepSpeed call `deepspeed.comm.get_rank()`, `all_reduce(t)`, ...; with
+`import zeroshard as deepspeed` these land here. Each call works without a process group too
+(world size 1: reductions and broadcasts leave the tensor as it is, gathers copy it), so a
+script runs under plain `python` as it does under torchrun. `group=None` is the data-parallel
+group zeroshard joined (`init_distributed`), else torch's default group.
+
+`init_distributed` takes DeepSpeed's keyword names and returns zeroshard's `ProcessGroups`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm import groups as _groups
+from zeroshard.errors import NotSupportedError
+
+ReduceOp = dist.ReduceOp
+
+
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True,
+                     timeout: timedelta | None = None, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config: Any = None,
+                     rank: int = -1, world_size: int = -1, *, backend: str | None = None,
+                     timeout_s: float | None = None) -> _groups.ProcessGroups:
+    """Join the job's process group: DeepSpeed's `init_distributed` signature over
+    :func:`zeroshard.comm.groups.init_distributed` (torchrun, OpenMPI and SLURM environments).
+
+    Args:
+        dist_backend: torch.distributed backend ("nccl", "gloo"); zeroshard's `backend=`.
+        auto_mpi_discovery: read OpenMPI's variables when torchrun's are absent (zeroshard
+            always does; False is accepted).
+        distributed_port: rendezvous port when `MASTER_PORT` is unset.
+        verbose, config: accepted; zeroshard logs through the "zeroshard" logger.
+        timeout: collective timeout (a timedelta); zeroshard's `timeout_s=` in seconds.
+        dist_init_required: False with no process group: stay a single process.
+        init_method, rank, world_size: an explicit rendezvous is not supported (the launcher's
+            environment is read); anything but the defaults raises NotSupportedError.
+
+    Returns:
+        The process's ProcessGroups (DeepSpeed returns None).
+    """
+    for name, value, default in (("init_method", init_method, None), ("rank", rank, -1),
+                                 ("world_size", world_size, -1)):
+        if value != default:
+            raise NotSupportedError(
+                f"init_distributed({name}={value!r}): zeroshard reads the rendezvous from the "
+                "launcher's environment (torchrun, OpenMPI, SLURM: RANK, WORLD_SIZE, MASTER_ADDR, "
+                f"MASTER_PORT); drop {name}= and start the script with a launcher")
+    if backend is not None and dist_backend is not None and backend != dist_backend:
+        raise ValueError(f"init_distributed: backend={backend!r} and dist_backend={dist_backend!r} disagree")
+    if timeout is not None and timeout_s is None:
+        timeout_s = timeout.total_seconds()
+    if distributed_port != 29500:  # 29500 is every launcher's default already
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    if dist_init_required is False and not dist.is_initialized():
+        return _groups.ProcessGroups.single()
+    return _groups.init_distributed(backend=backend or dist_backend, timeout_s=timeout_s)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def is_available() -> bool:
+    return dist.is_available()
+
+
+def _group(group: Any) -> Any:
+    if group is not None:
+        return group
+    current = _groups._GROUPS
+    return current.dp_group if current is not None and current.dp_group is not None else None
+
+
+def get_rank(group: Any = None) -> int:
+    return dist.get_rank(_group(group)) if is_initialized() else 0
+
+
+def get_world_size(group: Any = None) -> int:
+    return dist.get_world_size(_group(group)) if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    current = _groups._GROUPS
+    if current is not None:
+        return current.local_rank
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
+    if not is_initialized() or group is None:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def get_world_group() -> Any:
+    return dist.group.WORLD if is_initialized() else None
+
+
+def new_group(ranks: Sequence[int]) -> Any:
+    return dist.new_group(list(ranks))
+
+
+def destroy_process_group(group: Any = None) -> None:
+    if group is None:
+        _groups.destroy_distributed()
+    if is_initialized():
+        dist.destroy_process_group(group)
+
+
+class _Done:
+    """The handle an async call returns without a process group: already complete."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _run(call: Any, async_op: bool) -> Any:
+    work = call()
+    return work if async_op else None
+
+
+def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
+    if not is_initialized():
+        return _Done() if async_op else None
+    return _run(lambda: dist.barrier(group=_group(group), async_op=async_op, device_ids=device_ids), async_op)
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+    if not is_initialized():
+        return _Done() if async_op else None
+    return _run(lambda: dist.all_reduce(tensor, op=op, group=_group(group), async_op=async_op), async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+    if not is_initialized():
+        return _Done() if async_op else None
+    return _run(lambda: dist.reduce(tensor, dst, op=op, group=_group(group), async_op=async_op), async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
+    if not is_initialized():
+        return _Done() if async_op else None
+    return _run(lambda: dist.broadcast(tensor, src, group=_group(group), async_op=async_op), async_op)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
+               async_op: bool = False) -> Any:
+    if not is_initialized():
+        tensor_list[0].copy_(tensor)
+        return _Done() if async_op else None
+    return _run(lambda: dist.all_gather(tensor_list, tensor, group=_group(group), async_op=async_op), async_op)
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
+                           async_op: bool = False) -> Any:
+    if not is_initialized():
+        output_tensor.copy_(input_tensor.reshape(output_tensor.shape))
+        return _Done() if async_op else None
+    return _run(lambda: dist.all_gather_into_tensor(output_tensor, input_tensor, group=_group(group),
+                                                    async_op=async_op), async_op)
+
+
+def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: Any = ReduceOp.SUM,
+                          group: Any = None, async_op: bool = False) -> Any:
+    if not is_initialized():
+        output_tensor.copy_(input_tensor.reshape(output_tensor.shape))
+        return _Done() if async_op else None
+    return _run(lambda: dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=_group(group),
+                                                   async_op=async_op), async_op)
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+    if not is_initialized():
+        object_list[0] = obj
+        return
+    dist.all_gather_object(object_list, obj, group=_group(group))
+
+
+def broadcast_object_list(object_list: list[Any], src: int, group: Any = None, device: Any = None) -> None:
+    if is_initialized():
+        dist.broadcast_object_list(object_list, src, group=_group(group), device=device)
+
+
+def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes: Any = None,
+                      input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
+    if not is_initialized():
+        output.copy_(tensor)
+        return _Done() if async_op else None
+    return _run(lambda: dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes,
+                                               group=_group(group), async_op=async_op), async_op)
+
+
+__all__ = [
+    "ReduceOp", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all_single",
+    "barrier", "broadcast", "broadcast_object_list", "destroy_process_group", "get_global_rank",
+    "get_local_rank", "get_rank", "get_world_group", "get_world_size", "init_distributed", "is_available",
+    "is_initialized", "new_group", "reduce", "reduce_scatter_tensor",
+]

@@ -1,0 +1,158 @@
+"""Accepted means acted on: what each schema key does, as data (issue 11).
+
+Every ds_config key zeroshard accepts is exactly one of:
+- *acted on*: read by the code listed in `ACTED_ON` (tests/unit/test_config_effects.py checks that
+  each listed file really mentions the key, or that the listed class takes it as an argument);
+- *refused unless default*: a `support.NOT_SUPPORTED` entry raises NotSupportedError for any
+  other value;
+- *accepted without effect*: listed in `NO_EFFECT` with the reason, for keys DeepSpeed configs
+  carry whose value cannot change what zeroshard does.
+docs/config.md shows which, per key. Optimizer and scheduler parameters are spelled
+`optimizer.params[Adam].lr` (the params class in brackets). Imports nothing of zeroshard but `config`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from zeroshard.config.support import status_of
+
+Effect = Literal["acted on", "refused unless default", "accepted without effect"]
+
+_Z = "zero_optimization."
+_BUILD = ("zero/build.py",)
+_ENGINE = ("runtime/engine.py",)
+_SCALER = ("runtime/initialize.py", "runtime/loss_scaler.py")
+_SCHED = ("runtime/lr_schedules.py",)
+_ADAM = ("runtime/optim.py::cls(param_groups, **kwargs)", "class:torch.optim.AdamW", "class:torch.optim.Adam")
+
+ACTED_ON: dict[str, tuple[str, ...]] = {
+    # batch, optimizer, scheduler
+    "train_batch_size": _ENGINE, "train_micro_batch_size_per_gpu": _ENGINE,
+    "gradient_accumulation_steps": _ENGINE,
+    "optimizer": ("runtime/initialize.py::cfg.optimizer",), "scheduler": ("runtime/initialize.py::cfg.scheduler",),
+    "optimizer.type": ("runtime/initialize.py::cfg.optimizer.type",),
+    "optimizer.params": ("runtime/initialize.py::cfg.optimizer.params",),
+    "scheduler.type": ("runtime/initialize.py::cfg.scheduler.type",),
+    "scheduler.params": ("runtime/initialize.py::cfg.scheduler.params",),
+    **{f"optimizer.params[Adam].{k}": _ADAM for k in ("lr", "betas", "eps", "weight_decay", "amsgrad")},
+    "optimizer.params[Adam].adam_w_mode": ("runtime/optim.py",),
+    **{f"optimizer.params[Lamb].{k}": ("runtime/lamb.py",) for k in (
+        "lr", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_grad_norm", "max_coeff", "min_coeff",
+        "amsgrad")},
+    # precision (fp16.enabled / bf16.enabled select Config.precision, which initialize reads)
+    "fp16.enabled": ("runtime/initialize.py::cfg.precision",), "bf16.enabled": ("runtime/initialize.py::cfg.precision",),
+    "fp16.loss_scale": _SCALER, "fp16.initial_scale_power": _SCALER, "fp16.loss_scale_window": _SCALER,
+    "fp16.hysteresis": _SCALER, "fp16.consecutive_hysteresis": _SCALER, "fp16.min_loss_scale": _SCALER,
+    "data_types.grad_accum_dtype": _BUILD,
+    # gradients and communication
+    "gradient_clipping": _ENGINE, "communication_data_type": _BUILD, "prescale_gradients": _BUILD,
+    "gradient_predivide_factor": _BUILD,
+    # ZeRO
+    _Z + "stage": _BUILD, _Z + "reduce_scatter": _BUILD, _Z + "reduce_bucket_size": _BUILD,
+    _Z + "allgather_partitions": _BUILD, _Z + "allgather_bucket_size": _BUILD, _Z + "overlap_comm": _BUILD,
+    _Z + "offload_param.device": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param)",
+                                  "zero/offload.py::section.device"),
+    _Z + "offload_optimizer.device": ("zero/build.py::OffloadPolicy.from_config(zero.offload_optimizer)",
+                                      "zero/offload.py::section.device"),
+    _Z + "offload_optimizer.pin_memory": ("zero/build.py::OffloadPolicy.from_config(zero.offload_optimizer)",
+                                          "zero/offload.py::section.pin_memory"),
+    _Z + "offload_param.pin_memory": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param)",
+                                      "zero/offload.py::section.pin_memory"),
+    _Z + "stage3_prefetch_bucket_size": _BUILD, _Z + "stage3_param_persistence_threshold": _BUILD,
+    _Z + "stage3_max_live_parameters": _BUILD, _Z + "stage3_max_reuse_distance": _BUILD,
+    _Z + "stage3_gather_16bit_weights_on_model_save": _ENGINE,
+    # logging and monitors
+    "steps_per_print": _ENGINE, "wall_clock_breakdown": _ENGINE, "dump_state": ("runtime/initialize.py",),
+    "tensorboard.enabled": ("runtime/monitor.py::tensorboard.enabled",),
+    "tensorboard.output_path": ("runtime/monitor.py",), "tensorboard.job_name": ("runtime/monitor.py",),
+    "csv_monitor.enabled": ("runtime/monitor.py::csv_monitor.enabled",),
+    "csv_monitor.output_path": ("runtime/monitor.py",), "csv_monitor.job_name": ("runtime/monitor.py",),
+    "comms_logger.enabled": ("runtime/initialize.py::comms.enabled",),
+    "comms_logger.verbose": ("runtime/initialize.py::comms.verbose",),
+    "comms_logger.prof_all": ("runtime/initialize.py::comms.prof_all",),
+    "comms_logger.prof_ops": ("runtime/initialize.py::comms.prof_ops",),
+    # scheduler parameters: the schedule classes take them by name
+    **{f"scheduler.params[{cls}].{k}": _SCHED for cls, keys in (
+        ("WarmupLR", ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration")),
+        ("WarmupDecayLR", ("total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                           "last_batch_iteration")),
+        ("WarmupCosineLR", ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
+                            "warmup_type", "last_batch_iteration")),
+        ("OneCycle", ("cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
+                      "cycle_second_step_size", "cycle_first_stair_count", "cycle_second_stair_count",
+                      "decay_step_size", "cycle_momentum", "cycle_min_mom", "cycle_max_mom", "decay_mom_rate",
+                      "last_batch_iteration")),
+        ("LRRangeTest", ("lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
+                         "lr_range_test_staircase", "last_batch_iteration")),
+    ) for k in keys},
+}
+"""Key -> where it is consumed (paths below zeroshard/): "file" (the file mentions the key's
+name), "file::text" (the file contains `text`), or "class:module.Name" (the class takes the key
+as a constructor argument, for parameters passed through as keyword arguments)."""
+
+_NVME = 'an NVMe swap setting; device "nvme" is not supported yet (refused), so it cannot apply.'
+
+NO_EFFECT: dict[str, str] = {
+    "bf16.immediate_grad_update": "zeroshard always folds each micro-batch's gradients into the "
+    "grad_accum_dtype buffers right after its backward.",
+    "bf16.check_grad_overflow": "zeroshard computes the global gradient norm every step (for clipping) "
+    "and always skips a step whose gradients hold inf/nan, at every precision.",
+    _Z + "contiguous_gradients": "every stage reduces from contiguous flat buffers; there is no "
+    "non-contiguous path to choose.",
+    _Z + "use_multi_rank_bucket_allreduce": "each bucket is reduced with one collective whatever "
+    "partitions it spans.",
+    _Z + "elastic_checkpoint": "every zeroshard checkpoint loads at any world size and stage "
+    "(resharded on load).",
+    _Z + "round_robin_gradients": "each rank copies only its own gradient shard to the CPU, so there "
+    "is no cross-rank copy order to balance.",
+    _Z + "sub_group_size": "stage 3 steps each rank's whole shard at once; sub-groups are DeepSpeed's "
+    "NVMe swap granularity, and NVMe offload is not implemented.",
+    _Z + "memory_efficient_linear": "stage 3 re-gathers each unit's weights for its backward, so no "
+    "module keeps gathered weights alive; there is no special linear function to switch.",
+    _Z + "log_trace_cache_warnings": "logging of DeepSpeed's stage-3 trace cache, which zeroshard does not have.",
+    _Z + "enable_sanity_checks": "extra checks of DeepSpeed's stage-3 bookkeeping; zeroshard's "
+    "invariants are always checked.",
+    _Z + "save_muon_momentum_buffer_in_memory": "applies to DeepSpeed's Muon optimizer, which is not "
+    "provided (refused).",
+    **{_Z + f"offload_param.{k}": _NVME for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")},
+    **{_Z + f"offload_optimizer.{k}": _NVME for k in (
+        "nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init")},
+    _Z + "offload_optimizer.cpuadam_cores_perc": "a SuperOffload setting; super_offload is not "
+    "supported yet (refused).",
+    "comms_logger.debug": "logging detail: DeepSpeed adds the caller's name to each record; "
+    "zeroshard's records do not carry it.",
+    **{f"wandb.{k}": "the Weights & Biases monitor is not implemented yet (wandb.enabled is refused)."
+       for k in ("group", "team", "project")},
+    "zero_allow_untested_optimizer": "zeroshard partitions any torch.optim optimizer; there is no "
+    "list of tested optimizers to bypass.",
+    "zero_force_ds_cpu_optimizer": "zeroshard steps any torch optimizer on the CPU shard; there is no "
+    "DeepSpeed CPU optimizer to force.",
+    "checkpoint.tag_validation": "zeroshard does not compare checkpoint tags across ranks yet; "
+    "accepted so DeepSpeed configs load.",
+    "optimizer.params[Adam].torch_adam": "zeroshard always uses torch's Adam (its fused kernel where "
+    "available), which is what true asks DeepSpeed for.",
+}
+"""Key -> why its value cannot change what zeroshard does."""
+
+
+def support_key(key: str) -> str:
+    """`optimizer.params[Adam].lr` -> `optimizer.params.lr` (the spelling support.py uses)."""
+    head, _, rest = key.partition("[")
+    return head + rest.partition("]")[2] if rest else key
+
+
+def effect_of(key: str) -> Effect:
+    """Which of the three a schema key is (see the module docstring).
+
+    Raises:
+        KeyError: the key is in none of the tables (a new field must be added to one).
+    """
+    entry = status_of(support_key(key))
+    if entry is not None and (entry.allowed is None or len(entry.allowed) == 1):
+        return "refused unless default"
+    if key in ACTED_ON:
+        return "acted on"
+    if key in NO_EFFECT:
+        return "accepted without effect"
+    raise KeyError(key)

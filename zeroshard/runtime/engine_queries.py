@@ -1,0 +1,129 @@
+"""DeepSpeed's read-only engine queries (`train_batch_size()`, `get_lr()`, `fp16_enabled()`, ...).
+
+A mixin of `ZeroEngine`: each query reads the typed Config (`self._config`), the optimizer or
+the process groups; none changes state. Kept apart so engine.py holds the training step only.
+Imports nothing of zeroshard but the config types (for annotations).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from zeroshard.comm import ProcessGroups
+    from zeroshard.config import Config
+
+
+class EngineQueries:
+    """DeepSpeed 0.19.8's `DeepSpeedEngine` queries, with its names and return types."""
+
+    _config: "Config"
+    _groups: "ProcessGroups"
+    optimizer: torch.optim.Optimizer | None
+
+    @property
+    def zs_config(self) -> "Config":
+        """The typed, validated Config (`engine.config` is the dict the user passed)."""
+        return self._config
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero_optimization.stage
+
+    def zero_optimization(self) -> bool:
+        return self._config.zero_optimization.stage > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self._config.zero_optimization.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self._config.zero_optimization.stage >= 3
+
+    def zero_offload_optimizer(self) -> bool:
+        return self._config.zero_optimization.offload_optimizer.device != "none"
+
+    zero_cpu_offload = zero_offload_optimizer
+
+    def zero_offload_param(self) -> bool:
+        return self._config.zero_optimization.offload_param.device != "none"
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)."""
+        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+
+    def dump_state(self) -> bool:
+        return bool(self._config.dump_state)
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed releases stage-3 parameters it kept gathered; zeroshard releases every
+        unit after use already (only `stage3_param_persistence_threshold` ones stay), so
+        there is nothing to free."""
+
+    def fp16_enabled(self) -> bool:
+        return self._config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.precision == "bf16"
+
+    bf16_enabled = bfloat16_enabled
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return bool(self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def steps_per_print(self) -> int | None:
+        return self._config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return bool(self._config.wall_clock_breakdown)
+
+    @property
+    def local_rank(self) -> int:
+        return self._groups.local_rank
+
+    @property
+    def dp_world_size(self) -> int:
+        return self._groups.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self._groups.rank
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1  # no model parallelism (initialize refuses mpu=)
+
+    @property
+    def data_parallel_group(self) -> Any:
+        return self._groups.dp_group
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of every param group."""
+        if self.optimizer is None:
+            return []
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list[Any]:
+        """Per param group: `betas` (Adam-like optimizers), else `momentum` (SGD, RMSprop)."""
+        if self.optimizer is None:
+            return []
+        key = "betas" if "betas" in self.optimizer.param_groups[0] else "momentum"
+        return [g.get(key) for g in self.optimizer.param_groups]
+
+    def get_type(self) -> Any:
+        return self._config.optimizer.type if self._config.optimizer is not None else None
+
+    def optimizer_name(self) -> str | None:
+        return self._config.optimizer.type if self._config.optimizer is not None else None
