@@ -99,6 +99,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), groups.backend),
             offload_optimizer=OffloadPolicy.from_config(zero.offload_optimizer),
             offload_param=OffloadPolicy.from_config(zero.offload_param),
+            quantized_gradients=bool(zero.zero_quantized_gradients),
         )
         _mark_leaves(module, zero)
         chosen = resolve_units(module, units) if units else default_units(module)
