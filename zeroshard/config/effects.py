@@ -50,6 +50,9 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "gradient_clipping": _ENGINE, "communication_data_type": _BUILD, "prescale_gradients": _BUILD,
     "gradient_predivide_factor": _BUILD,
     # ZeRO
+    _Z + "zero_quantized_gradients": (
+        "zero/build.py::quantized_gradients=bool(zero.zero_quantized_gradients)",
+        "zero/stage3.py::mode = ReduceMode.QUANTIZED_REDUCE_SCATTER"),
     _Z + "stage": _BUILD, _Z + "reduce_scatter": _BUILD, _Z + "reduce_bucket_size": _BUILD,
     _Z + "allgather_partitions": _BUILD, _Z + "allgather_bucket_size": _BUILD, _Z + "overlap_comm": _BUILD,
     _Z + "offload_param.device": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param",

@@ -101,6 +101,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             offload_optimizer=OffloadPolicy.from_config(zero.offload_optimizer, sub_group_size=int(zero.sub_group_size),
                                                         aio=cfg.aio),
             offload_param=OffloadPolicy.from_config(zero.offload_param),
+            quantized_gradients=bool(zero.zero_quantized_gradients),
         )
         _mark_leaves(module, zero)
         chosen = resolve_units(module, units) if units else default_units(module)

@@ -15,13 +15,15 @@ which bounds the transient memory to that many blocks plus the ones still fillin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from zeroshard.zero.quant import DEFAULT_BLOCK_NUMEL, Quantized, dequantize, quantize_int4, quantize_int8
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, Handle
@@ -41,6 +43,13 @@ class ReduceMode(Enum):
     cloned input, this moves the same bytes without the clone)."""
     REDUCE_SCATTER = "reduce_scatter"
     """This rank's chunk of the sum arrives in a receive buffer, then is folded into the target."""
+    QUANTIZED_REDUCE_SCATTER = "quantized_reduce_scatter"
+    """qgZ, one level: each rank quantises the chunk meant for each rank (blockwise,
+    `quant_bits`, zero/quant.py), one all-to-all of codes and one of scales exchange them, and
+    each rank dequantises the world_size contributions to its chunk and sums them in fp32.
+    Per element the sum is off by at most the sum over source ranks of that rank's
+    `amax_block / (2 * qmax)` (qmax 7 for int4, 127 for int8). The hierarchical version (within
+    the node, then across) needs node groups and is not here yet."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +63,30 @@ class ReduceOptions:
     """Divide each bucket by this before reducing (`gradient_predivide_factor`)."""
     overlap_comm: bool = True
     """False: wait for every collective as soon as it is issued."""
+    quant_bits: int = 4
+    """QUANTIZED_REDUCE_SCATTER: 4 (int4, two codes per byte) or 8."""
+    quant_block_numel: int = DEFAULT_BLOCK_NUMEL
+    """QUANTIZED_REDUCE_SCATTER: elements per scale."""
+
+
+class _Deferred:
+    """Waits on the collectives of a composite reduction, then runs its local finish once."""
+
+    __slots__ = ("_finish",)
+
+    def __init__(self, finish: Callable[[], None]) -> None:
+        self._finish: Callable[[], None] | None = finish
+
+    def wait(self) -> None:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
 
 
 @dataclass(slots=True)
 class _InFlight:
     key: int
-    handle: "Handle"
+    handle: "Handle | _Deferred"
     result: Tensor | None  # 1D: what is folded into `target` (None: the sum stays in place)
     target: Tensor | None  # 1D: the rank's gradient-shard range for this bucket
 
@@ -204,8 +231,10 @@ class GradReducer:
         while sum(f.key in self._staging for f in self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
             self._finish_oldest()
 
-    def _issue(self, data: Tensor) -> tuple["Handle", Tensor | None]:
+    def _issue(self, data: Tensor) -> tuple["Handle | _Deferred", Tensor | None]:
         mode, comm_dtype = self._opt.mode, self._opt.comm_dtype
+        if mode is ReduceMode.QUANTIZED_REDUCE_SCATTER:
+            return self._issue_quantized(data)
         if mode is ReduceMode.REDUCE_SCATTER:
             recv = torch.empty(data.numel() // self._world, dtype=data.dtype, device=data.device)
             return self._comm.reduce_scatter(recv, data, async_op=True, comm_dtype=comm_dtype), recv
@@ -214,6 +243,31 @@ class GradReducer:
             return handle, None
         n = data.numel() // self._world
         return handle, data[self._rank * n : (self._rank + 1) * n]
+
+    def _issue_quantized(self, data: Tensor) -> tuple[_Deferred, Tensor]:
+        """See ReduceMode.QUANTIZED_REDUCE_SCATTER. Every chunk is quantised on its own, so a
+        block never straddles two ranks' chunks and each rank's codes have the same length."""
+        bits, block, world = self._opt.quant_bits, self._opt.quant_block_numel, self._world
+        quant = quantize_int4 if bits == 4 else quantize_int8
+        k = data.numel() // world
+        parts = [quant(chunk, block) for chunk in data.view(world, k)]  # chunk r: for rank r
+        codes = torch.cat([p.codes for p in parts])
+        scales = torch.cat([p.scales for p in parts])
+        codes_in, scales_in = torch.empty_like(codes), torch.empty_like(scales)
+        waits = (self._comm.all_to_all(codes_in, codes, async_op=True),
+                 self._comm.all_to_all(scales_in, scales, async_op=True))
+        recv = torch.empty(k, dtype=data.dtype, device=data.device)
+
+        def finish() -> None:
+            for h in waits:
+                h.wait()
+            total = torch.zeros(k, dtype=torch.float32, device=data.device)
+            for src_codes, src_scales in zip(codes_in.chunk(world), scales_in.chunk(world)):
+                total += dequantize(Quantized(codes=src_codes, scales=src_scales, numel=k,
+                                              block_numel=block, bits=bits))
+            recv.copy_(total)
+
+        return _Deferred(finish), recv
 
     def _finish_oldest(self) -> None:
         f = self._in_flight.pop(0)

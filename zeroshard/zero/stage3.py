@@ -84,6 +84,9 @@ class Stage3Options:
     """Where master shard, gradient shard and optimizer state live."""
     offload_param: OffloadPolicy = OffloadPolicy()
     """Where the low-precision parameter shards live between gathers."""
+    quantized_gradients: bool = False
+    """qgZ (`zero_quantized_gradients`): reduce each unit's gradients as int4 blocks
+    (ReduceMode.QUANTIZED_REDUCE_SCATTER), whatever `reduce_scatter` says."""
 
 
 def _in_recompute() -> bool:
@@ -185,6 +188,8 @@ class Stage3Strategy(ShardedStrategyBase):
     def _init_reduction(self) -> None:
         opt = self._opt
         mode = ReduceMode.REDUCE_SCATTER if opt.reduce_scatter else ReduceMode.ALL_REDUCE_KEEP_CHUNK
+        if opt.quantized_gradients:
+            mode = ReduceMode.QUANTIZED_REDUCE_SCATTER
         self._reducer = GradReducer(self._comm, ReduceOptions(
             mode=mode, grad_dtype=opt.grad_dtype, comm_dtype=opt.comm_dtype,
             prescale_factor=opt.prescale_factor, overlap_comm=opt.overlap_comm),
