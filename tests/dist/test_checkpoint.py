@@ -222,7 +222,7 @@ def test_load_leaves_rng_and_loader_alone_unless_asked(groups: Any, shared_dir: 
 
     import numpy as np
 
-    dataset = torch.utils.data.TensorDataset(torch.arange(40).float().unsqueeze(1))
+    dataset = torch.utils.data.TensorDataset(torch.arange(48).float().unsqueeze(1))
 
     def start(seed: int) -> tuple[Any, Any]:
         torch.manual_seed(seed)
