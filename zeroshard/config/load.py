@@ -161,6 +161,17 @@ def _apply_stage_defaults(draft: Draft) -> None:
         draft.values["zero_optimization.overlap_comm"] = draft.values.get("zero_optimization.stage", 0) == 3
 
 
+def check_contiguous_checkpointing(contiguous: bool, partition: bool, number: int | None) -> None:
+    """DeepSpeed's rule for `activation_checkpointing.contiguous_memory_optimization`, shared by
+    the config and by `zeroshard.checkpointing.configure(...)` keyword arguments."""
+    if contiguous and not partition:
+        raise ConfigError("activation_checkpointing.contiguous_memory_optimization: needs "
+                          "partition_activations true (as in DeepSpeed). Set both, or neither.")
+    if contiguous and number is None:
+        raise ConfigError("activation_checkpointing.contiguous_memory_optimization: needs "
+                          "number_checkpoints (the number of checkpointed layers). Set it.")
+
+
 def _check_cross_fields(cfg: Config) -> None:
     """Rules that involve more than one key (each names every key involved).
 
@@ -173,12 +184,8 @@ def _check_cross_fields(cfg: Config) -> None:
             "for fp16 with loss scaling, or fp16.enabled to false for bf16."
         )
     act = cfg.activation_checkpointing
-    if act.contiguous_memory_optimization and not act.partition_activations:
-        raise ConfigError("activation_checkpointing.contiguous_memory_optimization: needs "
-                          "partition_activations true (as in DeepSpeed). Set both, or neither.")
-    if act.contiguous_memory_optimization and act.number_checkpoints is None:
-        raise ConfigError("activation_checkpointing.contiguous_memory_optimization: needs "
-                          "number_checkpoints (the number of checkpointed layers). Set it.")
+    check_contiguous_checkpointing(act.contiguous_memory_optimization, act.partition_activations,
+                                   act.number_checkpoints)
     fp16 = cfg.fp16
     if fp16.enabled and fp16.dynamic_loss_scale and not 0 < fp16.min_loss_scale <= fp16.initial_loss_scale:
         raise ConfigError(

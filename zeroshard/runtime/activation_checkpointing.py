@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from zeroshard.config.load import check_contiguous_checkpointing
 import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor
 
@@ -234,12 +236,8 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
             f"not supported yet: activation_checkpointing.partition_activations=true with a "
             f"model-parallel size of {mp_size}. zeroshard has no model parallelism to partition "
             "activations over. Set partition_activations to false.")
-    if settings.contiguous_checkpointing and not settings.partition_activations:
-        raise ConfigError("activation_checkpointing.contiguous_memory_optimization: needs "
-                          "partition_activations true (as in DeepSpeed). Set both, or neither.")
-    if settings.contiguous_checkpointing and settings.num_checkpoints is None:
-        raise ConfigError("activation_checkpointing.contiguous_memory_optimization: needs "
-                          "number_checkpoints (the number of checkpointed layers). Set it.")
+    check_contiguous_checkpointing(settings.contiguous_checkpointing, settings.partition_activations,
+                                   settings.num_checkpoints)
     _settings = settings
     logger.info(f"activation checkpointing: {settings}")
 
