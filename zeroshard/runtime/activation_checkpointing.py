@@ -28,11 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from zeroshard.config.load import check_contiguous_checkpointing
 import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor
 
+from zeroshard.config.load import check_contiguous_checkpointing
 from zeroshard.errors import ConfigError, NotSupportedError
 
 logger = logging.getLogger("zeroshard")
