@@ -40,15 +40,17 @@ def torchrun(n: int) -> list[str]:
 
 
 STAGES: dict[str, list[str]] = {
+    # CUDA/NCCL paths: every test skips, with its reason printed (-rs), where there is no GPU.
+    # On a machine with N GPUs, also run them at world size N:
+    #   torchrun --standalone --nproc-per-node=N -m pytest tests/gpu -x -q
+    # First, not last: CI reads the last pytest closing line, and on a machine without CUDA this
+    # stage's line ("29 skipped") would read as a run that executed no test.
+    "gpu": [sys.executable, *PYTEST, "-rs", "tests/gpu"],
     "unit": [sys.executable, *PYTEST, "tests/unit"],
     "dist1": [sys.executable, *PYTEST, "tests/dist"],  # world size 1: no process group at all
     "dist2": [*torchrun(2), *PYTEST, "tests/dist"],
     "dist3": [*torchrun(3), *PYTEST, "tests/dist"],
     "launch": [sys.executable, *PYTEST, "tests/launch"],
-    # CUDA/NCCL paths: every test skips, with its reason printed (-rs), where there is no GPU.
-    # On a machine with N GPUs, also run them at world size N:
-    #   torchrun --standalone --nproc-per-node=N -m pytest tests/gpu -x -q
-    "gpu": [sys.executable, *PYTEST, "-rs", "tests/gpu"],
 }
 # Opt-in: zeroshard against DeepSpeed 0.19 on the same cases (tests/differential/harness.py).
 # Not -x: each case is one test, and one deviating case must not hide the others.
