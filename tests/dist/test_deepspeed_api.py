@@ -30,7 +30,12 @@ from zeroshard.utils import (
     safe_get_local_grad,
     safe_get_local_optimizer_state,
     safe_set_full_fp32_param,
+    safe_set_full_grad,
     safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
     set_z3_leaf_modules,
     unwrap_model_for_generation,
 )
@@ -169,6 +174,53 @@ def test_safe_set_full_fp32_param_and_optimizer_state(groups: Any, stage: int) -
     assert abs(losses[0][0] - losses[1][0]) <= 1e-5 * abs(losses[0][0])
     for a, b in zip(params_of(engines[0]), params_of(engines[1])):
         close(safe_get_full_fp32_param(b), safe_get_full_fp32_param(a), 1e-5, "after set + one step")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_safe_set_grads_change_the_step_as_at_stage0(groups: Any, stage: int) -> None:
+    """Gradients rewritten through safe_set_full_grad / safe_update_full_grad_vectorized are
+    the ones step() clips and applies: the same rewrite gives stage 0's trajectory."""
+    rank, world = groups.rank, groups.world_size
+    batches = global_batches(3, 2 * 2 * world)
+    engines = [fresh(0), fresh(stage)]
+    for engine in engines:
+        train_engine(engine, batches[:1], rank, world)
+        backward_only(engine, batches[1], rank, world)
+        params = params_of(engine)
+        first = params[0]
+        new = safe_get_full_grad(first) * -3.0 + 0.01
+        safe_set_full_grad(first, new)
+        close(safe_get_full_grad(first), new, 1e-6, f"stage {engine.zero_optimization_stage()} set_full_grad")
+        safe_update_full_grad_vectorized(params[1:], lambda g, p: g * 0.5)
+        engine.step()
+        with pytest.raises(ValueError, match="ends an accumulation step"):
+            safe_set_full_grad(first, new)
+    for a, b in zip(params_of(engines[0]), params_of(engines[1])):
+        close(safe_get_full_fp32_param(b), safe_get_full_fp32_param(a), 1e-5, f"stage {stage} after the rewritten step")
+    losses = [train_engine(e, batches[2:], rank, world)[0] for e in engines]
+    assert abs(losses[0][0] - losses[1][0]) <= 1e-5 * abs(losses[0][0])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_safe_set_local_round_trips(groups: Any, stage: int) -> None:
+    rank, world = groups.rank, groups.world_size
+    batches = global_batches(2, 2 * 2 * world)
+    engine = fresh(stage)
+    train_engine(engine, batches[:1], rank, world)
+    backward_only(engine, batches[1], rank, world)
+    for p in params_of(engine):
+        grad = safe_get_local_grad(p)
+        safe_set_local_grad(p, grad * 2)
+        close(safe_get_local_grad(p), grad * 2, 1e-6, "local grad")
+        master = safe_get_local_fp32_param(p)
+        safe_set_local_fp32_param(p, master + 1)
+        assert torch.equal(safe_get_local_fp32_param(p), master + 1)
+        state = safe_get_local_optimizer_state(p, "exp_avg")
+        safe_set_local_optimizer_state(p, torch.full_like(state, 0.5), "exp_avg")
+        assert torch.equal(safe_get_local_optimizer_state(p, "exp_avg"), torch.full_like(state, 0.5))
+        with pytest.raises(ValueError, match="elements; this rank's part"):
+            safe_set_local_fp32_param(p, torch.zeros(master.numel() + 1))
+    engine.step()
 
 
 @pytest.mark.parametrize("stage", STAGES)

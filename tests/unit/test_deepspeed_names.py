@@ -24,6 +24,8 @@ NAMES = {
     "zeroshard.utils": ["safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad",
                         "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",
                         "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+                        "safe_set_full_grad", "safe_set_local_grad", "safe_set_local_fp32_param",
+                        "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized",
                         "logger", "log_dist", "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module",
                         "get_z3_leaf_modules", "see_memory_usage", "unwrap_model_for_generation",
                         "RepeatingLoader"],

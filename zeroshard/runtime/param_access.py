@@ -187,6 +187,73 @@ def get_local_grad(param: nn.Parameter) -> Tensor | None:
         torch.empty(0, dtype=torch.float32, device=engine.device)
 
 
+def _grads_or_raise(engine: "ZeroEngine", what: str) -> None:
+    if not engine._grads_ready:
+        raise ValueError(
+            f"{what}: there is no reduced gradient to write now; call it after the backward that "
+            "ends an accumulation step (is_gradient_accumulation_boundary()) and before step()")
+
+
+def set_full_grad(param: nn.Parameter, value: Tensor) -> None:
+    """Overwrite the averaged, unscaled gradient of `param` (the whole tensor, as
+    `get_full_grad` returns it); `step()` then clips and applies it. Local: each rank writes
+    the elements it owns, so every rank passes the same `value`."""
+    engine = _engine_or_raise(param)
+    _check_shape(param, value)
+    _grads_or_raise(engine, "safe_set_full_grad")
+    flat = value.detach().reshape(-1).to(device=engine.device, dtype=torch.float32)
+    for i, f in _fragments(engine, param):
+        engine._strategy.set_fragment_grad(i, flat[f.param_offset : f.param_offset + f.numel],
+                                           1.0 / engine.get_loss_scale())
+
+
+def set_local_grad(param: nn.Parameter, value: Tensor) -> None:
+    """Overwrite this rank's fragments of `param`'s gradient (1-D, as `get_local_grad` returns)."""
+    engine = _engine_or_raise(param)
+    _grads_or_raise(engine, "safe_set_local_grad")
+    frags = _fragments(engine, param)
+    flat = _check_local(frags, value).to(device=engine.device, dtype=torch.float32)
+    pos = 0
+    for i, f in frags:
+        engine._strategy.set_fragment_grad(i, flat[pos : pos + f.numel], 1.0 / engine.get_loss_scale())
+        pos += f.numel
+
+
+def update_full_grad_vectorized(param_list: list[nn.Parameter], update_func: Callable[[Tensor, nn.Parameter], Tensor],
+                                ) -> None:
+    """`set_full_grad(p, update_func(get_full_grad(p), p))` for each parameter that has a
+    gradient. Collective at stages 1-3, like `get_full_grad`."""
+    for p in param_list:
+        if not p.requires_grad:
+            continue
+        grad = get_full_grad(p)
+        if grad is None:
+            _grads_or_raise(_engine_or_raise(p), "safe_update_full_grad_vectorized")
+        set_full_grad(p, update_func(grad, p))
+
+
+def _check_local(frags: list[tuple[int, MasterFragment]], value: Tensor) -> Tensor:
+    want = sum(f.numel for _, f in frags)
+    if value.numel() != want:
+        raise ValueError(f"value has {value.numel()} elements; this rank's part of the parameter has "
+                         f"{want} (the length safe_get_local_* returns on this rank)")
+    return value.detach().reshape(-1)
+
+
+def set_local_fp32_param(param: nn.Parameter, value: Tensor) -> None:
+    """Overwrite this rank's fragments of `param`'s fp32 master (1-D, as
+    `get_local_fp32_param` returns). Local: the model's parameter takes the new values at the
+    next optimizer step (or `set_full_fp32_param`, which re-gathers at once), as in DeepSpeed."""
+    engine = _engine_or_raise(param)
+    frags = _fragments(engine, param)
+    flat = _check_local(frags, value)
+    pos = 0
+    with torch.no_grad():
+        for _, f in frags:
+            f.master.data.view(-1).copy_(flat[pos : pos + f.numel])
+            pos += f.numel
+
+
 # -- optimizer state --------------------------------------------------------------------------
 
 
@@ -232,6 +299,22 @@ def set_full_optimizer_state(param: nn.Parameter, value: Tensor, optim_state_key
         target.copy_(flat[f.param_offset : f.param_offset + f.numel])
 
 
+def set_local_optimizer_state(param: nn.Parameter, value: Tensor, optim_state_key: str) -> None:
+    """Overwrite this rank's fragments of `param`'s optimizer state `optim_state_key` (1-D, as
+    `get_local_optimizer_state` returns). Local."""
+    engine = _engine_or_raise(param)
+    frags = _fragments(engine, param)
+    flat = _check_local(frags, value)
+    pos = 0
+    for _, f in frags:
+        target = _state_piece(engine, f, optim_state_key)
+        if target is None:
+            raise ValueError(f"no optimizer state {optim_state_key!r} for this parameter yet: it is "
+                             "created by the first optimizer step")
+        target.copy_(flat[pos : pos + f.numel])
+        pos += f.numel
+
+
 def _check_shape(param: nn.Parameter, value: Tensor) -> None:
     if value.numel() != param.numel():
         raise ValueError(f"value has shape {tuple(value.shape)} ({value.numel()} elements); the "
@@ -247,5 +330,10 @@ SAFE_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "safe_get_local_fp32_param": get_local_fp32_param,
     "safe_get_local_grad": get_local_grad,
     "safe_get_local_optimizer_state": get_local_optimizer_state,
+    "safe_set_full_grad": set_full_grad,
+    "safe_set_local_grad": set_local_grad,
+    "safe_set_local_fp32_param": set_local_fp32_param,
+    "safe_set_local_optimizer_state": set_local_optimizer_state,
+    "safe_update_full_grad_vectorized": update_full_grad_vectorized,
 }
 """DeepSpeed's names (deepspeed.utils) -> the functions above."""

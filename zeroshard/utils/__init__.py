@@ -32,7 +32,9 @@ _LAZY = {
     **{name: "zeroshard.runtime.param_access" for name in (
         "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad",
         "safe_get_full_optimizer_state", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
-        "safe_get_local_grad", "safe_get_local_optimizer_state")},
+        "safe_get_local_grad", "safe_get_local_optimizer_state", "safe_set_full_grad",
+        "safe_set_local_grad", "safe_set_local_fp32_param", "safe_set_local_optimizer_state",
+        "safe_update_full_grad_vectorized")},
     **{name: "zeroshard.zero.leaf" for name in (
         "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
         "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")},

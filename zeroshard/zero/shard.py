@@ -161,6 +161,12 @@ class OptimizerShard:
         mult = grad_scale * prescale_factor / self._comm.world_size
         return [g.float() * mult for g in self._fragment_grads]
 
+    @torch.no_grad()
+    def set_fragment_grad(self, index: int, value: Tensor, grad_scale: float, prescale_factor: float) -> None:
+        """The inverse of `fragment_grads` for one fragment (`safe_set_full_grad`)."""
+        mult = grad_scale * prescale_factor / self._comm.world_size
+        self._fragment_grads[index].copy_(value.reshape(-1) / mult)
+
     def after_step(self) -> None:
         for frag in self.fragment_params:
             frag.grad = None
@@ -245,6 +251,9 @@ class ShardedStrategyBase:
 
     def fragment_grads(self, grad_scale: float) -> list[Tensor]:
         return self._shard.fragment_grads(grad_scale, self._prescale_factor)
+
+    def set_fragment_grad(self, index: int, value: Tensor, grad_scale: float) -> None:
+        self._shard.set_fragment_grad(index, value, grad_scale, self._prescale_factor)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer the engine steps (an NVMe home swaps the states: zero/nvme_optim.py)."""

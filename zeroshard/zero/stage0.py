@@ -213,6 +213,11 @@ class Stage0Strategy:
         return [g.reshape(-1).float() * mult for g in reversed(self._grads.views)]
 
     @torch.no_grad()
+    def set_fragment_grad(self, index: int, value: Tensor, grad_scale: float) -> None:
+        mult = grad_scale * self._prescale_factor / self._world_size
+        self._grads.views[len(self._grads.views) - 1 - index].view(-1).copy_(value.reshape(-1) / mult)
+
+    @torch.no_grad()
     def sync_params_from_master(self) -> None:
         if self._mixed:
             torch._foreach_copy_([p.data for p in self._params], [m.data for m in self._master])

@@ -207,3 +207,9 @@ class ZeroStrategy(Protocol):
         scale), before clipping. Meaningful between `after_backward()` of the micro-batch
         that ends a step and `prepare_step()`; local (no collective)."""
         ...
+
+    def set_fragment_grad(self, index: int, value: Tensor, grad_scale: float) -> None:
+        """Overwrite fragment `index`'s reduced gradient with `value` (1-D, in the units
+        `fragment_grads` returns them: averaged, multiplied by `grad_scale`). Same window as
+        `fragment_grads`; local (no collective)."""
+        ...

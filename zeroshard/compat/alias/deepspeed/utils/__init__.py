@@ -7,7 +7,8 @@ from deepspeed.utils import zero_to_fp32  # noqa: F401
 _NAMES = ["logger", "log_dist", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
           "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",
           "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-          "set_z3_leaf_modules",
+          "safe_set_full_grad", "safe_set_local_grad", "safe_set_local_fp32_param",
+          "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized", "set_z3_leaf_modules",
           "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
           "see_memory_usage"]
 __getattr__, __dir__ = _reexport(__name__, {n: f"zeroshard.utils:{n}" for n in _NAMES})
