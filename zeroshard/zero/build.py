@@ -102,6 +102,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
                                                         aio=cfg.aio),
             offload_param=OffloadPolicy.from_config(zero.offload_param),
             quantized_gradients=bool(zero.zero_quantized_gradients),
+            quantized_weights=bool(zero.zero_quantized_weights),
         )
         _mark_leaves(module, zero)
         chosen = resolve_units(module, units) if units else default_units(module)

@@ -28,6 +28,15 @@ last unit the recompute ran, or within `stage3_max_reuse_distance`); a unit the 
 before another is released when the next one finishes and its recomputed outputs' hooks gather
 it again for its backward, so a region spanning many units keeps about one gathered at a time.
 
+Note: [exact gathers] with qwZ (`zero_quantized_weights`) the gathers that feed forward and
+backward carry int8 codes (zero/gather.py); the master weights, optimizer state and the
+low-precision shards stay exact. Three gathers stay exact: the persistent unit (parameters
+below `stage3_param_persistence_threshold`: few bytes, and layer norms near 1 would lose the
+most), user gathers (`GatheredParameters`: what a user reads, saves or modifies with
+`modifier_rank` must be the true weights, or a save would store int8-rounded ones), and their
+re-gather when a unit a user gathers is already gathered quantised. `_exact[u]` says which
+kind a gathered unit holds.
+
 Note: [released storage] a released unit's flat buffer keeps its tensor object but its storage
 is resized to 0 bytes; parameters and any views autograd saved keep pointing at it and see the
 data again after `resize_` + all-gather. Reading a released parameter raises (ZeroParameter).
@@ -44,6 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition
+from zeroshard.zero.gather import quantized_all_gather
 from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
 from zeroshard.zero.offload import OffloadPolicy
 from zeroshard.zero.reduce import GradReducer, LaunchOrder, ReduceMode, ReduceOptions
@@ -62,6 +72,7 @@ from zeroshard.zero.units import (
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, Handle
+    from zeroshard.zero.gather import PendingGather
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +98,9 @@ class Stage3Options:
     quantized_gradients: bool = False
     """qgZ (`zero_quantized_gradients`): reduce each unit's gradients as int4 blocks
     (ReduceMode.QUANTIZED_REDUCE_SCATTER), whatever `reduce_scatter` says."""
+    quantized_weights: bool = False
+    """qwZ (`zero_quantized_weights`): the gathers of forward and backward carry int8 codes
+    (zero/gather.py). Note: [exact gathers] says which gathers stay exact."""
 
 
 def _in_recompute() -> bool:
@@ -165,7 +179,8 @@ class Stage3Strategy(ShardedStrategyBase):
         self._user_pins: dict[int, int] = {}
         self._full: list[Tensor] = []   # per unit, 1D padded flat buffer (storage may be empty)
         self._state: list[UnitState] = []
-        self._handles: dict[int, "Handle"] = {}
+        self._handles: dict[int, "Handle | PendingGather"] = {}
+        self._exact: list[bool] = []  # per unit: gathered values are exact (Note: [exact gathers])
         for u in range(len(plan.buckets)):
             full = torch.zeros(plan.layouts[u].padded_numel, dtype=self._dtype, device=self._device)
             first, last = plan.buckets[u]
@@ -181,6 +196,7 @@ class Stage3Strategy(ShardedStrategyBase):
                 self._lp_shard[slice(*plan.shard_range(u))].copy_(full[slice(*plan.layouts[u].partition(self._rank))])
             self._full.append(full)
             self._state.append(UnitState.GATHERED)
+            self._exact.append(True)
         for u in range(len(plan.buckets)):
             if u != self._persistent:
                 self._release(u)
@@ -223,19 +239,29 @@ class Stage3Strategy(ShardedStrategyBase):
     def _live_numel(self) -> int:
         return sum(self._full[u].numel() for u, s in enumerate(self._state) if s is not UnitState.RELEASED)
 
-    def _start_gather(self, u: int) -> None:
+    def _start_gather(self, u: int, exact: bool = False) -> None:
+        """Start gathering unit `u`; quantised under qwZ unless `exact` or persistent
+        (Note: [exact gathers])."""
         if self._state[u] is not UnitState.RELEASED:
             return
         full = self._full[u]
         full.untyped_storage().resize_(full.numel() * full.element_size())
         mine = self._lp_shard[slice(*self._plan.shard_range(u))].to(self._device, non_blocking=True)
-        self._handles[u] = self._comm.all_gather(full, mine, async_op=True)
+        exact = exact or not self._opt.quantized_weights or u == self._persistent
+        if exact:
+            self._handles[u] = self._comm.all_gather(full, mine, async_op=True)
+        else:
+            self._handles[u] = quantized_all_gather(self._comm, full, mine)
+        self._exact[u] = exact
         self._state[u] = UnitState.GATHERING
         if self._training:  # the training working set; user gathers are the user's choice
             self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
 
-    def _gather(self, u: int) -> None:
-        self._start_gather(u)
+    def _gather(self, u: int, exact: bool = False) -> None:
+        if exact and self._state[u] is not UnitState.RELEASED and not self._exact[u]:
+            self._regather(u, exact=True)
+            return
+        self._start_gather(u, exact)
         if self._state[u] is UnitState.GATHERING:
             self._handles.pop(u).wait()
             self._state[u] = UnitState.GATHERED
@@ -269,12 +295,19 @@ class Stage3Strategy(ShardedStrategyBase):
             self._gather(unit)
         return True
 
+    def _regather(self, u: int, exact: bool) -> None:
+        """Gather a gathered unit again (its storage stays allocated)."""
+        if self._state[u] is UnitState.GATHERING:
+            self._handles.pop(u).wait()
+        self._state[u] = UnitState.RELEASED
+        self._gather(u, exact)
+
     def _refresh_gathered(self) -> None:
-        """Units gathered now (the persistent one, pinned ones) re-read their shards."""
+        """Units gathered now (the persistent one, pinned ones) re-read their shards, each the
+        kind of gather it held."""
         for u, state in enumerate(self._state):
             if state is not UnitState.RELEASED:
-                self._state[u] = UnitState.RELEASED
-                self._gather(u)
+                self._regather(u, self._exact[u])
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -373,9 +406,7 @@ class Stage3Strategy(ShardedStrategyBase):
             return
         self._shard.store_master_to_lp()
         # The persistent unit stays gathered: refresh it now. Other units gather on next use.
-        p = self._persistent
-        self._state[p] = UnitState.RELEASED
-        self._gather(p)
+        self._regather(self._persistent, exact=True)
 
     def model_state_bytes(self, optimizer_state_bytes: int) -> list[ModelStateBytes]:
         acc = BytesByHome()
@@ -396,7 +427,7 @@ class Stage3Strategy(ShardedStrategyBase):
         """Gather the units of `params` for the user until `release_params`; collective."""
         for u in sorted({p._zs.unit for p in params}):  # every rank gathers in the same order
             self._user_pins[u] = self._user_pins.get(u, 0) + 1
-            self._gather(u)
+            self._gather(u, exact=True)  # Note: [exact gathers]
 
     def release_params(self, params: Sequence[ZeroParameter], modifier_rank: int | None) -> None:
         """End a user gather; with `modifier_rank`, that rank's whole values become the truth."""
