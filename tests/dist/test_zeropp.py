@@ -172,3 +172,66 @@ def test_qwz_trains_within_tolerance_and_halves_gather_bytes(groups) -> None:
         units = [b for b in plain if b != persistent_bytes]
         ratio = (sum(q) - (len(plain) - len(units)) * persistent_bytes) / sum(units)
         assert 0.5 < ratio < 0.505, ratio  # codes: half of bf16; scales: 4 bytes per chunk of >= 1000
+
+
+# -- hpZ (`zero_hpz_partition_size`) --------------------------------------------------------
+# A node layout on one machine: ZEROSHARD_NODE_SIZE (comm/groups.py) overrides the launcher's
+# LOCAL_WORLD_SIZE. At an even world size the "nodes" have 2 ranks (at 4 ranks: two nodes, the
+# case hpZ is for); at 3 ranks one node of 3 (the secondary partition is then the primary one).
+
+
+def _hpz_node_size(world: int) -> int:
+    return 2 if world % 2 == 0 else world
+
+
+def test_hpz_size_checked_against_node_layout(groups, monkeypatch) -> None:
+    from zeroshard.errors import ConfigError
+
+    world = groups.world_size
+    monkeypatch.setenv("ZEROSHARD_NODE_SIZE", str(_hpz_node_size(world)))
+    for bad in (world + 1, 2 * world):  # does not divide the world / is not the node size
+        with pytest.raises(ConfigError, match=r"zero_hpz_partition_size: got \d+, but it must divide"):
+            init_engine(make_model(), stage3_config("fp32", "plain", zero_hpz_partition_size=bad))
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_hpz_matches_stage3_and_gathers_within_node(groups, monkeypatch, quantized: bool) -> None:
+    """hpZ alone: the same gathered values, so the trajectory is bitwise plain stage 3's. With
+    qwZ the refresh carries int8 codes, and the loss stays within QWZ_LOSS_RTOL."""
+    rank, world = groups.rank, groups.world_size
+    node = _hpz_node_size(world)
+    if node == 1:
+        pytest.skip("world size 1: no node of more than one rank (hpZ needs >= 2 per node)")
+    monkeypatch.setenv("ZEROSHARD_NODE_SIZE", str(node))
+    batches = global_batches(4, 2 * 2 * world)
+    plain = init_engine(make_model(), stage3_config("bf16", "plain", zero_quantized_weights=quantized))
+    want_losses, want = train_engine(plain, batches, rank, world)
+    cfg = stage3_config("bf16", "plain", zero_hpz_partition_size=node, zero_quantized_weights=quantized)
+    cfg["comms_logger"] = {"enabled": True}
+    engine = init_engine(make_model(), cfg)
+    log = engine._comm.log  # noqa: SLF001
+    got_losses, got = train_engine(engine, batches, rank, world)
+    if quantized:  # qwZ on the refresh instead of every gather: a different rounding, same bound
+        assert got_losses == pytest.approx(want_losses, rel=QWZ_LOSS_RTOL)
+    else:
+        assert got_losses == want_losses
+        for step, (a, b) in enumerate(zip(got, want)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}: params differ"
+    # One more step, logged: forward and backward gather on the node group only; the step
+    # refreshes the secondary partition over the cross group (one all-gather per unit) and the
+    # persistent unit over the world.
+    strategy = engine._strategy  # noqa: SLF001
+    units = len(strategy._full) - 1  # noqa: SLF001
+    x, y = rank_micro_batches(batches[0], rank, world, 2, 2)[0]
+    log.reset()
+    engine.backward(engine(x, y))
+    engine.step()  # not a boundary: the first micro-batch of two
+    gathers = [r for r in log.records if r.op == "all_gather"]
+    assert gathers and {r.group for r in gathers} == {"node"}, [(r.group, r.bytes) for r in gathers]
+    x, y = rank_micro_batches(batches[0], rank, world, 2, 2)[1]
+    engine.backward(engine(x, y))
+    log.reset()
+    engine.step()
+    stepped = [r.group for r in log.records if r.op == "all_gather"]
+    assert stepped.count("cross") == units * (2 if quantized else 1)  # codes + scales under qwZ
+    assert stepped.count("world") == 1 and stepped.count("node") == 0, stepped

@@ -151,8 +151,11 @@ class ZeroConfig:
     effect: in zeroshard each rank copies only its own gradient shard to CPU, so there is no
     cross-rank copy order to balance."""
     zero_hpz_partition_size: int = spec(1, ge=0)
-    """ZeRO++ hierarchical partitioning: ranks per secondary parameter partition (stage 3).
-    1 = off."""
+    """ZeRO++ hpZ (stage 3): ranks per secondary parameter partition, which must be the ranks
+    per node (LOCAL_WORLD_SIZE) and divide the world size (checked at initialize). Each rank
+    keeps a second copy of the parameters partitioned within its node, rebuilt after each step
+    (the only parameter gathers that cross nodes); the gathers of forward and backward read it
+    inside the node. Costs padded/node_size extra elements per rank. 1 (or 0) = off."""
     zero_quantized_weights: bool = False
     """ZeRO++ qwZ (stage 3): the parameter all-gathers of forward and backward carry int8 codes
     with one fp32 scale per 2048 elements of each rank's chunk (about 1/2 of the bf16/fp16

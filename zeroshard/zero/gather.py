@@ -1,5 +1,6 @@
 """Stage-3 parameter all-gathers as ZeRO++ changes them: int8 blockwise codes on the wire
-(qwZ, `zero_quantized_weights`). Imports nothing of ours but `zero/quant.py` (and `comm` for
+(qwZ, `zero_quantized_weights`) and a secondary partition within each node (hpZ,
+`zero_hpz_partition_size`). Imports nothing of ours but `zero/quant.py` (and `comm` for
 types); zero/stage3.py decides which gather each unit gets.
 
 qwZ: each rank quantises its chunk of a unit's flat buffer to int8 with one fp32 scale per
@@ -80,3 +81,61 @@ def quantized_gather_bytes(numel: int, world_size: int, block_numel: int = DEFAU
     """
     k = numel // world_size
     return numel + world_size * 4 * -(-k // block_numel)
+
+
+class SecondaryPartition:
+    """hpZ: a second copy of each unit's parameters, partitioned over the ranks of one node,
+    so the gathers of forward and backward run inside the node.
+
+    With W ranks, s per node and N = W / s nodes, a unit's padded flat buffer is W chunks of
+    k elements (the primary partition: chunk r on rank r). Rank r = n * s + l (node n, local
+    rank l) keeps the N chunks l, s + l, ..., (N - 1) * s + l: exactly what the *cross* group
+    of local rank l (one rank per node) holds, so the post-step refresh is one all-gather
+    over the cross group (every byte of it crosses nodes, (N - 1) * k received per rank) and
+    needs no full buffer. A training gather is one all-gather over the node group into a
+    scratch buffer laid out [l][n][k], copied into the unit's buffer as [n][l][k].
+
+    Memory: N * k = padded / s elements per unit (the primary shard is padded / W).
+    """
+
+    def __init__(self, node_comm: "Comm", cross_comm: "Comm", padded_numels: Sequence[int],
+                 *, dtype: torch.dtype, device: torch.device, quantized: bool) -> None:
+        self._node, self._cross, self._quantized = node_comm, cross_comm, quantized
+        self._s, self._n = node_comm.world_size, cross_comm.world_size
+        self._local = node_comm.rank
+        world = self._s * self._n
+        self._numel = [p // world * self._n for p in padded_numels]  # per unit: N chunks of k
+        starts = [0]
+        for n in self._numel:
+            starts.append(starts[-1] + n)
+        self._starts = starts
+        self.shard = torch.empty(starts[-1], dtype=dtype, device=device)  # 1D, param dtype
+
+    def _mine(self, u: int) -> Tensor:
+        return self.shard[self._starts[u] : self._starts[u + 1]]
+
+    def fill_from_full(self, u: int, full: Tensor) -> None:
+        """Take this rank's secondary chunks from a unit's whole flat buffer (no communication)."""
+        k = full.numel() // (self._s * self._n)
+        self._mine(u).view(self._n, k).copy_(full.view(self._n, self._s, k)[:, self._local, :])
+
+    def refresh(self, u: int, primary: Tensor) -> "Handle | PendingGather":
+        """Start rebuilding unit `u`'s secondary chunks from every node's primary chunk (this
+        rank's `primary`); int8 on the wire under qwZ. Async: wait before the next gather."""
+        if self._quantized:
+            return quantized_all_gather(self._cross, self._mine(u), primary)
+        return self._cross.all_gather(self._mine(u), primary, async_op=True)
+
+    def gather(self, u: int, full: Tensor) -> "Handle | PendingGather":
+        """Start gathering unit `u` into `full` from the node's secondary chunks."""
+        mine = self._mine(u)
+        if self._n == 1:  # one node: the secondary layout is the primary one
+            return self._node.all_gather(full, mine, async_op=True)
+        scratch = torch.empty_like(full)
+        handle = self._node.all_gather(scratch, mine, async_op=True)
+        k = full.numel() // (self._s * self._n)
+
+        def finish() -> None:
+            full.view(self._n, self._s, k).copy_(scratch.view(self._s, self._n, k).transpose(0, 1))
+
+        return PendingGather([handle], finish)

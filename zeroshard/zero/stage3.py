@@ -53,7 +53,8 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition
-from zeroshard.zero.gather import quantized_all_gather
+from zeroshard.comm.groups import node_rank_lists
+from zeroshard.zero.gather import SecondaryPartition, quantized_all_gather
 from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
 from zeroshard.zero.offload import OffloadPolicy
 from zeroshard.zero.reduce import GradReducer, LaunchOrder, ReduceMode, ReduceOptions
@@ -101,6 +102,10 @@ class Stage3Options:
     quantized_weights: bool = False
     """qwZ (`zero_quantized_weights`): the gathers of forward and backward carry int8 codes
     (zero/gather.py). Note: [exact gathers] says which gathers stay exact."""
+    hpz_size: int = 1
+    """hpZ (`zero_hpz_partition_size`): ranks per node holding a secondary partition that the
+    gathers of forward and backward read (zero/gather.py, SecondaryPartition); 1 = off.
+    zero/build.py checks it equals the node size and divides the world size."""
 
 
 def _in_recompute() -> bool:
@@ -175,6 +180,13 @@ class Stage3Strategy(ShardedStrategyBase):
         self._dtype = dtypes.pop() if dtypes else torch.float32
         plan = self._plan
         self._lp_shard = self._opt.offload_param.allocate(plan.shard_numel, self._dtype, self._device)  # 1D
+        self._hpz: SecondaryPartition | None = None
+        if self._opt.hpz_size > 1:
+            nodes, cross = node_rank_lists(self._world, self._opt.hpz_size)
+            padded = [0 if u == self._persistent else plan.layouts[u].padded_numel for u in range(len(plan.buckets))]
+            self._hpz = SecondaryPartition(self._comm.split(nodes, "node"), self._comm.split(cross, "cross"),
+                                           padded, dtype=self._dtype, device=self._device,
+                                           quantized=self._opt.quantized_weights)
         self._pinned: set[int] = set()  # units kept gathered: used outside their unit's forward
         self._user_pins: dict[int, int] = {}
         self._full: list[Tensor] = []   # per unit, 1D padded flat buffer (storage may be empty)
@@ -194,6 +206,8 @@ class Stage3Strategy(ShardedStrategyBase):
                     p.data = view
                     make_zero_parameter(p, ZeroParamState(name=self._names[i], owner=self, unit=u))
                 self._lp_shard[slice(*plan.shard_range(u))].copy_(full[slice(*plan.layouts[u].partition(self._rank))])
+                if self._hpz is not None and u != self._persistent:
+                    self._hpz.fill_from_full(u, full)
             self._full.append(full)
             self._state.append(UnitState.GATHERED)
             self._exact.append(True)
@@ -239,20 +253,25 @@ class Stage3Strategy(ShardedStrategyBase):
     def _live_numel(self) -> int:
         return sum(self._full[u].numel() for u, s in enumerate(self._state) if s is not UnitState.RELEASED)
 
+    def _primary(self, u: int) -> Tensor:
+        """This rank's chunk of unit `u` (low precision, on the device)."""
+        return self._lp_shard[slice(*self._plan.shard_range(u))].to(self._device, non_blocking=True)
+
     def _start_gather(self, u: int, exact: bool = False) -> None:
-        """Start gathering unit `u`; quantised under qwZ unless `exact` or persistent
-        (Note: [exact gathers])."""
+        """Start gathering unit `u`: from the node's secondary partition under hpZ, int8 codes
+        under qwZ, unless `exact` or persistent (Note: [exact gathers])."""
         if self._state[u] is not UnitState.RELEASED:
             return
         full = self._full[u]
         full.untyped_storage().resize_(full.numel() * full.element_size())
-        mine = self._lp_shard[slice(*self._plan.shard_range(u))].to(self._device, non_blocking=True)
-        exact = exact or not self._opt.quantized_weights or u == self._persistent
-        if exact:
-            self._handles[u] = self._comm.all_gather(full, mine, async_op=True)
+        primary = exact or u == self._persistent or not (self._opt.quantized_weights or self._hpz is not None)
+        if primary:
+            self._handles[u] = self._comm.all_gather(full, self._primary(u), async_op=True)
+        elif self._hpz is not None:
+            self._handles[u] = self._hpz.gather(u, full)
         else:
-            self._handles[u] = quantized_all_gather(self._comm, full, mine)
-        self._exact[u] = exact
+            self._handles[u] = quantized_all_gather(self._comm, full, self._primary(u))
+        self._exact[u] = primary or not self._opt.quantized_weights
         self._state[u] = UnitState.GATHERING
         if self._training:  # the training working set; user gathers are the user's choice
             self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
@@ -303,11 +322,22 @@ class Stage3Strategy(ShardedStrategyBase):
         self._gather(u, exact)
 
     def _refresh_gathered(self) -> None:
-        """Units gathered now (the persistent one, pinned ones) re-read their shards, each the
-        kind of gather it held."""
+        """The shards changed: rebuild the hpZ secondary partition, then the units gathered now
+        (the persistent one, pinned ones) re-read their shards, each the kind of gather it held."""
+        self._refresh_secondary()
         for u, state in enumerate(self._state):
             if state is not UnitState.RELEASED:
                 self._regather(u, self._exact[u])
+
+    def _refresh_secondary(self, units: Sequence[int] | None = None) -> None:
+        """hpZ: rebuild the secondary chunks of `units` (default all) from the primary shards;
+        the only gathers of a training step that cross nodes (Note in zero/gather.py)."""
+        if self._hpz is None:
+            return
+        pending = [self._hpz.refresh(u, self._primary(u))
+                   for u in (range(len(self._full)) if units is None else units) if u != self._persistent]
+        for handle in pending:
+            handle.wait()
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -405,6 +435,7 @@ class Stage3Strategy(ShardedStrategyBase):
         if not applied:
             return
         self._shard.store_master_to_lp()
+        self._refresh_secondary()
         # The persistent unit stays gathered: refresh it now. Other units gather on next use.
         self._regather(self._persistent, exact=True)
 
@@ -414,6 +445,8 @@ class Stage3Strategy(ShardedStrategyBase):
         acc.add(self._device.type, "params", persistent.numel() * persistent.element_size())  # whole everywhere
         acc.add(self._opt.offload_param.label(self._device), "params",
                 self._lp_shard.numel() * self._lp_shard.element_size())
+        if self._hpz is not None:  # the secondary partition (hpZ)
+            acc.add(self._device.type, "params", self._hpz.shard.numel() * self._hpz.shard.element_size())
         self._shard.count_bytes(acc, optimizer_state_bytes)
         return acc.result()
 
@@ -440,6 +473,7 @@ class Stage3Strategy(ShardedStrategyBase):
                 master = self._shard.master_chunk(u)
                 if master is not None:
                     master.copy_(chunk)
+                self._refresh_secondary([u])
             self._user_pins[u] -= 1
             if self._user_pins[u] == 0:
                 del self._user_pins[u]
