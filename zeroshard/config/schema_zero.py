@@ -167,8 +167,10 @@ class ZeroConfig:
     zero_quantized_gradients: bool = False
     """ZeRO++ qgZ (stage 3): reduce each unit's gradients as int4 codes with one fp32 scale per
     2048 elements, exchanged by all-to-all and summed in fp32 (about 1/8 of the fp32 bytes).
-    Each rank's contribution is off by at most its block's max |g| / 14 per element. One level
-    for now: the node-hierarchical exchange DeepSpeed does is not implemented."""
+    Each rank's contribution is off by at most its block's max |g| / 14 per element. When the job
+    spans several nodes of several ranks, two levels: int8 within the node, then int4 partial
+    sums across nodes (s times fewer inter-node bytes for s ranks per node; bound in
+    zero/reduce.py, Note: [hierarchical qgZ])."""
     mics_shard_size: int = spec(-1, ge=-1)
     """MiCS: shard parameters within groups of this many ranks (stage 3); -1 = off."""
     mics_hierarchical_params_gather: bool = False

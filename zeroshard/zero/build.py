@@ -123,6 +123,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             offload_param=OffloadPolicy.from_config(zero.offload_param),
             quantized_gradients=bool(zero.zero_quantized_gradients),
             quantized_weights=bool(zero.zero_quantized_weights),
+            node_size=node_size(groups),
             hpz_size=_hpz_size(int(zero.zero_hpz_partition_size), groups),
         )
         _mark_leaves(module, zero)

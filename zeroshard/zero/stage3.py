@@ -102,6 +102,9 @@ class Stage3Options:
     quantized_weights: bool = False
     """qwZ (`zero_quantized_weights`): the gathers of forward and backward carry int8 codes
     (zero/gather.py). Note: [exact gathers] says which gathers stay exact."""
+    node_size: int = 1
+    """Ranks per node (comm/groups.py `node_size`): qgZ reduces hierarchically (within the
+    node, then across) when 1 < node_size < world size."""
     hpz_size: int = 1
     """hpZ (`zero_hpz_partition_size`): ranks per node holding a secondary partition that the
     gathers of forward and backward read (zero/gather.py, SecondaryPartition); 1 = off.
@@ -182,11 +185,9 @@ class Stage3Strategy(ShardedStrategyBase):
         self._lp_shard = self._opt.offload_param.allocate(plan.shard_numel, self._dtype, self._device)  # 1D
         self._hpz: SecondaryPartition | None = None
         if self._opt.hpz_size > 1:
-            nodes, cross = node_rank_lists(self._world, self._opt.hpz_size)
             padded = [0 if u == self._persistent else plan.layouts[u].padded_numel for u in range(len(plan.buckets))]
-            self._hpz = SecondaryPartition(self._comm.split(nodes, "node"), self._comm.split(cross, "cross"),
-                                           padded, dtype=self._dtype, device=self._device,
-                                           quantized=self._opt.quantized_weights)
+            self._hpz = SecondaryPartition(*self._node_comms(self._opt.hpz_size), padded, dtype=self._dtype,
+                                           device=self._device, quantized=self._opt.quantized_weights)
         self._pinned: set[int] = set()  # units kept gathered: used outside their unit's forward
         self._user_pins: dict[int, int] = {}
         self._full: list[Tensor] = []   # per unit, 1D padded flat buffer (storage may be empty)
@@ -215,15 +216,24 @@ class Stage3Strategy(ShardedStrategyBase):
             if u != self._persistent:
                 self._release(u)
 
+    def _node_comms(self, size: int) -> tuple["Comm", "Comm"]:
+        """Comms over this rank's node group and cross group (one rank per node)."""
+        nodes, cross = node_rank_lists(self._world, size)
+        return self._comm.split(nodes, "node"), self._comm.split(cross, "cross")
+
     def _init_reduction(self) -> None:
         opt = self._opt
+        node = opt.node_size
+        hierarchy = None
+        if opt.quantized_gradients and 1 < node < self._world and self._world % node == 0:
+            hierarchy = self._node_comms(node)  # Note: [hierarchical qgZ] in zero/reduce.py
         mode = ReduceMode.REDUCE_SCATTER if opt.reduce_scatter else ReduceMode.ALL_REDUCE_KEEP_CHUNK
         if opt.quantized_gradients:
             mode = ReduceMode.QUANTIZED_REDUCE_SCATTER
         self._reducer = GradReducer(self._comm, ReduceOptions(
             mode=mode, grad_dtype=opt.grad_dtype, comm_dtype=opt.comm_dtype,
             prescale_factor=opt.prescale_factor, overlap_comm=opt.overlap_comm),
-            device=self._device)
+            device=self._device, hierarchy=hierarchy)
         counts = [sum(self._trainable[a:b]) for a, b in self._plan.buckets]
         self._arrivals = LaunchOrder(self._unit_of, counts, in_order=False)
 
