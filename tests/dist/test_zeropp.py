@@ -159,7 +159,12 @@ def test_qwz_gathers_within_bound_and_masters_exact(groups) -> None:
         assert float(err) <= (0 if small else amax / 254 * (1 + 2.0**-20)), f"error {float(err):.3e}"
         rounded |= bool(err > 0)
     assert rounded, "the forward saw the exact weights: qwZ did not quantise"
-    assert exact[0].dtype == torch.float32
+    # GatheredParameters (and so saves) gather exactly: each rank's own pieces come back bitwise.
+    every = list(engine.module.parameters())
+    with GatheredParameters(every):
+        for piece in engine._strategy.param_pieces():  # noqa: SLF001
+            whole = piece.param.detach().reshape(-1)
+            assert torch.equal(whole[piece.param_offset : piece.param_offset + piece.numel], piece.data)
 
 
 def test_qwz_trains_within_tolerance_and_halves_gather_bytes(groups) -> None:
