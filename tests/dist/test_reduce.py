@@ -130,3 +130,77 @@ def test_launch_order_in_order_and_by_unit() -> None:
     units = LaunchOrder(bucket_of, [2, 1, 2], in_order=False)
     assert units.arrive(2) == [1]           # a unit launches as soon as it completes
     assert units.seen(2) and not units.seen(0)
+
+
+def _hierarchy_node_size(world: int) -> int:
+    """2 ranks per node at 4 ranks (two nodes: both levels move data); at 1, 2 and 3 ranks one
+    level degenerates (one node of 2, or nodes of 1), which still runs every step."""
+    return 2 if world % 2 == 0 else 1
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_hierarchical_quantized_reduce_scatter_within_bound(comm, groups, overlap: bool) -> None:
+    """qgZ within the node (int8), then across (int4): Note: [hierarchical qgZ]'s bound,
+    sum_j A_j * (1/254 + 255/254/14) per micro-batch, A_j = max |g| of rank j's bucket."""
+    from zeroshard.comm.groups import node_rank_lists
+
+    world, rank = groups.world_size, groups.rank
+    s = _hierarchy_node_size(world)
+    nodes, cross = node_rank_lists(world, s)
+    hierarchy = (comm.split(nodes, "node"), comm.split(cross, "cross"))
+    block = 16
+    sizes = [40 * world, 7 * world]
+    reducer = GradReducer(comm, ReduceOptions(
+        mode=ReduceMode.QUANTIZED_REDUCE_SCATTER, grad_dtype=torch.float32, overlap_comm=overlap,
+        quant_bits=4, quant_block_numel=block), device=torch.device("cpu"), hierarchy=hierarchy)
+    chunks = [n // world for n in sizes]
+    targets = list(torch.zeros(sum(chunks)).split(chunks))
+    for micro in range(2):
+        for b, n in enumerate(sizes):
+            reducer.accumulate(b, n, 0, _grad(rank, micro * 10 + b, n), first=True)
+            reducer.launch(b, reducer.staging(b, n), targets[b])
+        reducer.drain()
+        reducer.end_micro_batch()
+    per_amax = 1 / 254 + 255 / 254 / 14
+    for b, n in enumerate(sizes):
+        k = chunks[b]
+        mine = slice(rank * k, (rank + 1) * k)
+        want = torch.zeros(k)
+        bound = 1e-6
+        for r in range(world):
+            for m in range(2):
+                g = _grad(r, m * 10 + b, n)
+                want += g[mine]
+                bound += float(g.abs().max()) * per_amax
+        err = (targets[b] - want).abs()
+        assert float(err.max()) <= bound, f"bucket {b}: max error {float(err.max())} > {bound}"
+        if world > 1:
+            assert float(err.max()) > 0  # it really was quantised
+    reducer.end_step()
+
+
+def test_hierarchical_qgz_bytes_by_group(groups) -> None:
+    """Bytes per rank for one bucket of P fp32 elements: P int8 codes inside the node (+ scales),
+    P / (2 s) int4 bytes across nodes (+ scales): 1/(8 s) of the fp32 input crosses."""
+    from zeroshard.comm import Comm, CommLog
+    from zeroshard.comm.groups import node_rank_lists
+
+    world = groups.world_size
+    s = _hierarchy_node_size(world)
+    log = CommLog()
+    comm = Comm(groups, log=log)
+    nodes, cross = node_rank_lists(world, s)
+    reducer = GradReducer(comm, ReduceOptions(mode=ReduceMode.QUANTIZED_REDUCE_SCATTER,
+                                              grad_dtype=torch.float32, quant_bits=4),
+                          device=torch.device("cpu"), hierarchy=(comm.split(nodes, "node"), comm.split(cross, "cross")))
+    n = 2048 * 4 * world * s  # chunks of whole blocks
+    target = torch.zeros(n // world)
+    reducer.accumulate(0, n, 0, _grad(groups.rank, 0, n), first=True)
+    reducer.launch(0, reducer.staging(0, n), target)
+    reducer.drain()
+    by_group: dict[str, int] = {}
+    for r in log.records:
+        by_group[r.group] = by_group.get(r.group, 0) + r.bytes
+    assert set(by_group) == {"node", "cross"}
+    assert by_group["node"] == n + 4 * n // 2048  # int8 codes + one fp32 scale per 2048
+    assert by_group["cross"] == n // s // 2 + 4 * (n // s) // 2048  # int4 codes + scales

@@ -34,3 +34,21 @@ def test_four_ranks_on_two_namespaced_nodes_all_reduce_over_the_veth() -> None:
     import subprocess
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(ns in listed for ns in namespaces), listed
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"two-node cluster: {WHY}")
+def test_zeropp_node_layout_from_the_launcher() -> None:
+    """`zeroshard launch --num_nodes 2` gives each rank LOCAL_WORLD_SIZE=2: hpZ takes its node
+    groups from it (no override), forward/backward gather nothing across the veth, and
+    hierarchical qgZ moves 1/s of one-level int4 across (bench/zeropp.md has the full table)."""
+    script = str(REPO / "bench" / "zeropp_step.py")
+    with TwoNodeCluster(rate=None) as cluster:
+        results = cluster.run([script, "--steps", "2", "--hpz", "--qgz", "--preset", "tiny"],
+                              nproc_per_node=2, timeout_s=240)
+    code, out = results[0]
+    assert code == 0, out
+    line = next(x for x in out.splitlines() if x.startswith("ZEROPP_STEP"))
+    fields = dict(kv.split("=") for kv in line.split()[1:])
+    assert fields["world"] == "4" and fields["node"] == "2", line
+    assert float(fields["gather_MB_inter_node"]) == 0.0 and float(fields["gather_MB_inter_cross"]) > 0, line
+    assert float(fields["grad_MB_inter"]) < float(fields["grad_MB_intra"]), line

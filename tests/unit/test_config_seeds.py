@@ -141,7 +141,7 @@ def load(raw: dict[str, Any], **kwargs: Any) -> Config:
     (seed003_chat(3), 3, {}, None),
     (SEED004_ZERO2, 2, {"auto_values": HF_AUTO_VALUES, "hidden_size": 4096}, None),
     (SEED004_ZERO3, 3, {"auto_values": HF_AUTO_VALUES, "hidden_size": 4096}, None),
-    (SEED004_ZEROPP, 3, {"hidden_size": 1024}, "zero_optimization.zero_quantized_weights"),
+    (SEED004_ZEROPP, 3, {"hidden_size": 1024}, None),
     (SEED004_ACCELERATE_BF16, 3, {"auto_values": HF_AUTO_VALUES}, None),
     (SEED004_ACCELERATE_AUTO, 3, {"auto_values": {**HF_AUTO_VALUES, "zero_optimization.stage": 3,
                                                   "zero_optimization.offload_optimizer.device": "cpu"}}, None),

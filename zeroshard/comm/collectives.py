@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from zeroshard.comm.divergence import CallRecord, CollectiveTracker, tracker_for
-from zeroshard.comm.groups import ProcessGroups, group_store
+from zeroshard.comm.groups import ProcessGroups, group_store, subgroup
 from zeroshard.comm.handle import Handle, WaitPolicy
 from zeroshard.comm.log import CommLog
 
@@ -87,6 +87,8 @@ class Comm:
         groups: from :func:`init_distributed`.
         timeout_s: per-collective timeout in seconds; default ``groups.timeout_s``.
         log: a :class:`CommLog` that records every call, or None.
+        label: how the log names this Comm's group ("world"; "node" / "cross" for the groups
+            :meth:`split` builds).
 
     Example::
 
@@ -97,8 +99,9 @@ class Comm:
     """
 
     def __init__(self, groups: ProcessGroups, *, timeout_s: float | None = None,
-                 log: CommLog | None = None) -> None:
+                 log: CommLog | None = None, label: str = "world") -> None:
         self.groups = groups
+        self.label = label
         self.rank = groups.rank
         self.world_size = groups.world_size
         self.timeout_s = groups.timeout_s if timeout_s is None else float(timeout_s)
@@ -117,7 +120,7 @@ class Comm:
         self._policy = WaitPolicy(
             tracker=self._tracker, timeout_s=self.timeout_s,
             wait_timeout=timedelta(seconds=self.timeout_s + _WAIT_GRACE_S) if on_cpu else None,
-            log=log, sync_device=None if on_cpu else groups.device)
+            log=log, sync_device=None if on_cpu else groups.device, group=label)
         # Note: [collective signature check]. On CPU backends each collective is preceded by a
         # 16-byte MAX all-reduce of (fingerprint, -fingerprint): equal on every rank exactly
         # when max == -max(-x) == min. gloo aborts the whole process (C++ terminate, SIGABRT)
@@ -130,6 +133,16 @@ class Comm:
         self._caps: dict[str, bool] = {}
         """Capabilities found missing at first use: "avg", "all_gather_single",
         "reduce_scatter_single", "all_to_all_single" -> False selects the fallback."""
+
+    def split(self, rank_lists: Sequence[Sequence[int]], label: str) -> Comm:
+        """A Comm over the one list of ``rank_lists`` that holds this rank (ranks of this
+        group), sharing this Comm's timeout and log; the log names its calls ``label``.
+
+        Collective: every rank calls it with the same lists, which partition the group. The
+        sub-groups are created once per partition and reused (``comm/groups.py``).
+        """
+        return Comm(subgroup(self.groups, rank_lists), timeout_s=self.timeout_s, log=self.log,
+                    label=label)
 
     @property
     def log(self) -> CommLog | None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import atexit
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -228,12 +229,85 @@ def _leave_at_exit() -> None:
         pass
 
 
+NODE_SIZE_ENV = "ZEROSHARD_NODE_SIZE"
+"""Overrides the ranks per node (the launcher's LOCAL_WORLD_SIZE) for the node-aware features
+(ZeRO++ hpZ, hierarchical qgZ): lets tests and benchmarks lay out several "nodes" on one
+machine. Ranks are node-major, as every launcher numbers them: node n holds ranks
+[n * size, (n + 1) * size)."""
+
+
+def node_size(groups: ProcessGroups) -> int:
+    """Ranks per node: ``ZEROSHARD_NODE_SIZE`` if set, else the launcher's local world size
+    (capped by the world size).
+
+    Raises:
+        CommError: ``ZEROSHARD_NODE_SIZE`` is not a positive integer.
+    """
+    raw = os.environ.get(NODE_SIZE_ENV, "").strip()
+    if not raw:
+        return max(1, min(groups.local_world_size, groups.world_size))
+    try:
+        size = int(raw)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise CommError(f"{NODE_SIZE_ENV}={raw!r}: expected a positive integer (ranks per node).")
+    return size
+
+
+def node_rank_lists(world_size: int, size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(node groups, cross groups) for `size` ranks per node: node n = ranks
+    [n * size, (n + 1) * size); cross group l = the ranks of local rank l on every node.
+
+    >>> node_rank_lists(4, 2)
+    ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    """
+    if size < 1 or world_size % size:
+        raise AssertionError(f"expected a node size dividing {world_size}, got {size}")
+    nodes = [list(range(n * size, (n + 1) * size)) for n in range(world_size // size)]
+    cross = [list(range(local, world_size, size)) for local in range(size)]
+    return nodes, cross
+
+
+_SUBGROUPS: dict[tuple[tuple[int, ...], ...], list[dist.ProcessGroup | None]] = {}
+"""Partition of the ranks -> one process group per part (None for a one-rank part)."""
+
+
+def subgroup(groups: ProcessGroups, rank_lists: Sequence[Sequence[int]]) -> ProcessGroups:
+    """ProcessGroups for the part of ``rank_lists`` holding ``groups.rank`` (collective: every
+    rank passes the same lists; each part's group is created once and reused)."""
+    key = tuple(tuple(int(r) for r in part) for part in rank_lists)
+    mine = [i for i, part in enumerate(key) if groups.rank in part]
+    if len(mine) != 1 or sorted(r for part in key for r in part) != list(range(groups.world_size)):
+        raise AssertionError(f"expected a partition of range({groups.world_size}), got {key}")
+    part = key[mine[0]]
+    if groups.dp_group is None:
+        pg = None
+    else:
+        pgs = _SUBGROUPS.get(key)
+        if pgs is None:
+            # new_group is collective over the default group: every rank creates every part.
+            pgs = [dist.new_group(list(p), timeout=timedelta(seconds=groups.timeout_s))
+                   if len(p) > 1 else None for p in key]
+            _SUBGROUPS[key] = pgs
+        pg = pgs[mine[0]]
+        if pg is not None:  # diagnostics stay local: the parts share the default group's store
+            tracker_for(pg, part.index(groups.rank), len(part), lambda _g: None)
+    return replace(groups, rank=part.index(groups.rank), world_size=len(part),
+                   local_rank=part.index(groups.rank), local_world_size=len(part), dp_group=pg)
+
+
 def destroy_distributed() -> None:
     """Leave the process group created by :func:`init_distributed` (not one the script made)."""
     global _GROUPS, _OWNS_GROUP
     groups = _GROUPS
     if groups is None:
         return
+    for pgs in _SUBGROUPS.values():
+        for pg in pgs:
+            if pg is not None:
+                forget_tracker(pg)
+    _SUBGROUPS.clear()
     if groups.dp_group is not None:
         forget_tracker(groups.dp_group)
         if _OWNS_GROUP and dist.is_initialized():

@@ -35,6 +35,8 @@ class WaitPolicy:
     sync_device: torch.device | None
     """An accelerator to synchronise before timing a logged call (time the transfer, not the
     enqueue); None on CPU."""
+    group: str = "world"
+    """The label the comm log gives this Comm's calls (CommRecord.group)."""
 
 
 class Handle:
@@ -77,7 +79,7 @@ class Handle:
         if policy.log is not None:
             if policy.sync_device is not None:
                 torch.accelerator.synchronize(policy.sync_device)
-            policy.log.record(self._op, self._nbytes, perf_counter() - self._t0, self._async)
+            policy.log.record(self._op, self._nbytes, perf_counter() - self._t0, self._async, policy.group)
 
     def _wait_work(self, policy: WaitPolicy, work: dist.Work, rec: CallRecord) -> None:
         tracker = policy.tracker

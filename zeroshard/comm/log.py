@@ -28,6 +28,10 @@ class CommRecord:
     """Wall time from issue to completion of ``wait()``."""
     async_op: bool
     """Whether the caller asked for a handle (``async_op=True``)."""
+    group: str = "world"
+    """Which group ran it: "world" (the data-parallel group), "node" (the ranks of one node,
+    ZeRO++ hpZ / hierarchical qgZ), "cross" (one rank per node, same local rank). See
+    `comm/wire.py` for the bytes each puts on the inter-node link."""
 
 
 def _human_bytes(n: float) -> str:
@@ -62,11 +66,11 @@ class CommLog:
         """Whether ``op`` is recorded (lets the caller skip timing what is not)."""
         return self._ops is None or op in self._ops
 
-    def record(self, op: str, nbytes: int, seconds: float, async_op: bool) -> None:
+    def record(self, op: str, nbytes: int, seconds: float, async_op: bool, group: str = "world") -> None:
         """Append one record."""
         if not self.wants(op):
             return
-        rec = CommRecord(op, nbytes, seconds, async_op)
+        rec = CommRecord(op, nbytes, seconds, async_op, group)
         self.records.append(rec)
         if self._verbose:
             logger.info("comm %s: %s in %.3f ms%s", op, _human_bytes(nbytes), seconds * 1e3,

@@ -53,6 +53,12 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     _Z + "zero_quantized_gradients": (
         "zero/build.py::quantized_gradients=bool(zero.zero_quantized_gradients)",
         "zero/stage3.py::mode = ReduceMode.QUANTIZED_REDUCE_SCATTER"),
+    _Z + "zero_quantized_weights": (
+        "zero/build.py::quantized_weights=bool(zero.zero_quantized_weights)",
+        "zero/stage3.py::quantized_all_gather(self._comm, full, self._primary(u))"),
+    _Z + "zero_hpz_partition_size": (
+        "zero/build.py::hpz_size=_hpz_size(int(zero.zero_hpz_partition_size), groups)",
+        "zero/stage3.py::self._hpz = SecondaryPartition("),
     _Z + "stage": _BUILD, _Z + "reduce_scatter": _BUILD, _Z + "reduce_bucket_size": _BUILD,
     _Z + "allgather_partitions": _BUILD, _Z + "allgather_bucket_size": _BUILD, _Z + "overlap_comm": _BUILD,
     _Z + "offload_param.device": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param",

@@ -151,17 +151,26 @@ class ZeroConfig:
     effect: in zeroshard each rank copies only its own gradient shard to CPU, so there is no
     cross-rank copy order to balance."""
     zero_hpz_partition_size: int = spec(1, ge=0)
-    """ZeRO++ hierarchical partitioning: ranks per secondary parameter partition (stage 3).
-    1 = off."""
+    """ZeRO++ hpZ (stage 3): ranks per secondary parameter partition, which must be the ranks
+    per node (LOCAL_WORLD_SIZE) and divide the world size (checked at initialize). Each rank
+    keeps a second copy of the parameters partitioned within its node, rebuilt after each step
+    (the only parameter gathers that cross nodes); the gathers of forward and backward read it
+    inside the node. Costs padded/node_size extra elements per rank. 1 (or 0) = off."""
     zero_quantized_weights: bool = False
-    """ZeRO++ qwZ: all-gather parameters quantized to int8 (stage 3)."""
+    """ZeRO++ qwZ (stage 3): the parameter all-gathers of forward and backward carry int8 codes
+    with one fp32 scale per 2048 elements of each rank's chunk (about 1/2 of the bf16/fp16
+    bytes, 1/4 of fp32), dequantised on arrival; each gathered weight is off by at most its
+    block's max |w| / 254. Master weights, optimizer state, the persistent parameters and user
+    gathers (GatheredParameters, saving) stay exact."""
     zero_quantized_nontrainable_weights: bool = False
     """ZeRO++: keep frozen weights quantized (stage 3)."""
     zero_quantized_gradients: bool = False
     """ZeRO++ qgZ (stage 3): reduce each unit's gradients as int4 codes with one fp32 scale per
     2048 elements, exchanged by all-to-all and summed in fp32 (about 1/8 of the fp32 bytes).
-    Each rank's contribution is off by at most its block's max |g| / 14 per element. One level
-    for now: the node-hierarchical exchange DeepSpeed does is not implemented."""
+    Each rank's contribution is off by at most its block's max |g| / 14 per element. When the job
+    spans several nodes of several ranks, two levels: int8 within the node, then int4 partial
+    sums across nodes (s times fewer inter-node bytes for s ranks per node; bound in
+    zero/reduce.py, Note: [hierarchical qgZ])."""
     mics_shard_size: int = spec(-1, ge=-1)
     """MiCS: shard parameters within groups of this many ranks (stage 3); -1 = off."""
     mics_hierarchical_params_gather: bool = False

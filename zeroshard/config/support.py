@@ -42,8 +42,7 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(key="zero_optimization.offload_param.device", allowed=("none", "cpu"),
                 why="parameter offload to NVMe is not implemented.", fix='Use "device": "cpu".'),
     *(Unsupported(key=f"zero_optimization.{k}", why=_ZPP, fix="Remove the key.") for k in (
-        "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-        "zero_hpz_partition_size", "mics_shard_size", "mics_hierarchical_params_gather")),
+        "zero_quantized_nontrainable_weights", "mics_shard_size", "mics_hierarchical_params_gather")),
     Unsupported(key="zero_optimization.legacy_stage1", why="DeepSpeed's legacy stage 1 is not provided.",
                 fix="Remove the key."),
     Unsupported(key="fp16.fp16_master_weights_and_grads",

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from zeroshard.comm.groups import NODE_SIZE_ENV, node_size
+from zeroshard.errors import ConfigError
 from zeroshard.zero.leaf import DEFAULT_LEAF_CLASSES, apply_leaf_config, leaf_units
 from zeroshard.zero.stage0 import Stage0Strategy
 from zeroshard.zero.offload import OffloadPolicy
@@ -44,6 +46,24 @@ def _use_reduce_scatter(configured: bool, backend: str) -> bool:
     gloo every sharded stage all-reduces; elsewhere `reduce_scatter` decides.
     """
     return configured and backend != "gloo"
+
+
+def _hpz_size(size: int, groups: "ProcessGroups") -> int:
+    """`zero_hpz_partition_size`, checked against the node layout (1 and 0 mean off).
+
+    Raises:
+        ConfigError: the size does not divide the world size or is not the ranks per node.
+    """
+    if size <= 1:
+        return 1
+    world, node = groups.world_size, node_size(groups)
+    if world % size or size != node:
+        raise ConfigError(
+            f"zero_optimization.zero_hpz_partition_size: got {size}, but it must divide the data-parallel "
+            f"world size ({world}) and equal the ranks per node ({node}: the launcher's LOCAL_WORLD_SIZE, "
+            f"or {NODE_SIZE_ENV}). Set it to {node}{'' if world % node == 0 else ' (after fixing the layout)'}, "
+            "or to 1 to turn hpZ off.")
+    return size
 
 
 def _mark_leaves(module: nn.Module, zero: object) -> None:
@@ -102,6 +122,9 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
                                                         aio=cfg.aio),
             offload_param=OffloadPolicy.from_config(zero.offload_param),
             quantized_gradients=bool(zero.zero_quantized_gradients),
+            quantized_weights=bool(zero.zero_quantized_weights),
+            node_size=node_size(groups),
+            hpz_size=_hpz_size(int(zero.zero_hpz_partition_size), groups),
         )
         _mark_leaves(module, zero)
         chosen = resolve_units(module, units) if units else default_units(module)

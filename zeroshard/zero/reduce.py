@@ -48,8 +48,11 @@ class ReduceMode(Enum):
     `quant_bits`, zero/quant.py), one all-to-all of codes and one of scales exchange them, and
     each rank dequantises the world_size contributions to its chunk and sums them in fp32.
     Per element the sum is off by at most the sum over source ranks of that rank's
-    `amax_block / (2 * qmax)` (qmax 7 for int4, 127 for int8). The hierarchical version (within
-    the node, then across) needs node groups and is not here yet."""
+    `amax_block / (2 * qmax)` (qmax 7 for int4, 127 for int8).
+
+    Hierarchical, when the group spans several nodes of several ranks (GradReducer's
+    `hierarchy`: the node group and the cross group, comm/groups.py): Note: [hierarchical
+    qgZ]. One level on a single node (or one rank per node)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,23 @@ class ReduceOptions:
     """QUANTIZED_REDUCE_SCATTER: 4 (int4, two codes per byte) or 8."""
     quant_block_numel: int = DEFAULT_BLOCK_NUMEL
     """QUANTIZED_REDUCE_SCATTER: elements per scale."""
+
+
+# Note: [hierarchical qgZ] W ranks, s per node, N = W / s nodes; rank r = n * s + l. A bucket is
+# W chunks of k, chunk r for rank r; seen as [N][s][k], chunk (m, j) is rank m * s + j's.
+#   1. within the node (node group, int8): rank l of each node gets the chunks of local rank l
+#      on every node, [N][k], from its s node peers (an all-to-all of int8 codes + scales) and
+#      sums them in fp32: the node's partial sums for those N chunks.
+#   2. across nodes (cross group: local rank l of every node, int4): each sends partial sum m to
+#      node m's rank l (an all-to-all of int4 codes + scales) and sums the N arrivals in fp32.
+# Bytes per rank: step 1 moves P = W * k int8 codes (half of bf16) inside the node; step 2
+# moves P / (2 s) bytes of int4 codes across nodes, against the one-level int4's P / 2 (of
+# which (W - s) / W crosses): s times fewer inter-node bytes. Error per element of the result
+# (A_j: the largest |g| of rank j's bucket, P_m: node m's partial sum after step 1):
+#   |err| <= sum_j A_j / 254 + sum_m amax(P_m) / 14 <= sum_j A_j * (1/254 + (255/254) / 14),
+# plus fp32 slack; int8 inside the node keeps step 1 nearly exact, and step 2 quantises one
+# partial sum per node instead of one contribution per rank (the one-level bound is
+# sum_j A_j / 14 over all W ranks).
 
 
 class _Deferred:
@@ -158,8 +178,9 @@ class GradReducer:
     """
 
     def __init__(self, comm: "Comm", options: ReduceOptions, *, device: torch.device,
-                 block_numel: int | None = None) -> None:
+                 block_numel: int | None = None, hierarchy: tuple["Comm", "Comm"] | None = None) -> None:
         self._comm, self._opt, self._device = comm, options, device
+        self._hierarchy = hierarchy  # (node, cross) Comms: Note: [hierarchical qgZ]
         self._block_numel = block_numel
         self._rank, self._world = comm.rank, comm.world_size
         self._free: list[Tensor] = []             # the pool: free 1D grad_dtype blocks
@@ -234,6 +255,8 @@ class GradReducer:
     def _issue(self, data: Tensor) -> tuple["Handle | _Deferred", Tensor | None]:
         mode, comm_dtype = self._opt.mode, self._opt.comm_dtype
         if mode is ReduceMode.QUANTIZED_REDUCE_SCATTER:
+            if self._hierarchy is not None:
+                return self._issue_hierarchical(data)
             return self._issue_quantized(data)
         if mode is ReduceMode.REDUCE_SCATTER:
             recv = torch.empty(data.numel() // self._world, dtype=data.dtype, device=data.device)
@@ -247,25 +270,25 @@ class GradReducer:
     def _issue_quantized(self, data: Tensor) -> tuple[_Deferred, Tensor]:
         """See ReduceMode.QUANTIZED_REDUCE_SCATTER. Every chunk is quantised on its own, so a
         block never straddles two ranks' chunks and each rank's codes have the same length."""
-        bits, block, world = self._opt.quant_bits, self._opt.quant_block_numel, self._world
-        quant = quantize_int4 if bits == 4 else quantize_int8
+        world = self._world
         k = data.numel() // world
-        parts = [quant(chunk, block) for chunk in data.view(world, k)]  # chunk r: for rank r
-        codes = torch.cat([p.codes for p in parts])
-        scales = torch.cat([p.scales for p in parts])
-        codes_in, scales_in = torch.empty_like(codes), torch.empty_like(scales)
-        waits = (self._comm.all_to_all(codes_in, codes, async_op=True),
-                 self._comm.all_to_all(scales_in, scales, async_op=True))
+        done = _start_exchange(self._comm, data.view(world, k), self._opt.quant_bits, self._opt.quant_block_numel)
+        recv = torch.empty(k, dtype=data.dtype, device=data.device)
+        return _Deferred(lambda: recv.copy_(done())), recv
+
+    def _issue_hierarchical(self, data: Tensor) -> tuple[_Deferred, Tensor]:
+        """Note: [hierarchical qgZ]. The second stage starts when the first is waited: the
+        fold of the oldest bucket (or the drain) runs both, in order, on every rank."""
+        node, cross = self._hierarchy  # type: ignore[misc]
+        s, n, block = node.world_size, cross.world_size, self._opt.quant_block_numel
+        k = data.numel() // (s * n)
+        pieces = data.view(n, s, k).transpose(0, 1).reshape(s, n * k)  # piece j: for local rank j
+        first = _start_exchange(node, pieces, 8, block)
         recv = torch.empty(k, dtype=data.dtype, device=data.device)
 
         def finish() -> None:
-            for h in waits:
-                h.wait()
-            total = torch.zeros(k, dtype=torch.float32, device=data.device)
-            for src_codes, src_scales in zip(codes_in.chunk(world), scales_in.chunk(world)):
-                total += dequantize(Quantized(codes=src_codes, scales=src_scales, numel=k,
-                                              block_numel=block, bits=bits))
-            recv.copy_(total)
+            partial = first()  # [N * k] fp32: this node's sums of the chunks of local rank l
+            recv.copy_(_start_exchange(cross, partial.view(n, k), self._opt.quant_bits, block)())
 
         return _Deferred(finish), recv
 
@@ -295,6 +318,28 @@ class GradReducer:
     def end_step(self) -> None:
         """The optimizer consumed the targets: the next fold of each bucket copies."""
         self._folded.clear()
+
+
+def _start_exchange(comm: "Comm", pieces: Tensor, bits: int, block: int) -> Callable[[], Tensor]:
+    """Quantise row j of `pieces` ([group size, m]) for group rank j, start the all-to-alls of
+    codes and scales; the returned function waits and gives the fp32 sum of the rows received."""
+    quant = quantize_int4 if bits == 4 else quantize_int8
+    world, m = pieces.shape
+    parts = [quant(row, block) for row in pieces]
+    codes = torch.cat([p.codes for p in parts])
+    scales = torch.cat([p.scales for p in parts])
+    codes_in, scales_in = torch.empty_like(codes), torch.empty_like(scales)
+    waits = (comm.all_to_all(codes_in, codes, async_op=True), comm.all_to_all(scales_in, scales, async_op=True))
+
+    def finish() -> Tensor:
+        for h in waits:
+            h.wait()
+        total = torch.zeros(m, dtype=torch.float32, device=pieces.device)
+        for src_codes, src_scales in zip(codes_in.chunk(world), scales_in.chunk(world)):
+            total += dequantize(Quantized(codes=src_codes, scales=src_scales, numel=m, block_numel=block, bits=bits))
+        return total
+
+    return finish
 
 
 class GradAccumulator:

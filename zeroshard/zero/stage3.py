@@ -28,6 +28,15 @@ last unit the recompute ran, or within `stage3_max_reuse_distance`); a unit the 
 before another is released when the next one finishes and its recomputed outputs' hooks gather
 it again for its backward, so a region spanning many units keeps about one gathered at a time.
 
+Note: [exact gathers] with qwZ (`zero_quantized_weights`) the gathers that feed forward and
+backward carry int8 codes (zero/gather.py); the master weights, optimizer state and the
+low-precision shards stay exact. Three gathers stay exact: the persistent unit (parameters
+below `stage3_param_persistence_threshold`: few bytes, and layer norms near 1 would lose the
+most), user gathers (`GatheredParameters`: what a user reads, saves or modifies with
+`modifier_rank` must be the true weights, or a save would store int8-rounded ones), and their
+re-gather when a unit a user gathers is already gathered quantised. `_exact[u]` says which
+kind a gathered unit holds.
+
 Note: [released storage] a released unit's flat buffer keeps its tensor object but its storage
 is resized to 0 bytes; parameters and any views autograd saved keep pointing at it and see the
 data again after `resize_` + all-gather. Reading a released parameter raises (ZeroParameter).
@@ -44,6 +53,8 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition
+from zeroshard.comm.groups import node_rank_lists
+from zeroshard.zero.gather import SecondaryPartition, quantized_all_gather
 from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
 from zeroshard.zero.offload import OffloadPolicy
 from zeroshard.zero.reduce import GradReducer, LaunchOrder, ReduceMode, ReduceOptions
@@ -62,6 +73,7 @@ from zeroshard.zero.units import (
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, Handle
+    from zeroshard.zero.gather import PendingGather
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +99,16 @@ class Stage3Options:
     quantized_gradients: bool = False
     """qgZ (`zero_quantized_gradients`): reduce each unit's gradients as int4 blocks
     (ReduceMode.QUANTIZED_REDUCE_SCATTER), whatever `reduce_scatter` says."""
+    quantized_weights: bool = False
+    """qwZ (`zero_quantized_weights`): the gathers of forward and backward carry int8 codes
+    (zero/gather.py). Note: [exact gathers] says which gathers stay exact."""
+    node_size: int = 1
+    """Ranks per node (comm/groups.py `node_size`): qgZ reduces hierarchically (within the
+    node, then across) when 1 < node_size < world size."""
+    hpz_size: int = 1
+    """hpZ (`zero_hpz_partition_size`): ranks per node holding a secondary partition that the
+    gathers of forward and backward read (zero/gather.py, SecondaryPartition); 1 = off.
+    zero/build.py checks it equals the node size and divides the world size."""
 
 
 def _in_recompute() -> bool:
@@ -161,11 +183,17 @@ class Stage3Strategy(ShardedStrategyBase):
         self._dtype = dtypes.pop() if dtypes else torch.float32
         plan = self._plan
         self._lp_shard = self._opt.offload_param.allocate(plan.shard_numel, self._dtype, self._device)  # 1D
+        self._hpz: SecondaryPartition | None = None
+        if self._opt.hpz_size > 1:
+            padded = [0 if u == self._persistent else plan.layouts[u].padded_numel for u in range(len(plan.buckets))]
+            self._hpz = SecondaryPartition(*self._node_comms(self._opt.hpz_size), padded, dtype=self._dtype,
+                                           device=self._device, quantized=self._opt.quantized_weights)
         self._pinned: set[int] = set()  # units kept gathered: used outside their unit's forward
         self._user_pins: dict[int, int] = {}
         self._full: list[Tensor] = []   # per unit, 1D padded flat buffer (storage may be empty)
         self._state: list[UnitState] = []
-        self._handles: dict[int, "Handle"] = {}
+        self._handles: dict[int, "Handle | PendingGather"] = {}
+        self._exact: list[bool] = []  # per unit: gathered values are exact (Note: [exact gathers])
         for u in range(len(plan.buckets)):
             full = torch.zeros(plan.layouts[u].padded_numel, dtype=self._dtype, device=self._device)
             first, last = plan.buckets[u]
@@ -179,21 +207,33 @@ class Stage3Strategy(ShardedStrategyBase):
                     p.data = view
                     make_zero_parameter(p, ZeroParamState(name=self._names[i], owner=self, unit=u))
                 self._lp_shard[slice(*plan.shard_range(u))].copy_(full[slice(*plan.layouts[u].partition(self._rank))])
+                if self._hpz is not None and u != self._persistent:
+                    self._hpz.fill_from_full(u, full)
             self._full.append(full)
             self._state.append(UnitState.GATHERED)
+            self._exact.append(True)
         for u in range(len(plan.buckets)):
             if u != self._persistent:
                 self._release(u)
 
+    def _node_comms(self, size: int) -> tuple["Comm", "Comm"]:
+        """Comms over this rank's node group and cross group (one rank per node)."""
+        nodes, cross = node_rank_lists(self._world, size)
+        return self._comm.split(nodes, "node"), self._comm.split(cross, "cross")
+
     def _init_reduction(self) -> None:
         opt = self._opt
+        node = opt.node_size
+        hierarchy = None
+        if opt.quantized_gradients and 1 < node < self._world and self._world % node == 0:
+            hierarchy = self._node_comms(node)  # Note: [hierarchical qgZ] in zero/reduce.py
         mode = ReduceMode.REDUCE_SCATTER if opt.reduce_scatter else ReduceMode.ALL_REDUCE_KEEP_CHUNK
         if opt.quantized_gradients:
             mode = ReduceMode.QUANTIZED_REDUCE_SCATTER
         self._reducer = GradReducer(self._comm, ReduceOptions(
             mode=mode, grad_dtype=opt.grad_dtype, comm_dtype=opt.comm_dtype,
             prescale_factor=opt.prescale_factor, overlap_comm=opt.overlap_comm),
-            device=self._device)
+            device=self._device, hierarchy=hierarchy)
         counts = [sum(self._trainable[a:b]) for a, b in self._plan.buckets]
         self._arrivals = LaunchOrder(self._unit_of, counts, in_order=False)
 
@@ -223,19 +263,34 @@ class Stage3Strategy(ShardedStrategyBase):
     def _live_numel(self) -> int:
         return sum(self._full[u].numel() for u, s in enumerate(self._state) if s is not UnitState.RELEASED)
 
-    def _start_gather(self, u: int) -> None:
+    def _primary(self, u: int) -> Tensor:
+        """This rank's chunk of unit `u` (low precision, on the device)."""
+        return self._lp_shard[slice(*self._plan.shard_range(u))].to(self._device, non_blocking=True)
+
+    def _start_gather(self, u: int, exact: bool = False) -> None:
+        """Start gathering unit `u`: from the node's secondary partition under hpZ, int8 codes
+        under qwZ, unless `exact` or persistent (Note: [exact gathers])."""
         if self._state[u] is not UnitState.RELEASED:
             return
         full = self._full[u]
         full.untyped_storage().resize_(full.numel() * full.element_size())
-        mine = self._lp_shard[slice(*self._plan.shard_range(u))].to(self._device, non_blocking=True)
-        self._handles[u] = self._comm.all_gather(full, mine, async_op=True)
+        primary = exact or u == self._persistent or not (self._opt.quantized_weights or self._hpz is not None)
+        if primary:
+            self._handles[u] = self._comm.all_gather(full, self._primary(u), async_op=True)
+        elif self._hpz is not None:
+            self._handles[u] = self._hpz.gather(u, full)
+        else:
+            self._handles[u] = quantized_all_gather(self._comm, full, self._primary(u))
+        self._exact[u] = primary or not self._opt.quantized_weights
         self._state[u] = UnitState.GATHERING
         if self._training:  # the training working set; user gathers are the user's choice
             self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
 
-    def _gather(self, u: int) -> None:
-        self._start_gather(u)
+    def _gather(self, u: int, exact: bool = False) -> None:
+        if exact and self._state[u] is not UnitState.RELEASED and not self._exact[u]:
+            self._regather(u, exact=True)
+            return
+        self._start_gather(u, exact)
         if self._state[u] is UnitState.GATHERING:
             self._handles.pop(u).wait()
             self._state[u] = UnitState.GATHERED
@@ -269,12 +324,30 @@ class Stage3Strategy(ShardedStrategyBase):
             self._gather(unit)
         return True
 
+    def _regather(self, u: int, exact: bool) -> None:
+        """Gather a gathered unit again (its storage stays allocated)."""
+        if self._state[u] is UnitState.GATHERING:
+            self._handles.pop(u).wait()
+        self._state[u] = UnitState.RELEASED
+        self._gather(u, exact)
+
     def _refresh_gathered(self) -> None:
-        """Units gathered now (the persistent one, pinned ones) re-read their shards."""
+        """The shards changed: rebuild the hpZ secondary partition, then the units gathered now
+        (the persistent one, pinned ones) re-read their shards, each the kind of gather it held."""
+        self._refresh_secondary()
         for u, state in enumerate(self._state):
             if state is not UnitState.RELEASED:
-                self._state[u] = UnitState.RELEASED
-                self._gather(u)
+                self._regather(u, self._exact[u])
+
+    def _refresh_secondary(self, units: Sequence[int] | None = None) -> None:
+        """hpZ: rebuild the secondary chunks of `units` (default all) from the primary shards;
+        the only gathers of a training step that cross nodes (Note in zero/gather.py)."""
+        if self._hpz is None:
+            return
+        pending = [self._hpz.refresh(u, self._primary(u))
+                   for u in (range(len(self._full)) if units is None else units) if u != self._persistent]
+        for handle in pending:
+            handle.wait()
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -372,10 +445,9 @@ class Stage3Strategy(ShardedStrategyBase):
         if not applied:
             return
         self._shard.store_master_to_lp()
+        self._refresh_secondary()
         # The persistent unit stays gathered: refresh it now. Other units gather on next use.
-        p = self._persistent
-        self._state[p] = UnitState.RELEASED
-        self._gather(p)
+        self._regather(self._persistent, exact=True)
 
     def model_state_bytes(self, optimizer_state_bytes: int) -> list[ModelStateBytes]:
         acc = BytesByHome()
@@ -383,6 +455,8 @@ class Stage3Strategy(ShardedStrategyBase):
         acc.add(self._device.type, "params", persistent.numel() * persistent.element_size())  # whole everywhere
         acc.add(self._opt.offload_param.label(self._device), "params",
                 self._lp_shard.numel() * self._lp_shard.element_size())
+        if self._hpz is not None:  # the secondary partition (hpZ)
+            acc.add(self._device.type, "params", self._hpz.shard.numel() * self._hpz.shard.element_size())
         self._shard.count_bytes(acc, optimizer_state_bytes)
         return acc.result()
 
@@ -396,7 +470,7 @@ class Stage3Strategy(ShardedStrategyBase):
         """Gather the units of `params` for the user until `release_params`; collective."""
         for u in sorted({p._zs.unit for p in params}):  # every rank gathers in the same order
             self._user_pins[u] = self._user_pins.get(u, 0) + 1
-            self._gather(u)
+            self._gather(u, exact=True)  # Note: [exact gathers]
 
     def release_params(self, params: Sequence[ZeroParameter], modifier_rank: int | None) -> None:
         """End a user gather; with `modifier_rank`, that rank's whole values become the truth."""
@@ -409,6 +483,7 @@ class Stage3Strategy(ShardedStrategyBase):
                 master = self._shard.master_chunk(u)
                 if master is not None:
                     master.copy_(chunk)
+                self._refresh_secondary([u])
             self._user_pins[u] -= 1
             if self._user_pins[u] == 0:
                 del self._user_pins[u]

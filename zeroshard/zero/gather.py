@@ -1,0 +1,141 @@
+"""Stage-3 parameter all-gathers as ZeRO++ changes them: int8 blockwise codes on the wire
+(qwZ, `zero_quantized_weights`) and a secondary partition within each node (hpZ,
+`zero_hpz_partition_size`). Imports nothing of ours but `zero/quant.py` (and `comm` for
+types); zero/stage3.py decides which gather each unit gets.
+
+qwZ: each rank quantises its chunk of a unit's flat buffer to int8 with one fp32 scale per
+`block_numel` elements (zero/quant.py, `DEFAULT_BLOCK_NUMEL` = 2048), then two all-gathers
+carry the codes and the scales; on arrival every rank dequantises all the chunks (its own
+too, so every rank computes with the same weights). Each chunk is quantised on its own, so a
+block never straddles two ranks' chunks. Per element the gathered weight is off by at most
+`amax_block / 254` (amax_block: the largest |w| of its block of 2048 in its owner's chunk),
+plus the cast to the parameter dtype (bf16: a relative 2^-8). Bytes per gather: `n` int8
+codes plus `4 * ceil(n_chunk / 2048)` per rank, against `2 n` in bf16/fp16 and `4 n` in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from zeroshard.zero.quant import DEFAULT_BLOCK_NUMEL, Quantized, dequantize, quantize_int8
+
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm, Handle
+
+
+class PendingGather:
+    """A gather made of several collectives and a local finish (dequantise, slice); `wait()`
+    waits for the collectives, runs the finish once, and is then a no-op."""
+
+    __slots__ = ("_handles", "_finish")
+
+    def __init__(self, handles: Sequence["Handle | PendingGather"], finish: Callable[[], None]) -> None:
+        self._handles = list(handles)
+        self._finish: Callable[[], None] | None = finish
+
+    def wait(self) -> None:
+        if self._finish is None:
+            return
+        for h in self._handles:
+            h.wait()
+        finish, self._finish = self._finish, None
+        finish()
+
+
+def quantized_all_gather(comm: "Comm", full: Tensor, mine: Tensor, *,
+                         block_numel: int = DEFAULT_BLOCK_NUMEL) -> PendingGather:
+    """qwZ: `full[r * k:(r + 1) * k]` = dequantised int8 codes of rank r's `mine` (k elements),
+    on every rank of `comm`'s group, after `wait()`. `full` keeps its dtype (the parameters').
+
+    The error bound and the byte count are in the module docstring.
+    """
+    world, k = comm.world_size, mine.numel()
+    if full.numel() != world * k:
+        raise AssertionError(f"expected full of {world} * {k} elements, got {full.numel()}")
+    q = quantize_int8(mine, block_numel)
+    nscales = q.scales.numel()
+    codes = torch.empty(world * k, dtype=torch.int8, device=full.device)
+    scales = torch.empty(world * nscales, dtype=torch.float32, device=full.device)
+    handles = (comm.all_gather(codes, q.codes.to(full.device), async_op=True),
+               comm.all_gather(scales, q.scales.to(full.device), async_op=True))
+
+    def finish() -> None:
+        for r in range(world):
+            chunk = Quantized(codes=codes[r * k:(r + 1) * k], scales=scales[r * nscales:(r + 1) * nscales],
+                              numel=k, block_numel=block_numel, bits=8)
+            full[r * k:(r + 1) * k].copy_(dequantize(chunk))
+
+    return PendingGather(handles, finish)
+
+
+def quantized_gather_bytes(numel: int, world_size: int, block_numel: int = DEFAULT_BLOCK_NUMEL) -> int:
+    """Bytes the comm log records for one qwZ gather of a flat buffer of `numel` elements
+    (`world_size` equal chunks): the codes plus every chunk's scales.
+
+    >>> quantized_gather_bytes(8192, 2)
+    8208
+    """
+    k = numel // world_size
+    return numel + world_size * 4 * -(-k // block_numel)
+
+
+class SecondaryPartition:
+    """hpZ: a second copy of each unit's parameters, partitioned over the ranks of one node,
+    so the gathers of forward and backward run inside the node.
+
+    With W ranks, s per node and N = W / s nodes, a unit's padded flat buffer is W chunks of
+    k elements (the primary partition: chunk r on rank r). Rank r = n * s + l (node n, local
+    rank l) keeps the N chunks l, s + l, ..., (N - 1) * s + l: exactly what the *cross* group
+    of local rank l (one rank per node) holds, so the post-step refresh is one all-gather
+    over the cross group (every byte of it crosses nodes, (N - 1) * k received per rank) and
+    needs no full buffer. A training gather is one all-gather over the node group into a
+    scratch buffer laid out [l][n][k], copied into the unit's buffer as [n][l][k].
+
+    Memory: N * k = padded / s elements per unit (the primary shard is padded / W).
+    """
+
+    def __init__(self, node_comm: "Comm", cross_comm: "Comm", padded_numels: Sequence[int],
+                 *, dtype: torch.dtype, device: torch.device, quantized: bool) -> None:
+        self._node, self._cross, self._quantized = node_comm, cross_comm, quantized
+        self._s, self._n = node_comm.world_size, cross_comm.world_size
+        self._local = node_comm.rank
+        world = self._s * self._n
+        self._numel = [p // world * self._n for p in padded_numels]  # per unit: N chunks of k
+        starts = [0]
+        for n in self._numel:
+            starts.append(starts[-1] + n)
+        self._starts = starts
+        self.shard = torch.empty(starts[-1], dtype=dtype, device=device)  # 1D, param dtype
+
+    def _mine(self, u: int) -> Tensor:
+        return self.shard[self._starts[u] : self._starts[u + 1]]
+
+    def fill_from_full(self, u: int, full: Tensor) -> None:
+        """Take this rank's secondary chunks from a unit's whole flat buffer (no communication)."""
+        k = full.numel() // (self._s * self._n)
+        self._mine(u).view(self._n, k).copy_(full.view(self._n, self._s, k)[:, self._local, :])
+
+    def refresh(self, u: int, primary: Tensor) -> "Handle | PendingGather":
+        """Start rebuilding unit `u`'s secondary chunks from every node's primary chunk (this
+        rank's `primary`); int8 on the wire under qwZ. Async: wait before the next gather."""
+        if self._quantized:
+            return quantized_all_gather(self._cross, self._mine(u), primary)
+        return self._cross.all_gather(self._mine(u), primary, async_op=True)
+
+    def gather(self, u: int, full: Tensor) -> "Handle | PendingGather":
+        """Start gathering unit `u` into `full` from the node's secondary chunks."""
+        mine = self._mine(u)
+        if self._n == 1:  # one node: the secondary layout is the primary one
+            return self._node.all_gather(full, mine, async_op=True)
+        scratch = torch.empty_like(full)
+        handle = self._node.all_gather(scratch, mine, async_op=True)
+        k = full.numel() // (self._s * self._n)
+
+        def finish() -> None:
+            full.view(self._n, self._s, k).copy_(scratch.view(self._s, self._n, k).transpose(0, 1))
+
+        return PendingGather([handle], finish)
