@@ -9,7 +9,7 @@ Two stages, switched by the step count:
 - *compression* (after `freeze_step`): the strategy stops reducing gradients
   (`Stage0Strategy.set_grad_reduction(False)`); each rank folds its local gradient into the
   momentum, `m = b1 m + (1 - b1) g_r`, and the momenta are averaged by the error-feedback 1-bit
-  all-reduce of zero/onebit.py (one call over all parameters, flattened). The variance
+  all-reduce of zero/onebit.py (one scale per parameter, four collectives for all of them). The variance
   `exp_avg_sq` stays frozen at its step-`freeze_step` value; the update is AdamW's with that
   variance: `p -= lr (m / bc1) / (sqrt(v / bc2_freeze) + eps) + lr wd p`, where `bc1 = 1 - b1^t`
   keeps counting and `bc2_freeze = 1 - b2^freeze_step`.
@@ -117,7 +117,7 @@ class OneBitAdam(torch.optim.AdamW):
                         f"{backend} process group")
         self._comm, self._strategy = comm, strategy
         device = self._params()[0].device if self._params() else torch.device("cpu")
-        self._allreduce = SignAllReduce(sum(p.numel() for p in self._params()), comm, device)
+        self._allreduce = SignAllReduce([p.numel() for p in self._params()], comm, device)
         strategy.set_grad_reduction(not self.compressing)
 
     def _params(self) -> list[Tensor]:
@@ -131,20 +131,16 @@ class OneBitAdam(torch.optim.AdamW):
         ar, comm = self._allreduce, self._comm
         if ar is None or comm is None:
             return
-        if reset:
-            ar.worker_error.zero_()
-            ar.server_error_full.zero_()
-        offset = 0
-        for p in self._params():
-            n = p.numel()
+        for i, p in enumerate(self._params()):
             state = self.state[p]
-            for key, flat in (("worker_error", ar.worker_error), ("server_error", ar.server_error_full)):
-                view = flat[offset : offset + n].view(p.shape)
-                if not reset and key in state and state[key] is not view:
+            for key, errors in (("worker_error", ar.worker_errors), ("server_error", ar.server_errors_full)):
+                view = errors[i].view(p.shape)
+                if reset:
+                    view.zero_()
+                elif key in state and state[key] is not view:
                     view.copy_(state[key])
                 state[key] = view
             state["error_rank"], state["error_world_size"] = comm.rank, comm.world_size
-            offset += n
 
     # -- stages -------------------------------------------------------------------------------
 
@@ -184,7 +180,6 @@ class OneBitAdam(torch.optim.AdamW):
         return loss
 
     def _compressed_step(self) -> None:
-        params = self._params()
         momenta = []
         for group in self.param_groups:
             beta1 = group["betas"][0]
@@ -194,10 +189,8 @@ class OneBitAdam(torch.optim.AdamW):
                     exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
                 momenta.append(exp_avg)
         if self._comm is not None and self._comm.world_size > 1 and self._allreduce is not None:
-            flat = torch.cat([m.reshape(-1).float() for m in momenta])
-            averaged = self._allreduce.average(flat)
-            torch._foreach_copy_(momenta, [a.view_as(m) for a, m in zip(averaged.split([m.numel() for m in momenta]),
-                                                                             momenta)])
+            averaged = self._allreduce.average([m.reshape(-1).float() for m in momenta])
+            torch._foreach_copy_(momenta, [a.view_as(m) for a, m in zip(averaged, momenta)])
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
@@ -210,7 +203,6 @@ class OneBitAdam(torch.optim.AdamW):
                     p.mul_(1 - lr * wd)
                 denom = (state["exp_avg_sq"].sqrt() / bc2 ** 0.5).add_(eps)
                 p.addcdiv_(state["exp_avg"], denom, value=-lr / bc1)
-        del params
 
     # -- checkpoints --------------------------------------------------------------------------
 

@@ -1,44 +1,60 @@
 """The 1-bit all-reduce of the 1-bit optimizers (1-bit Adam; DeepSpeed's `compressed_allreduce`).
 
-Each rank holds a flat fp32 tensor `x_r` (its momentum); every rank ends with the same estimate
-of their average, sent as signs, in two phases, each with error feedback:
+Each rank holds a list of fp32 tensors (*segments*: its momentum, one per parameter); every rank
+ends with the same estimate of their average over ranks, sent as signs, in two phases, each
+with error feedback and one scale per segment (as DeepSpeed, which compresses each parameter
+on its own):
 
 1. *worker*: `c_r = x_r + e_r` (the rank's worker error), sent as `scale_r * sign(c_r)`; the
-   rank keeps `e_r = c_r - scale_r * sign(c_r)`. The packed signs are cut into `world_size`
-   equal chunks and exchanged with one all-to-all (chunk s goes to rank s), the scales with an
-   all-gather of one fp32 each.
+   rank keeps `e_r = c_r - scale_r * sign(c_r)`. Each segment's packed signs are cut into
+   `world_size` equal chunks and exchanged with one all-to-all for all segments (chunk s goes to
+   rank s), the scales with one all-gather.
 2. *server*: rank s averages the chunks it received, `a_s = mean_r(scale_r * sign(c_r)[chunk s])`,
-   adds its server error `f_s`, and sends `d_s = a_s + f_s` as signs and one scale with an
-   all-gather, keeping `f_s = d_s - scale * sign(d_s)`. Every rank decodes the gathered chunks.
+   adds its server error `f_s`, and sends `d_s = a_s + f_s` as signs and one scale per segment
+   with one all-gather (and one for the scales), keeping `f_s = d_s - scale * sign(d_s)`.
+   Every rank decodes the gathered chunks.
 
-Scale: `mean |c|` per tensor (zero/quant.py `pack_signs`, the least-squares scale, whose
-residual never exceeds the input); DeepSpeed uses `||c||_2 / sqrt(n)`. See
-docs/deepspeed-differences.md.
+Four collectives per step whatever the number of parameters (DeepSpeed issues four per
+parameter). Scale: `||c||_2 / sqrt(n)` (DeepSpeed's; `pack_signs(scale_rule="rms")`, where the
+measurement that chose it is).
 
 Invariant (tests/unit/test_onebit.py): with errors starting at zero, the sum of the outputs
 over T calls equals the sum of the averaged inputs minus `mean_r(e_r)` minus the server errors
-`f` (each on its chunk), all at step T; the errors stay bounded, so the per-step average is
-carried exactly in the long run.
+`f` (each on its chunk), all at step T: nothing the signs fail to carry is lost.
 
-Wire bytes per rank, for n elements (padded to a multiple of 8 * world_size): the all-to-all
-sends `(w - 1)/w * n/8` bytes and the all-gather `(w - 1)/w * n/8`: `2 (w - 1)/w * n/8`, against
-`2 (w - 1)/w * 4n` for a ring all-reduce of fp32: 1/32 (bench/onebit.md). The padding is sent
-but carries no error: its residual is dropped each call so that the errors have exactly the
-tensor's length (checkpoints keep them per parameter).
+Wire bytes per rank, for n elements in P segments (each padded to a multiple of 8 * world_size):
+the all-to-all sends `(w - 1)/w * n/8` bytes and the all-gather `(w - 1)/w * n/8`, the scales
+`2 (w - 1) * 4P`, against `2 (w - 1)/w * 4n` for a ring all-reduce of fp32: 1/32 plus the scales
+(`wire_bytes`, bench/onebit.md). The padding is sent but carries no error: its residual is
+dropped each call so that the errors have exactly the tensor's length (checkpoints keep them
+per parameter).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from zeroshard.zero.quant import SignPacked, pack_signs, unpack_signs
+from zeroshard.zero.quant import SCALE_BYTES, SignPacked, pack_signs, unpack_signs
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
+
+SCALE_RULE = "rms"
+"""DeepSpeed's scale, ||c|| / sqrt(n): see `pack_signs`."""
+
+
+def wire_bytes(numels: Sequence[int], world_size: int) -> float:
+    """Bytes one rank sends for one 1-bit all-reduce of segments of `numels` elements."""
+    if world_size == 1:
+        return 0.0
+    frac = (world_size - 1) / world_size
+    signs = sum(padded_numel(n, world_size) for n in numels) / 8
+    return 2 * frac * signs + 2 * (world_size - 1) * SCALE_BYTES * len(numels)
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -60,7 +76,7 @@ def worker_compress(x: Tensor, worker_error: Tensor, padded: int) -> SignPacked:
     c = torch.zeros(padded, dtype=torch.float32, device=x.device)
     c[:numel] = x.reshape(-1)
     c[:numel] += worker_error
-    packed = pack_signs(c)
+    packed = pack_signs(c, SCALE_RULE)
     worker_error.copy_(c[:numel] - unpack_signs(packed)[:numel])
     return packed
 
@@ -79,7 +95,7 @@ def server_combine(bits: Tensor, scales: Tensor, server_error: Tensor) -> SignPa
     avg[:keep] += server_error
     if keep < chunk:
         avg[keep:] = 0.0  # padding: carries nothing and keeps no error
-    packed = pack_signs(avg)
+    packed = pack_signs(avg, SCALE_RULE)
     server_error.copy_(avg[:keep] - unpack_signs(packed)[:keep])
     return packed
 
@@ -92,52 +108,58 @@ def decode(bits: Tensor, scales: Tensor, numel: int) -> Tensor:
 
 
 class SignAllReduce:
-    """Error-feedback 1-bit average of one flat fp32 tensor of fixed length over `comm`'s group.
+    """Error-feedback 1-bit average over `comm`'s group of a fixed list of fp32 segments.
 
     Args:
-        numel: elements of the tensor averaged each call.
+        numels: elements of each segment (one per parameter), the same every call.
         comm: collectives on the data-parallel group.
         device: where the errors live.
 
     Attributes:
-        worker_error: 1D fp32 (`numel`): what this rank's signs failed to carry so far.
-        server_error_full: 1D fp32 (`numel`): zero outside this rank's chunk (`chunk_range`),
-            where it holds what the server phase failed to carry. Kept at full length (DeepSpeed
-            keeps the chunk only) so that the optimizer can hold both errors as per-parameter
-            views, which checkpoints save and restore like any elementwise state.
-        server_error: the view of `server_error_full` on this rank's chunk.
+        worker_errors: per segment, 1D fp32: what this rank's signs failed to carry so far.
+        server_errors_full: per segment, 1D fp32 of the segment's length: zero outside this
+            rank's chunk (`chunk_range`), where it holds what the server phase failed to carry.
+            Kept at full length (DeepSpeed keeps the chunk only) so that the optimizer can keep
+            both errors as per-parameter state, which checkpoints save like any elementwise state.
     """
 
-    def __init__(self, numel: int, comm: "Comm", device: torch.device) -> None:
-        self.numel = numel
+    def __init__(self, numels: Sequence[int], comm: "Comm", device: torch.device) -> None:
+        self.numels = list(numels)
         self._comm = comm
-        self.world_size = comm.world_size
-        self.padded_numel = padded_numel(numel, self.world_size)
-        start, end = chunk_range(numel, self.world_size, comm.rank)
-        self.chunk = (start, end)
-        self.worker_error = torch.zeros(numel, dtype=torch.float32, device=device)
-        self.server_error_full = torch.zeros(numel, dtype=torch.float32, device=device)
-        self.server_error = self.server_error_full[start:end]
+        self.world_size = w = comm.world_size
+        self.padded = [padded_numel(n, w) for n in self.numels]
+        self._chunk_bytes = [p // w // 8 for p in self.padded]  # per segment, bytes of one chunk
+        self._chunks = [chunk_range(n, w, comm.rank) for n in self.numels]
+        self.worker_errors = [torch.zeros(n, dtype=torch.float32, device=device) for n in self.numels]
+        self.server_errors_full = [torch.zeros(n, dtype=torch.float32, device=device) for n in self.numels]
 
     def __repr__(self) -> str:
-        return (f"SignAllReduce({self.numel} elements, padded {self.padded_numel}, "
-                f"world size {self.world_size}, chunk {self.chunk})")
+        return (f"SignAllReduce({len(self.numels)} segments, {sum(self.numels)} elements, "
+                f"world size {self.world_size}, {wire_bytes(self.numels, self.world_size):.0f} B/rank/call)")
 
     @torch.no_grad()
-    def average(self, x: Tensor) -> Tensor:
-        """The 1-bit estimate of the average over ranks of `x` (1D, `numel`), a new fp32 tensor."""
-        if x.numel() != self.numel:
-            raise ValueError(f"SignAllReduce.average: got {x.numel()} elements, expected {self.numel}")
-        w, comm = self.world_size, self._comm
-        device = x.device
-        mine = worker_compress(x, self.worker_error, self.padded_numel)
-        received = torch.empty_like(mine.bits)
-        comm.all_to_all(received, mine.bits)
-        worker_scales = torch.empty(w, dtype=torch.float32, device=device)
-        comm.all_gather(worker_scales, mine.scale.reshape(1).float())
-        served = server_combine(received.view(w, -1), worker_scales, self.server_error)
-        gathered = torch.empty(served.bits.numel() * w, dtype=torch.uint8, device=device)
-        comm.all_gather(gathered, served.bits)
-        server_scales = torch.empty(w, dtype=torch.float32, device=device)
-        comm.all_gather(server_scales, served.scale.reshape(1).float())
-        return decode(gathered.view(w, -1), server_scales, self.numel)
+    def average(self, xs: Sequence[Tensor]) -> list[Tensor]:
+        """The 1-bit estimates of the averages over ranks of `xs` (one per segment), new 1D fp32."""
+        if [x.numel() for x in xs] != self.numels:
+            raise ValueError(f"SignAllReduce.average: got segments of {[x.numel() for x in xs]} elements, "
+                             f"expected {self.numels}")
+        w, comm, device = self.world_size, self._comm, xs[0].device
+        sent = [worker_compress(x, e, p) for x, e, p in zip(xs, self.worker_errors, self.padded)]
+        # [destination rank, segment chunk bytes...]: row s holds chunk s of every segment.
+        send = torch.cat([p.bits.view(w, -1) for p in sent], dim=1).reshape(-1)
+        received = torch.empty_like(send)
+        comm.all_to_all(received, send)
+        worker_scales = torch.empty(w * len(sent), dtype=torch.float32, device=device)
+        comm.all_gather(worker_scales, torch.stack([p.scale.float() for p in sent]))
+        rows = received.view(w, -1).split(self._chunk_bytes, dim=1)
+        scales = worker_scales.view(w, -1)
+        served = []
+        for i, (bits, (start, end)) in enumerate(zip(rows, self._chunks)):
+            served.append(server_combine(bits, scales[:, i], self.server_errors_full[i][start:end]))
+        gathered = torch.empty(send.numel(), dtype=torch.uint8, device=device)
+        comm.all_gather(gathered, torch.cat([p.bits for p in served]))
+        server_scales = torch.empty(w * len(served), dtype=torch.float32, device=device)
+        comm.all_gather(server_scales, torch.stack([p.scale.float() for p in served]))
+        out_rows = gathered.view(w, -1).split(self._chunk_bytes, dim=1)
+        out_scales = server_scales.view(w, -1)
+        return [decode(bits, out_scales[:, i], n) for i, (bits, n) in enumerate(zip(out_rows, self.numels))]
