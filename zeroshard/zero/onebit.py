@@ -77,7 +77,9 @@ def worker_compress(x: Tensor, worker_error: Tensor, padded: int) -> SignPacked:
     c[:numel] = x.reshape(-1)
     c[:numel] += worker_error
     packed = pack_signs(c, SCALE_RULE)
-    worker_error.copy_(c[:numel] - unpack_signs(packed)[:numel])
+    # c - scale * sign(c), zero counting as +1 as in the packing (cheaper than unpacking).
+    head = c[:numel]
+    worker_error.copy_(head).sub_(torch.where(head >= 0, packed.scale, -packed.scale))
     return packed
 
 
@@ -96,7 +98,8 @@ def server_combine(bits: Tensor, scales: Tensor, server_error: Tensor) -> SignPa
     if keep < chunk:
         avg[keep:] = 0.0  # padding: carries nothing and keeps no error
     packed = pack_signs(avg, SCALE_RULE)
-    server_error.copy_(avg[:keep] - unpack_signs(packed)[:keep])
+    head = avg[:keep]
+    server_error.copy_(head).sub_(torch.where(head >= 0, packed.scale, -packed.scale))
     return packed
 
 
