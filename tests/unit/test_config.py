@@ -443,8 +443,10 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
     ({"seq_parallel_communication_data_type": "bf16"},
      'not supported yet: seq_parallel_communication_data_type="bf16".'),
     ({"flops_profiler": {"enabled": True}}, 'not supported yet: flops_profiler={"enabled": true}.'),
-    ({"optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 400}}},
-     'not supported yet: optimizer.type="OneBitAdam".'),
+    ({"optimizer": {"type": "ZeroOneAdam", "params": {"var_freeze_step": 400}}},
+     'not supported yet: optimizer.type="ZeroOneAdam".'),
+    ({"optimizer": {"type": "OneBitAdam", "params": {"cuda_aware": True}}},
+     "not supported yet: optimizer.params.cuda_aware=true."),
     ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}},
      "not supported yet: optimizer.params.bias_correction=false."),
 ])

@@ -115,6 +115,12 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "optimizer.params[Lamb].eps_inside_sqrt": False, "optimizer.params[Lamb].weight_decay": 0.0,
     "optimizer.params[Lamb].max_grad_norm": 0.0, "optimizer.params[Lamb].max_coeff": 10.0,
     "optimizer.params[Lamb].min_coeff": 0.01, "optimizer.params[Lamb].amsgrad": False,
+    # runtime/fp16/onebit/adam.py OnebitAdam.__init__ (removed from DeepSpeed in 0.19; read from the
+    # last releases that had it, microsoft/DeepSpeed master before the removal)
+    **{f"optimizer.params[OneBitAdam].{k}": v for k, v in (
+        ("lr", 1e-3), ("freeze_step", 100000), ("bias_correction", True), ("betas", (0.9, 0.999)),
+        ("eps", 1e-8), ("eps_inside_sqrt", False), ("weight_decay", 0.0), ("max_grad_norm", 0.0),
+        ("amsgrad", False), ("cuda_aware", False), ("comm_backend_name", "nccl"))},
     # runtime/lr_schedules.py constructors
     "scheduler.params[WarmupLR].warmup_min_lr": 0.0, "scheduler.params[WarmupLR].warmup_max_lr": None,
     "scheduler.params[WarmupLR].warmup_num_steps": 1000, "scheduler.params[WarmupLR].warmup_type": "log",

@@ -181,9 +181,18 @@ def test_accelerate_stage_auto_needs_a_value() -> None:
         load(SEED004_ACCELERATE_AUTO, auto_values={"gradient_clipping": 1.0})
 
 
-def test_onebit_adam_is_not_supported() -> None:
-    with pytest.raises(NotSupportedError, match=r'optimizer\.type="OneBitAdam"\. DeepSpeed\'s OneBitAdam'):
-        load(SEED003_ONEBIT)
+def test_onebit_adam_seed_config_loads() -> None:
+    """Seed 003's 1-bit Adam section loads as written (stage 0, DeepSpeed's "nccl" backend name);
+    with ZeRO partitioning it is refused by name, as DeepSpeed refuses it."""
+    cfg = load(SEED003_ONEBIT)
+    assert cfg.optimizer.type == "OneBitAdam"
+    assert cfg.optimizer.params.freeze_step == 400 and cfg.optimizer.params.betas == (0.8, 0.999)
+    assert cfg.optimizer.params.comm_backend_name == "nccl"
+    with pytest.raises(ConfigError, match=r"optimizer\.type OneBitAdam applies to zero_optimization\.stage 0 "
+                                          r"only .* you chose stage 1"):
+        load({**SEED003_ONEBIT, "zero_optimization": {"stage": 1}})
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.comm_backend_name"):
+        load({"optimizer": {"type": "OneBitAdam", "params": {"comm_backend_name": "mpi"}}})
 
 
 def test_deepspeed_chat_stage2_config_sets_stage3_keys() -> None:

@@ -102,8 +102,8 @@ class CheckpointReader:
         index = RangeIndex(m.weight_pieces, self.names)
         return self._assemble(index, lambda s, e: self.pieces(s)[e], self.index_of[name], offset, numel, dtype)
 
-    def master_index(self) -> RangeIndex:
-        return RangeIndex(self.manifest.fragments, self.names)
+    def master_index(self, prefer: int | None = None) -> RangeIndex:
+        return RangeIndex(self.manifest.fragments, self.names, prefer=prefer)
 
     def masters(self, index: RangeIndex, name: str, offset: int, numel: int,
                 with_state: bool = True) -> tuple[Tensor, dict[str, Any]]:
@@ -175,7 +175,7 @@ def _read_files(reader: CheckpointReader, target: EngineState, saved: Manifest, 
         module[b.name] = saved_module[b.name].to(_dtype(b.dtype), copy=True).view(b.shape)
     masters = states = groups = None
     if need_opt:
-        masters, states = _read_masters(reader, tm.fragments[rank], tm)
+        masters, states = _read_masters(reader, tm.fragments[rank], tm, rank)
         groups = [dict(g) for g in reader.optim(0)["param_groups"]]
     model = reader.file(MODEL_FILE)
     run_state = rng = client_state = None
@@ -190,8 +190,9 @@ def _read_files(reader: CheckpointReader, target: EngineState, saved: Manifest, 
                        client_state=client_state)
 
 
-def _read_masters(reader: CheckpointReader, wanted: list[Range], tm: Manifest) -> tuple[list[Tensor], list[dict[str, Any]]]:
-    index = reader.master_index()
+def _read_masters(reader: CheckpointReader, wanted: list[Range], tm: Manifest,
+                  rank: int) -> tuple[list[Tensor], list[dict[str, Any]]]:
+    index = reader.master_index(prefer=rank)
     masters, states = [], []
     for i, off, n in wanted:
         master, state = reader.masters(index, tm.params[i].name, off, n)

@@ -30,14 +30,19 @@ class Read:
 class RangeIndex:
     """Saved ranges of each parameter, sorted by offset, for fast intersection."""
 
-    def __init__(self, sources: Sequence[Sequence[tuple[int, int, int]]], params: Sequence[str]) -> None:
+    def __init__(self, sources: Sequence[Sequence[tuple[int, int, int]]], params: Sequence[str],
+                 prefer: int | None = None) -> None:
+        """`prefer`: where several sources saved the same range (stage 0: every rank saves
+        everything), read it from this source, e.g. the loading rank's own file, so per-rank
+        optimizer state (1-bit Adam's error buffers) comes back to the rank that wrote it."""
         self._params = list(params)
         self._by_param: dict[int, list[tuple[int, int, int, int]]] = {}  # offset, numel, source, entry
         for s, ranges in enumerate(sources):
             for e, (param, offset, numel) in enumerate(ranges):
                 self._by_param.setdefault(param, []).append((offset, numel, s, e))
         for entries in self._by_param.values():
-            entries.sort()
+            # `reads` starts from the last entry at an offset: the preferred source sorts last.
+            entries.sort(key=lambda x: (x[0], x[2] == prefer, x[1], x[2], x[3]))
         self._starts = {p: [e[0] for e in entries] for p, entries in self._by_param.items()}
 
     def reads(self, param: int, offset: int, numel: int) -> list[Read]:

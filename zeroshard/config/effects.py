@@ -40,6 +40,9 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     **{f"optimizer.params[Lamb].{k}": ("runtime/lamb.py",) for k in (
         "lr", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_grad_norm", "max_coeff", "min_coeff",
         "amsgrad")},
+    **{f"optimizer.params[OneBitAdam].{k}": ("runtime/onebit.py",) for k in (
+        "lr", "freeze_step", "betas", "eps", "weight_decay", "comm_backend_name")},
+    **{f"optimizer.params[OneBitAdam].{k}": ("runtime/optim.py",) for k in ("amsgrad", "eps_inside_sqrt")},
     # precision (fp16.enabled / bf16.enabled select Config.precision, which initialize reads)
     "fp16.enabled": ("runtime/initialize.py::cfg.precision",), "bf16.enabled": ("runtime/initialize.py::cfg.precision",),
     "fp16.loss_scale": _SCALER, "fp16.initial_scale_power": _SCALER, "fp16.loss_scale_window": _SCALER,
@@ -165,6 +168,8 @@ NO_EFFECT: dict[str, str] = {
     "DeepSpeed CPU optimizer to force.",
     "checkpoint.tag_validation": "zeroshard does not compare checkpoint tags across ranks yet; "
     "accepted so DeepSpeed configs load.",
+    "optimizer.params[OneBitAdam].max_grad_norm": "DeepSpeed's OnebitAdam stores it and never reads it; "
+    "the top-level gradient_clipping clips.",
     "optimizer.params[Adam].torch_adam": "zeroshard always uses torch's Adam (its fused kernel where "
     "available), which is what true asks DeepSpeed for.",
 }

@@ -69,7 +69,39 @@ class LambParams:
     """AMSGrad variant (DeepSpeed's Lamb rejects it)."""
 
 
-OptimizerParams = AdamParams | LambParams | Mapping[str, Any]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OneBitAdamParams:
+    """`optimizer.params` for type OneBitAdam (DeepSpeed's OnebitAdam arguments; runtime/onebit.py).
+    Needs zero_optimization.stage 0, as in DeepSpeed."""
+
+    lr: float = spec(1e-3, ge=0.0)
+    """Learning rate."""
+    freeze_step: int = spec(100000, ge=1)
+    """Full-precision warm-up steps (plain Adam); the momentum is averaged in 1 bit after them
+    and the variance stays frozen. DeepSpeed's default, 100000."""
+    bias_correction: bool = True
+    """Bias correction of the moment estimates (only true: the warm-up is torch's AdamW)."""
+    betas: Betas = spec((0.9, 0.999), ge=0.0, lt=1.0)
+    """Running-average coefficients, each in [0, 1)."""
+    eps: float = spec(1e-8, ge=0.0)
+    """Term added to the denominator for numerical stability."""
+    eps_inside_sqrt: bool = False
+    """Add eps inside the square root (only false: torch's AdamW adds it outside)."""
+    weight_decay: float = spec(0.0, ge=0.0)
+    """Decoupled weight decay (as AdamW)."""
+    max_grad_norm: float = spec(0.0, ge=0.0)
+    """Stored and never used by DeepSpeed's OnebitAdam; use top-level gradient_clipping."""
+    amsgrad: bool = False
+    """AMSGrad variant (only false: 1-bit Adam does not support it, as in DeepSpeed)."""
+    cuda_aware: bool = False
+    """DeepSpeed's CUDA-aware MPI switch (only false: there is no MPI path)."""
+    comm_backend_name: Literal["nccl", "gloo"] = "nccl"
+    """Where the compressed all-reduce runs. Both values mean the job's own process group (NCCL on
+    CUDA, gloo on CPU), so DeepSpeed's default "nccl" works on a CPU job; DeepSpeed's "mpi" and
+    "hccl" are not provided."""
+
+
+OptimizerParams = AdamParams | LambParams | OneBitAdamParams | Mapping[str, Any]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,7 +109,7 @@ class OptimizerConfig:
     """`optimizer`: the optimizer zeroshard builds when the script passes none."""
 
     type: str
-    """Canonical name: "Adam", "AdamW", "Lamb", or a `torch.optim` class name ("SGD",
+    """Canonical name: "Adam", "AdamW", "Lamb", "OneBitAdam", or a `torch.optim` class name ("SGD",
     "Adagrad", ...). Matched case-insensitively, as DeepSpeed does."""
     params: OptimizerParams
     """Constructor arguments: `AdamParams`, `LambParams`, or for other `torch.optim` classes a
@@ -209,6 +241,7 @@ OPTIMIZER_PARAMS: dict[str, tuple[str, type]] = {
     "adam": ("Adam", AdamParams),
     "adamw": ("AdamW", AdamParams),
     "lamb": ("Lamb", LambParams),
+    "onebitadam": ("OneBitAdam", OneBitAdamParams),
 }
 """DeepSpeed's own optimizer types with typed params: lower-case name -> (canonical, class)."""
 

@@ -116,6 +116,10 @@ def _is_active(cfg: Any, rule: StageRule) -> tuple[bool, Any]:
     return value == rule.active_value, value
 
 
+STAGE0_OPTIMIZERS = ("OneBitAdam",)
+"""Optimizers that average whole momenta over the data-parallel ranks: stage 0 only."""
+
+
 def check_stages(cfg: Any) -> tuple[str, ...]:
     """Raise for the first request the chosen stage cannot deliver; note tuning keys of other stages.
 
@@ -127,6 +131,12 @@ def check_stages(cfg: Any) -> tuple[str, ...]:
             stage 2. Remove it or set stage to 3."
     """
     stage = cfg.zero_optimization.stage
+    optimizer = getattr(cfg, "optimizer", None)
+    if optimizer is not None and optimizer.type in STAGE0_OPTIMIZERS and stage != 0:
+        raise ConfigError(
+            f"optimizer.type {optimizer.type} applies to zero_optimization.stage 0 only (plain data "
+            f"parallelism: it all-reduces the whole momentum; DeepSpeed refuses it with ZeRO too); you "
+            f"chose stage {stage}. Set stage to 0, or use Adam at stage {stage}.")
     idle: list[str] = []
     for rule in STAGE_RULES:
         if stage in rule.stages:

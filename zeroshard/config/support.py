@@ -59,6 +59,9 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 fix="Remove the key."),
     Unsupported(key="optimizer.params.bias_correction", allowed=(True,),
                 why="torch's Adam always applies bias correction.", fix="Remove the key."),
+    Unsupported(key="optimizer.params.cuda_aware", allowed=(False,), why="DeepSpeed's CUDA-aware MPI path "
+                "for the 1-bit optimizers is not provided (the compressed all-reduce runs on the job's process "
+                "group, which moves device tensors directly).", fix="Remove the key (or set it to false)."),
     Unsupported(key="sparse_gradients", why="sparse embedding gradients are not implemented.",
                 fix="Remove the key."),
     Unsupported(key="disable_allgather", why="broadcast-based parameter gathering is not provided.",
@@ -89,7 +92,7 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
 """Keys with values zeroshard rejects as not supported yet. Checked in order."""
 
 UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
-    "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb",
+    "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb",
     "lion": "Lion", "muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD", "muon": "Muon",
 }
 """DeepSpeed optimizer types zeroshard does not provide: lower-case name -> DeepSpeed's name."""

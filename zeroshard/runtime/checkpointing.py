@@ -35,6 +35,8 @@ from zeroshard.checkpoint_format import (
     unpickle_bytes,
 )
 from zeroshard.errors import CheckpointError
+from zeroshard.runtime.onebit import STATE_KEYS as ONEBIT_STATE_KEYS
+from zeroshard.runtime.onebit import OneBitAdam, drop_onebit_state
 from zeroshard.zero.strategy import MasterFragment, ZeroStrategy
 
 if TYPE_CHECKING:
@@ -224,7 +226,14 @@ def apply_state(engine: "ZeroEngine", strategy: ZeroStrategy, loaded: LoadedStat
         return
     opt = engine.optimizer
     if opt is not None and loaded.optimizer_states is not None and loaded.param_groups is not None:
-        opt.load_state_dict(_optimizer_state_dict(opt, frags, loaded.optimizer_states, loaded.param_groups))
+        states = loaded.optimizer_states
+        if not isinstance(opt, OneBitAdam) and any(k in s for s in states for k in ONEBIT_STATE_KEYS):
+            # A 1-bit Adam checkpoint resumed with plain Adam: AdamW's state carries over, the
+            # compression errors (meaningful only to the 1-bit all-reduce) are dropped.
+            logger.info(f"load: the checkpoint's 1-bit Adam error buffers are dropped ({type(opt).__name__} "
+                        "keeps exp_avg, exp_avg_sq and step)")
+            states = [drop_onebit_state(s) for s in states]
+        opt.load_state_dict(_optimizer_state_dict(opt, frags, states, loaded.param_groups))
     if loaded.run_state is not None:
         _apply_run_state(engine, loaded.run_state, load_lr_scheduler_states, load_rng_state)
     if loaded.rng is not None and load_rng_state:

@@ -2,7 +2,8 @@
 
 We wrap torch.optim, we do not rewrite it: Adam/AdamW map to torch's fused kernels where the
 device has them (CUDA, and CPU since torch 2.4), Lamb is ours (runtime/lamb.py), and any other
-`torch.optim` class is taken by name.
+`torch.optim` class is taken by name. OneBitAdam (runtime/onebit.py) is torch's AdamW during its
+warm-up.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from zeroshard.errors import ConfigError
 from zeroshard.runtime.lamb import Lamb
+from zeroshard.runtime.onebit import OneBitAdam
 
 logger = logging.getLogger("zeroshard")
 
@@ -65,11 +67,29 @@ def build_optimizer(
         return cls(param_groups, **kwargs)
     if name == "lamb":
         return Lamb(param_groups, **kwargs)
+    if name == "onebitadam":
+        return _one_bit_adam(kwargs, param_groups, device, model_params)
     for attr in dir(torch.optim):
         cls = getattr(torch.optim, attr)
         if attr.lower() == name and inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer):
             return cls(param_groups, **kwargs)
     raise ConfigError(f"optimizer.type: {type_name!r} is not Adam, AdamW, Lamb or a torch.optim class")
+
+
+def _one_bit_adam(kwargs: dict[str, Any], param_groups: list[dict[str, Any]], device: torch.device,
+                  model_params: list[nn.Parameter]) -> OneBitAdam:
+    """OneBitAdam from its config params: the keys DeepSpeed accepts but we cannot honour are
+    refused here by name (bias_correction is refused at config load, support.py)."""
+    for key, why in (("amsgrad", "1-bit Adam does not support the AMSGrad variant (nor does DeepSpeed's)"),
+                     ("eps_inside_sqrt", "its warm-up is torch's AdamW, which adds eps outside the square root")):
+        if kwargs.pop(key, False):
+            raise ConfigError(f"optimizer.params.{key}: true is not supported by OneBitAdam: {why}. "
+                              "Remove the key or set it to false.")
+    kwargs.pop("bias_correction", None)
+    kwargs.pop("max_grad_norm", None)  # DeepSpeed's OnebitAdam stores it and never reads it
+    # The warm-up runs the same AdamW kernel as "type": "Adam" would, so it is bitwise plain Adam.
+    fused = _fused_supported(device) and all(p.dtype == torch.float32 for p in model_params)
+    return OneBitAdam(param_groups, fused=fused or None, **kwargs)
 
 
 def adopt_client_optimizer(

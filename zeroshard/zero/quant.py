@@ -23,7 +23,8 @@ Error bounds (the result is fp32; casting it to bf16/fp16 adds that dtype's own 
   `||e'||^2 = ||c||^2 - n * s^2 <= ||c||^2 * (1 - 1/n)`: the residual never grows past the
   compensated input, and the sum of everything sent over T steps equals the sum of the
   inputs minus the final residual. (DeepSpeed's 1-bit Adam scales by `||c||_2 / sqrt(n)`,
-  whose residual can exceed `||c||`, e.g. for a one-hot `c`.) Zero maps to +1 as in
+  whose residual can exceed `||c||`, e.g. for a one-hot `c`; `pack_signs(c, "rms")` gives it,
+  and zero/onebit.py uses it: it trains 1-bit Adam far closer to plain Adam, see pack_signs.) Zero maps to +1 as in
   DeepSpeed's packing, so a sign costs exactly one bit.
 
 Block size: `DEFAULT_BLOCK_NUMEL = 2048`. One fp32 scale per 2048 codes costs 4 / 2048 =
@@ -208,25 +209,54 @@ def sign_wire_bytes(numel: int) -> int:
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def pack_signs(c: Tensor) -> SignPacked:
-    """`mean|c| * sign(c)` as bits and one scale (see the module docstring for why mean|c|)."""
+def pack_signs(c: Tensor, scale_rule: str = "mean_abs") -> SignPacked:
+    """`scale * sign(c)` as bits and one scale.
+
+    `scale_rule`: "mean_abs" (`mean|c|`, the least-squares scale; see the module docstring) or
+    "rms" (`||c||_2 / sqrt(n)`, DeepSpeed's 1-bit Adam: keeps the norm of `c`). 1-bit Adam uses
+    "rms": measured on the tiny GPT at 2 ranks (bench/onebit.md), mean|c| shrinks every
+    transmitted momentum and the run lags plain Adam by 28% in loss after 20 steps, rms by 3%.
+    """
     flat = _check_input(c, "pack_signs")
     numel = flat.numel()
-    scale = flat.abs().mean() if numel else flat.new_zeros(())
+    if scale_rule not in ("mean_abs", "rms"):
+        raise ValueError(f"pack_signs: scale_rule {scale_rule!r}, expected 'mean_abs' or 'rms'")
+    if not numel:
+        scale = flat.new_zeros(())
+    elif scale_rule == "rms":
+        scale = torch.linalg.vector_norm(flat) / math.sqrt(numel)
+    else:
+        scale = flat.abs().mean()
     positive = (flat >= 0).to(torch.uint8)
     pad = (-numel) % 8
     if pad:
         positive = torch.cat([positive, positive.new_zeros(pad)])
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=flat.device)
-    packed = (positive.view(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+    # Eight shifted ORs over n/8 bytes: 4x faster on CPU than a weighted sum over n elements.
+    rows = positive.view(-1, 8)
+    packed = rows[:, 0].clone()
+    for bit in range(1, 8):
+        packed |= rows[:, bit] << bit
     return SignPacked(bits=packed, scale=scale, numel=numel)
+
+
+_SIGN_TABLES: dict[torch.device, Tensor] = {}
+
+
+def _sign_table(device: torch.device) -> Tensor:
+    """[256, 8] fp32: the eight +1/-1 signs each byte value encodes (one gather decodes a byte,
+    3x faster on CPU than masking bit by bit)."""
+    table = _SIGN_TABLES.get(device)
+    if table is None:
+        weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.int32, device=device)
+        codes = torch.arange(256, dtype=torch.int32, device=device).unsqueeze(1)
+        table = ((codes & weights) != 0).to(torch.float32) * 2 - 1
+        _SIGN_TABLES[device] = table
+    return table
 
 
 def unpack_signs(p: SignPacked, dtype: torch.dtype = torch.float32) -> Tensor:
     """The 1D tensor `p` encodes: +scale or -scale per element."""
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=p.bits.device)
-    bits = (p.bits.unsqueeze(1) & weights) != 0
-    signs = bits.view(-1)[: p.numel].to(torch.float32) * 2 - 1
+    signs = _sign_table(p.bits.device)[p.bits.long()].view(-1)[: p.numel]
     return (signs * p.scale).to(dtype)
 
 

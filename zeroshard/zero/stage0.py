@@ -98,6 +98,8 @@ class Stage0Strategy:
                                     device=device)
         self._init_master_params()
         self._boundary = False
+        self._reduce_grads = True  # set_grad_reduction: the 1-bit optimizers' compression stage
+        self._reducing = True  # latched per micro-batch: whether this step's gradients are reduced
         for index, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(lambda t, i=index: self._on_grad_ready(i, t))
 
@@ -135,7 +137,18 @@ class Stage0Strategy:
 
     def begin_micro_batch(self, boundary: bool) -> None:
         self._boundary = boundary
+        self._reducing = self._reduce_grads
         self._order.reset()
+
+    def set_grad_reduction(self, enabled: bool) -> None:
+        """Reduce gradients across ranks (True, the default) or keep each rank's own (False).
+
+        The 1-bit optimizers (runtime/onebit.py) turn it off when their warm-up ends: they
+        all-reduce the momentum themselves, compressed. Takes effect from the next micro-batch.
+        With it off, `prepare_step` unscales and clips the local gradient, and the ranks agree on
+        overflow and the norm with one 8-byte all-reduce (see `prepare_step`).
+        """
+        self._reduce_grads = bool(enabled)
 
     def _on_grad_ready(self, index: int, param: Tensor) -> None:
         # Runs inside autograd, once per parameter per backward: fold the micro-batch
@@ -145,7 +158,7 @@ class Stage0Strategy:
             return
         self._grads.add(index, grad)
         param.grad = None
-        if self._boundary:
+        if self._boundary and self._reducing:
             for bucket in self._order.arrive(index):
                 self._launch(bucket)
 
@@ -158,17 +171,26 @@ class Stage0Strategy:
         self._reducer.launch(bucket, self._grads.flat[start:end])  # in place, every rank keeps it
 
     def after_backward(self) -> None:
-        if not self._boundary:
+        if not self._boundary or not self._reducing:
             return
         for bucket in self._order.remaining():
             self._launch(bucket)
         self._reducer.drain()
 
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
-        # The flat buffer holds the sum over ranks (identical on every rank): no collective.
         flat = self._grads.flat
-        mult = grad_scale * self._prescale_factor / self._world_size
-        stats = unscale_and_clip([flat], sum_of_squares([flat]).item(), mult, max_norm)
+        mult = self._grad_mult(grad_scale)
+        if self._reducing:
+            # The flat buffer holds the sum over ranks (identical on every rank): no collective.
+            sq_sum = sum_of_squares([flat]).item()
+        else:
+            # Local gradients (1-bit compression stage): the norm is the root mean square of the
+            # ranks' local norms, sqrt(sum_r ||g_r||^2 / N), so every rank clips by the same
+            # coefficient, and an inf/nan on any rank makes the sum non-finite everywhere.
+            sq = sum_of_squares([flat])
+            self._comm.all_reduce(sq, "sum")
+            sq_sum = sq.item() / self._world_size
+        stats = unscale_and_clip([flat], sq_sum, mult, max_norm)
         if not stats.overflow:
             attach_grads(self._master, self._grads.views)
         return stats
@@ -208,13 +230,17 @@ class Stage0Strategy:
     def param_pieces(self) -> list[ParamPiece] | None:
         return None  # every rank holds the whole model
 
+    def _grad_mult(self, grad_scale: float) -> float:
+        """What turns the flat buffer into the averaged, unscaled gradient (local when not reducing)."""
+        return grad_scale * self._prescale_factor / self._world_size if self._reducing else grad_scale
+
     def fragment_grads(self, grad_scale: float) -> list[Tensor]:
-        mult = grad_scale * self._prescale_factor / self._world_size
+        mult = self._grad_mult(grad_scale)
         return [g.reshape(-1).float() * mult for g in reversed(self._grads.views)]
 
     @torch.no_grad()
     def set_fragment_grad(self, index: int, value: Tensor, grad_scale: float) -> None:
-        mult = grad_scale * self._prescale_factor / self._world_size
+        mult = self._grad_mult(grad_scale)
         self._grads.views[len(self._grads.views) - 1 - index].view(-1).copy_(value.reshape(-1) / mult)
 
     @torch.no_grad()

@@ -1,0 +1,76 @@
+"""Worker for bench/two_node.py (or torchrun): 1-bit Adam against plain Adam at stage 0 on the
+"small" GPT, fp32. Rank 0 prints one `ONEBIT_STEP` line: mean step time and bytes this rank
+sends per step (comm log, ring-equivalent wire bytes) during the warm-up and after it, and the
+loss after the last step.
+
+    sudo python bench/two_node.py --rate 100mbit -- bench/onebit_step.py --optimizer onebit
+    python -m torch.distributed.run --nproc-per-node 2 bench/onebit_step.py --optimizer adam
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import zeroshard
+from zeroshard.examples.gpt import GPT, GPTConfig
+
+WIRE = {"all_reduce": lambda w: 2 * (w - 1) / w, "all_gather": lambda w: (w - 1) / w,
+        "all_to_all": lambda w: (w - 1) / w}
+"""Bytes one rank sends per logged byte: a ring all-reduce 2(w-1)/w of its buffer, an
+all-gather (w-1)/w of its output, an all-to-all (w-1)/w of its input."""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--optimizer", choices=("adam", "onebit"), default="onebit")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--freeze-step", type=int, default=4)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset("small")
+    params = {"lr": 3e-3}
+    if args.optimizer == "onebit":
+        params["freeze_step"] = args.freeze_step
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "OneBitAdam" if args.optimizer == "onebit" else "Adam", "params": params},
+              "steps_per_print": 10_000, "comms_logger": {"enabled": True},
+              "zero_optimization": {"stage": 0}}
+    engine, *_ = zeroshard.initialize(model=GPT(cfg), config=config)
+    world = engine.world_size
+    log = engine._comm.log  # noqa: SLF001
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (2 * world, cfg.block_size + 1), generator=g)
+    mine = tokens[2 * engine.rank : 2 * engine.rank + 2]
+    x, y = mine[:, :-1], mine[:, 1:]  # one batch, memorised: the loss must fall
+    rows = []
+    for _ in range(args.steps):
+        log.reset()
+        start = time.perf_counter()
+        out = engine(x, y)
+        engine.backward(out)
+        engine.step()
+        loss = torch.tensor([float(out.item())])
+        seconds = time.perf_counter() - start
+        wire = sum(r.bytes * WIRE[r.op](world) for r in log.records if r.op in WIRE)
+        rows.append((seconds, wire))
+        engine._comm.all_reduce(loss, "avg")  # noqa: SLF001 (outside the timed step and its bytes)
+    k = args.freeze_step
+    warm, after = rows[1:k], rows[k + 1 :]  # step 1 pays the first-touch allocations
+    if engine.rank == 0:
+        def mean(xs: list[float]) -> float:
+            return sum(xs) / len(xs) if xs else float("nan")
+
+        print(f"ONEBIT_STEP optimizer={args.optimizer} world={world} steps={args.steps} freeze={k} "
+              f"warm_step_s={mean([s for s, _ in warm]):.3f} after_step_s={mean([s for s, _ in after]):.3f} "
+              f"warm_wire_B={mean([b for _, b in warm]):.0f} after_wire_B={mean([b for _, b in after]):.0f} "
+              f"final_loss={float(loss):.4f} params={sum(p.numel() for p in engine.module.parameters())}",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
