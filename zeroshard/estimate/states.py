@@ -359,6 +359,7 @@ class NodeEstimate:
         cpu_steady: offloaded states plus NVMe swap buffers in one node's CPU memory.
         cpu_init: the fp32 model every local rank builds on the CPU at start-up.
         nvme: bytes in NVMe swap files per node.
+        nvme_params: of which parameters (read in forward and backward, unlike the rest).
     """
 
     setup: Setup
@@ -367,6 +368,7 @@ class NodeEstimate:
     cpu_steady: int
     cpu_init: int
     nvme: int
+    nvme_params: int = 0
 
     @property
     def cpu_peak(self) -> int:
@@ -383,4 +385,5 @@ def estimate_node(spec: "ModelSpec", setup: Setup) -> NodeEstimate:
     return NodeEstimate(
         setup=setup, device_states=worst_dev.device.total, device_peak=worst_dev.device_peak,
         cpu_steady=local * max(e.host.total + e.host_buffers for e in ests),
-        cpu_init=local * ests[0].init_host, nvme=local * max(e.nvme.total for e in ests))
+        cpu_init=local * ests[0].init_host, nvme=local * max(e.nvme.total for e in ests),
+        nvme_params=local * max(e.nvme.params for e in ests))
