@@ -68,7 +68,7 @@ class Setup:
     """Stage 3: elements gathered ahead of use (`stage3_prefetch_bucket_size`)."""
     sub_group_size: int = 1_000_000_000
     nvme_buffer_count: int = 4
-    """offload_optimizer.buffer_count: sub-group sized fp32 buffers in CPU memory (NVMe)."""
+    """offload_optimizer.buffer_count: slots of three sub-group sized fp32 buffers in CPU memory (NVMe)."""
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
     devices_per_node: int = 1
@@ -317,6 +317,15 @@ def _staging_pool(sizes: tuple[int, ...], overlap_comm: bool) -> int:
     return sum(n * c for n, c in most.items())
 
 
+def nvme_pool_bytes(setup: Setup, shard_numel: int) -> int:
+    """Host memory of the NVMe optimizer swap pool (zero/nvme_swap.py, Note: [swap pipeline]):
+    `buffer_count` slots (at least 3, at most one per sub-group) of three fp32 states of one
+    sub-group each."""
+    group = max(1, min(setup.sub_group_size, shard_numel))
+    slots = min(max(3, setup.nvme_buffer_count), -(-shard_numel // group))
+    return slots * 3 * group * 4
+
+
 def _stage3(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
     lay = _stage3_layout(spec, setup, rank)
     p, g = setup.param_bytes, setup.grad_bytes
@@ -337,7 +346,7 @@ def _stage3(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
     buffers = p * gathered + pool
     host_buffers = 0
     if setup.offload_optimizer == "nvme":
-        host_buffers += setup.nvme_buffer_count * min(setup.sub_group_size, lay.shard_numel) * 4
+        host_buffers += nvme_pool_bytes(setup, lay.shard_numel)
     if setup.offload_param == "nvme":
         host_buffers += setup.param_buffer_count * setup.param_buffer_size * p
     return RankEstimate(homes["none"], homes["cpu"], homes["nvme"], buffers, host_buffers,
