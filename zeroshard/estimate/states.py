@@ -83,8 +83,6 @@ class Setup:
             raise ZeroshardError(f"offload_param needs stage 3 (got stage {self.stage})")
         if self.stage == 0 and self.offload_optimizer != "none":
             raise ZeroshardError("offload_optimizer needs stage 1, 2 or 3")
-        if self.stage < 3 and self.offload_optimizer == "nvme":
-            raise ZeroshardError("offload_optimizer to NVMe needs stage 3")
 
     @property
     def world_size(self) -> int:
@@ -276,7 +274,8 @@ def _stage0(spec: "ModelSpec", setup: Setup) -> RankEstimate:
 
 def _stage12(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
     lay = _partition_layout(spec, setup, rank)
-    offload = setup.offload_optimizer == "cpu"
+    nvme = setup.offload_optimizer == "nvme"
+    offload = setup.offload_optimizer == "cpu" or nvme
     g = setup.grad_bytes
     full_grad = g * lay.padded_numel if setup.stage == 1 else 0
     # The gradient shard exists at stage 2, and at stage 1 only with offload (a CPU copy of
@@ -287,7 +286,14 @@ def _stage12(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
     master = MASTER_BYTES * lay.shard_numel if (setup.mixed or offload) else 0
     opt = setup.optimizer_state_bytes * lay.owned_numel
     params = setup.param_bytes * lay.padded_numel
-    if offload:
+    swapped = StateBytes()
+    if nvme:
+        # the fp32 master and the optimizer states live in the swap files; in fp32 training the
+        # model's own weights are the fragments the step writes back to (zero/shard.py)
+        device = StateBytes(params=params, grads=full_grad)
+        host = StateBytes(grads=shard_grad)
+        swapped = StateBytes(master_params=MASTER_BYTES * lay.shard_numel, optimizer_states=opt)
+    elif offload:
         device = StateBytes(params=params, grads=full_grad)
         host = StateBytes(grads=shard_grad, master_params=master, optimizer_states=opt)
     else:
@@ -300,7 +306,8 @@ def _stage12(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
         # MAX_BUCKETS_IN_FLIGHT in zero/reduce.py); the pool keeps them after the step.
         # Blocks are all of the largest bucket's size, so similar buckets share them.
         buffers = g * max(lay.bucket_padded) * min(len(lay.bucket_padded), 3 if setup.overlap_comm else 1)
-    return RankEstimate(device, host, StateBytes(), buffers, 0, _init_host(spec, setup), buffers)
+    pool = nvme_pool_bytes(setup, lay.shard_numel) if nvme else 0
+    return RankEstimate(device, host, swapped, buffers, pool, _init_host(spec, setup), buffers)
 
 
 def _staging_pool(sizes: tuple[int, ...], overlap_comm: bool) -> int:
