@@ -57,9 +57,13 @@ def _rows() -> list[EngineSpec]:
                                          (2, False, "2", "stage 2"),
                                          (2, True, "2_offload", "stage 2 + CPU offload"),
                                          (3, False, "3", "stage 3"),
-                                         (3, "both", "3_offload", "stage 3 + CPU offload (params + optimizer)")):
+                                         (3, "both", "3_offload", "stage 3 + CPU offload (params + optimizer)"),
+                                         (3, True, "3_offload_opt", "stage 3 + CPU optimizer offload"),
+                                         (2, "nvme", "2_nvme", "stage 2 + NVMe optimizer offload"),
+                                         (3, "nvme", "3_nvme", "stage 3 + NVMe optimizer offload")):
         rows.append(EngineSpec(f"zs{suffix}", "zeroshard", stage, offload, f"zeroshard {text}", _zs(stage, offload)))
-        rows.append(EngineSpec(f"ds{suffix}", "deepspeed", stage, offload, f"DeepSpeed {text}", _ds(stage, offload)))
+        if (stage, offload) != (2, "nvme"):  # DeepSpeed swaps optimizer states to NVMe at stage 3 only
+            rows.append(EngineSpec(f"ds{suffix}", "deepspeed", stage, offload, f"DeepSpeed {text}", _ds(stage, offload)))
     rows.append(EngineSpec("ddp", "torch", None, False, "torch DDP", _torch("ddp")))
     rows.append(EngineSpec("ddp_zero", "torch", None, False, "torch DDP + ZeroRedundancyOptimizer",
                            _torch("ddp_zero")))
@@ -72,3 +76,7 @@ def _rows() -> list[EngineSpec]:
 
 ENGINES: dict[str, EngineSpec] = {e.name: e for e in _rows()}
 """In table order: zeroshard and DeepSpeed interleaved per stage, then the torch baselines."""
+
+DEFAULT_ENGINES = [name for name in ENGINES if "nvme" not in name and "offload_opt" not in name]
+"""What `bench/run.py` runs by default: the NVMe rows (they need a scratch disk) and the stage-3
+optimizer-only CPU offload row they are compared with are run by name (bench/nvme.md)."""

@@ -7,6 +7,7 @@ reduce bucket size. Imports torch and zeroshard's example model only.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -89,10 +90,16 @@ def adamw_kwargs(spec: RunSpec) -> dict[str, Any]:
     return {"lr": spec.lr, "betas": spec.betas, "eps": spec.eps, "weight_decay": spec.weight_decay}
 
 
+NVME_SUB_GROUP = 1_000_000
+NVME_BUFFER_COUNT = 4
+
+
 def ds_config(spec: RunSpec, stage: int, offload: bool | str) -> dict[str, Any]:
     """The one ds_config both zeroshard and DeepSpeed are given for ZeRO stage `stage`.
 
-    `offload`: False / True (optimizer to CPU) / "both" (stage 3: optimizer and parameters).
+    `offload`: False / True (optimizer to CPU) / "both" (stage 3: optimizer and parameters) /
+    "nvme" (optimizer states in swap files under $ZS_BENCH_NVME_PATH, default
+    /work/nvme_scratch/bench; bench/nvme.md).
     """
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": spec.bucket_numel}
     if stage in (1, 2):
@@ -107,6 +114,13 @@ def ds_config(spec: RunSpec, stage: int, offload: bool | str) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu"}
     if offload == "both":
         zero["offload_param"] = {"device": "cpu"}
+    if offload == "nvme":
+        path = os.environ.get("ZS_BENCH_NVME_PATH", "/work/nvme_scratch/bench")
+        os.makedirs(path, exist_ok=True)
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path, "buffer_count": NVME_BUFFER_COUNT}
+        # sub-groups of 1M elements: with buffer_count 4 the host pool holds 4M of a rank's
+        # 12.7M (stage 2/3 at world size 2), so most of the states go through the disk every step
+        zero["sub_group_size"] = NVME_SUB_GROUP
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": 1,

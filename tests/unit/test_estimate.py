@@ -96,11 +96,23 @@ def test_setup_from_config() -> None:
     assert s.bucket_numel == 5000 and s.optimizer_state_bytes == 4 and s.world_size == 4
 
 
+def test_stage2_nvme_optimizer_moves_master_and_states_to_the_swap_files() -> None:
+    """zeroshard swaps optimizer states at stages 1-3: at stage 2 the fp32 master and Adam's two
+    states leave host memory for the swap files, the gradient shard stays on the host, and the
+    host keeps the swap pool (buffer_count slots x 3 states x sub-group)."""
+    spec = spec_from_counts(100e6)
+    cpu = estimate_rank(spec, Setup(stage=2, offload_optimizer="cpu", precision="bf16"), 0)
+    nv = estimate_rank(spec, Setup(stage=2, offload_optimizer="nvme", precision="bf16",
+                                   sub_group_size=10_000_000, nvme_buffer_count=4), 0)
+    assert nv.device == cpu.device and nv.host.grads == cpu.host.grads
+    assert nv.nvme.master_params == cpu.host.master_params and nv.nvme.optimizer_states == cpu.host.optimizer_states
+    assert nv.host.master_params == nv.host.optimizer_states == 0
+    assert nv.host_buffers == 4 * 3 * 10_000_000 * 4  # 10 sub-groups of the 100M shard, 4 slots
+
+
 def test_setup_rejects_impossible_combinations() -> None:
     with pytest.raises(ZeroshardError, match="offload_param needs stage 3"):
         Setup(stage=2, offload_param="cpu")
-    with pytest.raises(ZeroshardError, match="NVMe needs stage 3"):
-        Setup(stage=2, offload_optimizer="nvme")
     with pytest.raises(ZeroshardError, match="rank 4 outside"):
         estimate_rank(spec_from_counts(1e6), Setup(stage=1, devices_per_node=4), 4)
 

@@ -178,3 +178,62 @@ def test_fragments_with_their_own_settings_and_checkpoint_access(tmp_path: Path)
     assert torch.equal(swap.fragment_state("exp_avg", 1), torch.full((130,), 2.5))
     assert torch.equal(swap.fragment_state("exp_avg", 2), opt.state[frags[2]]["exp_avg"])
     swap.close()
+
+
+@pytest.mark.parametrize("buffer_count", [3, 5])
+def test_resident_slots_and_write_behind_keep_the_trajectory(tmp_path: Path, buffer_count: int) -> None:
+    """Note: [swap pipeline]: resident sub-groups skipped from the disk, write-backs left in flight
+    across steps, and checkpoint-style reads and writes of the files between steps (which must
+    see the resident values, then make the step re-read what they wrote) keep the bits of
+    torch's fused AdamW."""
+    numel, sub_group = 40_000, 4096  # 10 sub-groups: some resident, some swapped every step
+    gen = torch.Generator().manual_seed(buffer_count)
+    start = torch.randn(numel, generator=gen)
+    grads = [torch.randn(numel, generator=gen) for _ in range(5)]
+    hyper = AdamHyper(lr=1e-2, weight_decay=0.1)
+    ref, opt, frags = _reference(start.clone(), [numel], grads[:3], hyper)
+    swap = SwappedAdam(tmp_path, numel, rank=0, sub_group_numel=sub_group, io=IO, buffer_count=buffer_count)
+    assert len(swap._slots) == buffer_count
+    swap.write_state("master", start)
+    for g in grads[:3]:
+        swap.step(g, hyper)
+    # the files alone (after a flush) hold the reference states
+    assert torch.equal(swap.fragment_state("master", 0), ref)
+    assert torch.equal(swap.fragment_state("exp_avg", 0), opt.state[frags[0]]["exp_avg"])
+    # a write to the files between steps (a checkpoint load) replaces resident values
+    moved = ref + 1.0
+    swap.load_fragment_state("master", 0, moved)
+    with torch.no_grad():
+        frags[0].copy_(moved)
+    for g in grads[3:]:
+        frags[0].grad = g.clone()
+        opt.step()
+        swap.step(g, hyper)
+    assert torch.equal(swap.read_state("master"), frags[0].detach())
+    assert torch.equal(swap.read_state("exp_avg_sq"), opt.state[frags[0]]["exp_avg_sq"])
+    swap.close()
+
+
+def test_a_step_swaps_only_what_the_slots_cannot_keep(tmp_path: Path) -> None:
+    """After the first step, the `slots` sub-groups stepped last stay in memory: a step reads and
+    writes the other sub-groups only; with as many slots as sub-groups, nothing is swapped."""
+    calls = {"read": 0, "write": 0}
+
+    def counting(swap: SwappedAdam) -> None:
+        for f in swap._files.values():
+            for kind in ("read", "write"):
+                inner = getattr(f, kind)
+
+                def wrapped(*a, _inner=inner, _kind=kind, **k):  # noqa: ANN002, ANN003, ANN202
+                    calls[_kind] += 1
+                    return _inner(*a, **k)
+                setattr(f, kind, wrapped)
+
+    for slots, expect in ((4, 10 - 4), (10, 0)):
+        swap = SwappedAdam(tmp_path, 10 * 1024, rank=0, sub_group_numel=1024, io=IO, buffer_count=slots)
+        swap.step(torch.ones(10 * 1024), AdamHyper(lr=1e-3))  # first step: every sub-group read
+        counting(swap)
+        calls.update(read=0, write=0)
+        swap.step(torch.ones(10 * 1024), AdamHyper(lr=1e-3))
+        assert calls == {"read": 3 * expect, "write": 3 * expect}, slots  # three states per sub-group
+        swap.close()

@@ -17,7 +17,7 @@ from zeroshard.config import load_config
 from zeroshard.errors import ZeroshardError
 from zeroshard.estimate import Hardware, Workload, make_plan, spec_from_counts, spec_from_gpt
 from zeroshard.estimate.hf_count import count_hf_params
-from zeroshard.estimate.plan import STEP_DOWN
+from zeroshard.estimate.plan import STEP_DOWN, format_gb
 
 GB = 2**30
 def t0_3b() -> dict[str, object]:
@@ -60,8 +60,8 @@ def Setup_label(stage: int, opt: str, param: str) -> str:  # noqa: N802 (mirrors
 def test_cpu_budget_decides_too() -> None:
     plan = make_plan(count_hf_params(t0_3b()), Workload(seq_len=512), hw(8, 40))
     assert plan.chosen is None
-    assert "too big for the CPU" in plan.decisions[-2].line
-    assert plan.decisions[-1].status == "skipped" and "no --nvme-path" in plan.decisions[-1].line
+    assert "too big for the CPU" in plan.decisions[-3].line
+    assert all(d.status == "skipped" and "no --nvme-path" in d.line for d in plan.decisions[-2:])
 
 
 def test_unsupported_candidates_are_skipped_with_the_loaders_reason() -> None:
@@ -69,6 +69,38 @@ def test_unsupported_candidates_are_skipped_with_the_loaders_reason() -> None:
     nvme = plan.decisions[-1]
     assert nvme.status == "skipped" and "not supported yet" in nvme.line and "nvme" in nvme.line
     assert plan.chosen is None
+
+
+def test_nvme_candidate_states_the_disk_time_per_step() -> None:
+    """With optimizer states on NVMe, every swapped byte is read and written once per step: the
+    line gives that traffic and the time it takes at the disk's bandwidth (a lower bound)."""
+    spec = count_hf_params(t0_3b())
+    fast = Hardware(devices_per_node=1, device_memory=8 * GB, cpu_memory=30 * GB, nvme_path="/nvme",
+                    disk_read=2 * GB, disk_write=1 * GB)
+    plan = make_plan(spec, Workload(seq_len=512), fast)
+    name = "stage 3 + offload_optimizer=nvme + offload_param=cpu"
+    d = next(d for d in plan.decisions if d.name == name)
+    assert d.estimate is not None
+    swapped = d.estimate.nvme
+    assert swapped > 30 * GB and d.estimate.nvme_params == 0  # 2.85B params x 12+ bytes of optimizer states
+    expect = swapped / (2 * GB) + swapped / (1 * GB)
+    assert f">= {expect:.2f} s per step at 2.00 GB/s read, 1.00 GB/s write" in d.line, d.line
+    assert f"disk swaps {format_gb(swapped)} read + {format_gb(swapped)} written" in d.line
+    unknown = next(d for d in make_plan(spec, Workload(seq_len=512), hw(8, 30, nvme_path="/nvme")).decisions
+                   if d.name == name)
+    assert "disk bandwidth unknown" in unknown.line
+
+
+def test_plan_cli_measures_the_nvme_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = zeroshard_main(["plan", "--params", "3e9", "--devices", "1", "--device-memory", "8GB",
+                         "--cpu-memory", "30GB", "--nvme-path", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc in (0, 1)
+    assert f"GB/s write on {tmp_path}" in out and "s per step at" in out
+    assert list(tmp_path.iterdir()) == []  # the scratch file is removed
+    zeroshard_main(["plan", "--params", "3e9", "--devices", "1", "--device-memory", "8GB",
+                    "--cpu-memory", "30GB", "--nvme-path", str(tmp_path), "--nvme-bandwidth", "1GB,0.5GB"])
+    assert "at 1.00 GB/s read, 0.50 GB/s write" in capsys.readouterr().out
 
 
 def test_fp32_falls_back_to_mixed_precision() -> None:

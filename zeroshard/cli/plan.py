@@ -52,7 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on: the model recomputes activations in backward (torch.utils.checkpoint, HF "
                         "gradient_checkpointing_enable); off: it does not; auto (default): a planned choice, "
                         "tried from stage 2 on before a slower candidate, at ~33%% more compute")
-    p.add_argument("--nvme-path", help="a directory on NVMe, to allow the ZeRO-Infinity candidate")
+    p.add_argument("--nvme-path", help="a directory on NVMe, to allow the ZeRO-Infinity candidate; its read and "
+                   "write bandwidth is measured (a 256 MiB scratch file) unless --nvme-bandwidth gives it")
+    p.add_argument("--nvme-bandwidth", metavar="READ,WRITE", type=_bandwidth,
+                   help="disk bandwidth of --nvme-path per node, bytes per second, e.g. 1.1GB,2GB "
+                        "(as `zeroshard bench-io` prints it); bounds the NVMe candidates' step time")
     p.add_argument("--reserve", type=float, default=0.10,
                    help="fraction of each memory kept free for the allocator and runtime (default 0.10)")
     p.add_argument("--out", help="write the chosen ds_config.json here")
@@ -62,6 +66,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="probe at most this many candidates (the most frugal ones); default: all that fit")
     p.add_argument("--probe-timeout", type=float, default=300.0, help="seconds per probe run")
     return p
+
+
+def _bandwidth(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"--nvme-bandwidth: expected READ,WRITE (e.g. 1.1GB,2GB), got {text!r}")
+    return parse_bytes(parts[0]), parse_bytes(parts[1])
+
+
+def _disk(args: argparse.Namespace) -> tuple[float | None, float | None]:
+    """(read, write) bytes/s of --nvme-path: given, else measured with `zero/nvme_bench.py`."""
+    if args.nvme_bandwidth is not None:
+        return args.nvme_bandwidth
+    if args.nvme_path is None:
+        return None, None
+    from zeroshard.zero.nvme_bench import measure
+    from zeroshard.zero.nvme_io import IOOptions, check_swap_dir
+
+    root = check_swap_dir(Path(args.nvme_path), 256 << 20, key="--nvme-path", direct=None)
+    point = measure(root, IOOptions(block_size=1 << 20, queue_depth=8), file_bytes=256 << 20, request_bytes=64 << 20)
+    print(f"disk: {point.read_bytes_per_s / 2**30:.2f} GB/s read, {point.write_bytes_per_s / 2**30:.2f} GB/s write "
+          f"on {args.nvme_path} (256 MiB, 1 MiB blocks x 8 in flight)", flush=True)
+    return point.read_bytes_per_s, point.write_bytes_per_s
 
 
 def _workload(args: argparse.Namespace, spec: ModelSpec) -> Workload:
@@ -115,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
     spec = model_spec(args)
     work = _workload(args, spec)
     hw = Hardware(devices_per_node=args.devices, nodes=args.nodes, device_memory=args.device_memory,
-                  cpu_memory=args.cpu_memory, reserve=args.reserve, nvme_path=args.nvme_path)
+                  cpu_memory=args.cpu_memory, reserve=args.reserve, nvme_path=args.nvme_path,
+                  **dict(zip(("disk_read", "disk_write"), _disk(args))))
     print(f"plan for {spec.name} ({spec.total_params / 1e6:,.1f}M params) on {hw.nodes} node(s) x "
           f"{hw.devices_per_node} device(s) of {format_gb(hw.device_memory)}, {format_gb(hw.cpu_memory)} CPU "
           f"per node; {work.precision}, sequence length {work.seq_len or 'n/a'}"

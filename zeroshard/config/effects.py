@@ -73,6 +73,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     _Z + "offload_param.pin_memory": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param",
                                       "zero/offload.py::section.pin_memory"),
     _Z + "offload_optimizer.nvme_path": ("zero/offload.py::section.nvme_path",),
+    _Z + "offload_optimizer.buffer_count": ("zero/offload.py::section.buffer_count", "zero/nvme_swap.py::buffer_count"),
     _Z + "offload_optimizer.fast_init": ("zero/offload.py::fast_init", "zero/nvme_swap.py::fast_init"),
     "aio.block_size": ("zero/offload.py::aio.block_size",), "aio.queue_depth": ("zero/offload.py::aio.queue_depth",),
     "aio.intra_op_parallelism": ("zero/offload.py::aio.intra_op_parallelism",),
@@ -118,8 +119,8 @@ as a constructor argument, for parameters passed through as keyword arguments)."
 
 _NVME = 'an NVMe swap setting; device "nvme" is not supported yet (refused), so it cannot apply.'
 
-_PIPE = ("the NVMe step always reads sub-group k+1 and writes k-1 while stepping k, in three slots "
-         "of sub_group_size elements per state (zero/nvme_swap.py); the pool is set by sub_group_size.")
+_PIPE = ("the NVMe step always reads ahead and writes behind while stepping, in buffer_count slots "
+         "of sub_group_size elements per state (zero/nvme_swap.py).")
 
 NO_EFFECT: dict[str, str] = {
     "bf16.immediate_grad_update": "zeroshard always folds each micro-batch's gradients into the "
@@ -142,7 +143,7 @@ NO_EFFECT: dict[str, str] = {
     _Z + "save_muon_momentum_buffer_in_memory": "applies to DeepSpeed's Muon optimizer, which is not "
     "provided (refused).",
     **{_Z + f"offload_param.{k}": _NVME for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")},
-    _Z + "offload_optimizer.buffer_count": _PIPE, _Z + "offload_optimizer.pipeline_read": _PIPE,
+    _Z + "offload_optimizer.pipeline_read": _PIPE,
     _Z + "offload_optimizer.pipeline_write": _PIPE,
     "aio.single_submit": "each block is its own preadv/pwritev call from a pool thread; there is no "
     "batched submission to turn off (zero/nvme_io.py).",

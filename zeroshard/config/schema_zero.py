@@ -27,8 +27,9 @@ class OffloadOptimizerConfig:
     nvme_path: Path | None = None
     """Directory for the swap files. Required when `device` is "nvme"."""
     buffer_count: int = spec(4, ge=0)
-    """Number of I/O buffers for NVMe swapping; at least the number of tensors the optimizer
-    keeps per parameter (Adam: 4). DeepSpeed's default, 4."""
+    """Number of I/O buffers for NVMe swapping (DeepSpeed's default, 4). In zeroshard: slots of
+    the NVMe step's pool, each one sub-group's master, exp_avg and exp_avg_sq (at least 3 used);
+    the last sub-groups stepped stay in them across steps and are not swapped."""
     pin_memory: bool = True
     """Keep the CPU copies in page-locked memory: faster host<->device copies, at the cost of
     memory the OS cannot page out. Default true, as in DeepSpeed 0.19. Acted on at stages 1-3

@@ -33,6 +33,7 @@ STEP_DOWN: tuple[tuple[Stage, Device, Device], ...] = (
     (3, "none", "none"),
     (3, "none", "cpu"),
     (3, "cpu", "cpu"),
+    (3, "nvme", "cpu"),
     (3, "nvme", "nvme"),
 )
 """(stage, offload_optimizer, offload_param), fastest first (seed 002's procedure)."""
@@ -60,6 +61,11 @@ class Hardware:
     """Fraction of each budget kept free: allocator fragmentation, CUDA context and kernel
     workspaces, the framework itself. The margin printed is what remains beyond it."""
     nvme_path: str | None = None
+    disk_read: float | None = None
+    """Bytes per second read from `nvme_path` per node (measured by `zeroshard plan` with
+    `zero/nvme_bench.py`, or given); None: unknown."""
+    disk_write: float | None = None
+    """Bytes per second written to `nvme_path` per node; None: unknown."""
 
     @property
     def world_size(self) -> int:
@@ -224,10 +230,39 @@ def evaluate(spec: ModelSpec, work: Workload, hw: Hardware, stage: Stage, opt: D
         verdict = f"too big for the CPU ({format_gb(hw.cpu_budget)} usable)"
     planned = ckpt and work.checkpointing == "auto"
     cost = f", recompute costs ~{RECOMPUTE_COST:.0%} more compute per step" if planned else ""
+    if "nvme" in (opt, param):
+        cost += ", " + disk_line(est, hw)
     line = (f"{name} ({precision}): needs {format_gb(need)} of {format_gb(hw.device_memory)} per device ({detail}), "
             f"{cpu_text}{cost} -> {verdict}")
     return Decision(name=name, status="fits" if fits else "too big", line=line, estimate=est, activations=act,
                     micro_batch=micro, ds_config=ds, checkpointing=ckpt)
+
+
+def disk_traffic(est: NodeEstimate) -> tuple[int, int]:
+    """(bytes read, bytes written) on the NVMe path per optimizer step per node: every swapped
+    optimizer state (fp32 master included) is read and written back once; swapped parameters are
+    read twice (forward and backward gathers) and written once (after the step)."""
+    states = est.nvme - est.nvme_params
+    return states + 2 * est.nvme_params, states + est.nvme_params
+
+
+def disk_seconds(est: NodeEstimate, hw: Hardware) -> float | None:
+    """Lower bound on a step's time from the disk alone (its I/O at `hw`'s bandwidth), None when
+    the bandwidth is unknown."""
+    if hw.disk_read is None or hw.disk_write is None:
+        return None
+    read, write = disk_traffic(est)
+    return read / hw.disk_read + write / hw.disk_write
+
+
+def disk_line(est: NodeEstimate, hw: Hardware) -> str:
+    read, write = disk_traffic(est)
+    t = disk_seconds(est, hw)
+    text = f"disk swaps {format_gb(read)} read + {format_gb(write)} written per step per node"
+    if t is None:
+        return text + " (disk bandwidth unknown: pass --nvme-bandwidth or let plan measure --nvme-path)"
+    return (text + f": >= {t:.2f} s per step at {hw.disk_read / 2**30:.2f} GB/s read, "  # type: ignore[operator]
+            f"{hw.disk_write / 2**30:.2f} GB/s write")  # type: ignore[operator]
 
 
 def raise_batch(spec: ModelSpec, work: Workload, hw: Hardware, d: Decision) -> Decision:

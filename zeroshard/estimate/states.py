@@ -68,7 +68,7 @@ class Setup:
     """Stage 3: elements gathered ahead of use (`stage3_prefetch_bucket_size`)."""
     sub_group_size: int = 1_000_000_000
     nvme_buffer_count: int = 4
-    """offload_optimizer.buffer_count: sub-group sized fp32 buffers in CPU memory (NVMe)."""
+    """offload_optimizer.buffer_count: slots of three sub-group sized fp32 buffers in CPU memory (NVMe)."""
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
     devices_per_node: int = 1
@@ -83,8 +83,6 @@ class Setup:
             raise ZeroshardError(f"offload_param needs stage 3 (got stage {self.stage})")
         if self.stage == 0 and self.offload_optimizer != "none":
             raise ZeroshardError("offload_optimizer needs stage 1, 2 or 3")
-        if self.stage < 3 and self.offload_optimizer == "nvme":
-            raise ZeroshardError("offload_optimizer to NVMe needs stage 3")
 
     @property
     def world_size(self) -> int:
@@ -276,7 +274,8 @@ def _stage0(spec: "ModelSpec", setup: Setup) -> RankEstimate:
 
 def _stage12(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
     lay = _partition_layout(spec, setup, rank)
-    offload = setup.offload_optimizer == "cpu"
+    nvme = setup.offload_optimizer == "nvme"
+    offload = setup.offload_optimizer == "cpu" or nvme
     g = setup.grad_bytes
     full_grad = g * lay.padded_numel if setup.stage == 1 else 0
     # The gradient shard exists at stage 2, and at stage 1 only with offload (a CPU copy of
@@ -287,7 +286,14 @@ def _stage12(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
     master = MASTER_BYTES * lay.shard_numel if (setup.mixed or offload) else 0
     opt = setup.optimizer_state_bytes * lay.owned_numel
     params = setup.param_bytes * lay.padded_numel
-    if offload:
+    swapped = StateBytes()
+    if nvme:
+        # the fp32 master and the optimizer states live in the swap files; in fp32 training the
+        # model's own weights are the fragments the step writes back to (zero/shard.py)
+        device = StateBytes(params=params, grads=full_grad)
+        host = StateBytes(grads=shard_grad)
+        swapped = StateBytes(master_params=MASTER_BYTES * lay.shard_numel, optimizer_states=opt)
+    elif offload:
         device = StateBytes(params=params, grads=full_grad)
         host = StateBytes(grads=shard_grad, master_params=master, optimizer_states=opt)
     else:
@@ -300,7 +306,8 @@ def _stage12(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
         # MAX_BUCKETS_IN_FLIGHT in zero/reduce.py); the pool keeps them after the step.
         # Blocks are all of the largest bucket's size, so similar buckets share them.
         buffers = g * max(lay.bucket_padded) * min(len(lay.bucket_padded), 3 if setup.overlap_comm else 1)
-    return RankEstimate(device, host, StateBytes(), buffers, 0, _init_host(spec, setup), buffers)
+    pool = nvme_pool_bytes(setup, lay.shard_numel) if nvme else 0
+    return RankEstimate(device, host, swapped, buffers, pool, _init_host(spec, setup), buffers)
 
 
 def _staging_pool(sizes: tuple[int, ...], overlap_comm: bool) -> int:
@@ -315,6 +322,15 @@ def _staging_pool(sizes: tuple[int, ...], overlap_comm: bool) -> int:
         for n, c in counts.items():
             most[n] = max(most.get(n, 0), c)
     return sum(n * c for n, c in most.items())
+
+
+def nvme_pool_bytes(setup: Setup, shard_numel: int) -> int:
+    """Host memory of the NVMe optimizer swap pool (zero/nvme_swap.py, Note: [swap pipeline]):
+    `buffer_count` slots (at least 3, at most one per sub-group) of three fp32 states of one
+    sub-group each."""
+    group = max(1, min(setup.sub_group_size, shard_numel))
+    slots = min(max(3, setup.nvme_buffer_count), -(-shard_numel // group))
+    return slots * 3 * group * 4
 
 
 def _stage3(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
@@ -337,7 +353,7 @@ def _stage3(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
     buffers = p * gathered + pool
     host_buffers = 0
     if setup.offload_optimizer == "nvme":
-        host_buffers += setup.nvme_buffer_count * min(setup.sub_group_size, lay.shard_numel) * 4
+        host_buffers += nvme_pool_bytes(setup, lay.shard_numel)
     if setup.offload_param == "nvme":
         host_buffers += setup.param_buffer_count * setup.param_buffer_size * p
     return RankEstimate(homes["none"], homes["cpu"], homes["nvme"], buffers, host_buffers,
@@ -359,6 +375,7 @@ class NodeEstimate:
         cpu_steady: offloaded states plus NVMe swap buffers in one node's CPU memory.
         cpu_init: the fp32 model every local rank builds on the CPU at start-up.
         nvme: bytes in NVMe swap files per node.
+        nvme_params: of which parameters (read in forward and backward, unlike the rest).
     """
 
     setup: Setup
@@ -367,6 +384,7 @@ class NodeEstimate:
     cpu_steady: int
     cpu_init: int
     nvme: int
+    nvme_params: int = 0
 
     @property
     def cpu_peak(self) -> int:
@@ -383,4 +401,5 @@ def estimate_node(spec: "ModelSpec", setup: Setup) -> NodeEstimate:
     return NodeEstimate(
         setup=setup, device_states=worst_dev.device.total, device_peak=worst_dev.device_peak,
         cpu_steady=local * max(e.host.total + e.host_buffers for e in ests),
-        cpu_init=local * ests[0].init_host, nvme=local * max(e.nvme.total for e in ests))
+        cpu_init=local * ests[0].init_host, nvme=local * max(e.nvme.total for e in ests),
+        nvme_params=local * max(e.nvme.params for e in ests))

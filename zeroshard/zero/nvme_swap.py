@@ -2,11 +2,19 @@
 optimizer offload to NVMe), stepped a sub-group at a time through a bounded buffer pool.
 
 Note: [swap pipeline] The shard's `numel` elements are cut into sub-groups of at most
-`sub_group_numel`. While sub-group k is stepped by torch's fused Adam(W) CPU kernel, sub-group
-k+1's three states are being read and sub-group k-1's written back: three slots of three
-page-aligned buffers each (`3 x 3 x sub_group_numel x 4` bytes of host memory, whatever the
-shard's size). The kernel is elementwise, so stepping a range gives the bits the whole-tensor
-step gives (tests/unit/test_nvme_swap.py checks it against torch.optim.AdamW(fused=True)).
+`sub_group_numel`. The host buffers are `slots` slots (`offload_optimizer.buffer_count`, at least
+3, at most the number of sub-groups) of three page-aligned buffers each (`slots x 3 x
+sub_group_numel x 4` bytes of host memory, whatever the shard's size). While sub-group k is
+stepped by torch's fused Adam(W) CPU kernel, the next sub-groups are read into every slot whose
+write-back has finished and the stepped ones are written back. Two things cut the disk traffic
+and hide what is left behind the forward and backward passes:
+- the last `slots` sub-groups stepped stay in their slots ("resident", not written) and are
+  stepped first at the next step, so a step reads and writes `slots` sub-groups fewer;
+- a step returns without waiting for its last write-backs: they finish while the next forward
+  and backward run, and a slot is reused only once its write is done. Anything that reads or
+  writes the files directly (checkpoints, loads) first flushes (`sync`).
+The kernel is elementwise, so stepping a range in any order gives the bits the whole-tensor step
+gives (tests/unit/test_nvme_swap.py checks it against torch.optim.AdamW(fused=True)).
 
 Note: [swap files are scratch] Files live in `<nvme_path>/zeroshard-swap/<run>/rank<r>/`, with
 `<run>` unique per process (host, pid, time). A run directory whose owning process is gone
@@ -39,7 +47,7 @@ from zeroshard.zero.nvme_io import AsyncIO, IOHandle, IOOptions, SwapFile, align
 STATES = ("master", "exp_avg", "exp_avg_sq")
 _CUT = 64
 """Sub-groups cut a fragment only at multiples of this many elements from its start (Note: [swap pipeline])."""
-_SLOTS = 3  # read-ahead, stepping, write-behind
+_MIN_SLOTS = 3  # read-ahead, stepping, write-behind
 SWAP_DIR = "zeroshard-swap"
 
 
@@ -143,7 +151,7 @@ class SwappedAdam:
 
     def __init__(self, root: Path, numel: int, *, rank: int, sub_group_numel: int,
                  fragments: Sequence[int] | None = None, io: IOOptions = IOOptions(),
-                 fast_init: bool = True) -> None:
+                 fast_init: bool = True, buffer_count: int = _MIN_SLOTS) -> None:
         self.numel = numel
         self.sub_group_numel = max(_CUT, min(sub_group_numel, max(numel, 1)) // _CUT * _CUT)
         fragments = list(fragments) if fragments is not None else [numel]
@@ -155,8 +163,12 @@ class SwappedAdam:
         self.dir = new_run_dir(Path(root), rank)
         self._io = AsyncIO(self.dir, io)
         self._files: dict[str, SwapFile] = {s: self._io.open(f"{s}.swp", numel * 4) for s in STATES}
+        n_slots = max(1, min(max(_MIN_SLOTS, buffer_count), len(self._groups_cache)))
         self._slots = [{s: aligned_empty(self.sub_group_numel, torch.float32) for s in STATES}
-                       for _ in range(_SLOTS)]
+                       for _ in range(n_slots)]
+        self._slot_group: list[int | None] = [None] * n_slots  # the sub-group each slot holds
+        self._slot_dirty = [False] * n_slots  # holds values newer than the files'
+        self._slot_io: list[list[IOHandle]] = [[] for _ in range(n_slots)]  # requests in flight
         self._step = torch.zeros((), dtype=torch.float32)
         if not fast_init:
             for s in ("exp_avg", "exp_avg_sq"):
@@ -165,7 +177,7 @@ class SwappedAdam:
 
     @property
     def buffer_bytes(self) -> int:
-        return _SLOTS * len(STATES) * self.sub_group_numel * 4
+        return len(self._slots) * len(STATES) * self.sub_group_numel * 4
 
     @property
     def step_count(self) -> int:
@@ -194,13 +206,15 @@ class SwappedAdam:
     def _stream(self, name: str, values: Tensor, *, write: bool) -> None:
         if values.numel() != self.numel:
             raise ValueError(f"{name}: expected {self.numel} elements, got {values.numel()}")
-        pending: list[IOHandle | None] = [None] * _SLOTS
+        self.sync(invalidate=True)
+        n_slots = len(self._slots)
+        pending: list[IOHandle | None] = [None] * n_slots
         for k, (s, e) in enumerate(self._groups()):
-            slot = k % _SLOTS
+            slot = k % n_slots
             if pending[slot] is not None:
                 pending[slot].wait()  # type: ignore[union-attr]
                 if not write:
-                    ps, pe = self._groups()[k - _SLOTS]
+                    ps, pe = self._groups()[k - n_slots]
                     values[ps:pe].copy_(self._slots[slot][name][: pe - ps])
             buf = self._slots[slot][name][: e - s]
             if write:
@@ -209,24 +223,43 @@ class SwappedAdam:
             else:
                 pending[slot] = self._files[name].read(buf, s * 4)
         groups = self._groups()
-        for k in range(max(0, len(groups) - _SLOTS), len(groups)):
-            h = pending[k % _SLOTS]
+        for k in range(max(0, len(groups) - n_slots), len(groups)):
+            h = pending[k % n_slots]
             if h is not None:
                 h.wait()
             if not write:
                 s, e = groups[k]
-                values[s:e].copy_(self._slots[k % _SLOTS][name][: e - s])
+                values[s:e].copy_(self._slots[k % n_slots][name][: e - s])
 
     # -- the step -------------------------------------------------------------------------------
 
-    def _read(self, k: int) -> list[IOHandle]:
-        s, e = self._groups()[k]
-        slot = self._slots[k % _SLOTS]
+    def sync(self, *, invalidate: bool = False) -> None:
+        """Finish every request in flight and write resident sub-groups newer than the files
+        (Note: [swap pipeline]); with `invalidate`, also forget them (the files are about to be
+        written by someone else)."""
+        for i in range(len(self._slots)):
+            self._wait_slot(i)
+            if self._slot_dirty[i]:
+                self._slot_io[i] = self._write(i)
+                self._slot_dirty[i] = False
+        for i in range(len(self._slots)):
+            self._wait_slot(i)
+            if invalidate:
+                self._slot_group[i] = None
+
+    def _wait_slot(self, i: int) -> None:
+        handles, self._slot_io[i] = self._slot_io[i], []
+        for h in handles:
+            h.wait()
+
+    def _read(self, i: int) -> list[IOHandle]:
+        s, e = self._groups()[self._slot_group[i]]  # type: ignore[index]
+        slot = self._slots[i]
         return [self._files[n].read(slot[n][: e - s], s * 4) for n in STATES]
 
-    def _write(self, k: int) -> list[IOHandle]:
-        s, e = self._groups()[k]
-        slot = self._slots[k % _SLOTS]
+    def _write(self, i: int) -> list[IOHandle]:
+        s, e = self._groups()[self._slot_group[i]]  # type: ignore[index]
+        slot = self._slots[i]
         return [self._files[n].write(slot[n][: e - s], s * 4) for n in STATES]
 
     @torch.no_grad()
@@ -241,27 +274,44 @@ class SwappedAdam:
                        outs: Sequence[Tensor] | None = None) -> None:
         """One Adam(W) step: fragment i has gradient `grads[i]` (CPU) and settings `hypers[i]`;
         Note: [swap pipeline]. `outs[i]`, when given, receives fragment i's updated master (cast
-        to its dtype and device) as each sub-group finishes, so the weights need no second pass."""
-        groups = self._groups()
+        to its dtype and device) as each sub-group finishes, so the weights need no second pass.
+        Returns with the last write-backs still in flight."""
+        n, n_slots = len(self._groups()), len(self._slots)
         self._step += 1
-        reads: dict[int, list[IOHandle]] = {0: self._read(0)} if groups else {}
-        writes: dict[int, list[IOHandle]] = {}
-        for k, (s, _) in enumerate(groups):
-            if k + 1 < len(groups):
-                for h in writes.pop(k + 1 - _SLOTS, []):  # slot (k+1) % 3 was sub-group k-2's
-                    h.wait()
-                reads[k + 1] = self._read(k + 1)
-            for h in reads.pop(k):
-                h.wait()
-            self._step_group(k, s, grads, hypers, outs)
-            writes[k] = self._write(k)
-        for hs in writes.values():
-            for h in hs:
-                h.wait()
+        slot_of = {g: i for i, g in enumerate(self._slot_group) if g is not None}
+        order = [g for g in slot_of] + [g for g in range(n) if g not in slot_of]
+        to_read = order[len(slot_of):]
+        free = [i for i, g in enumerate(self._slot_group) if g is None]  # FIFO of reusable slots
 
-    def _step_group(self, k: int, s: int, grads: Sequence[Tensor], hypers: Sequence[AdamHyper],
+        def issue(block: bool) -> None:
+            # read ahead into free slots; a slot is reused only once its write-back is done
+            while to_read and free and (block or all(h.done() for h in self._slot_io[free[0]])):
+                i = free.pop(0)
+                self._wait_slot(i)
+                g = to_read.pop(0)
+                self._slot_group[i], slot_of[g] = g, i
+                self._slot_io[i] = self._read(i)
+                block = False
+
+        for pos, g in enumerate(order):
+            issue(block=False)
+            if g not in slot_of:
+                issue(block=True)
+            i = slot_of[g]
+            self._wait_slot(i)  # its read (or, resident, nothing)
+            self._step_group(i, g, grads, hypers, outs)
+            if pos < n - n_slots:  # evicted later this step: write back now
+                self._slot_io[i] = self._write(i)
+                self._slot_dirty[i] = False
+                free.append(i)
+                del slot_of[g]
+            else:  # stays resident for the next step
+                self._slot_dirty[i] = True
+
+    def _step_group(self, i: int, k: int, grads: Sequence[Tensor], hypers: Sequence[AdamHyper],
                     outs: Sequence[Tensor] | None) -> None:
-        slot = self._slots[k % _SLOTS]
+        slot = self._slots[i]
+        s = self._groups()[k][0]
         by_hyper: dict[AdamHyper, list[tuple[int, int, int]]] = {}
         for ps, pe in self._groups_cache[k]:
             i = bisect.bisect_right(self._starts, ps) - 1
@@ -279,6 +329,7 @@ class SwappedAdam:
 
     def fragment_state(self, name: str, index: int) -> Tensor:
         """Fragment `index`'s part of state `name`, read into a new CPU tensor (checkpoints)."""
+        self.sync()
         start, n = self._starts[index], self._fragments[index]
         out = aligned_empty(n, torch.float32)
         self._files[name].read(out, start * 4).wait()
@@ -286,6 +337,7 @@ class SwappedAdam:
 
     def load_fragment_state(self, name: str, index: int, values: Tensor) -> None:
         """Write fragment `index`'s part of state `name` (a checkpoint's, or the master from weights)."""
+        self.sync(invalidate=True)
         start = self._starts[index]
         src = aligned_empty(self._fragments[index], torch.float32)
         src.copy_(values.reshape(-1))
@@ -295,6 +347,11 @@ class SwappedAdam:
         """Remove this run's swap files (Note: [swap files are scratch])."""
         if not self._files:
             return
+        for i in range(len(self._slots)):
+            try:
+                self._wait_slot(i)  # nothing may still write into a file being removed
+            except OSError:
+                pass
         for f in self._files.values():
             f.remove()
         self._files = {}

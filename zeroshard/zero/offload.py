@@ -32,6 +32,8 @@ class NvmeHome:
     sub_group_numel: int
     io: IOOptions
     fast_init: bool = True
+    buffer_count: int = 3
+    """Slots of the swap pipeline (`offload_optimizer.buffer_count`; Note: [swap pipeline])."""
     key: str = "zero_optimization.offload_optimizer.nvme_path"
 
 
@@ -61,7 +63,8 @@ class OffloadPolicy:
             io = IOOptions() if aio is None else IOOptions(
                 block_size=aio.block_size, queue_depth=aio.queue_depth, thread_count=aio.intra_op_parallelism)
             home = NvmeHome(path=Path(section.nvme_path), sub_group_numel=int(sub_group_size), io=io,
-                            fast_init=bool(getattr(section, "fast_init", True)))
+                            fast_init=bool(getattr(section, "fast_init", True)),
+                            buffer_count=int(section.buffer_count))
             return cls(device=torch.device("cpu"), pin_memory=bool(section.pin_memory), nvme=home)
         if section.device != "cpu":
             raise AssertionError(f"offload device {section.device!r} passed config validation but has no home")

@@ -184,7 +184,8 @@ class OptimizerShard:
         numel = sum(f.numel for f in self._fragments)
         root = check_swap_dir(home.path, swap_bytes(numel), key=home.key, direct=home.io.direct)
         swap = SwappedAdam(root, numel, rank=self._rank, sub_group_numel=home.sub_group_numel,
-                           fragments=[f.numel for f in self._fragments], io=home.io, fast_init=home.fast_init)
+                           fragments=[f.numel for f in self._fragments], io=home.io, fast_init=home.fast_init,
+                           buffer_count=home.buffer_count)
         try:
             self._swap_optimizer = SwapAdam(optimizer, self.fragment_params, swap, grads=self._fragment_grads)
         except BaseException:
