@@ -33,7 +33,7 @@ With ZEROSHARD_HF_FLOWS_REPORT=path, teardown writes TIMES and DEVIATIONS there 
 
 
 def run(cmd: list[str], engine: str, cwd: Path, nproc: int = 1, accelerate: list[str] | None = None,
-        timeout: int = 600, label: str = "") -> None:
+        timeout: int = 600, label: str = "", torchrun: bool = False) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("ZEROSHARD_AS_DEEPSPEED", "RANK", "WORLD_SIZE",
                                                            "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -46,7 +46,7 @@ def run(cmd: list[str], engine: str, cwd: Path, nproc: int = 1, accelerate: list
     if accelerate is not None:
         full = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
                 "--num_processes", str(nproc), "--main_process_port", "0", *accelerate, *cmd]
-    elif nproc > 1:
+    elif nproc > 1 or torchrun:  # a lone DeepSpeed process needs torchrun (or MPI) for its group
         full = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd]
     else:
         full = [sys.executable, *cmd]
@@ -57,11 +57,11 @@ def run(cmd: list[str], engine: str, cwd: Path, nproc: int = 1, accelerate: list
     assert proc.returncode == 0, f"{engine}: {' '.join(full)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-def trainer(tmp: Path, engine: str, name: str, *extra: str, nproc: int = 1) -> dict[str, Any]:
+def trainer(tmp: Path, engine: str, name: str, *extra: str, nproc: int = 1, torchrun: bool = False) -> dict[str, Any]:
     out = tmp / engine / name
     results = tmp / engine / f"{name}.json"
     run([str(SCRIPTS / "hf_trainer.py"), "--out", str(out), "--results", str(results), *extra], engine, tmp, nproc,
-        label=f"trainer {name}")
+        label=f"trainer {name}", torchrun=torchrun)
     return json.loads(results.read_text())
 
 
@@ -189,29 +189,32 @@ class TestAgainstDeepSpeed:
     """The same scripts under real DeepSpeed 0.19: per-step loss, grad norm and lr within 1e-5."""
 
     def test_trainer_zero2(self, tmp_path: Path) -> None:
-        a = trainer(tmp_path, "zeroshard", "zero2 ds-optim", "--steps", "4")
-        b = trainer(tmp_path, "deepspeed", "zero2 ds-optim", "--steps", "4")
+        a = trainer(tmp_path, "zeroshard", "zero2 ds-optim", "--steps", "4", torchrun=True)
+        b = trainer(tmp_path, "deepspeed", "zero2 ds-optim", "--steps", "4", torchrun=True)
         assert_same_log(a["log"], b["log"], "trainer zero2 ds-optim|1")
 
     @pytest.mark.parametrize("nproc", [1, 2])
     def test_trainer_hf_optimizer_offload(self, tmp_path: Path, nproc: int) -> None:
         flags = ("--optim", "hf", "--offload", "--eval")
-        a = trainer(tmp_path, "zeroshard", "zero2 hf-optim offload eval", *flags, nproc=nproc)
-        b = trainer(tmp_path, "deepspeed", "zero2 hf-optim offload eval", *flags, nproc=nproc)
+        a = trainer(tmp_path, "zeroshard", "zero2 hf-optim offload eval", *flags, nproc=nproc, torchrun=True)
+        b = trainer(tmp_path, "deepspeed", "zero2 hf-optim offload eval", *flags, nproc=nproc, torchrun=True)
         what = f"trainer zero2 hf-optim offload eval|{nproc}"
         assert_same_log(a["log"], b["log"], what)
         note_deviation(what, "eval_loss", relative(a["eval_loss"], b["eval_loss"]))
         assert relative(a["eval_loss"], b["eval_loss"]) <= TOL
 
-    @pytest.mark.parametrize("nproc", [1, 2])
+    @pytest.mark.parametrize("nproc", [1])
     def test_trainer_zero3(self, tmp_path: Path, nproc: int) -> None:
         """zero.Init through from_config, HF's optimizer, evaluate() (ZeRO inference), save_model
-        with stage3_gather_16bit_weights_on_model_save: the saved weights must match too."""
+        with stage3_gather_16bit_weights_on_model_save: the saved weights must match too. Not at 2
+        CPU ranks: DeepSpeed 0.19.8 stops there in its batch check (its config, built by zero.Init
+        for from_config, counts a world of 1: "8 != 2 * 2 * 1"); zeroshard runs it
+        (test_trainer_zero3_init_eval_save16_world2). See bench/hf_flows.md."""
         flags = ("--stage", "3", "--optim", "hf", "--eval", "--gather16")
         a = trainer(tmp_path, "zeroshard", "zero3 hf-optim eval save16", *flags,
-                    "--save-model", str(tmp_path / "a_final"), nproc=nproc)
+                    "--save-model", str(tmp_path / "a_final"), nproc=nproc, torchrun=True)
         b = trainer(tmp_path, "deepspeed", "zero3 hf-optim eval save16", *flags,
-                    "--save-model", str(tmp_path / "b_final"), nproc=nproc)
+                    "--save-model", str(tmp_path / "b_final"), nproc=nproc, torchrun=True)
         what = f"trainer zero3 hf-optim eval save16|{nproc}"
         assert_same_log(a["log"], b["log"], what)
         note_deviation(what, "eval_loss", relative(a["eval_loss"], b["eval_loss"]))
@@ -226,9 +229,9 @@ class TestAgainstDeepSpeed:
     def test_trainer_resume(self, tmp_path: Path) -> None:
         """save_steps then resume_from_checkpoint in a new process, each engine with its own checkpoint."""
         for engine in ("zeroshard", "deepspeed"):
-            trainer(tmp_path, engine, "zero2 save4", "--steps", "4", "--save-steps", "4")
-        a = trainer(tmp_path, "zeroshard", "zero2 save4", "--steps", "6", "--resume")
-        b = trainer(tmp_path, "deepspeed", "zero2 save4", "--steps", "6", "--resume")
+            trainer(tmp_path, engine, "zero2 save4", "--steps", "4", "--save-steps", "4", torchrun=True)
+        a = trainer(tmp_path, "zeroshard", "zero2 save4", "--steps", "6", "--resume", torchrun=True)
+        b = trainer(tmp_path, "deepspeed", "zero2 save4", "--steps", "6", "--resume", torchrun=True)
         assert_same_log(a["log"], b["log"], "trainer zero2 resume|1")
 
     @pytest.mark.parametrize("stage", [2, 3])
