@@ -51,6 +51,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def load(path: Path, tmp: Path, nproc: int, *flags: str, env: dict[str, str] | None = None) -> tuple[list[dict], str]:
+    tmp.mkdir(parents=True, exist_ok=True)
     results = tmp / "r"
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT", "ZEROSHARD_ALIAS_QUIET")}
