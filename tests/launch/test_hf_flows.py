@@ -227,12 +227,20 @@ class TestAgainstDeepSpeed:
         assert relative(a["eval_loss"], b["eval_loss"]) <= TOL and dev <= TOL
 
     def test_trainer_resume(self, tmp_path: Path) -> None:
-        """save_steps then resume_from_checkpoint in a new process, each engine with its own checkpoint."""
+        """save_steps then resume_from_checkpoint in a new process. zeroshard's resumed steps must
+        equal DeepSpeed's uninterrupted run. DeepSpeed 0.19.8's own resumed run departs from its
+        uninterrupted one after the first resumed step (measured: loss 8.8e-5, grad norm 7.1e-4
+        relative at step 6 of this flow); that is recorded, not asserted (bench/hf_flows.md)."""
+        whole = trainer(tmp_path, "deepspeed", "zero2 uninterrupted", "--steps", "6", torchrun=True)
         for engine in ("zeroshard", "deepspeed"):
             trainer(tmp_path, engine, "zero2 save4", "--steps", "4", "--save-steps", "4", torchrun=True)
         a = trainer(tmp_path, "zeroshard", "zero2 save4", "--steps", "6", "--resume", torchrun=True)
         b = trainer(tmp_path, "deepspeed", "zero2 save4", "--steps", "6", "--resume", torchrun=True)
-        assert_same_log(a["log"], b["log"], "trainer zero2 resume|1")
+        for x, y in zip(b["log"], whole["log"][-len(b["log"]):]):
+            for key in ("loss", "grad_norm", "learning_rate"):
+                note_deviation("trainer zero2 resume: DeepSpeed resumed vs DeepSpeed uninterrupted|1", key,
+                               relative(x[key], y[key]))
+        assert_same_log(a["log"], whole["log"][-len(a["log"]):], "trainer zero2 resume vs DeepSpeed uninterrupted|1")
 
     @pytest.mark.parametrize("stage", [2, 3])
     def test_nontrainer_generate(self, tmp_path: Path, stage: int) -> None:

@@ -28,3 +28,14 @@ def test_every_range_of_every_shape(tmp_path: Path, shape: tuple[int, ...]) -> N
             for end in range(start, flat.numel() + 1):
                 got = read_flat_range(view, shape, start, end)
                 assert torch.equal(got, flat[start:end]), (shape, start, end)
+
+
+def test_save_on_each_node_is_refused_with_the_trainer_fix() -> None:
+    """Trainer(save_on_each_node=True) writes checkpoint.use_node_local_storage: refused, naming the
+    Trainer setting to change (not implemented: every node would need its own unsharded files)."""
+    from zeroshard import load_config
+    from zeroshard.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"use_node_local_storage.*save_on_each_node=False"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"use_node_local_storage": True}},
+                    dp_world_size=1)
