@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -233,9 +233,3 @@ def _world_size(model: nn.Module) -> int:
             return state.owner.world_size
     return 1
 
-
-def hooked() -> Callable[..., Any] | None:
-    """The installed wrapper, or None (for tests and diagnostics)."""
-    modeling = sys.modules.get("transformers.modeling_utils")
-    fn = getattr(getattr(modeling, "PreTrainedModel", None), "_load_pretrained_model", None)
-    return fn if getattr(fn, _HOOK_MARK, False) else None
