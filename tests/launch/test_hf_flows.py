@@ -26,10 +26,14 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None and not os.environ.get("ZEROSHARD_AS_DEEPSPEED")
 TOL = 1e-5
 TIMES: dict[str, float] = {}
+DEVIATIONS: dict[str, dict[str, float]] = {}
+"""Per compared flow: the largest relative deviation of each logged quantity from DeepSpeed's.
+With ZEROSHARD_HF_FLOWS_REPORT=path, teardown writes TIMES and DEVIATIONS there as JSON
+(bench/hf_flows.py renders them as the table in bench/hf_flows.md)."""
 
 
 def run(cmd: list[str], engine: str, cwd: Path, nproc: int = 1, accelerate: list[str] | None = None,
-        timeout: int = 600) -> None:
+        timeout: int = 600, label: str = "", torchrun: bool = False) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("ZEROSHARD_AS_DEEPSPEED", "RANK", "WORLD_SIZE",
                                                            "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -42,21 +46,32 @@ def run(cmd: list[str], engine: str, cwd: Path, nproc: int = 1, accelerate: list
     if accelerate is not None:
         full = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
                 "--num_processes", str(nproc), "--main_process_port", "0", *accelerate, *cmd]
-    elif nproc > 1:
+    elif nproc > 1 or torchrun:  # a lone DeepSpeed process needs torchrun (or MPI) for its group
         full = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd]
     else:
         full = [sys.executable, *cmd]
     t = time.perf_counter()
     proc = subprocess.run(full, cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)
-    TIMES[f"{engine} {' '.join(c for c in cmd if not c.startswith('/'))[:60]}"] = time.perf_counter() - t
+    key = label or ' '.join(c for c in cmd if not c.startswith('/'))[:60]
+    TIMES[f"{engine}|{key}|{nproc}"] = time.perf_counter() - t
     assert proc.returncode == 0, f"{engine}: {' '.join(full)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-def trainer(tmp: Path, engine: str, name: str, *extra: str, nproc: int = 1) -> dict[str, Any]:
+def trainer(tmp: Path, engine: str, name: str, *extra: str, nproc: int = 1, torchrun: bool = False) -> dict[str, Any]:
     out = tmp / engine / name
     results = tmp / engine / f"{name}.json"
-    run([str(SCRIPTS / "hf_trainer.py"), "--out", str(out), "--results", str(results), *extra], engine, tmp, nproc)
+    run([str(SCRIPTS / "hf_trainer.py"), "--out", str(out), "--results", str(results), *extra], engine, tmp, nproc,
+        label=f"trainer {name}", torchrun=torchrun)
     return json.loads(results.read_text())
+
+
+def relative(x: float, y: float) -> float:
+    return abs(x - y) / max(abs(y), 1e-12)
+
+
+def note_deviation(what: str, key: str, dev: float) -> None:
+    seen = DEVIATIONS.setdefault(what, {})
+    seen[key] = max(seen.get(key, 0.0), dev)
 
 
 def assert_same_log(a: list[dict], b: list[dict], what: str) -> None:
@@ -64,7 +79,11 @@ def assert_same_log(a: list[dict], b: list[dict], what: str) -> None:
     for x, y in zip(a, b):
         for key in ("loss", "grad_norm", "learning_rate"):
             if key in x:
-                assert abs(x[key] - y[key]) <= TOL * max(abs(y[key]), 1e-12), f"{what} step {x['step']} {key}: {x[key]} vs {y[key]}"
+                note_deviation(what, key, relative(x[key], y[key]))
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm", "learning_rate"):
+            if key in x:
+                assert relative(x[key], y[key]) <= TOL, f"{what} step {x['step']} {key}: {x[key]} vs {y[key]}"
 
 
 def test_trainer_zero2_auto_config_resume_and_zero_to_fp32(tmp_path: Path) -> None:
@@ -147,7 +166,7 @@ def accelerate(tmp: Path, engine: str, name: str) -> dict[str, Any]:
     results = tmp / engine / f"acc_{name}.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     run([str(SCRIPTS / "hf_accelerate.py"), "--out", str(tmp / engine / name), "--results", str(results)],
-        engine, tmp, accelerate=flags)
+        engine, tmp, accelerate=flags, label=f"accelerate {name}")
     return json.loads(results.read_text())
 
 
@@ -170,23 +189,95 @@ class TestAgainstDeepSpeed:
     """The same scripts under real DeepSpeed 0.19: per-step loss, grad norm and lr within 1e-5."""
 
     def test_trainer_zero2(self, tmp_path: Path) -> None:
-        a = trainer(tmp_path, "zeroshard", "t", "--steps", "4")
-        b = trainer(tmp_path, "deepspeed", "t", "--steps", "4")
-        assert_same_log(a["log"], b["log"], "Trainer zero2")
+        a = trainer(tmp_path, "zeroshard", "zero2 ds-optim", "--steps", "4", torchrun=True)
+        b = trainer(tmp_path, "deepspeed", "zero2 ds-optim", "--steps", "4", torchrun=True)
+        assert_same_log(a["log"], b["log"], "trainer zero2 ds-optim|1")
 
-    def test_trainer_hf_optimizer_offload_world2(self, tmp_path: Path) -> None:
-        a = trainer(tmp_path, "zeroshard", "t", "--optim", "hf", "--offload", "--eval", nproc=2)
-        b = trainer(tmp_path, "deepspeed", "t", "--optim", "hf", "--offload", "--eval", nproc=2)
-        assert_same_log(a["log"], b["log"], "Trainer HF optimizer + offload")
-        assert abs(a["eval_loss"] - b["eval_loss"]) <= TOL * b["eval_loss"]
+    @pytest.mark.parametrize("nproc", [1, 2])
+    def test_trainer_hf_optimizer_offload(self, tmp_path: Path, nproc: int) -> None:
+        flags = ("--optim", "hf", "--offload", "--eval")
+        a = trainer(tmp_path, "zeroshard", "zero2 hf-optim offload eval", *flags, nproc=nproc, torchrun=True)
+        b = trainer(tmp_path, "deepspeed", "zero2 hf-optim offload eval", *flags, nproc=nproc, torchrun=True)
+        what = f"trainer zero2 hf-optim offload eval|{nproc}"
+        assert_same_log(a["log"], b["log"], what)
+        note_deviation(what, "eval_loss", relative(a["eval_loss"], b["eval_loss"]))
+        assert relative(a["eval_loss"], b["eval_loss"]) <= TOL
+
+    @pytest.mark.parametrize("nproc", [1])
+    def test_trainer_zero3(self, tmp_path: Path, nproc: int) -> None:
+        """zero.Init through from_config, HF's optimizer, evaluate() (ZeRO inference), save_model
+        with stage3_gather_16bit_weights_on_model_save: the saved weights must match too. Not at 2
+        CPU ranks: DeepSpeed 0.19.8 stops there in its batch check (its config, built by zero.Init
+        for from_config, counts a world of 1: "8 != 2 * 2 * 1"); zeroshard runs it
+        (test_trainer_zero3_init_eval_save16_world2). See bench/hf_flows.md."""
+        flags = ("--stage", "3", "--optim", "hf", "--eval", "--gather16")
+        a = trainer(tmp_path, "zeroshard", "zero3 hf-optim eval save16", *flags,
+                    "--save-model", str(tmp_path / "a_final"), nproc=nproc, torchrun=True)
+        b = trainer(tmp_path, "deepspeed", "zero3 hf-optim eval save16", *flags,
+                    "--save-model", str(tmp_path / "b_final"), nproc=nproc, torchrun=True)
+        what = f"trainer zero3 hf-optim eval save16|{nproc}"
+        assert_same_log(a["log"], b["log"], what)
+        note_deviation(what, "eval_loss", relative(a["eval_loss"], b["eval_loss"]))
+        from safetensors.torch import load_file
+
+        wa, wb = load_file(tmp_path / "a_final" / "model.safetensors"), load_file(tmp_path / "b_final" / "model.safetensors")
+        assert wa.keys() == wb.keys()
+        dev = max(float((wa[k] - wb[k]).abs().max() / wb[k].abs().max().clamp_min(1e-12)) for k in wb)
+        note_deviation(what, "saved_weights", dev)
+        assert relative(a["eval_loss"], b["eval_loss"]) <= TOL and dev <= TOL
+
+    def test_trainer_resume(self, tmp_path: Path) -> None:
+        """save_steps then resume_from_checkpoint in a new process. zeroshard's resumed steps must
+        equal DeepSpeed's uninterrupted run. DeepSpeed 0.19.8's own resumed run departs from its
+        uninterrupted one after the first resumed step (measured: loss 8.8e-5, grad norm 7.1e-4
+        relative at step 6 of this flow); that is recorded, not asserted (bench/hf_flows.md)."""
+        whole = trainer(tmp_path, "deepspeed", "zero2 uninterrupted", "--steps", "6", torchrun=True)
+        for engine in ("zeroshard", "deepspeed"):
+            trainer(tmp_path, engine, "zero2 save4", "--steps", "4", "--save-steps", "4", torchrun=True)
+        a = trainer(tmp_path, "zeroshard", "zero2 save4", "--steps", "6", "--resume", torchrun=True)
+        b = trainer(tmp_path, "deepspeed", "zero2 save4", "--steps", "6", "--resume", torchrun=True)
+        # The resumed logs repeat steps 1-4 from trainer_state.json (their lr schedule ran to
+        # max_steps=4); steps 5-6 are the ones run after the reload.
+        for x, y in zip(b["log"][-2:], whole["log"][-2:], strict=True):
+            for key in ("loss", "grad_norm", "learning_rate"):
+                note_deviation("trainer zero2 resume: DeepSpeed resumed vs DeepSpeed uninterrupted|1", key,
+                               relative(x[key], y[key]))
+        assert_same_log(a["log"][-2:], whole["log"][-2:], "trainer zero2 resume vs DeepSpeed uninterrupted|1")
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_nontrainer_generate(self, tmp_path: Path, stage: int) -> None:
+        """HfDeepSpeedConfig + deepspeed.initialize + generate(synced_gpus=True) at 2 ranks (a lone
+        process cannot start under DeepSpeed without MPI)."""
+        got = {}
+        for engine in ("zeroshard", "deepspeed"):
+            run([str(SCRIPTS / "hf_nontrainer.py"), "--stage", str(stage), "--results", str(tmp_path / engine)],
+                engine, tmp_path, nproc=2, label=f"nontrainer zero{stage} generate")
+            got[engine] = [json.loads((tmp_path / f"{engine}.rank{r}").read_text()) for r in (0, 1)]
+        what = f"nontrainer zero{stage} generate|2"
+        for a, b in zip(got["zeroshard"], got["deepspeed"]):
+            for x, y in zip(a["losses"], b["losses"], strict=True):
+                note_deviation(what, "loss", relative(x, y))
+            assert a["generated"] == b["generated"], (a, b)
+        for a, b in zip(got["zeroshard"], got["deepspeed"]):
+            assert all(relative(x, y) <= TOL for x, y in zip(a["losses"], b["losses"]))
 
     @pytest.mark.parametrize("name", sorted(ACCELERATE_FLOWS))
     def test_accelerate(self, tmp_path: Path, name: str) -> None:
         a, b = accelerate(tmp_path, "zeroshard", name), accelerate(tmp_path, "deepspeed", name)
+        what = f"accelerate {name}|1"
+        for key in ("losses", "lrs"):
+            for x, y in zip(a[key], b[key], strict=True):
+                note_deviation(what, key, relative(x, y))
         for x, y in zip(a["losses"] + a["lrs"], b["losses"] + b["lrs"], strict=True):
-            assert abs(x - y) <= TOL * max(abs(y), 1e-12), (a, b)
+            assert relative(x, y) <= TOL, (a, b)
 
 
 def teardown_module() -> None:
     if TIMES:
         print("\n" + "\n".join(f"[hf flow] {k}: {v:.1f} s" for k, v in TIMES.items()))
+    report = os.environ.get("ZEROSHARD_HF_FLOWS_REPORT")
+    if report:
+        old = json.loads(Path(report).read_text()) if Path(report).exists() else {"times": {}, "deviations": {}}
+        old["times"].update(TIMES)
+        old["deviations"].update(DEVIATIONS)
+        Path(report).write_text(json.dumps(old, indent=1))

@@ -57,11 +57,16 @@ def _zero_init_class() -> type:
 
     class DeepSpeedInit(Init):  # type: ignore[misc, valid-type]
         """`deepspeed.zero.Init` under the alias: like DeepSpeed's, it makes sure a process group
-        exists first (see `init_distributed`), then partitions as zeroshard's Init does."""
+        exists first (see `init_distributed`), then partitions as zeroshard's Init does. It also
+        installs the sharded `from_pretrained` load (compat/hf_loading.py): Transformers enters
+        this before every ZeRO-3 `from_pretrained` reads its checkpoint."""
 
         def __enter__(self) -> "DeepSpeedInit":
             if getattr(self, "_enabled", True):
                 init_distributed()
+                from zeroshard.compat.hf_loading import install_transformers_hook
+
+                install_transformers_hook()
             return super().__enter__()  # type: ignore[no-any-return]
 
     return DeepSpeedInit

@@ -137,6 +137,34 @@ class InitPartitioner:
             self._materialized = [m for m in self._materialized if m is not p]
             self._cut(p)
 
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    # -- loading a shard from a file (from_pretrained under the alias, compat/hf_loading.py) --
+
+    def owned_range(self, p: ZeroParameter) -> tuple[int, int]:
+        """[start, end) of `p`'s flattened values that this rank's shard holds (end may equal
+        start: the last ranks of a small parameter hold only padding)."""
+        shard = p._zs.init_shard
+        if shard is None:
+            raise AssertionError(f"expected a zero.Init shard for {p._zs.name!r}")
+        chunk = shard.numel()
+        start = min(self._rank * chunk, p.numel())
+        return start, min(start + chunk, p.numel())
+
+    @torch.no_grad()
+    def load_shard(self, p: ZeroParameter, values: Tensor) -> None:
+        """Set this rank's shard of `p` to `values` (its `owned_range` of the flattened values,
+        any dtype): no collective, so ranks may each read their slice from storage."""
+        shard = p._zs.init_shard
+        start, end = self.owned_range(p)
+        if shard is None or p._zs.gathered or values.numel() != end - start:
+            raise AssertionError(f"{p._zs.name}: expected {end - start} values for a cut parameter, "
+                                 f"got {values.numel()} (gathered={p._zs.gathered})")
+        shard[: end - start].copy_(values.reshape(-1))
+        shard[end - start :].zero_()
+
     def _repartition_materialized(self, keep: set[int] | None = None) -> None:
         still = []
         for p in self._materialized:
