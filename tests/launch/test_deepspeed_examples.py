@@ -53,10 +53,15 @@ def _cifar_config(precision: str, stage: int) -> dict:
     }
 
 
-def _demo_config(autocast: bool) -> dict:
+def _demo_config(autocast: bool, master: bool = False, stage: int = 3) -> dict:
+    """The demo's config; `master`: the demo's bf16 master weights, gradients and optimizer states
+    (`bf16_master_weights_and_grads` + `bf16_optimizer_states`)."""
+    bf16: dict = {"enabled": True}
+    if master:
+        bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     cfg: dict = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                 "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+                 "bf16": bf16, "zero_optimization": {"stage": stage}}
     if autocast:
         cfg["torch_autocast"] = {"enabled": True, "dtype": "torch.bfloat16"}
     return cfg
@@ -95,6 +100,9 @@ CASES = [
     Case("bert-s2-bf16", "bert_mlm_tutorial.py", "bf16", ("--dtype", "bf16", "--zero_stage", "2")),
     Case("demo-s3-bf16", "bf16_master_demo.py", "bf16", config=_demo_config(autocast=False)),
     Case("demo-s3-bf16-autocast", "bf16_master_demo.py", "bf16", config=_demo_config(autocast=True)),
+    Case("demo-s3-bf16-master", "bf16_master_demo.py", "bf16", config=_demo_config(autocast=False, master=True)),
+    Case("demo-s2-bf16-master", "bf16_master_demo.py", "bf16",
+         config=_demo_config(autocast=False, master=True, stage=2)),
 ]
 
 
