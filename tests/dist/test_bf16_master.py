@@ -62,7 +62,6 @@ def test_master_grads_and_states_are_bf16(groups: Any, stage: int, offload: bool
             assert g.master_params * 2 == w.master_params, (w, g)
         else:  # a bf16 master beside bf16 parameters on their device is the parameters themselves
             assert g.master_params == 0 and (w.master_params > 0 or w.grads == 0), (w, g)
-    assert sum(m.total for m in got) < 0.6 * sum(m.total for m in want)
 
 
 def test_stages_agree(groups: Any) -> None:
