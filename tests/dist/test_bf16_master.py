@@ -110,3 +110,25 @@ def test_resume_is_bitwise_exact(groups: Any, shared_dir: Path, stage: int, offl
     for step, (a_list, b_list) in enumerate(zip(got, want)):
         for i, (a, b) in enumerate(zip(a_list, b_list)):
             assert torch.equal(a, b), f"step {step} parameter {i} differs"
+
+
+def test_checkpoint_loads_into_fp32_masters(groups: Any, shared_dir: Path) -> None:
+    """A bf16-master checkpoint loads into an engine with fp32 masters at another stage (the
+    states are widened exactly: every bf16 value is an fp32 value) and consolidates to fp32."""
+    from zeroshard.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+
+    rank, world = groups.rank, groups.world_size
+    engine = init_engine(make_model(), _config(2, True))
+    train_engine(engine, global_batches(2, 2 * world), rank, world)
+    engine.save_checkpoint(shared_dir)
+    plain = init_engine(make_model(seed=7), _config(1, False))
+    plain.load_checkpoint(shared_dir)
+    for a, b in zip(plain.module.parameters(), engine.module.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert len(plain.optimizer.state) == len(plain.optimizer.param_groups[0]["params"])  # states loaded
+    for p in plain.optimizer.state:
+        assert plain.optimizer.state[p]["exp_avg"].dtype == torch.float32
+    state = get_fp32_state_dict_from_zero_checkpoint(shared_dir)
+    assert {v.dtype for v in state.values()} == {torch.float32}
+    for name, p in engine.module.named_parameters():
+        assert torch.equal(state[name], p.float()), name
