@@ -35,11 +35,16 @@ def _config(stage: int, opt: str, param: str, precision: str) -> dict[str, Any]:
     if param != "none":
         zero["offload_param"] = {"device": param}
     extra: dict[str, Any] = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+    if precision == "bf16-master":  # bf16 master shard, gradients and Adam moments (stages 1-3)
+        extra = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
     return make_config(zero_optimization=zero, **extra)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+# bf16 masters exist at stages 1-3 only (stage 0 refuses them, as DeepSpeed does)
+RUNS = [(c, p) for p in ("fp32", "bf16", "bf16-master") for c in CASES if p != "bf16-master" or c[0] > 0]
+
+
+@pytest.mark.parametrize("case,precision", RUNS, ids=["-".join(map(str, c)) + f"-{p}" for c, p in RUNS])
 def test_census_matches_estimate(groups, case: tuple[int, str, str], precision: str) -> None:
     gc.collect()
     baseline = allocated_bytes(torch.device("cpu"))

@@ -39,7 +39,36 @@ def test_bad_values_name_the_key(section: dict, match: str) -> None:
         _load(torch_autocast=section)
 
 
-@pytest.mark.parametrize("key", ["bf16_master_weights_and_grads", "bf16_optimizer_states"])
-def test_bf16_low_precision_masters_are_refused_by_name(key: str) -> None:
-    with pytest.raises(NotSupportedError, match=f"bf16.{key}"):
-        _load(bf16={"enabled": True, key: True}, zero_optimization={"stage": 3})
+_MASTER = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_bf16_masters_accepted_where_deepspeed_accepts_them(stage: int, offload: str | None) -> None:
+    zero: dict = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": offload}
+    cfg = _load(bf16=_MASTER, zero_optimization=zero)
+    assert cfg.bf16.bf16_master_weights_and_grads and cfg.bf16.bf16_optimizer_states
+
+
+@pytest.mark.parametrize("bf16,zero,error,match", [
+    # DeepSpeed 0.19.8 runtime/config.py: both need ZeRO stage 1-3; states need master weights.
+    (_MASTER, {"stage": 0}, ConfigError, r"bf16.bf16_master_weights_and_grads: needs zero_optimization.stage 1"),
+    ({"enabled": True, "bf16_optimizer_states": True}, {"stage": 0}, ConfigError, "bf16.bf16_optimizer_states"),
+    ({"enabled": True, "bf16_optimizer_states": True}, {"stage": 2}, ConfigError,
+     "needs bf16.bf16_master_weights_and_grads true"),
+    # base_optimizer._configure_master_weights: fp32 states beside bf16 masters need CPU offload + CPU Adam.
+    ({"enabled": True, "bf16_master_weights_and_grads": True}, {"stage": 2}, ConfigError,
+     "needs offload_optimizer to the CPU"),
+    ({"enabled": True, "bf16_master_weights_and_grads": True},
+     {"stage": 2, "offload_optimizer": {"device": "cpu"}}, NotSupportedError, "fp32_optimizer_states"),
+])
+def test_bf16_masters_refused_where_deepspeed_refuses(bf16: dict, zero: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        _load(bf16=bf16, zero_optimization=zero)
+
+
+def test_bf16_masters_refuse_other_grad_accum_dtype() -> None:
+    with pytest.raises(ConfigError, match="data_types.grad_accum_dtype"):
+        _load(bf16=_MASTER, zero_optimization={"stage": 1}, data_types={"grad_accum_dtype": "fp32"})

@@ -23,7 +23,7 @@ from zeroshard.config.schema import Config
 from zeroshard.config.schema_optim import LambParams, OptimizerConfig, SchedulerConfig
 from zeroshard.config.stages import check_stages, idle_keys
 from zeroshard.config.support import check_supported
-from zeroshard.errors import ConfigError
+from zeroshard.errors import ConfigError, NotSupportedError
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 
@@ -203,6 +203,45 @@ def _check_cross_fields(cfg: Config) -> None:
                 f'zero_optimization.{name}.nvme_path: required when device is "nvme"; set it to a '
                 'directory on the NVMe drive, e.g. "/local_nvme".'
             )
+    check_bf16_master(cfg)
+
+
+def check_bf16_master(cfg: Config) -> None:
+    """`bf16.bf16_master_weights_and_grads` / `bf16.bf16_optimizer_states`: what DeepSpeed 0.19.8
+    accepts (runtime/config.py, base_optimizer._configure_master_weights), and what zeroshard
+    does not build of it.
+
+    DeepSpeed: both need ZeRO stage 1, 2 or 3; optimizer states in bf16 need bf16 master weights;
+    bf16 master weights with fp32 optimizer states need optimizer offload to the CPU with
+    DeepSpeedCPUAdam (its fp32_optimizer_states). zeroshard steps torch optimizers, whose states
+    take the dtype of the (bf16) master, so that last combination is not built.
+    """
+    bf16, zero = cfg.bf16, cfg.zero_optimization
+    if not (bf16.bf16_master_weights_and_grads or bf16.bf16_optimizer_states):
+        return
+    key = "bf16.bf16_master_weights_and_grads" if bf16.bf16_master_weights_and_grads else "bf16.bf16_optimizer_states"
+    if zero.stage not in (1, 2, 3):
+        raise ConfigError(f"{key}: needs zero_optimization.stage 1, 2 or 3 (got {zero.stage}), as in DeepSpeed; "
+                          "set the stage, or remove the key.")
+    if bf16.bf16_optimizer_states and not bf16.bf16_master_weights_and_grads:
+        raise ConfigError("bf16.bf16_optimizer_states: needs bf16.bf16_master_weights_and_grads true (as in "
+                          "DeepSpeed); set it, or remove bf16_optimizer_states.")
+    offloaded = zero.offload_optimizer.device not in (None, "none")
+    if not bf16.bf16_optimizer_states:
+        if not offloaded:
+            raise ConfigError("bf16.bf16_master_weights_and_grads without bf16.bf16_optimizer_states: DeepSpeed "
+                              "keeps the optimizer states in fp32 then, which needs offload_optimizer to the CPU "
+                              "with DeepSpeedCPUAdam; set bf16.bf16_optimizer_states true to keep them in bf16.")
+        raise NotSupportedError("bf16.bf16_master_weights_and_grads without bf16.bf16_optimizer_states: fp32 "
+                                "optimizer states beside bf16 master weights (DeepSpeedCPUAdam's "
+                                "fp32_optimizer_states) are not implemented; set bf16.bf16_optimizer_states true.")
+    if zero.offload_optimizer.device == "nvme":
+        raise NotSupportedError("bf16.bf16_master_weights_and_grads with offload_optimizer.device \"nvme\": the "
+                                "NVMe swap keeps fp32 masters; offload to \"cpu\", or remove the key.")
+    accum = cfg.data_types.grad_accum_dtype
+    if accum not in (None, "bf16"):
+        raise ConfigError(f"data_types.grad_accum_dtype: got {accum!r}, but bf16.bf16_master_weights_and_grads "
+                          "keeps gradients in bf16; set it to \"bf16\" or remove it.")
 
 
 def load_config(

@@ -47,9 +47,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 fix="Remove the key."),
     Unsupported(key="fp16.fp16_master_weights_and_grads",
                 why="master weights are always fp32.", fix="Remove the key."),
-    *(Unsupported(key=f"bf16.{k}", why="bf16 master weights, optimizer states and gradients are fp32.",
-                  fix="Remove the key.")
-      for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states")),
     Unsupported(key="aio.use_gds", why="GPUDirect Storage is not built: swap I/O goes through page-aligned "
                 "host buffers (zero/nvme_io.py).", fix='Remove the key (or set it to false).'),
     *(Unsupported(key=f"checkpoint.{k}", why=f"checkpoint.{k} is not implemented (zeroshard's checkpoints "

@@ -58,6 +58,9 @@ class Setup:
     precision: Precision = "bf16"
     grad_accum_dtype: Precision | None = None
     """None: fp32 (zeroshard accumulates gradients in fp32 by default, also under bf16/fp16)."""
+    bf16_masters: bool = False
+    """`bf16.bf16_master_weights_and_grads` (+ `bf16_optimizer_states`): master shard, gradients and
+    optimizer states in bf16 (`optimizer_state_bytes` is then already the bf16 figure)."""
     optimizer_state_bytes: int = 8
     bucket_numel: int = 500_000_000
     """Stages 1-2: min(reduce_bucket_size, allgather_bucket_size); stage 0: reduce_bucket_size."""
@@ -94,7 +97,16 @@ class Setup:
 
     @property
     def grad_bytes(self) -> int:
-        return DTYPE_BYTES[self.grad_accum_dtype or "fp32"]
+        return DTYPE_BYTES["bf16" if self.bf16_masters else self.grad_accum_dtype or "fp32"]
+
+    @property
+    def master_bytes(self) -> int:
+        return DTYPE_BYTES["bf16"] if self.bf16_masters else MASTER_BYTES
+
+    @property
+    def master_is_params(self) -> bool:
+        """Without offload, a master of the parameters' dtype is the parameters (zero/shard.py)."""
+        return self.master_bytes == self.param_bytes
 
     @property
     def mixed(self) -> bool:
@@ -117,11 +129,13 @@ class Setup:
         bucket = int(zero.reduce_bucket_size)
         if zero.stage in (1, 2):
             bucket = min(bucket, int(zero.allgather_bucket_size))
+        bf16_masters = cfg.bf16.bf16_master_weights_and_grads and cfg.bf16.bf16_optimizer_states
+        state_bytes = optimizer_state_bytes_per_param(opt.type if opt else "adamw", amsgrad)
         return cls(
-            stage=zero.stage, offload_optimizer=zero.offload_optimizer.device,
+            stage=zero.stage, offload_optimizer=zero.offload_optimizer.device, bf16_masters=bf16_masters,
             offload_param=zero.offload_param.device, precision=cfg.precision,
             grad_accum_dtype=cfg.data_types.grad_accum_dtype,
-            optimizer_state_bytes=optimizer_state_bytes_per_param(opt.type if opt else "adamw", amsgrad),
+            optimizer_state_bytes=state_bytes // 2 if bf16_masters else state_bytes,
             bucket_numel=max(1, bucket), overlap_comm=bool(zero.overlap_comm),
             param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
             prefetch_numel=int(zero.stage3_prefetch_bucket_size),
@@ -283,7 +297,7 @@ def _stage12(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
     shard_grad = g * lay.shard_numel if (setup.stage == 2 or offload) else 0
     # fp32 master shard when the model is 16-bit, or when it must live apart on the CPU;
     # fp32 training without offload steps on the flat buffer itself (no second copy).
-    master = MASTER_BYTES * lay.shard_numel if (setup.mixed or offload) else 0
+    master = setup.master_bytes * lay.shard_numel if (not setup.master_is_params or offload) else 0
     opt = setup.optimizer_state_bytes * lay.owned_numel
     params = setup.param_bytes * lay.padded_numel
     swapped = StateBytes()
@@ -336,11 +350,12 @@ def nvme_pool_bytes(setup: Setup, shard_numel: int) -> int:
 def _stage3(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
     lay = _stage3_layout(spec, setup, rank)
     p, g = setup.param_bytes, setup.grad_bytes
-    separate_master = setup.mixed or setup.offload_optimizer != "none" or setup.offload_param != "none"
+    separate_master = (not setup.master_is_params or setup.offload_optimizer != "none"
+                       or setup.offload_param != "none")
     homes = {"none": StateBytes(params=p * lay.persistent_padded), "cpu": StateBytes(), "nvme": StateBytes()}
     homes[setup.offload_param] = _add(homes[setup.offload_param], StateBytes(params=p * lay.shard_numel))
     homes[setup.offload_optimizer] = _add(homes[setup.offload_optimizer], StateBytes(
-        grads=g * lay.shard_numel, master_params=MASTER_BYTES * lay.shard_numel if separate_master else 0,
+        grads=g * lay.shard_numel, master_params=setup.master_bytes * lay.shard_numel if separate_master else 0,
         optimizer_states=setup.optimizer_state_bytes * lay.owned_numel))
     # Working set: the unit computing plus the next one prefetched, and the gradient staging
     # of the unit just finished plus those still reducing (two in flight with overlap_comm).

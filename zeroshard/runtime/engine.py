@@ -24,6 +24,7 @@ from zeroshard.errors import CheckpointError
 from zeroshard.runtime import activation_checkpointing
 from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
 from zeroshard.runtime.checkpointing import Checkpointer, apply_state, collect_state
+from zeroshard.runtime.direct_backward import DirectBackward
 from zeroshard.runtime.engine_queries import EngineQueries
 from zeroshard.runtime.param_access import forget_engine, register_engine
 from zeroshard.runtime.inference import generate_tokens, hf_generate
@@ -99,6 +100,9 @@ class ZeroEngine(EngineQueries, nn.Module):
         self._grads_ready = False  # reduced gradients wait for step() (safe_get_full_grad)
         self._forward_awaits_backward = False  # a training forward not yet followed by backward
         self._pending_backwards = 0  # backward passes since the last optimizer step
+        self._direct = DirectBackward(self._begin_direct_backward, self._end_direct_backward)
+        self._scaled_for_direct = False  # engine.scale(loss) was called for a direct backward
+        self._direct_boundary = False
         self._init_progress()
         self._publish_loss_scale(overflow=False)
         register_engine(self, module)
@@ -235,8 +239,41 @@ class ZeroEngine(EngineQueries, nn.Module):
             out = self.module(*args, **kwargs)
         # A training forward must be followed by engine.backward before step(): see step().
         self._forward_awaits_backward = torch.is_grad_enabled() and self.module.training
+        if self._forward_awaits_backward:  # a direct loss.backward() is a micro-batch too
+            self._direct.attach(out)
         self.timers.stop("forward")
         return out
+
+    def scale(self, loss: Tensor) -> Tensor:
+        """The loss multiplied by the current loss scale, for a direct backward (DeepSpeed's
+        `engine.scale(loss).backward()`; needed with fp16 loss scaling). The division by
+        gradient_accumulation_steps happens in the backward, as for a bare `loss.backward()`."""
+        if loss.dim() != 0 or not loss.requires_grad:
+            raise ValueError(f"engine.scale expects a scalar loss with a graph, got shape {tuple(loss.shape)} "
+                             f"(requires_grad={loss.requires_grad})")
+        self._scaled_for_direct = True
+        scale = self.get_loss_scale()
+        return loss.float() * scale if scale != 1.0 else loss
+
+    def _begin_direct_backward(self) -> float:
+        """Prologue of a `backward()` the script called itself (runtime/direct_backward.py)."""
+        if self._loss_scaler is not None and not self._scaled_for_direct:
+            raise RuntimeError(
+                "loss.backward() without engine.backward: this config scales the loss (fp16), so the "
+                "gradients would not be scaled; call engine.backward(loss), or "
+                "engine.scale(loss).backward() (as DeepSpeed requires)")
+        self._direct_boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
+        self._strategy.begin_micro_batch(self._direct_boundary)
+        self.timers.start("backward")
+        return 1.0 / self._grad_accum_steps
+
+    def _end_direct_backward(self) -> None:
+        self.timers.stop("backward")
+        self._scaled_for_direct = False
+        self._strategy.after_backward()
+        self._grads_ready = self._direct_boundary
+        self._forward_awaits_backward = False
+        self._pending_backwards += 1
 
     def backward(self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Tensor:
         """Backward of a micro-batch's loss, divided by gradient_accumulation_steps.
@@ -263,7 +300,11 @@ class ZeroEngine(EngineQueries, nn.Module):
         gas = self._grad_accum_steps if scale_wrt_gas else 1
         scale = self.get_loss_scale() / gas
         self.timers.start("backward")
-        (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        self._direct.in_engine_backward = True
+        try:
+            (loss.float() * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        finally:
+            self._direct.in_engine_backward = False
         self.timers.stop("backward")
         self.timers.start("reduce_wait")
         self._strategy.after_backward()
@@ -287,12 +328,12 @@ class ZeroEngine(EngineQueries, nn.Module):
             raise RuntimeError("engine.step() inside engine.no_sync(): leave the block and run one "
                                "more backward (it reduces the accumulated gradients) before step()")
         if self._forward_awaits_backward:
-            # loss.backward() alone skips the strategy's reduction (silently wrong at world
-            # size > 1); DeepSpeed 0.19 supports it at stages 1-3, zeroshard does not yet.
+            # A training forward whose output never reached backward (engine.backward or a
+            # direct backward of the output, runtime/direct_backward.py): no gradients to step on.
             raise RuntimeError(
-                "engine.step() after a training forward without engine.backward(loss): call "
-                "engine.backward(loss) instead of loss.backward() (zeroshard does not support a "
-                "direct loss.backward() yet; its gradients would not be reduced across ranks)")
+                "engine.step() after a training forward without a backward: call "
+                "engine.backward(loss) (or loss.backward()) on the forward's loss before step(), "
+                "or run an evaluation forward under torch.no_grad() / engine.eval()")
         samples = self._config.train_micro_batch_size_per_gpu * self._groups.world_size
         self._window_samples += samples
         self._run_samples += samples

@@ -87,6 +87,13 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     """
     zero = cfg.zero_optimization
     grad_dtype = _dtype(cfg.data_types.grad_accum_dtype) or torch.float32
+    # bf16.bf16_master_weights_and_grads with bf16.bf16_optimizer_states (config/load.py::
+    # check_bf16_master refuses bf16 masters beside fp32 states): the master shard and the gradients
+    # are bf16, and torch optimizers keep their states in their (bf16) parameters' dtype.
+    bf16_masters = cfg.bf16.bf16_master_weights_and_grads and cfg.bf16.bf16_optimizer_states
+    master_dtype = torch.bfloat16 if bf16_masters else torch.float32
+    if bf16_masters:
+        grad_dtype = torch.bfloat16
     comm_dtype = _dtype(cfg.communication_data_type)
     prescale = cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0
     if zero.stage == 0:
@@ -96,6 +103,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     if zero.stage in (1, 2):
         options = PartitionOptions(
             grad_dtype=grad_dtype,
+            master_dtype=master_dtype,
             comm_dtype=comm_dtype,
             bucket_numel=max(1, min(int(zero.reduce_bucket_size), int(zero.allgather_bucket_size))),
             prescale_factor=prescale,
@@ -110,6 +118,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     if zero.stage == 3:
         options3 = Stage3Options(
             grad_dtype=grad_dtype,
+            master_dtype=master_dtype,
             comm_dtype=comm_dtype,
             persistence_threshold=int(zero.stage3_param_persistence_threshold),
             prefetch_numel=int(zero.stage3_prefetch_bucket_size),

@@ -48,6 +48,8 @@ class OptimizerShard:
             (Note: [shard storage]). `device`: the model's device.
         policy: the optimizer's home (`offload_optimizer`); `lp_policy`: the home of `lp`.
         grad_dtype: dtype of the gradient shard.
+        master_dtype: dtype of the master shard: fp32, or bf16 with
+            `bf16.bf16_master_weights_and_grads` (the optimizer's states then follow it).
         whole_grads: a whole-gradient flat buffer whose own chunks serve as the gradient shard
             when the policy keeps it on the model's device (stage 1), or None.
     """
@@ -55,18 +57,21 @@ class OptimizerShard:
     def __init__(self, plan: BucketedPartition, comm: "Comm", params: Sequence[nn.Parameter], *,
                  trainable: Sequence[bool], lp: Tensor, lp_is_flat: bool, device: torch.device,
                  policy: OffloadPolicy, lp_policy: OffloadPolicy = OffloadPolicy(),
-                 grad_dtype: torch.dtype, whole_grads: Tensor | None = None) -> None:
+                 grad_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32,
+                 whole_grads: Tensor | None = None) -> None:
         self._plan, self._comm, self._rank = plan, comm, comm.rank
         self._params, self._policy = list(params), policy
         self._device = device  # the model's device (collectives, the norm)
         self._lp, self._lp_is_flat = lp, lp_is_flat
-        self._separate = lp.dtype != torch.float32 or policy.offloaded or lp_policy.offloaded
+        # A master of the parameters' own dtype on their own device is the parameters themselves
+        # (fp32, or bf16 with bf16 masters: DeepSpeed's separate bf16 copy would hold equal values).
+        self._separate = lp.dtype != master_dtype or policy.offloaded or lp_policy.offloaded
         if policy.nvme is not None:  # the master lives in swap files; fragments alias `lp`
             self._separate = False
         self._swap_optimizer: "SwapAdam | None" = None
-        self.master: Tensor | None = None  # 1D fp32, shard_numel, at the policy's home
+        self.master: Tensor | None = None  # 1D master_dtype, shard_numel, at the policy's home
         if self._separate:
-            self.master = policy.allocate(plan.shard_numel, torch.float32, self._device, zero=False)
+            self.master = policy.allocate(plan.shard_numel, master_dtype, self._device, zero=False)
             self.load_master_from_lp()
         self._whole_grads = whole_grads if not policy.offloaded else None
         self.grad_shard: Tensor | None = None  # 1D grad_dtype, shard_numel, at the policy's home

@@ -45,6 +45,8 @@ class PartitionOptions:
     bucket_numel: int
     """min(reduce_bucket_size, allgather_bucket_size): both collectives run per bucket."""
     prescale_factor: float = 1.0
+    master_dtype: torch.dtype = torch.float32
+    """dtype of the master shard (bf16 with `bf16.bf16_master_weights_and_grads`)."""
     overlap_comm: bool = True
     reduce_scatter: bool = True
     """Stage 2: reduce-scatter each bucket (False: all-reduce it and keep this rank's chunk)."""
@@ -81,7 +83,7 @@ class PartitionedStrategy(ShardedStrategyBase):
         self._shard = OptimizerShard(self._plan, comm, self._params, trainable=[True] * len(self._params),
                                      lp=self._flat_params, lp_is_flat=True, device=self._device,
                                      policy=options.offload, grad_dtype=options.grad_dtype,
-                                     whole_grads=self._whole_grads())
+                                     master_dtype=options.master_dtype, whole_grads=self._whole_grads())
         bucket_of = [b for b, (first, last) in enumerate(self._plan.buckets) for _ in range(first, last)]
         self._order = LaunchOrder(bucket_of, [last - first for first, last in self._plan.buckets], in_order=True)
         self._reducer = GradReducer(comm, ReduceOptions(

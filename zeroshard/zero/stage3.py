@@ -89,6 +89,8 @@ class Stage3Options:
     max_reuse_distance: int
     """Keep a unit gathered if it is used again within this many gathered elements."""
     prescale_factor: float = 1.0
+    master_dtype: torch.dtype = torch.float32
+    """dtype of the master shard (bf16 with `bf16.bf16_master_weights_and_grads`)."""
     overlap_comm: bool = True
     reduce_scatter: bool = True
     """Reduce-scatter each unit's gradients (False: all-reduce and keep this rank's chunk)."""
@@ -138,7 +140,8 @@ class Stage3Strategy(ShardedStrategyBase):
         self._init_shards()
         self._shard = OptimizerShard(self._plan, comm, self._params, trainable=self._trainable, lp=self._lp_shard,
                                      lp_is_flat=False, device=self._device, policy=options.offload_optimizer,
-                                     lp_policy=options.offload_param, grad_dtype=options.grad_dtype)
+                                     lp_policy=options.offload_param, grad_dtype=options.grad_dtype,
+                                     master_dtype=options.master_dtype)
         self._init_reduction()
         self._exec = ExecutionOrder()
         self._prefetch = PrefetchPolicy(self._exec, [f.numel() for f in self._full],
