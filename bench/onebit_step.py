@@ -1,10 +1,14 @@
-"""Worker for bench/two_node.py (or torchrun): 1-bit Adam against plain Adam at stage 0 on the
+"""Worker for bench/two_node.py (or torchrun): 1-bit Adam or 0/1 Adam against plain Adam at stage 0 on the
 "small" GPT, fp32. Rank 0 prints one `ONEBIT_STEP` line: mean step time and bytes this rank
 sends per step (comm log, ring-equivalent wire bytes) during the warm-up and after it, and the
 loss after the last step.
 
     sudo python bench/two_node.py --rate 100mbit -- bench/onebit_step.py --optimizer onebit
     python -m torch.distributed.run --nproc-per-node 2 bench/onebit_step.py --optimizer adam
+    python -m torch.distributed.run --nproc-per-node 2 bench/onebit_step.py --optimizer zoadam
+
+For zoadam, `--freeze-step` is `var_freeze_step`; "warm-up" means the variance phase (full and
+1-bit steps mixed per the variance schedule) and "after" the local-step phase.
 """
 
 from __future__ import annotations
@@ -26,17 +30,25 @@ all-gather (w-1)/w of its output, an all-to-all (w-1)/w of its input."""
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--optimizer", choices=("adam", "onebit"), default="onebit")
+    parser.add_argument("--optimizer", choices=("adam", "onebit", "zoadam"), default="onebit")
+    parser.add_argument("--var-update-scaler", type=int, default=2, help="zoadam only")
+    parser.add_argument("--local-step-scaler", type=int, default=2, help="zoadam only")
+    parser.add_argument("--local-step-clipper", type=int, default=4, help="zoadam only")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--freeze-step", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()
     torch.manual_seed(0)
     cfg = GPTConfig.preset("small")
-    params = {"lr": 3e-3}
+    params = {"lr": args.lr}
     if args.optimizer == "onebit":
         params["freeze_step"] = args.freeze_step
+    if args.optimizer == "zoadam":
+        params.update(var_freeze_step=args.freeze_step, var_update_scaler=args.var_update_scaler,
+                      local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper)
+    type_name = {"adam": "Adam", "onebit": "OneBitAdam", "zoadam": "ZeroOneAdam"}[args.optimizer]
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "OneBitAdam" if args.optimizer == "onebit" else "Adam", "params": params},
+              "optimizer": {"type": type_name, "params": params},
               "steps_per_print": 10_000, "comms_logger": {"enabled": True},
               "zero_optimization": {"stage": 0}}
     engine, *_ = zeroshard.initialize(model=GPT(cfg), config=config)

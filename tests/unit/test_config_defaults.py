@@ -121,6 +121,13 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
         ("lr", 1e-3), ("freeze_step", 100000), ("bias_correction", True), ("betas", (0.9, 0.999)),
         ("eps", 1e-8), ("eps_inside_sqrt", False), ("weight_decay", 0.0), ("max_grad_norm", 0.0),
         ("amsgrad", False), ("cuda_aware", False), ("comm_backend_name", "nccl"))},
+    # runtime/fp16/onebit/zoadam.py ZeroOneAdam.__init__ (removed likewise; read from
+    # microsoft/DeepSpeed master before the removal)
+    **{f"optimizer.params[ZeroOneAdam].{k}": v for k, v in (
+        ("lr", 1e-3), ("bias_correction", True), ("betas", (0.9, 0.999)), ("eps", 1e-8),
+        ("eps_inside_sqrt", False), ("weight_decay", 0.0), ("max_grad_norm", 0.0), ("var_freeze_step", 100000),
+        ("var_update_scaler", 16), ("local_step_scaler", 32678), ("local_step_clipper", 16), ("amsgrad", False),
+        ("cuda_aware", False), ("comm_backend_name", "nccl"))},
     # runtime/lr_schedules.py constructors
     "scheduler.params[WarmupLR].warmup_min_lr": 0.0, "scheduler.params[WarmupLR].warmup_max_lr": None,
     "scheduler.params[WarmupLR].warmup_num_steps": 1000, "scheduler.params[WarmupLR].warmup_type": "log",

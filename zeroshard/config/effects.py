@@ -43,6 +43,10 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     **{f"optimizer.params[OneBitAdam].{k}": ("runtime/onebit.py",) for k in (
         "lr", "freeze_step", "betas", "eps", "weight_decay", "comm_backend_name")},
     **{f"optimizer.params[OneBitAdam].{k}": ("runtime/optim.py",) for k in ("amsgrad", "eps_inside_sqrt")},
+    **{f"optimizer.params[ZeroOneAdam].{k}": ("runtime/zoadam.py",) for k in (
+        "lr", "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "betas", "eps",
+        "weight_decay", "comm_backend_name")},
+    "optimizer.params[ZeroOneAdam].amsgrad": ("runtime/optim.py",),
     # precision (fp16.enabled / bf16.enabled select Config.precision, which initialize reads)
     "fp16.enabled": ("runtime/initialize.py::cfg.precision",), "bf16.enabled": ("runtime/initialize.py::cfg.precision",),
     "fp16.loss_scale": _SCALER, "fp16.initial_scale_power": _SCALER, "fp16.loss_scale_window": _SCALER,
@@ -173,6 +177,10 @@ NO_EFFECT: dict[str, str] = {
     "accepted so DeepSpeed configs load.",
     "optimizer.params[OneBitAdam].max_grad_norm": "DeepSpeed's OnebitAdam stores it and never reads it; "
     "the top-level gradient_clipping clips.",
+    "optimizer.params[ZeroOneAdam].max_grad_norm": "DeepSpeed's ZeroOneAdam stores it and never reads it; "
+    "the top-level gradient_clipping clips.",
+    "optimizer.params[ZeroOneAdam].eps_inside_sqrt": "DeepSpeed's ZeroOneAdam stores it and always adds eps "
+    "outside the square root; so does zeroshard's.",
     "optimizer.params[Adam].torch_adam": "zeroshard always uses torch's Adam (its fused kernel where "
     "available), which is what true asks DeepSpeed for.",
 }

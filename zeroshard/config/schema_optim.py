@@ -101,7 +101,43 @@ class OneBitAdamParams:
     "hccl" are not provided."""
 
 
-OptimizerParams = AdamParams | LambParams | OneBitAdamParams | Mapping[str, Any]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroOneAdamParams:
+    """`optimizer.params` for type ZeroOneAdam (DeepSpeed's 0/1 Adam arguments; runtime/zoadam.py).
+    Needs zero_optimization.stage 0, as in DeepSpeed."""
+
+    lr: float = spec(1e-3, ge=0.0)
+    """Learning rate."""
+    var_freeze_step: int = spec(100000, ge=1)
+    """The last step that may update the variance; local steps follow. DeepSpeed's default, 100000."""
+    var_update_scaler: int = spec(16, ge=1)
+    """Variance updates per interval before the interval doubles (kappa). DeepSpeed's default, 16."""
+    local_step_scaler: int = spec(32678, ge=1)
+    """Local-phase steps per local interval before the interval doubles. DeepSpeed's default, 32678."""
+    local_step_clipper: int = spec(16, ge=1)
+    """The largest local interval H (steps between agreements). DeepSpeed's default, 16."""
+    bias_correction: bool = True
+    """Only true (false is refused, as for Adam). DeepSpeed's ZeroOneAdam stores it and never uses
+    it: its update, like zeroshard's, has no bias correction."""
+    betas: Betas = spec((0.9, 0.999), ge=0.0, lt=1.0)
+    """Running-average coefficients, each in [0, 1)."""
+    eps: float = spec(1e-8, ge=0.0)
+    """Term added to the denominator for numerical stability."""
+    eps_inside_sqrt: bool = False
+    """Stored and never used by DeepSpeed's ZeroOneAdam (eps is added outside the square root)."""
+    weight_decay: float = spec(0.0, ge=0.0)
+    """Decoupled weight decay."""
+    max_grad_norm: float = spec(0.0, ge=0.0)
+    """Stored and never used by DeepSpeed's ZeroOneAdam; use top-level gradient_clipping."""
+    amsgrad: bool = False
+    """AMSGrad variant (only false: 0/1 Adam does not support it, as in DeepSpeed)."""
+    cuda_aware: bool = False
+    """DeepSpeed's CUDA-aware MPI switch (only false: there is no MPI path)."""
+    comm_backend_name: Literal["nccl", "gloo"] = "nccl"
+    """Where the compressed all-reduce runs: the job's own process group either way (as OneBitAdam)."""
+
+
+OptimizerParams = AdamParams | LambParams | OneBitAdamParams | ZeroOneAdamParams | Mapping[str, Any]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,7 +145,7 @@ class OptimizerConfig:
     """`optimizer`: the optimizer zeroshard builds when the script passes none."""
 
     type: str
-    """Canonical name: "Adam", "AdamW", "Lamb", "OneBitAdam", or a `torch.optim` class name ("SGD",
+    """Canonical name: "Adam", "AdamW", "Lamb", "OneBitAdam", "ZeroOneAdam", or a `torch.optim` class name ("SGD",
     "Adagrad", ...). Matched case-insensitively, as DeepSpeed does."""
     params: OptimizerParams
     """Constructor arguments: `AdamParams`, `LambParams`, or for other `torch.optim` classes a
@@ -242,6 +278,7 @@ OPTIMIZER_PARAMS: dict[str, tuple[str, type]] = {
     "adamw": ("AdamW", AdamParams),
     "lamb": ("Lamb", LambParams),
     "onebitadam": ("OneBitAdam", OneBitAdamParams),
+    "zerooneadam": ("ZeroOneAdam", ZeroOneAdamParams),
 }
 """DeepSpeed's own optimizer types with typed params: lower-case name -> (canonical, class)."""
 

@@ -95,7 +95,7 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
 """Keys with values zeroshard rejects as not supported yet. Checked in order."""
 
 UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
-    "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb",
+    "onebitlamb": "OneBitLamb",
     "lion": "Lion", "muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD", "muon": "Muon",
 }
 """DeepSpeed optimizer types zeroshard does not provide: lower-case name -> DeepSpeed's name."""

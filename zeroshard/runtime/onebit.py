@@ -48,8 +48,11 @@ ERROR_KEYS = ("worker_error", "server_error")
 OWNER_KEYS = ("error_rank", "error_world_size")
 """Who the errors belong to; a load elsewhere starts them at zero."""
 
-STATE_KEYS = ERROR_KEYS + OWNER_KEYS
-"""State keys 1-bit Adam adds to AdamW's; a plain optimizer loading its checkpoint drops them."""
+LOCAL_STEP_KEYS = ("momentum_accumulator", "lrs")
+"""0/1 Adam's (runtime/zoadam.py) local-step state: the updates since the ranks last agreed."""
+
+STATE_KEYS = ERROR_KEYS + OWNER_KEYS + LOCAL_STEP_KEYS
+"""State keys the 1-bit optimizers add to Adam's; a plain optimizer loading their checkpoint drops them."""
 
 COMM_BACKENDS = ("nccl", "gloo")
 """`comm_backend_name` values accepted: both name the job's own process group (see `attach`)."""
