@@ -7,9 +7,14 @@ runs the same tests in the same order; skips must never depend on the rank.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
 
 from zeroshard.comm import Comm, ProcessGroups, destroy_distributed, init_distributed
 
@@ -26,3 +31,19 @@ def groups() -> Iterator[ProcessGroups]:
 def comm(groups: ProcessGroups) -> Comm:
     """A Comm on the data-parallel group, without a comm log."""
     return Comm(groups)
+
+
+@pytest.fixture
+def shared_dir(comm: Comm, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A fresh directory every rank sees under the same name (rank 0 draws it), removed after the test.
+
+    The name carries the test module's name so a leftover directory says which test left it.
+    """
+    token = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1 if comm.rank == 0 else 0])
+    comm.broadcast(token, src=0)
+    module = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    path = Path(tempfile.gettempdir()) / f"zeroshard-{module}-{int(token.item())}"
+    yield path
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)

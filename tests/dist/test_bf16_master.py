@@ -8,10 +8,6 @@ itself is in tests/launch/test_deepspeed_examples.py (demo-s2/s3-bf16-master).
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,17 +76,6 @@ def test_stages_agree(groups: Any) -> None:
     # and the flag does change the run: fp32 masters give different weights after 3 steps
     plain = train_engine(init_engine(make_model(), _config(1, False)), data, rank, world)
     assert any(not torch.equal(a, b) for a, b in zip(plain[1][-1], runs[1][1][-1]))
-
-
-@pytest.fixture
-def shared_dir(comm: Any) -> Iterator[Path]:
-    token = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1 if comm.rank == 0 else 0])
-    comm.broadcast(token, src=0)
-    path = Path(tempfile.gettempdir()) / f"zeroshard-bf16master-test-{int(token.item())}"
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.parametrize("stage,offload", [(1, False), (2, True), (3, False)], ids=["s1", "s2-offload", "s3"])

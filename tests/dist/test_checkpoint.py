@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +28,6 @@ from zeroshard.checkpoint.safetensors_io import read_safetensors
 from zeroshard.errors import CheckpointError
 
 STEPS_BEFORE, STEPS_AFTER = 3, 3
-
-
-@pytest.fixture
-def shared_dir(comm: Any) -> Iterator[Path]:
-    token = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1 if comm.rank == 0 else 0])
-    comm.broadcast(token, src=0)
-    path = Path(tempfile.gettempdir()) / f"zeroshard-ckpt-test-{int(token.item())}"
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def config(stage: int, precision: str = "fp32", offload: bool = False, **extra: Any) -> dict[str, Any]:

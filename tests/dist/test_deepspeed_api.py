@@ -8,9 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +39,6 @@ from zeroshard.utils import (
 from zeroshard.zero import GatheredParameters, ZeroParamStatus
 
 STAGES = [0, 1, 2, 3]
-
-
-@pytest.fixture
-def shared_dir(comm: Any) -> Iterator[Path]:
-    token = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1 if comm.rank == 0 else 0])
-    comm.broadcast(token, src=0)
-    path = Path(tempfile.gettempdir()) / f"zeroshard-dsapi-test-{int(token.item())}"
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def cfg(stage: int, precision: str = "fp32", gas: int = 2, **extra: Any) -> dict[str, Any]:

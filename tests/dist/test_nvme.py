@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from engine_helpers import assert_params_close, make_config
-from test_checkpoint import shared_dir  # noqa: F401  (fixture: a directory every rank sees, removed after)
 from test_zero12 import STEPS, run
 
 ROOT = Path(tempfile.gettempdir()) / "zeroshard-test-nvme"
@@ -68,7 +67,7 @@ def test_swap_dir_checked_at_initialize(groups, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("stage,precision", [(2, "bf16"), (3, "fp32")])
-def test_checkpoint_resume_and_cpu_offload_load_it(groups, shared_dir: Path, stage: int, precision: str) -> None:  # noqa: F811
+def test_checkpoint_resume_and_cpu_offload_load_it(groups, shared_dir: Path, stage: int, precision: str) -> None:
     """save_checkpoint writes the normal format from the swap files; a resumed NVMe run rebuilds
     its swap files from it and continues bitwise, and a CPU-offload run loads it the same way."""
     from engine_helpers import init_engine, make_model, train_engine

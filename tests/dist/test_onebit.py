@@ -10,10 +10,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,17 +35,6 @@ def onebit_config(freeze_step: int = FREEZE, **extra: Any) -> dict[str, Any]:
 
 def adam_config(**extra: Any) -> dict[str, Any]:
     return make_config(optimizer={"type": "Adam", "params": {"lr": LR, "weight_decay": 0.01}}, **extra)
-
-
-@pytest.fixture
-def shared_dir(comm: Any) -> Iterator[Path]:
-    token = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1 if comm.rank == 0 else 0])
-    comm.broadcast(token, src=0)
-    path = Path(tempfile.gettempdir()) / f"zeroshard-onebit-test-{int(token.item())}"
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _batches(world: int, steps: int = STEPS) -> list:

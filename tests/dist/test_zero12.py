@@ -7,7 +7,6 @@ clipping, and in fp16 an overflow injected on one rank only.
 
 from __future__ import annotations
 
-import copy
 from functools import cache
 from typing import Any
 

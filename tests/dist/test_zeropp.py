@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from engine_helpers import gathered_snapshot, global_batches, init_engine, make_model, rank_micro_batches, train_engine
-from test_checkpoint import shared_dir  # noqa: F401  (fixture: a directory every rank shares)
 from test_zero3 import stage3_config
 
 from zeroshard.zero.reduce import ReduceMode

@@ -16,10 +16,6 @@ ranks agree (1-bit average of the accumulated updates) at steps 13, 14, 16, 20, 
 from __future__ import annotations
 
 import copy
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,17 +73,6 @@ class AdamNoBiasCorrection(torch.optim.Optimizer):
 def _reference_engine(model: torch.nn.Module) -> Any:
     return init_engine(model, make_config(optimizer=None),
                        optimizer=AdamNoBiasCorrection(model.parameters(), lr=LR, weight_decay=WD))
-
-
-@pytest.fixture
-def shared_dir(comm: Any) -> Iterator[Path]:
-    token = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1 if comm.rank == 0 else 0])
-    comm.broadcast(token, src=0)
-    path = Path(tempfile.gettempdir()) / f"zeroshard-zoadam-test-{int(token.item())}"
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _batches(world: int, steps: int = STEPS) -> list:
