@@ -191,3 +191,42 @@ def init_engine(model: nn.Module, config: dict[str, Any], **kwargs: Any) -> Any:
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
                                       config=config, **kwargs)
     return engine
+
+
+# -- helpers of the DeepSpeed-API tests (test_deepspeed_api, test_safe_accessors) --------------
+
+
+def api_config(stage: int, precision: str = "fp32", gas: int = 2, **extra: Any) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 300}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 100
+    if precision == "bf16":
+        extra["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        extra["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return make_config(gradient_accumulation_steps=gas, zero_optimization=zero, **extra)
+
+
+def fresh(stage: int, precision: str = "fp32", seed: int = 0, **extra: Any) -> Any:
+    """A new engine on the tiny GPT at `stage` (GAS 2 unless `gas=` is given)."""
+    return init_engine(make_model(seed), api_config(stage, precision, **extra))
+
+
+def params_of(engine: Any) -> list[nn.Parameter]:
+    return list(engine.module.parameters())
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rtol: float, what: str) -> None:
+    a, b = a.detach().float(), b.detach().float()
+    rel = float((a - b).norm() / b.norm().clamp_min(1e-12))
+    assert rel <= rtol, f"{what}: relative difference {rel:.3e} > {rtol:g}"
+
+
+def backward_only(engine: Any, batch: Any, rank: int, world: int) -> None:
+    """All micro-batches of one step, stopping before the final step()."""
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    parts = rank_micro_batches(batch, rank, world, micro, gas)
+    for i, (x, y) in enumerate(parts):
+        engine.backward(engine(x, y))
+        if i < len(parts) - 1:
+            engine.step()

@@ -1,5 +1,5 @@
-"""DeepSpeed's engine and utility API on zeroshard, at 1/2/3 ranks: the safe_* parameter
-accessors at every stage (against stage 0), backward(scale_wrt_gas), set_gradient_accumulation_
+"""DeepSpeed's engine and utility API on zeroshard, at 1/2/3 ranks (the safe_* accessors are in
+test_safe_accessors.py): backward(scale_wrt_gas), set_gradient_accumulation_
 boundary, no_sync, every load_checkpoint flag, save_checkpoint's named errors, the engine's
 queries, ds_* attributes, leaf modules, unwrap_model_for_generation and zeroshard.comm."""
 
@@ -17,216 +17,28 @@ from torch import nn
 
 import zeroshard
 import zeroshard.comm as zcomm
-from engine_helpers import global_batches, init_engine, make_config, make_model, rank_micro_batches, train_engine
+from engine_helpers import (
+    api_config,
+    close,
+    fresh,
+    global_batches,
+    init_engine,
+    make_config,
+    make_model,
+    params_of,
+    rank_micro_batches,
+    train_engine,
+)
 from zeroshard.errors import CheckpointError, NotSupportedError
 from zeroshard.utils import (
     safe_get_full_fp32_param,
-    safe_get_full_grad,
     safe_get_full_optimizer_state,
-    safe_get_local_fp32_param,
-    safe_get_local_grad,
-    safe_get_local_optimizer_state,
-    safe_set_full_fp32_param,
-    safe_set_full_grad,
-    safe_set_full_optimizer_state,
-    safe_set_local_fp32_param,
-    safe_set_local_grad,
-    safe_set_local_optimizer_state,
-    safe_update_full_grad_vectorized,
     set_z3_leaf_modules,
     unwrap_model_for_generation,
 )
 from zeroshard.zero import GatheredParameters, ZeroParamStatus
 
 STAGES = [0, 1, 2, 3]
-
-
-def cfg(stage: int, precision: str = "fp32", gas: int = 2, **extra: Any) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 300}
-    if stage == 3:
-        zero["stage3_param_persistence_threshold"] = 100
-    if precision == "bf16":
-        extra["bf16"] = {"enabled": True}
-    if precision == "fp16":
-        extra["fp16"] = {"enabled": True, "initial_scale_power": 8}
-    return make_config(gradient_accumulation_steps=gas, zero_optimization=zero, **extra)
-
-
-def fresh(stage: int, precision: str = "fp32", seed: int = 0, **extra: Any) -> Any:
-    return init_engine(make_model(seed), cfg(stage, precision, **extra))
-
-
-def params_of(engine: Any) -> list[nn.Parameter]:
-    return list(engine.module.parameters())
-
-
-def close(a: torch.Tensor, b: torch.Tensor, rtol: float, what: str) -> None:
-    a, b = a.detach().float(), b.detach().float()
-    rel = float((a - b).norm() / b.norm().clamp_min(1e-12))
-    assert rel <= rtol, f"{what}: relative difference {rel:.3e} > {rtol:g}"
-
-
-def backward_only(engine: Any, batch: Any, rank: int, world: int) -> None:
-    """All micro-batches of one step, stopping before the final step()."""
-    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    parts = rank_micro_batches(batch, rank, world, micro, gas)
-    for i, (x, y) in enumerate(parts):
-        engine.backward(engine(x, y))
-        if i < len(parts) - 1:
-            engine.step()
-
-
-# -- safe_* accessors ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_safe_get_full_matches_stage0_at_every_stage(groups: Any, precision: str) -> None:
-    rank, world = groups.rank, groups.world_size
-    batches = global_batches(3, 2 * 2 * world)
-    ref = fresh(0, precision)
-    train_engine(ref, batches[:2], rank, world)
-    backward_only(ref, batches[2], rank, world)
-    want_p = [safe_get_full_fp32_param(p) for p in params_of(ref)]
-    want_g = [safe_get_full_grad(p) for p in params_of(ref)]
-    want_m = [safe_get_full_optimizer_state(p, "exp_avg_sq") for p in params_of(ref)]
-    if precision == "fp32":  # stage 0 in fp32: the master is the parameter itself
-        for p, w in zip(params_of(ref), want_p):
-            assert torch.equal(p.detach(), w)
-    # Stage 2/3 sum each micro-batch's reduced gradient, stage 0/1 reduce the summed gradient:
-    # the same numbers added in another order (fp32 round-off, ~1e-6 relative).
-    tol = 1e-5 if precision == "fp32" else 1e-3
-    for stage in STAGES[1:]:
-        engine = fresh(stage, precision)
-        train_engine(engine, batches[:2], rank, world)
-        backward_only(engine, batches[2], rank, world)
-        for i, p in enumerate(params_of(engine)):
-            close(safe_get_full_fp32_param(p), want_p[i], tol, f"stage {stage} fp32 param {i}")
-            close(safe_get_full_grad(p), want_g[i], tol, f"stage {stage} grad {i}")
-            close(safe_get_full_optimizer_state(p, "exp_avg_sq"), want_m[i], tol, f"stage {stage} exp_avg_sq {i}")
-            assert safe_get_full_fp32_param(p).shape == p.shape and safe_get_full_fp32_param(p).dtype == torch.float32
-        engine.step()
-        assert safe_get_full_grad(params_of(engine)[0]) is None, "gradients are gone after step()"
-
-
-def test_safe_get_full_grad_is_the_averaged_gradient(groups: Any) -> None:
-    rank, world = groups.rank, groups.world_size
-    (batch,) = global_batches(1, 2 * 2 * world)
-    model = make_model(0)
-    reference = make_model(0)
-    engine = init_engine(model, cfg(2))
-    backward_only(engine, batch, rank, world)
-    x, y = batch
-    n = x.shape[0] // 2
-    for i in range(n):
-        (reference(x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2]) / n).backward()
-    for (name, p), q in zip(engine.module.named_parameters(), reference.parameters()):
-        close(safe_get_full_grad(p), q.grad, 1e-5, name)
-    local = safe_get_local_grad(params_of(engine)[0])
-    assert local is not None and local.dim() == 1
-    engine.step()
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_local_fragments_cover_each_parameter_once(groups: Any, comm: Any, stage: int) -> None:
-    rank, world = groups.rank, groups.world_size
-    engine = fresh(stage)
-    train_engine(engine, global_batches(1, 2 * 2 * world), rank, world)
-    for p in params_of(engine):
-        local = safe_get_local_fp32_param(p)
-        state = safe_get_local_optimizer_state(p, "exp_avg")
-        assert local is not None and state is not None and local.shape == state.shape
-        count = torch.tensor([float(local.numel())])
-        comm.all_reduce(count)
-        owners = world if stage == 0 else 1  # stage 0: every rank holds all of it
-        assert int(count.item()) == owners * p.numel()
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_safe_set_full_fp32_param_and_optimizer_state(groups: Any, stage: int) -> None:
-    rank, world = groups.rank, groups.world_size
-    batches = global_batches(2, 2 * 2 * world)
-    engines = [fresh(0), fresh(stage)]
-    for engine in engines:
-        train_engine(engine, batches[:1], rank, world)
-        target = engine.module.lm_head.weight if hasattr(engine.module, "lm_head") else params_of(engine)[0]
-        value = torch.full(target.shape, 0.125)
-        safe_set_full_fp32_param(target, value)
-        assert torch.equal(safe_get_full_fp32_param(target), value)
-        with GatheredParameters([target]):
-            assert torch.equal(target.detach().float(), value), "the parameter itself follows the master"
-        safe_set_full_optimizer_state(target, torch.zeros(target.shape), "exp_avg")
-        assert torch.count_nonzero(safe_get_full_optimizer_state(target, "exp_avg")) == 0
-    losses = [train_engine(e, batches[1:], rank, world)[0] for e in engines]
-    assert abs(losses[0][0] - losses[1][0]) <= 1e-5 * abs(losses[0][0])
-    for a, b in zip(params_of(engines[0]), params_of(engines[1])):
-        close(safe_get_full_fp32_param(b), safe_get_full_fp32_param(a), 1e-5, "after set + one step")
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_safe_set_grads_change_the_step_as_at_stage0(groups: Any, stage: int) -> None:
-    """Gradients rewritten through safe_set_full_grad / safe_update_full_grad_vectorized are
-    the ones step() clips and applies: the same rewrite gives stage 0's trajectory."""
-    rank, world = groups.rank, groups.world_size
-    batches = global_batches(3, 2 * 2 * world)
-    engines = [fresh(0), fresh(stage)]
-    for engine in engines:
-        train_engine(engine, batches[:1], rank, world)
-        backward_only(engine, batches[1], rank, world)
-        params = params_of(engine)
-        first = params[0]
-        new = safe_get_full_grad(first) * -3.0 + 0.01
-        safe_set_full_grad(first, new)
-        close(safe_get_full_grad(first), new, 1e-6, f"stage {engine.zero_optimization_stage()} set_full_grad")
-        safe_update_full_grad_vectorized(params[1:], lambda g, p: g * 0.5)
-        engine.step()
-        with pytest.raises(ValueError, match="ends an accumulation step"):
-            safe_set_full_grad(first, new)
-    for a, b in zip(params_of(engines[0]), params_of(engines[1])):
-        close(safe_get_full_fp32_param(b), safe_get_full_fp32_param(a), 1e-5, f"stage {stage} after the rewritten step")
-    losses = [train_engine(e, batches[2:], rank, world)[0] for e in engines]
-    assert abs(losses[0][0] - losses[1][0]) <= 1e-5 * abs(losses[0][0])
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_safe_set_local_round_trips(groups: Any, stage: int) -> None:
-    rank, world = groups.rank, groups.world_size
-    batches = global_batches(2, 2 * 2 * world)
-    engine = fresh(stage)
-    train_engine(engine, batches[:1], rank, world)
-    backward_only(engine, batches[1], rank, world)
-    for p in params_of(engine):
-        grad = safe_get_local_grad(p)
-        safe_set_local_grad(p, grad * 2)
-        close(safe_get_local_grad(p), grad * 2, 1e-6, "local grad")
-        master = safe_get_local_fp32_param(p)
-        safe_set_local_fp32_param(p, master + 1)
-        assert torch.equal(safe_get_local_fp32_param(p), master + 1)
-        state = safe_get_local_optimizer_state(p, "exp_avg")
-        safe_set_local_optimizer_state(p, torch.full_like(state, 0.5), "exp_avg")
-        assert torch.equal(safe_get_local_optimizer_state(p, "exp_avg"), torch.full_like(state, 0.5))
-        with pytest.raises(ValueError, match="elements; this rank's part"):
-            safe_set_local_fp32_param(p, torch.zeros(master.numel() + 1))
-    engine.step()
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_safe_get_right_after_load_checkpoint(groups: Any, shared_dir: Path, stage: int) -> None:
-    rank, world = groups.rank, groups.world_size
-    engine = fresh(stage)
-    train_engine(engine, global_batches(2, 2 * 2 * world), rank, world)
-    want = [safe_get_full_fp32_param(p) for p in params_of(engine)]
-    want_state = [safe_get_full_optimizer_state(p, "exp_avg") for p in params_of(engine)]
-    engine.save_checkpoint(shared_dir)
-    loaded = fresh(stage, seed=5)
-    loaded.load_checkpoint(shared_dir)
-    for i, p in enumerate(params_of(loaded)):
-        assert torch.equal(safe_get_full_fp32_param(p), want[i])
-        assert torch.equal(safe_get_full_optimizer_state(p, "exp_avg"), want_state[i])
-
-
-def test_safe_functions_need_an_engine(groups: Any) -> None:
-    with pytest.raises(ValueError, match="zeroshard.initialize"):
-        safe_get_full_fp32_param(nn.Parameter(torch.zeros(2)))
 
 
 def test_optimizer_state_is_none_before_the_first_step(groups: Any) -> None:
@@ -376,13 +188,13 @@ class _Extra(nn.Module):
 
 def test_load_module_strict_false_tolerates_missing_names(groups: Any, shared_dir: Path) -> None:
     rank, world = groups.rank, groups.world_size
-    small = init_engine(_Extra(0), cfg(1))
+    small = init_engine(_Extra(0), api_config(1))
     train_engine(small, global_batches(1, 2 * 2 * world), rank, world)
     small.save_checkpoint(shared_dir)
     bigger = nn.Module()
     model = _Extra(4)
     model.head3 = nn.Linear(2, 2)  # a parameter the checkpoint lacks
-    bigger = init_engine(model, cfg(1))
+    bigger = init_engine(model, api_config(1))
     own = model.head3.weight.detach().clone()
     with pytest.raises(CheckpointError, match="head3"):
         bigger.load_checkpoint(shared_dir)
@@ -397,7 +209,7 @@ def test_load_module_strict_false_tolerates_missing_names(groups: Any, shared_di
 
 def test_engine_queries_and_config_dict(groups: Any) -> None:
     world = groups.world_size
-    config = cfg(2, "bf16")
+    config = api_config(2, "bf16")
     engine, opt, _, _ = zeroshard.initialize(model=make_model(0), config_params=config)
     assert engine.config is config and engine.config.get("bf16") == {"enabled": True}
     assert engine.zs_config.zero_optimization.stage == 2 == engine.zero_optimization_stage()
@@ -417,7 +229,7 @@ def test_engine_queries_and_config_dict(groups: Any) -> None:
 
 def test_fp16_optimizer_carries_the_loss_scale(groups: Any) -> None:
     rank, world = groups.rank, groups.world_size
-    config = cfg(1, "fp16")
+    config = api_config(1, "fp16")
     config["fp16"]["hysteresis"] = 1  # the first overflow lowers the scale
     engine, opt, _, _ = zeroshard.initialize(model=make_model(0), config=config)
     assert opt.loss_scale == 256.0 == opt.cur_scale
@@ -431,18 +243,18 @@ def test_fp16_optimizer_carries_the_loss_scale(groups: Any) -> None:
 
 def test_initialize_accepts_deepspeed_arguments(groups: Any, shared_dir: Path, comm: Any) -> None:
     with pytest.raises(NotSupportedError, match="mpu"):
-        zeroshard.initialize(model=make_model(0), config=cfg(0), mpu=object())
+        zeroshard.initialize(model=make_model(0), config=api_config(0), mpu=object())
     path = shared_dir / "ds_config.json"
     if groups.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cfg(0)))
+        path.write_text(json.dumps(api_config(0)))
     comm.barrier()
     parser = zeroshard.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
     engine, _, loader, _ = zeroshard.initialize(args=args, model=make_model(0), dist_init_required=False,
                                                 training_data=torch.utils.data.TensorDataset(torch.zeros(8, 2)),
                                                 collate_fn=lambda items: torch.stack([i[0] for i in items]) + 1)
-    assert engine.config == cfg(0), "a config file is read into engine.config"
+    assert engine.config == api_config(0), "a config file is read into engine.config"
     assert torch.equal(next(iter(loader)), torch.ones(2, 2))
 
 
@@ -577,7 +389,7 @@ def test_zero_to_fp32_aliases(groups: Any, shared_dir: Path, comm: Any) -> None:
     rank, world = groups.rank, groups.world_size
     model = make_model(0)
     model.wpe.weight.requires_grad_(False)
-    engine = init_engine(model, cfg(3))
+    engine = init_engine(model, api_config(3))
     train_engine(engine, global_batches(1, 2 * 2 * world), rank, world)
     want = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if p.requires_grad}
     engine.save_checkpoint(shared_dir)
