@@ -84,7 +84,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     _Z + "sub_group_size": ("zero/build.py::sub_group_size", "zero/nvme_swap.py::sub_group_numel"),
     _Z + "stage3_prefetch_bucket_size": _BUILD, _Z + "stage3_param_persistence_threshold": _BUILD,
     _Z + "stage3_max_live_parameters": _BUILD, _Z + "stage3_max_reuse_distance": _BUILD,
-    _Z + "stage3_gather_16bit_weights_on_model_save": _ENGINE,
+    _Z + "stage3_gather_16bit_weights_on_model_save": ("runtime/engine_queries.py", "runtime/model_export.py"),
     # logging and monitors
     "steps_per_print": _ENGINE, "wall_clock_breakdown": _ENGINE, "dump_state": ("runtime/initialize.py",),
     "tensorboard.enabled": ("runtime/monitor.py::tensorboard.enabled",),

@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,15 +20,16 @@ from torch import Tensor, nn
 
 from zeroshard.checkpoint_format import EngineState, LoadedState
 from zeroshard.errors import CheckpointError
-from zeroshard.runtime import activation_checkpointing
 from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
 from zeroshard.runtime.checkpointing import Checkpointer, apply_state, collect_state
 from zeroshard.runtime.direct_backward import DirectBackward
+from zeroshard.runtime.engine_progress import EngineProgress
 from zeroshard.runtime.engine_queries import EngineQueries
+from zeroshard.runtime.model_export import ModelExport
 from zeroshard.runtime.param_access import forget_engine, register_engine
 from zeroshard.runtime.inference import generate_tokens, hf_generate
 from zeroshard.runtime.loss_scaler import LossScaler
-from zeroshard.runtime.monitor import MetricSink, Timers, format_bytes, peak_memory_bytes
+from zeroshard.runtime.monitor import MetricSink, Timers
 from zeroshard.runtime.optim import optimizer_state_bytes
 from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.strategy import GradStats, ModelStateBytes, ZeroStrategy
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("zeroshard")
 
 
-class ZeroEngine(EngineQueries, nn.Module):
+class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
     """Wraps a model for data-parallel ZeRO training. Built by `zeroshard.initialize`.
 
     Use it as DeepSpeed's engine::
@@ -393,147 +393,6 @@ class ZeroEngine(EngineQueries, nn.Module):
             return generate_tokens(self, input_ids, max_new_tokens, **kwargs)
         finally:
             self.module.train(was_training)
-
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Tensor] | None:
-        """The whole model's state_dict in its training dtype, on CPU, on rank 0 (None on the
-        others), gathering stage-3 shards one parameter at a time. Every rank must call it.
-
-        DeepSpeed's name; unlike DeepSpeed it also works below stage 3 (nothing to gather).
-        Tied parameters stay one tensor under each of their names.
-        """
-        state = self.module.state_dict(keep_vars=True)
-        out: dict[str, Tensor] = {}
-        done: dict[int, Tensor] = {}
-        for name, value in state.items():
-            if exclude_frozen_parameters and isinstance(value, nn.Parameter) and not value.requires_grad:
-                continue
-            if id(value) not in done:
-                with GatheredParameters([value] if isinstance(value, ZeroParameter) else []):
-                    # Only rank 0 keeps a copy; the others take part in the gather.
-                    done[id(value)] = value.detach().to("cpu", copy=True) if self.rank == 0 else value
-            out[name] = done[id(value)]
-        return out if self.rank == 0 else None
-
-    def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """Write the whole model's state_dict in its training dtype (fp16/bf16/fp32), on rank 0.
-
-        At stage 3 the shards are gathered one parameter at a time (peak: one unit), which
-        needs `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`; without it
-        nothing is written and False is returned, as in DeepSpeed. Every rank must call this.
-
-        Returns:
-            True when the file was written (on rank 0) or would be (other ranks).
-        """
-        partitioned = any(isinstance(p, ZeroParameter) for p in self.module.parameters())
-        if partitioned and not self.zero_gather_16bit_weights_on_model_save():
-            logger.warning("save_16bit_model: the weights are partitioned and "
-                           "zero_optimization.stage3_gather_16bit_weights_on_model_save is false; "
-                           "nothing written. Set it to true to gather them.")
-            return False
-        out = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
-        if out is not None:
-            path = Path(save_dir) / save_filename
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            torch.save(out, tmp)
-            os.replace(tmp, path)  # never a half-written file under the real name
-            logger.info(f"saved the {len(out)}-tensor model state to {path}")
-        return True
-
-    def save_fp16_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
-                        exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's older name of `save_16bit_model`."""
-        return self.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
-
-    # -- progress -------------------------------------------------------------------------
-
-    def _mean_loss_over_ranks(self) -> float | None:
-        if self._loss_count == 0 or self._loss_sum is None:
-            return None
-        t = (self._loss_sum / self._loss_count).reshape(1).to(self.device, torch.float64)
-        self._comm.all_reduce(t, op="avg")
-        return float(t.item())
-
-    def _memory_per_rank(self) -> tuple[list[int], list[int]]:
-        """(model-state bytes on this rank's device, peak memory) of every rank; collective."""
-        on_device = sum(m.params + m.grads + m.master_params + m.optimizer_states
-                        for m in self.model_state_bytes() if not m.device.endswith("(offload)"))
-        mine = torch.tensor([on_device, peak_memory_bytes(self.device)], dtype=torch.int64, device=self.device)
-        every = torch.zeros(2 * self._groups.world_size, dtype=torch.int64, device=self.device)
-        self._comm.all_gather(every, mine)
-        values = [int(v) for v in every.tolist()]
-        return values[0::2], values[1::2]
-
-    def _report(self) -> None:
-        """Progress line and monitor events; collective (every rank reaches it on the same step).
-
-        Every sink gets the same metrics (Note: [monitor events] in runtime/monitor.py)."""
-        now = time.perf_counter()
-        self.last_loss = self._mean_loss_over_ranks()
-        self.last_samples_per_s = self._window_samples / max(now - self._window_start, 1e-9)
-        model_states, peaks = self._memory_per_rank()
-        lr = self.get_lr()[0] if self.get_lr() else 0.0
-        norm = self.get_global_grad_norm()
-        metrics = {
-            "loss": self.last_loss if self.last_loss is not None else float("nan"),
-            "lr": lr,
-            "loss_scale": self.get_loss_scale(),
-            "skipped_steps": float(self.skipped_steps),
-            "grad_norm": norm if norm is not None else float("nan"),
-            "samples_per_s": self.last_samples_per_s,
-            "samples": float(self.global_samples),
-        }
-        for r, (m, p) in enumerate(zip(model_states, peaks)):
-            metrics[f"model_state_bytes_rank{r}"] = float(m)
-            metrics[f"peak_memory_bytes_rank{r}"] = float(p)
-        logger.info(
-            f"step {self.global_steps} | loss {metrics['loss']:.4f} | lr {lr:.3e} | "
-            f"scale {metrics['loss_scale']:g} | grad norm {metrics['grad_norm']:.3f} | "
-            f"{self.last_samples_per_s:.1f} samples/s | "
-            f"peak mem {format_bytes(peak_memory_bytes(self.device))}"
-        )
-        steps = self._config.steps_per_print or 1
-        phases = self.timers.means_ms_and_reset(steps) if self.timers.enabled else {}
-        if activation_checkpointing.settings().profile:  # the recompute is part of backward
-            phases["recompute"] = 1000 * activation_checkpointing.recompute_seconds() / steps
-        if phases:
-            logger.info("time per step (ms) | " + " | ".join(f"{k}: {v:.1f}" for k, v in phases.items()))
-            metrics.update({f"time_{k}_ms": v for k, v in phases.items()})
-        for sink in self._sinks:
-            sink.write(self.global_steps, metrics)
-        self._loss_sum, self._loss_count = None, 0
-        self._window_start, self._window_samples = now, 0
-
-    def summary(self) -> dict[str, Any]:
-        """End-of-run figures; every rank must call it (peak memory is gathered)."""
-        peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.int64, device=self.device)
-        peaks = torch.zeros(self._groups.world_size, dtype=torch.int64, device=self.device)
-        self._comm.all_gather(peaks, peak)
-        loss = self._mean_loss_over_ranks()
-        elapsed = time.perf_counter() - (self._run_start or time.perf_counter())
-        return {
-            "steps": self.global_steps,
-            "skipped_steps": self.skipped_steps,
-            "samples": self.global_samples,
-            "final_loss": loss if loss is not None else self.last_loss,
-            "samples_per_s": self._run_samples / max(elapsed, 1e-9),
-            "elapsed_s": elapsed,
-            "peak_memory_bytes_per_rank": [int(x) for x in peaks.tolist()],
-        }
-
-    def print_summary(self) -> dict[str, Any]:
-        s = self.summary()
-        loss = "n/a" if s["final_loss"] is None else f"{s['final_loss']:.4f}"
-        peaks = ", ".join(f"rank {r}: {format_bytes(b)}" for r, b in enumerate(s["peak_memory_bytes_per_rank"]))
-        logger.info(
-            f"done: {s['steps']} steps ({s['skipped_steps']} skipped), {s['samples']} samples in "
-            f"{s['elapsed_s']:.1f} s | final loss {loss} | {s['samples_per_s']:.1f} samples/s | "
-            f"peak mem {peaks}"
-        )
-        for sink in self._sinks:
-            sink.close()
-        return s
 
     # -- checkpoints (docs/checkpoints.md) ------------------------------------------------
 
