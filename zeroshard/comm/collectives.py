@@ -49,6 +49,19 @@ def _flat(t: torch.Tensor, name: str) -> None:
                          f"shape {tuple(t.shape)} with strides {t.stride()}.")
 
 
+def _check_rank_list(op: str, arg: str, tensors: Sequence[torch.Tensor] | None, root: str, world: int,
+                     numel: int, other: str) -> Sequence[torch.Tensor]:
+    """The root's list of a scatter/gather: one flat tensor per rank, each of `numel` elements."""
+    if tensors is None or len(tensors) != world:
+        raise ValueError(f"{op}: {root} needs {arg} of {world} tensors, got "
+                         f"{None if tensors is None else len(tensors)}.")
+    for i, x in enumerate(tensors):
+        _flat(x, f"{arg}[{i}]")
+        if x.numel() != numel:
+            raise ValueError(f"{op}: {arg}[{i}] has {x.numel()} elements, {other} has {numel}.")
+    return tensors
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None or dtype == t.dtype else t.to(dtype)
 
@@ -267,14 +280,8 @@ class Comm:
         self._root(src, "src")
         in_bufs: list[torch.Tensor] = []
         if self.rank == src:
-            if in_list is None or len(in_list) != self.world_size:
-                raise ValueError(f"scatter: src rank {src} needs in_list of {self.world_size} "
-                                 f"tensors, got {None if in_list is None else len(in_list)}.")
-            for i, x in enumerate(in_list):
-                _flat(x, f"in_list[{i}]")
-                if x.numel() != out.numel():
-                    raise ValueError(f"scatter: in_list[{i}] has {x.numel()} elements, out "
-                                     f"has {out.numel()}.")
+            in_list = _check_rank_list("scatter", "in_list", in_list, f"src rank {src}", self.world_size,
+                                       out.numel(), "out")
             in_bufs = [_cast(x, comm_dtype) for x in in_list]
         out_buf = _like(out, comm_dtype)
 
@@ -302,14 +309,8 @@ class Comm:
         buf = _cast(t, comm_dtype)
         out_bufs: list[torch.Tensor] = []
         if self.rank == dst:
-            if out_list is None or len(out_list) != self.world_size:
-                raise ValueError(f"gather: dst rank {dst} needs out_list of {self.world_size} "
-                                 f"tensors, got {None if out_list is None else len(out_list)}.")
-            for i, x in enumerate(out_list):
-                _flat(x, f"out_list[{i}]")
-                if x.numel() != t.numel():
-                    raise ValueError(f"gather: out_list[{i}] has {x.numel()} elements, t has "
-                                     f"{t.numel()}.")
+            out_list = _check_rank_list("gather", "out_list", out_list, f"dst rank {dst}", self.world_size,
+                                        t.numel(), "t")
             out_bufs = [_like(x, comm_dtype) for x in out_list]
 
         def finish() -> None:
