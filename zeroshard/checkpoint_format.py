@@ -71,6 +71,9 @@ class Manifest:
     tag: str = ""
     files: dict[str, int] = field(default_factory=dict)
     """File name -> size in bytes, for every file of the checkpoint but the manifest."""
+    node_ranks: list[int] | None = None
+    """Saved with node-local storage: the ranks whose files this directory holds (the other
+    ranks' files, listed in `files`, are on their nodes' disks). None: every file is here."""
 
     def param_index(self) -> dict[str, int]:
         return {p.name: i for i, p in enumerate(self.params)}

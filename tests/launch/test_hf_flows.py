@@ -136,6 +136,24 @@ def test_trainer_zero3_init_eval_save16_world2(tmp_path: Path) -> None:
     assert "model.safetensors" not in plain["saved"]
 
 
+def test_trainer_save_on_each_node_world2(tmp_path: Path, monkeypatch: Any) -> None:
+    """TrainingArguments(save_on_each_node=True) sets checkpoint.use_node_local_storage; with two
+    simulated nodes (ZEROSHARD_NODE_SIZE=1) writing to one output_dir, rank 1 finds rank 0's token
+    in the staging directory and leaves the writing to it, so Trainer's resume_from_checkpoint in a
+    new job continues the uninterrupted run (tests/dist/test_node_local_checkpoint.py has separate
+    disks per node)."""
+    monkeypatch.setenv("ZEROSHARD_NODE_SIZE", "1")
+    whole = trainer(tmp_path, "zeroshard", "whole", "--steps", "6", "--save-on-each-node", nproc=2)
+    part = trainer(tmp_path, "zeroshard", "part", "--steps", "4", "--save-steps", "4", "--save-on-each-node", nproc=2)
+    resumed = trainer(tmp_path, "zeroshard", "part", "--steps", "6", "--resume", "--save-on-each-node", nproc=2)
+    assert whole["node_local"] is True and part["world_size"] == 2
+    assert_same_log(resumed["log"][-2:], whole["log"][-2:], "save_on_each_node: resumed vs uninterrupted")
+    from zeroshard.checkpoint.manifest import read_manifest
+
+    ckpt = tmp_path / "zeroshard" / "part" / "checkpoint-4" / "global_step4"
+    assert read_manifest(ckpt).node_ranks is None  # one shared directory: the ordinary checkpoint
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_nontrainer_generate_synced_world2(tmp_path: Path, stage: int) -> None:
     """HfDeepSpeedConfig + deepspeed.initialize + generate(synced_gpus=True): ranks asking for

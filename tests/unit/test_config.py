@@ -429,7 +429,6 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
      'not supported yet: zero_optimization.offload_param.device="nvme". parameter offload to NVMe'),
     ({"comet": {"enabled": True}}, 'not supported yet: comet={"enabled": true}.'),
-    ({"checkpoint": {"use_node_local_storage": True}}, "not supported yet: checkpoint.use_node_local_storage=true."),
     ({"aio__use_gds": True}, "not supported yet: aio.use_gds=true. GPUDirect Storage is not built"),
     ({"checkpoint__load_universal": True}, "not supported yet: checkpoint.load_universal=true."),
     ({"gradient_allreduce_op": "sum"}, 'not supported yet: gradient_allreduce_op="sum".'),

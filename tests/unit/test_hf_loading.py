@@ -30,12 +30,17 @@ def test_every_range_of_every_shape(tmp_path: Path, shape: tuple[int, ...]) -> N
                 assert torch.equal(got, flat[start:end]), (shape, start, end)
 
 
-def test_save_on_each_node_is_refused_with_the_trainer_fix() -> None:
-    """Trainer(save_on_each_node=True) writes checkpoint.use_node_local_storage: refused, naming the
-    Trainer setting to change (not implemented: every node would need its own unsharded files)."""
-    from zeroshard import load_config
-    from zeroshard.errors import ConfigError
+def test_save_on_each_node_is_accepted_and_reaches_the_checkpointer() -> None:
+    """Trainer(save_on_each_node=True) writes checkpoint.use_node_local_storage: accepted, and the
+    engine's checkpointer then writes one directory per node (tests/dist/test_node_local_checkpoint.py)."""
+    import zeroshard
+    from zeroshard.examples.gpt import GPT, GPTConfig
 
-    with pytest.raises(ConfigError, match=r"use_node_local_storage.*save_on_each_node=False"):
-        load_config({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"use_node_local_storage": True}},
-                    dp_world_size=1)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "checkpoint": {"use_node_local_storage": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, *_ = zeroshard.initialize(model=GPT(GPTConfig.preset("tiny")), config=cfg)
+    assert engine.zs_config.checkpoint.use_node_local_storage
+    assert engine.checkpointer._node_leader == 0  # one process: its own node's first rank
+    cfg["checkpoint"]["use_node_local_storage"] = False
+    engine, *_ = zeroshard.initialize(model=GPT(GPTConfig.preset("tiny")), config=cfg)
+    assert engine.checkpointer._node_leader is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zeroshard.checkpoint.ds_import import find_deepspeed, load_deepspeed
@@ -23,17 +24,22 @@ class ShardedCheckpointer:
 
     Args:
         comm: collectives over the data-parallel group (the save and load agree on success).
+        node_leader: with `checkpoint.use_node_local_storage`, the first rank of this rank's
+            node, which writes the node's directory (Note: [node-local storage] in save.py);
+            None: one directory every rank shares.
     """
 
-    def __init__(self, comm: "Comm") -> None:
+    def __init__(self, comm: "Comm", node_leader: int | None = None) -> None:
         self._comm = comm
+        self._node_leader = node_leader
 
     def save(self, state: EngineState, save_dir: str | os.PathLike[str], tag: str,
              client_state: Mapping[str, Any] | None, save_latest: bool, save_optimizer_states: bool = True) -> str:
-        path = save_state(state, self._comm, save_dir, tag, client_state, save_latest, save_optimizer_states)
-        if self._comm.rank == 0:
+        published = save_state(state, self._comm, save_dir, tag, client_state, save_latest, save_optimizer_states,
+                               node_leader=self._node_leader)
+        if published:
             write_recovery_script(save_dir)  # DeepSpeed's zero_to_fp32.py, for its documented workflow
-        return path
+        return str(Path(save_dir) / tag)
 
     def load(self, target: EngineState, load_dir: str | os.PathLike[str], tag: str | None, *,
              load_optimizer_states: bool, load_module_only: bool, strict: bool = True) -> LoadedState | None:

@@ -23,6 +23,9 @@ LATEST = "latest"
 MANIFEST = "zeroshard_manifest.json"
 MODEL_FILE = "mp_rank_00_model_states.pt"
 TMP_SUFFIX = ".tmp"
+WRITER_TOKEN = ".writer"
+"""In a staging directory: the token of the rank that prepared it (node-local storage tells a
+shared file system from node-local disks by it; removed before the manifest is written)."""
 FAULT_ENV = "ZEROSHARD_CHECKPOINT_FAULT_AT"
 
 

@@ -34,8 +34,10 @@ class CheckpointReader:
     """Opens the files of one checkpoint directory lazily (memory-mapped) and checks each
     against the manifest: size, and the fragment list it claims to hold."""
 
-    def __init__(self, ckpt: Path, manifest: Manifest) -> None:
+    def __init__(self, ckpt: Path, manifest: Manifest, prefer: int | None = None) -> None:
         self.ckpt, self.manifest = ckpt, manifest
+        self.prefer = prefer
+        """The loading rank: where several saved ranks hold a range, read its own file."""
         self._open: dict[str, Any] = {}
         self.progress: Progress | None = None
         """Advanced by each file opened (large checkpoints, rank 0)."""
@@ -46,6 +48,14 @@ class CheckpointReader:
         if name not in self._open:
             if name not in self.manifest.files:
                 raise CheckpointError(f"{self.ckpt / MANIFEST}: lists no file {name}")
+            here = self.manifest.node_ranks
+            if here is not None and not (self.ckpt / name).is_file():
+                raise CheckpointError(
+                    f"{self.ckpt / name}: not in this directory. The checkpoint was saved with "
+                    f"checkpoint.use_node_local_storage, so this node's directory holds the files of "
+                    f"ranks {here} only, and this load (another world size, stage or layout) also "
+                    f"needs other nodes' files. Copy the {self.ckpt.name}/ directory of every node "
+                    "into one directory and load from there.")
             data = load_torch(self.ckpt / name, expected_bytes=self.manifest.files[name])
             if not isinstance(data, dict):
                 raise CheckpointError(f"{self.ckpt / name}: not a zeroshard checkpoint file (a {type(data).__name__})")
@@ -99,7 +109,7 @@ class CheckpointReader:
                 raise CheckpointError(f"{self.ckpt / MODEL_FILE}: {name!r} has {flat.numel()} elements, "
                                       f"the manifest says {m.params[self.index_of[name]].numel}")
             return flat[offset : offset + numel].to(dtype, copy=True)
-        index = RangeIndex(m.weight_pieces, self.names)
+        index = RangeIndex(m.weight_pieces, self.names, prefer=self.prefer)
         return self._assemble(index, lambda s, e: self.pieces(s)[e], self.index_of[name], offset, numel, dtype)
 
     def master_index(self, prefer: int | None = None) -> RangeIndex:
@@ -143,7 +153,7 @@ def _read(target: EngineState, ckpt: Path, saved: Manifest, *, load_optimizer_st
     tm, rank = target.manifest, target.rank
     need_opt = load_optimizer_states and not load_module_only
     check_compatible(saved, tm, ckpt / MANIFEST, need_optimizer=need_opt, strict=strict)
-    reader = CheckpointReader(ckpt, saved)
+    reader = CheckpointReader(ckpt, saved, prefer=rank)
     total = sum(saved.files.values())
     # Files this rank reads are known only as it reads them: the bar's total is the whole checkpoint.
     reader.progress = Progress(total, f"load {ckpt.name}", rank == 0 and total >= PROGRESS_MIN_BYTES, unit="B")
@@ -176,7 +186,10 @@ def _read_files(reader: CheckpointReader, target: EngineState, saved: Manifest, 
     masters = states = groups = None
     if need_opt:
         masters, states = _read_masters(reader, tm.fragments[rank], tm, rank)
-        groups = [dict(g) for g in reader.optim(0)["param_groups"]]
+        # Every rank saved the same param_groups: read this rank's own file when it has one
+        # (with node-local storage, rank 0's file may be on another node).
+        own = rank < saved.world_size and (saved.node_ranks is None or rank in saved.node_ranks)
+        groups = [dict(g) for g in reader.optim(rank if own else 0)["param_groups"]]
     model = reader.file(MODEL_FILE)
     run_state = rng = client_state = None
     if not load_module_only:

@@ -10,6 +10,16 @@ as they were:
     5. rank 0 renames it to `TAG/` (an existing `TAG/` is first renamed to `.TAG.old/`,
        which the loader uses if the crash falls between these two renames), fsyncs the root
     6. rank 0 replaces `latest` (temp, fsync, rename), fsyncs the root, removes `.TAG.old/`
+
+Note: [node-local storage] With `checkpoint.use_node_local_storage` (Hugging Face Trainer's
+`save_on_each_node`), `save_dir` may be a disk of each node's own. Then the first rank of each
+node does rank 0's part (steps 1, 4, 5, 6 and the model file) in its node's directory, and every
+rank writes its own files into its node's directory. Each node's directory is a complete
+checkpoint for that node's ranks: its manifest lists the whole job's layout plus the ranks whose
+files it holds (`node_ranks`), so a load that needs another node's files says so by name. Rank
+0 prepares first and leaves a token in the staging directory; a node's first rank that finds
+that token sees the same file system as rank 0 and leaves the work to it (no two writers race
+on one directory).
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zeroshard.checkpoint.files import (
-    LATEST, MANIFEST, MODEL_FILE, begin_save, fault_point, fsync_dir, optim_file, pieces_file,
+    LATEST, MANIFEST, MODEL_FILE, WRITER_TOKEN, begin_save, fault_point, fsync_dir, optim_file, pieces_file,
     retired_dir, rng_file, save_torch, staging_dir, write_text_atomic,
 )
 from zeroshard.checkpoint.manifest import to_json
@@ -119,7 +129,7 @@ def _model_payload(state: EngineState, client_state: Mapping[str, Any] | None) -
 
 
 def _state_bytes(state: EngineState) -> int:
-    """Roughly what this rank writes: masters, their optimizer state, weight pieces, whole tensors."""
+    """Roughly what rank 0 writes: masters, their optimizer state, weight pieces, whole tensors."""
     def nbytes(t: Any) -> int:
         return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
@@ -128,7 +138,7 @@ def _state_bytes(state: EngineState) -> int:
 
 
 def _write_rank_files(state: EngineState, staging: Path, client_state: Mapping[str, Any] | None,
-                      save_optimizer_states: bool, bar: Progress) -> list[int]:
+                      save_optimizer_states: bool, bar: Progress, writer: bool) -> list[int]:
     """This rank's files; returns [optim, rng, pieces, model] sizes (0: not written)."""
     rank = state.rank
     sizes = [0, 0, 0, 0]
@@ -139,7 +149,7 @@ def _write_rank_files(state: EngineState, staging: Path, client_state: Mapping[s
     if state.manifest.weight_pieces is not None:
         sizes[2] = save_torch(staging / pieces_file(rank), {"pieces": [_own(t) for t in state.weight_pieces]})
         bar.advance(1, f"{pieces_file(rank)} ({sizes[2] / 2**20:,.0f} MiB)")
-    if rank == 0:
+    if writer:
         sizes[3] = save_torch(staging / MODEL_FILE, _model_payload(state, client_state))
         bar.advance(1, f"{MODEL_FILE} ({sizes[3] / 2**20:,.0f} MiB)")
     fsync_dir(staging)
@@ -178,27 +188,31 @@ def _prepare(root: Path, tag: str) -> Path:
 
 def save_state(state: EngineState, comm: "Comm", save_dir: str | os.PathLike[str], tag: str,
                client_state: Mapping[str, Any] | None, save_latest: bool,
-               save_optimizer_states: bool = True) -> str:
-    """Write `state` as checkpoint `tag` under `save_dir`; collective. See Note: [save order]."""
+               save_optimizer_states: bool = True, *, node_leader: int | None = None) -> bool:
+    """Write `state` as checkpoint `tag` under `save_dir`; collective. See Note: [save order].
+
+    `node_leader`: for node-local storage (Note: [node-local storage]), the first rank of this
+    rank's node; None: one directory every rank shares, written by rank 0.
+
+    Returns:
+        Whether this rank published a directory (rank 0; with node-local storage, also the
+        first rank of each node whose disk rank 0 does not share).
+    """
     if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(f"tag {tag!r}: use a plain directory name (no '/', not starting with '.', "
                               f"not {LATEST!r})")
     root, rank = Path(save_dir), state.rank
     begin_save(rank)
     staging = staging_dir(root, tag)
-    error = None
-    if rank == 0:
-        try:
-            _prepare(root, tag)
-        except OSError as e:
-            error = f"{staging}: {e}"
-    agree(comm, error, "preparing the checkpoint directory")
+    writers = _prepare_writers(comm, root, tag, staging, rank, node_leader)
+    writer = writers[rank] == rank
     sizes: list[int] = [0, 0, 0, 0]
-    stages = int(save_optimizer_states) + int(state.manifest.weight_pieces is not None) + int(rank == 0) + 1
+    stages = int(save_optimizer_states) + int(state.manifest.weight_pieces is not None) + int(writer) + 1
     bar = Progress(stages, f"save {tag} (rank 0's files)", rank == 0 and _state_bytes(state) >= PROGRESS_MIN_BYTES,
                    unit="stage", expected_updates=stages)
+    error = None
     try:
-        sizes = _write_rank_files(state, staging, client_state, save_optimizer_states, bar)
+        sizes = _write_rank_files(state, staging, client_state, save_optimizer_states, bar, writer)
     except (OSError, RuntimeError) as e:
         error = f"writing to {staging}: {e}"
     agree(comm, error, "writing checkpoint files")
@@ -206,19 +220,61 @@ def save_state(state: EngineState, comm: "Comm", save_dir: str | os.PathLike[str
     mine = m.fragments[rank]
     pieces = m.weight_pieces[rank] if m.weight_pieces is not None else []
     rows = gather_rows(comm, [*sizes, len(mine), len(pieces), *_flatten(mine), *_flatten(pieces)])
-    if rank == 0:
+    if writer:
+        present = [r for r in range(comm.world_size) if writers[r] == rank]
         try:
-            _finish(state, rows, root, staging, tag, save_latest, save_optimizer_states)
+            _finish(state, rows, root, staging, tag, save_latest, save_optimizer_states,
+                    node_ranks=None if len(present) == comm.world_size else present, model_bytes=sizes[3])
         except OSError as e:
             error = f"publishing {root / tag}: {e}"
     agree(comm, error, "publishing the checkpoint")
     bar.advance(1, f"published {root / tag}")
     bar.close()
-    return str(root / tag)
+    return writer
+
+
+def _prepare_writers(comm: "Comm", root: Path, tag: str, staging: Path, rank: int,
+                     node_leader: int | None) -> list[int]:
+    """Create the staging directories; returns, for every rank, the rank that publishes the
+    directory its files go to (Note: [node-local storage])."""
+    error = None
+    token = ""
+    if node_leader is not None:
+        t = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1 if rank == 0 else 0],
+                         dtype=torch.int64, device=comm.groups.device)
+        comm.broadcast(t, src=0)
+        token = f"{int(t.item())}"
+    if rank == 0:
+        try:
+            _prepare(root, tag)
+            if token:
+                write_text_atomic(staging / WRITER_TOKEN, token)
+        except OSError as e:
+            error = f"{staging}: {e}"
+    agree(comm, error, "preparing the checkpoint directory")
+    if node_leader is None:
+        return [0] * comm.world_size
+    prepared = 0
+    if rank == node_leader and rank != 0:
+        try:
+            token_file = staging / WRITER_TOKEN
+            if not (token_file.is_file() and token_file.read_text() == token):  # a disk rank 0 does not see
+                _prepare(root, tag)
+                prepared = 1
+        except OSError as e:
+            error = f"{staging}: {e}"
+    agree(comm, error, "preparing this node's checkpoint directory")
+    world = comm.world_size
+    table = torch.zeros(2 * world, dtype=torch.int64, device=comm.groups.device)
+    table[rank], table[world + rank] = node_leader, prepared
+    comm.all_reduce(table)
+    leaders, own = table[:world].tolist(), table[world:].tolist()
+    return [leaders[r] if own[leaders[r]] else 0 for r in range(world)]
 
 
 def _finish(state: EngineState, rows: list[list[int]], root: Path, staging: Path, tag: str,
-            save_latest: bool, save_optimizer_states: bool) -> None:
+            save_latest: bool, save_optimizer_states: bool, *, node_ranks: list[int] | None = None,
+            model_bytes: int = 0) -> None:
     m = state.manifest
     files: dict[str, int] = {}
     fragments, pieces = [], []
@@ -229,8 +285,11 @@ def _finish(state: EngineState, rows: list[list[int]], root: Path, staging: Path
                 files[name] = size
         fragments.append(_unflatten(row[6 : 6 + 3 * n_frag]))
         pieces.append(_unflatten(row[6 + 3 * n_frag : 6 + 3 * (n_frag + n_piece)]))
-    m.fragments, m.files, m.tag = fragments, files, tag
+    if node_ranks is not None:  # this directory's own model file (each node's writer wrote one)
+        files[MODEL_FILE] = model_bytes
+    m.fragments, m.files, m.tag, m.node_ranks = fragments, files, tag, node_ranks
     m.has_optimizer_states = save_optimizer_states
+    (staging / WRITER_TOKEN).unlink(missing_ok=True)
     if m.weight_pieces is not None:
         m.weight_pieces = pieces
     write_text_atomic(staging / MANIFEST, to_json(m))

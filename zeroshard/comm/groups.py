@@ -255,6 +255,14 @@ def node_size(groups: ProcessGroups) -> int:
     return size
 
 
+def node_leader(groups: ProcessGroups) -> int:
+    """The first rank of this rank's node: from ``ZEROSHARD_NODE_SIZE`` when set (node-major
+    numbering), else from the launcher's local rank (nodes may hold different numbers of ranks)."""
+    if os.environ.get(NODE_SIZE_ENV, "").strip():
+        return groups.rank - groups.rank % node_size(groups)
+    return max(0, groups.rank - groups.local_rank)
+
+
 def node_rank_lists(world_size: int, size: int) -> tuple[list[list[int]], list[list[int]]]:
     """(node groups, cross groups) for `size` ranks per node: node n = ranks
     [n * size, (n + 1) * size); cross group l = the ranks of local rank l on every node.

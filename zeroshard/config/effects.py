@@ -102,6 +102,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "comms_logger.prof_ops": ("runtime/initialize.py::comms.prof_ops",),
     "bf16.bf16_master_weights_and_grads": ("zero/build.py::cfg.bf16.bf16_master_weights_and_grads",),
     "bf16.bf16_optimizer_states": ("zero/build.py::cfg.bf16.bf16_optimizer_states",),
+    "checkpoint.use_node_local_storage": ("runtime/initialize.py::cfg.checkpoint.use_node_local_storage",),
     "torch_autocast.enabled": ("runtime/autocast.py::section.enabled",),
     "torch_autocast.dtype": ("runtime/autocast.py::section.precision",),
     # scheduler parameters: the schedule classes take them by name

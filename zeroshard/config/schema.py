@@ -229,7 +229,9 @@ class CheckpointConfig:
     load_universal: bool = False
     """Load a DeepSpeed universal checkpoint."""
     use_node_local_storage: bool = False
-    """Each node writes to its own local storage."""
+    """Each node's first rank writes its node's copy of the non-sharded files (model file,
+    manifest, `latest`) next to its ranks' shards, so a disk of each node's own holds a checkpoint
+    that node resumes from (Trainer's `save_on_each_node`); on shared storage, rank 0 writes."""
     parallel_write: ParallelWriteConfig = spec(default_factory=ParallelWriteConfig)
     """Parallel writing options."""
     checkpoint_serialization: bool = True

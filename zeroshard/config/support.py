@@ -52,12 +52,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     *(Unsupported(key=f"checkpoint.{k}", why=f"checkpoint.{k} is not implemented (zeroshard's checkpoints "
                   "are one directory per tag, resharded on load).", fix="Remove the key.")
       for k in ("load_universal", "parallel_write", "checkpoint_serialization")),
-    Unsupported(key="checkpoint.use_node_local_storage",
-                why="zeroshard writes one checkpoint directory per tag on storage every rank can read; "
-                "it does not yet have each node's local rank 0 write its own copy of the unsharded files "
-                "(Hugging Face Trainer sets this key from TrainingArguments(save_on_each_node=True)).",
-                fix="Save to a filesystem every node sees: remove the key, or with Trainer leave "
-                "save_on_each_node=False."),
     Unsupported(key="optimizer.legacy_fusion", why="DeepSpeed's legacy fused optimizers are not provided.",
                 fix="Remove the key."),
     Unsupported(key="optimizer.params.bias_correction", allowed=(True,),

@@ -139,17 +139,17 @@ def collect_state(engine: "ZeroEngine", strategy: ZeroStrategy, *, include_froze
     whole: dict[str, Tensor] = {}
     piece_ranges: list[list[Range]] | None = None
     piece_data: list[Tensor] = []
+    # Every rank lists the whole tensors (views, no copy): rank 0 writes them, and with
+    # node-local storage so does each node's first rank (checkpoint/save.py).
     if pieces is None:
-        if rank == 0:
-            whole = {n: p.detach() for n, p in named if p.requires_grad or include_frozen}
+        whole = {n: p.detach() for n, p in named if p.requires_grad or include_frozen}
     else:
         piece_ranges = [[] for _ in range(world)]
         for pc in pieces:
             if pc.param.requires_grad or include_frozen:
                 piece_ranges[rank].append((index[id(pc.param)], pc.param_offset, pc.numel))
                 piece_data.append(pc.data.detach().reshape(-1))
-    if rank == 0:
-        whole.update({n: b.detach() for n, b in buffers})
+    whole.update({n: b.detach() for n, b in buffers})
     manifest = Manifest(
         world_size=world, stage=engine.zs_config.zero_optimization.stage, precision=engine.zs_config.precision,
         params=params, aliases=aliases,

@@ -13,6 +13,7 @@ from torch import nn
 
 from zeroshard.arguments import config_path_from_args
 from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
+from zeroshard.comm.groups import node_leader
 from zeroshard.config import Config, load_config, read_config_file
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.runtime.activation_checkpointing import configure_from_config
@@ -220,7 +221,7 @@ def initialize(
         module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,
         lr_scheduler=sched, loss_scaler=scaler, sinks=build_sinks(cfg, groups.rank),
         training_dataloader=loader, raw_config=raw_config)
-    engine.checkpointer = _checkpointer(comm)
+    engine.checkpointer = _checkpointer(comm, cfg.checkpoint.use_node_local_storage)
     _log_start(engine, groups)
     return engine, opt, loader, sched
 
@@ -247,12 +248,14 @@ def _check_optimizer_present(cfg: Config, optimizer: Any, model_parameters: Any,
             "for inference only, leave out model_parameters=, training_data= and schedulers.")
 
 
-def _checkpointer(comm: Comm) -> Checkpointer:
+def _checkpointer(comm: Comm, node_local: bool) -> Checkpointer:
     # initialize() is the composition root (STYLE §1: it gives the engine a Checkpointer); the
     # import stays here so that nothing else in runtime/ depends on the checkpoint layer.
     from zeroshard.checkpoint import ShardedCheckpointer
 
-    return ShardedCheckpointer(comm)
+    # checkpoint.use_node_local_storage (Trainer's save_on_each_node): each node's first rank
+    # writes its node's directory (Note: [node-local storage] in checkpoint/save.py).
+    return ShardedCheckpointer(comm, node_leader(comm.groups) if node_local else None)
 
 
 def _make_optimizer(cfg: Config, client: Any, param_groups: list[dict[str, Any]],

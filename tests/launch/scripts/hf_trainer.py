@@ -27,6 +27,7 @@ p.add_argument("--offload", action="store_true")
 p.add_argument("--gather16", action="store_true", help="stage3_gather_16bit_weights_on_model_save")
 p.add_argument("--bf16", action="store_true")
 p.add_argument("--eval", action="store_true")
+p.add_argument("--save-on-each-node", action="store_true", help="TrainingArguments(save_on_each_node=True)")
 p.add_argument("--save-model", default="")
 p.add_argument("--out", required=True)
 p.add_argument("--results", required=True)
@@ -68,7 +69,7 @@ targs = TrainingArguments(
     gradient_accumulation_steps=args.gas, learning_rate=1e-3, warmup_steps=1, weight_decay=0.01,
     max_steps=args.steps, logging_steps=1, save_strategy="steps" if args.save_steps else "no",
     save_steps=args.save_steps or 10**6, report_to=[], deepspeed=str(cfg_path), use_cpu=True,
-    bf16=args.bf16, seed=0, data_seed=0, dataloader_num_workers=0)
+    bf16=args.bf16, seed=0, data_seed=0, dataloader_num_workers=0, save_on_each_node=args.save_on_each_node)
 cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
 torch.manual_seed(0)
@@ -77,7 +78,9 @@ trainer = Trainer(model=model, args=targs, train_dataset=Tokens(64, 0), eval_dat
 trainer.train(resume_from_checkpoint=True if args.resume else None)
 out = {"log": [h for h in trainer.state.log_history if "loss" in h],
        "global_step": trainer.state.global_step,
-       "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+       "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+       "node_local": trainer.model_wrapped.config.get("checkpoint", {}).get("use_node_local_storage", False)
+       if hasattr(trainer.model_wrapped, "config") and isinstance(trainer.model_wrapped.config, dict) else None}
 if args.eval:
     out["eval_loss"] = trainer.evaluate()["eval_loss"]
 if args.save_model:
