@@ -1,4 +1,5 @@
-"""Worker for bench/two_node.py (or torchrun): 1-bit Adam or 0/1 Adam against plain Adam at stage 0 on the
+"""Worker for bench/two_node.py (or torchrun): 1-bit Adam or 0/1 Adam against plain Adam, 1-bit Lamb
+against plain Lamb, at stage 0 on the
 "small" GPT, fp32. Rank 0 prints one `ONEBIT_STEP` line: mean step time and bytes this rank
 sends per step (comm log, ring-equivalent wire bytes) during the warm-up and after it, and the
 loss after the last step.
@@ -6,6 +7,7 @@ loss after the last step.
     sudo python bench/two_node.py --rate 100mbit -- bench/onebit_step.py --optimizer onebit
     python -m torch.distributed.run --nproc-per-node 2 bench/onebit_step.py --optimizer adam
     python -m torch.distributed.run --nproc-per-node 2 bench/onebit_step.py --optimizer zoadam
+    sudo python bench/two_node.py --rate 30mbit -- bench/onebit_step.py --optimizer onebitlamb
 
 For zoadam, `--freeze-step` is `var_freeze_step`; "warm-up" means the variance phase (full and
 1-bit steps mixed per the variance schedule) and "after" the local-step phase.
@@ -30,7 +32,7 @@ all-gather (w-1)/w of its output, an all-to-all (w-1)/w of its input."""
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--optimizer", choices=("adam", "onebit", "zoadam"), default="onebit")
+    parser.add_argument("--optimizer", choices=("adam", "onebit", "zoadam", "lamb", "onebitlamb"), default="onebit")
     parser.add_argument("--var-update-scaler", type=int, default=2, help="zoadam only")
     parser.add_argument("--local-step-scaler", type=int, default=2, help="zoadam only")
     parser.add_argument("--local-step-clipper", type=int, default=4, help="zoadam only")
@@ -41,12 +43,13 @@ def main() -> int:
     torch.manual_seed(0)
     cfg = GPTConfig.preset("small")
     params = {"lr": args.lr}
-    if args.optimizer == "onebit":
+    if args.optimizer in ("onebit", "onebitlamb"):
         params["freeze_step"] = args.freeze_step
     if args.optimizer == "zoadam":
         params.update(var_freeze_step=args.freeze_step, var_update_scaler=args.var_update_scaler,
                       local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper)
-    type_name = {"adam": "Adam", "onebit": "OneBitAdam", "zoadam": "ZeroOneAdam"}[args.optimizer]
+    type_name = {"adam": "Adam", "onebit": "OneBitAdam", "zoadam": "ZeroOneAdam", "lamb": "Lamb",
+                 "onebitlamb": "OneBitLamb"}[args.optimizer]
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "optimizer": {"type": type_name, "params": params},
               "steps_per_print": 10_000, "comms_logger": {"enabled": True},

@@ -128,6 +128,14 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
         ("eps_inside_sqrt", False), ("weight_decay", 0.0), ("max_grad_norm", 0.0), ("var_freeze_step", 100000),
         ("var_update_scaler", 16), ("local_step_scaler", 32678), ("local_step_clipper", 16), ("amsgrad", False),
         ("cuda_aware", False), ("comm_backend_name", "nccl"))},
+    # runtime/fp16/onebit/lamb.py OnebitLamb.__init__ (removed likewise; read from
+    # microsoft/DeepSpeed master before the removal)
+    **{f"optimizer.params[OneBitLamb].{k}": v for k, v in (
+        ("lr", 1e-3), ("freeze_step", 100000), ("bias_correction", True), ("betas", (0.9, 0.999)),
+        ("eps", 1e-8), ("eps_inside_sqrt", False), ("weight_decay", 0.0), ("max_grad_norm", 0.0),
+        ("max_coeff", 10.0), ("min_coeff", 0.01), ("amsgrad", False), ("cuda_aware", False),
+        ("comm_backend_name", "nccl"), ("coeff_beta", 0.9), ("factor_max", 4.0), ("factor_min", 0.5),
+        ("factor_threshold", 0.1))},
     # runtime/lr_schedules.py constructors
     "scheduler.params[WarmupLR].warmup_min_lr": 0.0, "scheduler.params[WarmupLR].warmup_max_lr": None,
     "scheduler.params[WarmupLR].warmup_num_steps": 1000, "scheduler.params[WarmupLR].warmup_type": "log",

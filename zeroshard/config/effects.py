@@ -47,6 +47,10 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
         "lr", "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "betas", "eps",
         "weight_decay", "comm_backend_name")},
     "optimizer.params[ZeroOneAdam].amsgrad": ("runtime/optim.py",),
+    **{f"optimizer.params[OneBitLamb].{k}": ("runtime/onebit_lamb.py",) for k in (
+        "lr", "freeze_step", "betas", "eps", "weight_decay", "max_coeff", "min_coeff", "coeff_beta", "factor_max",
+        "factor_min", "factor_threshold", "comm_backend_name")},
+    "optimizer.params[OneBitLamb].amsgrad": ("runtime/optim.py",),
     # precision (fp16.enabled / bf16.enabled select Config.precision, which initialize reads)
     "fp16.enabled": ("runtime/initialize.py::cfg.precision",), "bf16.enabled": ("runtime/initialize.py::cfg.precision",),
     "fp16.loss_scale": _SCALER, "fp16.initial_scale_power": _SCALER, "fp16.loss_scale_window": _SCALER,
@@ -180,6 +184,10 @@ NO_EFFECT: dict[str, str] = {
     "the top-level gradient_clipping clips.",
     "optimizer.params[ZeroOneAdam].max_grad_norm": "DeepSpeed's ZeroOneAdam stores it and never reads it; "
     "the top-level gradient_clipping clips.",
+    "optimizer.params[OneBitLamb].max_grad_norm": "DeepSpeed's OnebitLamb stores it and never reads it; "
+    "the top-level gradient_clipping clips.",
+    "optimizer.params[OneBitLamb].eps_inside_sqrt": "DeepSpeed's OnebitLamb stores it and always adds eps "
+    "outside the square root; so does zeroshard's.",
     "optimizer.params[ZeroOneAdam].eps_inside_sqrt": "DeepSpeed's ZeroOneAdam stores it and always adds eps "
     "outside the square root; so does zeroshard's.",
     "optimizer.params[Adam].torch_adam": "zeroshard always uses torch's Adam (its fused kernel where "

@@ -137,7 +137,52 @@ class ZeroOneAdamParams:
     """Where the compressed all-reduce runs: the job's own process group either way (as OneBitAdam)."""
 
 
-OptimizerParams = AdamParams | LambParams | OneBitAdamParams | ZeroOneAdamParams | Mapping[str, Any]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OneBitLambParams:
+    """`optimizer.params` for type OneBitLamb (DeepSpeed's OnebitLamb arguments; runtime/onebit_lamb.py).
+    Needs zero_optimization.stage 0, as in DeepSpeed."""
+
+    lr: float = spec(1e-3, ge=0.0)
+    """Learning rate."""
+    freeze_step: int = spec(100000, ge=1)
+    """Full-precision warm-up steps (LAMB); then the momentum is averaged in 1 bit and the variance
+    and trust ratios are frozen. DeepSpeed's default, 100000."""
+    bias_correction: bool = True
+    """Only true (false is refused). DeepSpeed's OnebitLamb stores it and never uses it: neither
+    its update nor zeroshard's has bias correction."""
+    betas: Betas = spec((0.9, 0.999), ge=0.0, lt=1.0)
+    """Running-average coefficients, each in [0, 1)."""
+    eps: float = spec(1e-8, ge=0.0)
+    """Term added to the denominator for numerical stability."""
+    eps_inside_sqrt: bool = False
+    """Stored and never used by DeepSpeed's OnebitLamb (eps is added outside the square root)."""
+    weight_decay: float = spec(0.0, ge=0.0)
+    """Weight decay, added to the update inside the trust ratio (as Lamb)."""
+    max_grad_norm: float = spec(0.0, ge=0.0)
+    """Stored and never used by DeepSpeed's OnebitLamb; use top-level gradient_clipping."""
+    max_coeff: float = spec(10.0, gt=0.0)
+    """Upper bound of the warm-up trust ratio. DeepSpeed's default, 10.0."""
+    min_coeff: float = spec(0.01, ge=0.0)
+    """Lower bound of the warm-up trust ratio. DeepSpeed's default, 0.01."""
+    amsgrad: bool = False
+    """AMSGrad variant (only false, as in DeepSpeed)."""
+    cuda_aware: bool = False
+    """DeepSpeed's CUDA-aware MPI switch (only false: there is no MPI path)."""
+    comm_backend_name: Literal["nccl", "gloo"] = "nccl"
+    """Where the compressed all-reduce runs: the job's own process group either way (as OneBitAdam)."""
+    coeff_beta: float = spec(0.9, ge=0.0, lt=1.0)
+    """Decay of the running average of the warm-up trust ratios, frozen at the end of the warm-up
+    (1 / (1 - coeff_beta) should not exceed freeze_step). DeepSpeed's default, 0.9."""
+    factor_max: float = spec(4.0, gt=0.0)
+    """Upper bound of the compression-stage factor on the frozen trust ratio. DeepSpeed's default, 4.0."""
+    factor_min: float = spec(0.5, gt=0.0)
+    """Lower bound of that factor. DeepSpeed's default, 0.5."""
+    factor_threshold: float = spec(0.1, ge=0.0, lt=1.0)
+    """The most the factor may change from one step to the next, relative. DeepSpeed's default, 0.1."""
+
+
+OptimizerParams = (AdamParams | LambParams | OneBitAdamParams | ZeroOneAdamParams | OneBitLambParams
+                   | Mapping[str, Any])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -145,8 +190,8 @@ class OptimizerConfig:
     """`optimizer`: the optimizer zeroshard builds when the script passes none."""
 
     type: str
-    """Canonical name: "Adam", "AdamW", "Lamb", "OneBitAdam", "ZeroOneAdam", or a `torch.optim` class name ("SGD",
-    "Adagrad", ...). Matched case-insensitively, as DeepSpeed does."""
+    """Canonical name: "Adam", "AdamW", "Lamb", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", or a
+    `torch.optim` class name ("SGD", "Adagrad", ...). Matched case-insensitively, as DeepSpeed does."""
     params: OptimizerParams
     """Constructor arguments: `AdamParams`, `LambParams`, or for other `torch.optim` classes a
     read-only mapping of the given keyword arguments (names checked against the signature)."""
@@ -279,6 +324,7 @@ OPTIMIZER_PARAMS: dict[str, tuple[str, type]] = {
     "lamb": ("Lamb", LambParams),
     "onebitadam": ("OneBitAdam", OneBitAdamParams),
     "zerooneadam": ("ZeroOneAdam", ZeroOneAdamParams),
+    "onebitlamb": ("OneBitLamb", OneBitLambParams),
 }
 """DeepSpeed's own optimizer types with typed params: lower-case name -> (canonical, class)."""
 

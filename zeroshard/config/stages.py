@@ -116,7 +116,7 @@ def _is_active(cfg: Any, rule: StageRule) -> tuple[bool, Any]:
     return value == rule.active_value, value
 
 
-STAGE0_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam")
+STAGE0_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 """Optimizers that average whole momenta over the data-parallel ranks: stage 0 only."""
 
 

@@ -89,7 +89,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
 """Keys with values zeroshard rejects as not supported yet. Checked in order."""
 
 UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
-    "onebitlamb": "OneBitLamb",
     "lion": "Lion", "muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD", "muon": "Muon",
 }
 """DeepSpeed optimizer types zeroshard does not provide: lower-case name -> DeepSpeed's name."""

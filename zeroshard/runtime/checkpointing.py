@@ -36,7 +36,7 @@ from zeroshard.checkpoint_format import (
 )
 from zeroshard.errors import CheckpointError
 from zeroshard.runtime.onebit import STATE_KEYS as ONEBIT_STATE_KEYS
-from zeroshard.runtime.onebit import OneBitAdam, drop_onebit_state
+from zeroshard.runtime.onebit import OneBitOptimizer, drop_onebit_state
 from zeroshard.zero.strategy import MasterFragment, ZeroStrategy
 
 if TYPE_CHECKING:
@@ -227,9 +227,9 @@ def apply_state(engine: "ZeroEngine", strategy: ZeroStrategy, loaded: LoadedStat
     opt = engine.optimizer
     if opt is not None and loaded.optimizer_states is not None and loaded.param_groups is not None:
         states = loaded.optimizer_states
-        if not isinstance(opt, OneBitAdam) and any(k in s for s in states for k in ONEBIT_STATE_KEYS):
-            # A 1-bit Adam checkpoint resumed with plain Adam: AdamW's state carries over, the
-            # compression errors (meaningful only to the 1-bit all-reduce) are dropped.
+        if not isinstance(opt, OneBitOptimizer) and any(k in s for s in states for k in ONEBIT_STATE_KEYS):
+            # A 1-bit optimizer's checkpoint resumed with plain Adam/Lamb: their state carries over,
+            # the 1-bit state (errors, 1-bit Lamb's frozen ratios) is dropped.
             logger.info(f"load: the checkpoint's 1-bit Adam error buffers are dropped ({type(opt).__name__} "
                         "keeps exp_avg, exp_avg_sq and step)")
             states = [drop_onebit_state(s) for s in states]

@@ -24,7 +24,7 @@ from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
 from zeroshard.runtime.loss_scaler import build_loss_scaler
 from zeroshard.runtime.lr_schedules import build_scheduler
-from zeroshard.runtime.onebit import OneBitAdam
+from zeroshard.runtime.onebit import OneBitOptimizer
 from zeroshard.runtime.monitor import build_sinks, format_bytes, setup_logging
 from zeroshard.runtime.optim import (
     params_dict,
@@ -193,7 +193,7 @@ def initialize(
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
     strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units)
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
-    if isinstance(opt, OneBitAdam):  # it all-reduces the momentum itself, after its warm-up
+    if isinstance(opt, OneBitOptimizer):  # it all-reduces the momentum itself, after its warm-up
         opt.attach(comm, strategy)
     wrap = getattr(strategy, "wrap_optimizer", None)  # an NVMe home swaps the optimizer's states
     if opt is not None and wrap is not None:

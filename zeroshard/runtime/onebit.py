@@ -51,14 +51,143 @@ OWNER_KEYS = ("error_rank", "error_world_size")
 LOCAL_STEP_KEYS = ("momentum_accumulator", "lrs")
 """0/1 Adam's (runtime/zoadam.py) local-step state: the updates since the ranks last agreed."""
 
-STATE_KEYS = ERROR_KEYS + OWNER_KEYS + LOCAL_STEP_KEYS
-"""State keys the 1-bit optimizers add to Adam's; a plain optimizer loading their checkpoint drops them."""
-
 COMM_BACKENDS = ("nccl", "gloo")
 """`comm_backend_name` values accepted: both name the job's own process group (see `attach`)."""
 
 
-class OneBitAdam(torch.optim.AdamW):
+LAMB_STATE_KEYS = ("exp_avg_sq_fresh", "lamb_coeff_freeze", "last_factor", "scaling_coeff")
+"""1-bit Lamb's state beyond Lamb's (runtime/onebit_lamb.py)."""
+
+STATE_KEYS = ERROR_KEYS + OWNER_KEYS + LOCAL_STEP_KEYS + LAMB_STATE_KEYS
+"""State keys the 1-bit optimizers add to Adam's and Lamb's; a plain optimizer loading their
+checkpoint drops them."""
+
+
+def check_onebit_args(freeze_step: Any, comm_backend_name: str, cuda_aware: bool, key: str = "freeze_step") -> None:
+    """The arguments every 1-bit optimizer shares, refused by name when they cannot be honoured."""
+    if not isinstance(freeze_step, int) or isinstance(freeze_step, bool) or freeze_step < 1:
+        raise ConfigError(f"optimizer.params.{key}: got {freeze_step!r}, expected an int >= 1 "
+                          "(the number of full-precision warm-up steps).")
+    if comm_backend_name not in COMM_BACKENDS:
+        raise ConfigError(
+            f"optimizer.params.comm_backend_name: {comm_backend_name!r} is not supported; zeroshard runs "
+            f"the compressed all-reduce on the job's process group: use one of {list(COMM_BACKENDS)} "
+            "(both mean that group: NCCL on CUDA, gloo on CPU). DeepSpeed's 'mpi' and 'hccl' paths "
+            "are not provided.")
+    if cuda_aware:
+        raise ConfigError("optimizer.params.cuda_aware: true asks for DeepSpeed's CUDA-aware MPI path, "
+                          "which zeroshard does not provide (torch process groups move device tensors "
+                          "directly). Remove it or set it to false.")
+
+
+class OneBitOptimizer:
+    """What the 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb) share, mixed into a
+    `torch.optim.Optimizer`: the process group and strategy (`attach`), the 1-bit all-reduce with
+    its error buffers kept as per-parameter state, the warm-up/compression switch, and the
+    rebinding of the errors after a checkpoint load."""
+
+    freeze_step: int
+    comm_backend_name: str
+    param_groups: list[dict[str, Any]]
+    state: Any
+
+    def _init_onebit(self, freeze_step: int, comm_backend_name: str) -> None:
+        self.freeze_step = freeze_step
+        self.comm_backend_name = comm_backend_name
+        self._comm: "Comm | None" = None
+        self._strategy: Any = None
+        self._allreduce: SignAllReduce | None = None
+
+    def attach(self, comm: "Comm", strategy: Any) -> None:
+        """Give the optimizer its process group and the strategy whose gradient reduction it
+        switches off after the warm-up.
+
+        Raises:
+            ConfigError: the strategy cannot hand out local gradients (a ZeRO stage above 0).
+        """
+        name = type(self).__name__
+        if not hasattr(strategy, "set_grad_reduction"):
+            raise ConfigError(f"optimizer.type {name} needs zero_optimization.stage 0 (plain data "
+                              f"parallelism, as in DeepSpeed); {type(strategy).__name__} partitions the "
+                              "gradients. Set stage to 0 or use Adam.")
+        backend = comm.groups.backend
+        if self.comm_backend_name != backend and comm.world_size > 1:
+            logger.info(f"{name}: comm_backend_name {self.comm_backend_name!r} maps to the job's "
+                        f"{backend} process group")
+        self._comm, self._strategy = comm, strategy
+        device = self._params()[0].device if self._params() else torch.device("cpu")
+        self._allreduce = SignAllReduce([p.numel() for p in self._params()], comm, device)
+        strategy.set_grad_reduction(not self.compressing)
+
+    def _params(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _bind_errors(self, reset: bool) -> None:
+        """Point each parameter's error state at its slice of the all-reduce's flat errors.
+
+        Done after the optimizer created its state (the first step, or a load): torch's
+        optimizers initialise a parameter's state only while it is empty."""
+        ar, comm = self._allreduce, self._comm
+        if ar is None or comm is None:
+            return
+        for i, p in enumerate(self._params()):
+            state = self.state[p]
+            for key, errors in (("worker_error", ar.worker_errors), ("server_error", ar.server_errors_full)):
+                view = errors[i].view(p.shape)
+                if reset:
+                    view.zero_()
+                elif key in state and state[key] is not view:
+                    view.copy_(state[key])
+                state[key] = view
+            state["error_rank"], state["error_world_size"] = comm.rank, comm.world_size
+
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps applied so far (the per-parameter `step`, the same for all)."""
+        for p in self._params():
+            step = self.state.get(p, {}).get("step")
+            if step is not None:
+                return int(step)
+        return 0
+
+    @property
+    def compressing(self) -> bool:
+        """True once the warm-up is over: the next step averages the momentum in 1 bit."""
+        return self.steps_taken >= self.freeze_step
+
+    def _check_attached(self) -> None:
+        if self._comm is None:
+            raise RuntimeError(f"{type(self).__name__}.step() before attach(): build it through "
+                               "zeroshard.initialize() (the config's optimizer section), which gives it the "
+                               "process group")
+
+    def _average_momenta(self, momenta: list[Tensor]) -> None:
+        """Replace each rank's momenta by their 1-bit average over ranks (nothing at world 1)."""
+        if self._comm is not None and self._comm.world_size > 1 and self._allreduce is not None:
+            averaged = self._allreduce.average([m.reshape(-1).float() for m in momenta])
+            torch._foreach_copy_(momenta, [a.view_as(m) for a, m in zip(averaged, momenta)])
+
+    def _rebind_after_load(self) -> None:
+        """After the optimizer's own `load_state_dict`: restore the errors when they are this
+        rank's (same rank and world size), else start them at zero; set the strategy's gradient
+        reduction for the stage the loaded step count is in."""
+        comm = self._comm
+        if comm is None:
+            return
+        states = [self.state.get(p, {}) for p in self._params()]
+        if not any("step" in s for s in states):
+            return  # saved before the first step: nothing to bind yet
+        own = all(s.get("error_rank") == comm.rank and s.get("error_world_size") == comm.world_size
+                  and all(k in s for k in ERROR_KEYS) for s in states)
+        if not own:
+            logger.info(f"{type(self).__name__}: the checkpoint holds no 1-bit errors of this rank at this world "
+                        "size; they start at zero (DeepSpeed always resets them on load)")
+        self._bind_errors(reset=not own)
+        if self._strategy is not None:
+            self._strategy.set_grad_reduction(not self.compressing)
+
+
+class OneBitAdam(OneBitOptimizer, torch.optim.AdamW):
     """AdamW with a full-precision warm-up, then 1-bit compressed momentum averaging.
 
     Args:
@@ -77,95 +206,17 @@ class OneBitAdam(torch.optim.AdamW):
     def __init__(self, params: Iterable[Any], *, lr: float = 1e-3, freeze_step: int = 100000,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  comm_backend_name: str = "nccl", cuda_aware: bool = False, fused: bool | None = None) -> None:
-        if not isinstance(freeze_step, int) or isinstance(freeze_step, bool) or freeze_step < 1:
-            raise ConfigError(f"optimizer.params.freeze_step: got {freeze_step!r}, expected an int >= 1 "
-                              "(the number of full-precision warm-up steps).")
-        if comm_backend_name not in COMM_BACKENDS:
-            raise ConfigError(
-                f"optimizer.params.comm_backend_name: {comm_backend_name!r} is not supported; zeroshard runs "
-                f"the compressed all-reduce on the job's process group: use one of {list(COMM_BACKENDS)} "
-                "(both mean that group: NCCL on CUDA, gloo on CPU). DeepSpeed's 'mpi' and 'hccl' paths "
-                "are not provided.")
-        if cuda_aware:
-            raise ConfigError("optimizer.params.cuda_aware: true asks for DeepSpeed's CUDA-aware MPI path, "
-                              "which zeroshard does not provide (torch process groups move device tensors "
-                              "directly). Remove it or set it to false.")
+        check_onebit_args(freeze_step, comm_backend_name, cuda_aware)
         super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=fused)
-        self.freeze_step = freeze_step
-        self.comm_backend_name = comm_backend_name
-        self._comm: "Comm | None" = None
-        self._strategy: Any = None
-        self._allreduce: SignAllReduce | None = None
+        self._init_onebit(freeze_step, comm_backend_name)
 
     def __repr__(self) -> str:
         return (f"OneBitAdam(freeze_step={self.freeze_step}, steps={self.steps_taken}, "
                 f"{'compressing' if self.compressing else 'warm-up'}, {self._allreduce!r})")
 
-    # -- wiring -------------------------------------------------------------------------------
-
-    def attach(self, comm: "Comm", strategy: Any) -> None:
-        """Give the optimizer its process group and the strategy whose gradient reduction it
-        switches off after the warm-up.
-
-        Raises:
-            ConfigError: the strategy cannot hand out local gradients (a ZeRO stage above 0).
-        """
-        if not hasattr(strategy, "set_grad_reduction"):
-            raise ConfigError(f"optimizer.type OneBitAdam needs zero_optimization.stage 0 (plain data "
-                              f"parallelism, as in DeepSpeed); {type(strategy).__name__} partitions the "
-                              "gradients. Set stage to 0 or use Adam.")
-        backend = comm.groups.backend
-        if self.comm_backend_name != backend and comm.world_size > 1:
-            logger.info(f"OneBitAdam: comm_backend_name {self.comm_backend_name!r} maps to the job's "
-                        f"{backend} process group")
-        self._comm, self._strategy = comm, strategy
-        device = self._params()[0].device if self._params() else torch.device("cpu")
-        self._allreduce = SignAllReduce([p.numel() for p in self._params()], comm, device)
-        strategy.set_grad_reduction(not self.compressing)
-
-    def _params(self) -> list[Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
-
-    def _bind_errors(self, reset: bool) -> None:
-        """Point each parameter's error state at its slice of the all-reduce's flat errors.
-
-        Done after AdamW created its state (the first step, or a load): AdamW initialises a
-        parameter's state only while it is empty."""
-        ar, comm = self._allreduce, self._comm
-        if ar is None or comm is None:
-            return
-        for i, p in enumerate(self._params()):
-            state = self.state[p]
-            for key, errors in (("worker_error", ar.worker_errors), ("server_error", ar.server_errors_full)):
-                view = errors[i].view(p.shape)
-                if reset:
-                    view.zero_()
-                elif key in state and state[key] is not view:
-                    view.copy_(state[key])
-                state[key] = view
-            state["error_rank"], state["error_world_size"] = comm.rank, comm.world_size
-
-    # -- stages -------------------------------------------------------------------------------
-
-    @property
-    def steps_taken(self) -> int:
-        """Optimizer steps applied so far (AdamW's per-parameter `step`, the same for all)."""
-        for p in self._params():
-            step = self.state.get(p, {}).get("step")
-            if step is not None:
-                return int(step)
-        return 0
-
-    @property
-    def compressing(self) -> bool:
-        """True once the warm-up is over: the next step averages the momentum in 1 bit."""
-        return self.steps_taken >= self.freeze_step
-
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        if self._comm is None:
-            raise RuntimeError("OneBitAdam.step() before attach(): build it through zeroshard.initialize() "
-                               "(the config's optimizer section), which gives it the process group")
+        self._check_attached()
         if not self.compressing:
             loss = super().step(closure)
             if "worker_error" not in self.state.get(self._params()[0], {}):
@@ -191,9 +242,7 @@ class OneBitAdam(torch.optim.AdamW):
                 if p.grad is not None:  # a parameter without a gradient keeps its momentum
                     exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
                 momenta.append(exp_avg)
-        if self._comm is not None and self._comm.world_size > 1 and self._allreduce is not None:
-            averaged = self._allreduce.average([m.reshape(-1).float() for m in momenta])
-            torch._foreach_copy_(momenta, [a.view_as(m) for a, m in zip(averaged, momenta)])
+        self._average_momenta(momenta)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
@@ -207,26 +256,11 @@ class OneBitAdam(torch.optim.AdamW):
                 denom = (state["exp_avg_sq"].sqrt() / bc2 ** 0.5).add_(eps)
                 p.addcdiv_(state["exp_avg"], denom, value=-lr / bc1)
 
-    # -- checkpoints --------------------------------------------------------------------------
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load AdamW's state; restore the errors when they are this rank's (same rank and world
         size), else start them at zero. A plain Adam checkpoint loads too (errors at zero)."""
         super().load_state_dict(state_dict)
-        comm = self._comm
-        if comm is None:
-            return
-        states = [self.state.get(p, {}) for p in self._params()]
-        if not any("step" in s for s in states):
-            return  # saved before the first step: nothing to bind yet
-        own = all(s.get("error_rank") == comm.rank and s.get("error_world_size") == comm.world_size
-                  and all(k in s for k in ERROR_KEYS) for s in states)
-        if not own:
-            logger.info("OneBitAdam: the checkpoint holds no 1-bit errors of this rank at this world size; "
-                        "they start at zero (DeepSpeed always resets them on load)")
-        self._bind_errors(reset=not own)
-        if self._strategy is not None:
-            self._strategy.set_grad_reduction(not self.compressing)
+        self._rebind_after_load()
 
 
 def drop_onebit_state(state: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from torch import nn
 from zeroshard.errors import ConfigError
 from zeroshard.runtime.lamb import Lamb
 from zeroshard.runtime.onebit import OneBitAdam
+from zeroshard.runtime.onebit_lamb import OneBitLamb
 from zeroshard.runtime.zoadam import ZeroOneAdam
 
 logger = logging.getLogger("zeroshard")
@@ -70,6 +71,13 @@ def build_optimizer(
         return Lamb(param_groups, **kwargs)
     if name == "onebitadam":
         return _one_bit_adam(kwargs, param_groups, device, model_params)
+    if name == "onebitlamb":
+        if kwargs.pop("amsgrad", False):
+            raise ConfigError("optimizer.params.amsgrad: true is not supported by OneBitLamb (nor by "
+                              "DeepSpeed's). Remove the key or set it to false.")
+        for key in ("bias_correction", "eps_inside_sqrt", "max_grad_norm"):  # DeepSpeed ignores them too
+            kwargs.pop(key, None)
+        return OneBitLamb(param_groups, **{k: (tuple(v) if k == "betas" else v) for k, v in kwargs.items()})
     if name == "zerooneadam":
         if kwargs.pop("amsgrad", False):
             raise ConfigError("optimizer.params.amsgrad: true is not supported by ZeroOneAdam (nor by "
