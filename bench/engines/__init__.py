@@ -60,7 +60,9 @@ def _rows() -> list[EngineSpec]:
                                          (3, "both", "3_offload", "stage 3 + CPU offload (params + optimizer)"),
                                          (3, True, "3_offload_opt", "stage 3 + CPU optimizer offload"),
                                          (2, "nvme", "2_nvme", "stage 2 + NVMe optimizer offload"),
-                                         (3, "nvme", "3_nvme", "stage 3 + NVMe optimizer offload")):
+                                         (3, "nvme", "3_nvme", "stage 3 + NVMe optimizer offload"),
+                                         (3, "nvme_both", "3_nvme_both",
+                                          "stage 3 + NVMe parameter and optimizer offload")):
         rows.append(EngineSpec(f"zs{suffix}", "zeroshard", stage, offload, f"zeroshard {text}", _zs(stage, offload)))
         if (stage, offload) != (2, "nvme"):  # DeepSpeed swaps optimizer states to NVMe at stage 3 only
             rows.append(EngineSpec(f"ds{suffix}", "deepspeed", stage, offload, f"DeepSpeed {text}", _ds(stage, offload)))

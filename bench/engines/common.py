@@ -99,7 +99,7 @@ def ds_config(spec: RunSpec, stage: int, offload: bool | str) -> dict[str, Any]:
 
     `offload`: False / True (optimizer to CPU) / "both" (stage 3: optimizer and parameters) /
     "nvme" (optimizer states in swap files under $ZS_BENCH_NVME_PATH, default
-    /work/nvme_scratch/bench; bench/nvme.md).
+    /work/nvme_scratch/bench; bench/nvme.md) / "nvme_both" (stage 3: parameters there too).
     """
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": spec.bucket_numel}
     if stage in (1, 2):
@@ -114,10 +114,12 @@ def ds_config(spec: RunSpec, stage: int, offload: bool | str) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu"}
     if offload == "both":
         zero["offload_param"] = {"device": "cpu"}
-    if offload == "nvme":
+    if offload in ("nvme", "nvme_both"):
         path = os.environ.get("ZS_BENCH_NVME_PATH", "/work/nvme_scratch/bench")
         os.makedirs(path, exist_ok=True)
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path, "buffer_count": NVME_BUFFER_COUNT}
+        if offload == "nvme_both":  # parameters too (stage 3): DeepSpeed's and zeroshard's defaults otherwise
+            zero["offload_param"] = {"device": "nvme", "nvme_path": path}
         # sub-groups of 1M elements: with buffer_count 4 the host pool holds 4M of a rank's
         # 12.7M (stage 2/3 at world size 2), so most of the states go through the disk every step
         zero["sub_group_size"] = NVME_SUB_GROUP

@@ -426,8 +426,6 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
-     'not supported yet: zero_optimization.offload_param.device="nvme". parameter offload to NVMe'),
     ({"comet": {"enabled": True}}, 'not supported yet: comet={"enabled": true}.'),
     ({"aio__use_gds": True}, "not supported yet: aio.use_gds=true. GPUDirect Storage is not built"),
     ({"checkpoint__load_universal": True}, "not supported yet: checkpoint.load_universal=true."),

@@ -135,7 +135,7 @@ def load(raw: dict[str, Any], **kwargs: Any) -> Config:
     ({"zero_optimization": {"stage": 1}}, 1, {}, None),
     (SEED002_ZERO2, 2, {}, None),
     (SEED002_ZERO3, 3, {}, None),
-    (SEED002_NVME, 3, {}, "zero_optimization.offload_param.device"),
+    (SEED002_NVME, 3, {}, None),
     (SEED002_EXPERIMENT, 3, {"auto_values": HF_AUTO_VALUES}, None),
     (SEED003_ADAMW_STAGE3, 3, {}, None),
     (seed003_chat(3), 3, {}, None),

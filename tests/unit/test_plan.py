@@ -64,11 +64,13 @@ def test_cpu_budget_decides_too() -> None:
     assert all(d.status == "skipped" and "no --nvme-path" in d.line for d in plan.decisions[-2:])
 
 
-def test_unsupported_candidates_are_skipped_with_the_loaders_reason() -> None:
+def test_parameters_on_nvme_candidate_is_evaluated() -> None:
+    """offload_param.device "nvme" is built: the last candidate is estimated, not skipped, and
+    counts the parameter shards as swapped."""
     plan = make_plan(spec_from_counts(30e9, 1e9), Workload(), hw(8, 100, nvme_path="/nvme"))
     nvme = plan.decisions[-1]
-    assert nvme.status == "skipped" and "not supported yet" in nvme.line and "nvme" in nvme.line
-    assert plan.chosen is None
+    assert "offload_param=nvme" in nvme.name and nvme.status != "skipped", nvme.line
+    assert nvme.estimate is not None and nvme.estimate.nvme_params > 0
 
 
 def test_nvme_candidate_states_the_disk_time_per_step() -> None:

@@ -81,6 +81,8 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     _Z + "offload_param.pin_memory": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param",
                                       "zero/offload.py::section.pin_memory"),
     _Z + "offload_optimizer.nvme_path": ("zero/offload.py::section.nvme_path",),
+    _Z + "offload_param.nvme_path": ("zero/offload.py::section.nvme_path", "zero/stage3.py::_nvme_param_home"),
+    _Z + "offload_param.max_in_cpu": ("zero/offload.py::section, \"max_in_cpu\"", "zero/nvme_params.py::max_in_cpu"),
     _Z + "offload_optimizer.buffer_count": ("zero/offload.py::section.buffer_count", "zero/nvme_swap.py::buffer_count"),
     _Z + "offload_optimizer.fast_init": ("zero/offload.py::fast_init", "zero/nvme_swap.py::fast_init"),
     "aio.block_size": ("zero/offload.py::aio.block_size",), "aio.queue_depth": ("zero/offload.py::aio.queue_depth",),
@@ -128,7 +130,9 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
 name), "file::text" (the file contains `text`), or "class:module.Name" (the class takes the key
 as a constructor argument, for parameters passed through as keyword arguments)."""
 
-_NVME = 'an NVMe swap setting; device "nvme" is not supported yet (refused), so it cannot apply.'
+_PARAM_PAGES = ("parameter shards on NVMe are a memory-mapped swap file read ahead unit by unit; "
+                "max_in_cpu bounds what stays in memory, so there are no swap buffers to count or size "
+                "(zero/nvme_params.py).")
 
 _PIPE = ("the NVMe step always reads ahead and writes behind while stepping, in buffer_count slots "
          "of sub_group_size elements per state (zero/nvme_swap.py).")
@@ -153,7 +157,7 @@ NO_EFFECT: dict[str, str] = {
     "invariants are always checked.",
     _Z + "save_muon_momentum_buffer_in_memory": "applies to DeepSpeed's Muon optimizer, which is not "
     "provided (refused).",
-    **{_Z + f"offload_param.{k}": _NVME for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")},
+    **{_Z + f"offload_param.{k}": _PARAM_PAGES for k in ("buffer_count", "buffer_size")},
     _Z + "offload_optimizer.pipeline_read": _PIPE,
     _Z + "offload_optimizer.pipeline_write": _PIPE,
     "aio.single_submit": "each block is its own preadv/pwritev call from a pool thread; there is no "

@@ -54,15 +54,20 @@ class OffloadParamConfig:
     """`zero_optimization.offload_param`: where stage 3 keeps parameter shards (stage 3 only)."""
 
     device: OffloadDevice = "none"
-    """Home of the parameter shards between uses: "none", "cpu" or "nvme". Stage 3 only."""
+    """Home of the parameter shards between uses: "none", "cpu" or "nvme" (a memory-mapped swap
+    file per rank under `nvme_path`, read ahead in execution order). Stage 3 only."""
     nvme_path: Path | None = None
     """Directory for the parameter swap files. Required when `device` is "nvme"."""
     buffer_count: int = spec(5, ge=0)
-    """Number of buffers in the NVMe parameter swap pool. DeepSpeed's default, 5."""
+    """Number of buffers in DeepSpeed's NVMe parameter swap pool (DeepSpeed's default, 5). Without
+    effect in zeroshard: the shard is a memory-mapped swap file paged in unit by unit, bounded by
+    `max_in_cpu` (zero/nvme_params.py)."""
     buffer_size: int = spec(100_000_000, ge=0)
-    """Size of each NVMe swap buffer, in elements. DeepSpeed's default, 1e8."""
+    """Size of each of DeepSpeed's NVMe swap buffers, in elements (default 1e8). Without effect in
+    zeroshard, as `buffer_count`."""
     max_in_cpu: int = spec(1_000_000_000, ge=0)
-    """Parameter elements kept in CPU memory when offloading to NVMe. Default 1e9."""
+    """Parameter elements kept in CPU memory when the shards are on NVMe: past it, the least
+    recently used units are written back and dropped. Default 1e9."""
     pin_memory: bool = True
     """Keep the CPU parameter copies in page-locked memory (faster copies, unpageable).
     Default true, as in DeepSpeed 0.19. Acted on when a CUDA device exists (zero/offload.py)."""

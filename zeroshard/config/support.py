@@ -39,8 +39,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(key="zero_optimization.stage", allowed=(0, 1, 2, 3), why=_STAGES, fix=_PLAN),
     Unsupported(key="zero_optimization.offload_optimizer.super_offload",
                 why="DeepSpeed's SuperOffload is not implemented.", fix="Remove the key."),
-    Unsupported(key="zero_optimization.offload_param.device", allowed=("none", "cpu"),
-                why="parameter offload to NVMe is not implemented.", fix='Use "device": "cpu".'),
     *(Unsupported(key=f"zero_optimization.{k}", why=_ZPP, fix="Remove the key.") for k in (
         "zero_quantized_nontrainable_weights", "mics_shard_size", "mics_hierarchical_params_gather")),
     Unsupported(key="zero_optimization.legacy_stage1", why="DeepSpeed's legacy stage 1 is not provided.",

@@ -35,6 +35,9 @@ class NvmeHome:
     buffer_count: int = 3
     """Slots of the swap pipeline (`offload_optimizer.buffer_count`; Note: [swap pipeline])."""
     key: str = "zero_optimization.offload_optimizer.nvme_path"
+    max_in_cpu: int = 1_000_000_000
+    """Parameter shards: the most elements kept in memory (`offload_param.max_in_cpu`;
+    Note: [parameters on NVMe])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +65,12 @@ class OffloadPolicy:
         if section.device == "nvme" and section.nvme_path is not None:
             io = IOOptions() if aio is None else IOOptions(
                 block_size=aio.block_size, queue_depth=aio.queue_depth, thread_count=aio.intra_op_parallelism)
+            param = hasattr(section, "max_in_cpu")  # an offload_param section
             home = NvmeHome(path=Path(section.nvme_path), sub_group_numel=int(sub_group_size), io=io,
                             fast_init=bool(getattr(section, "fast_init", True)),
-                            buffer_count=int(section.buffer_count))
+                            buffer_count=int(section.buffer_count),
+                            key=f"zero_optimization.{'offload_param' if param else 'offload_optimizer'}.nvme_path",
+                            max_in_cpu=int(getattr(section, "max_in_cpu", 1_000_000_000)))
             return cls(device=torch.device("cpu"), pin_memory=bool(section.pin_memory), nvme=home)
         if section.device != "cpu":
             raise AssertionError(f"offload device {section.device!r} passed config validation but has no home")

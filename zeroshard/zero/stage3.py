@@ -74,6 +74,7 @@ from zeroshard.zero.units import (
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, Handle
     from zeroshard.zero.gather import PendingGather
+    from zeroshard.zero.nvme_params import MappedParamShard
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +186,9 @@ class Stage3Strategy(ShardedStrategyBase):
             raise ValueError(f"ZeRO stage 3 needs one parameter dtype, found {sorted(map(str, dtypes))}")
         self._dtype = dtypes.pop() if dtypes else torch.float32
         plan = self._plan
-        self._lp_shard = self._opt.offload_param.allocate(plan.shard_numel, self._dtype, self._device)  # 1D
+        self._lp_home = self._nvme_param_home(plan.shard_numel)  # Note: [parameters on NVMe]
+        self._lp_shard = (self._lp_home.tensor if self._lp_home is not None else
+                          self._opt.offload_param.allocate(plan.shard_numel, self._dtype, self._device))  # 1D
         self._hpz: SecondaryPartition | None = None
         if self._opt.hpz_size > 1:
             padded = [0 if u == self._persistent else plan.layouts[u].padded_numel for u in range(len(plan.buckets))]
@@ -218,6 +221,8 @@ class Stage3Strategy(ShardedStrategyBase):
         for u in range(len(plan.buckets)):
             if u != self._persistent:
                 self._release(u)
+        if self._lp_home is not None:
+            self._lp_home.evict_all()  # filled: on disk until the first forward reads it
 
     def _node_comms(self, size: int) -> tuple["Comm", "Comm"]:
         """Comms over this rank's node group and cross group (one rank per node)."""
@@ -266,9 +271,25 @@ class Stage3Strategy(ShardedStrategyBase):
     def _live_numel(self) -> int:
         return sum(self._full[u].numel() for u, s in enumerate(self._state) if s is not UnitState.RELEASED)
 
+    def _nvme_param_home(self, numel: int) -> "MappedParamShard | None":
+        """With `offload_param.device: "nvme"`, the swap file the shard lives in (the directory
+        is checked now, before any step)."""
+        home = self._opt.offload_param.nvme
+        if home is None:
+            return None
+        from zeroshard.zero.nvme_io import check_swap_dir
+        from zeroshard.zero.nvme_params import MappedParamShard
+
+        nbytes = numel * torch.empty((), dtype=self._dtype).element_size()
+        root = check_swap_dir(home.path, nbytes, key=home.key, direct=None)
+        return MappedParamShard(root, numel, self._dtype, rank=self._rank, max_in_cpu=home.max_in_cpu)
+
     def _primary(self, u: int) -> Tensor:
         """This rank's chunk of unit `u` (low precision, on the device)."""
-        return self._lp_shard[slice(*self._plan.shard_range(u))].to(self._device, non_blocking=True)
+        start, end = self._plan.shard_range(u)
+        if self._lp_home is not None:
+            self._lp_home.use(start, end)  # read ahead; keep at most max_in_cpu elements mapped in
+        return self._lp_shard[start:end].to(self._device, non_blocking=True)
 
     def _start_gather(self, u: int, exact: bool = False) -> None:
         """Start gathering unit `u`: from the node's secondary partition under hpZ, int8 codes
@@ -449,6 +470,8 @@ class Stage3Strategy(ShardedStrategyBase):
             return
         self._shard.store_master_to_lp()
         self._refresh_secondary()
+        if self._lp_home is not None:
+            self._lp_home.evict_all()  # the step wrote every shard: back to disk until next used
         # The persistent unit stays gathered: refresh it now. Other units gather on next use.
         self._regather(self._persistent, exact=True)
 
