@@ -71,25 +71,26 @@ def build_optimizer(
         return Lamb(param_groups, **kwargs)
     if name == "onebitadam":
         return _one_bit_adam(kwargs, param_groups, device, model_params)
-    if name == "onebitlamb":
-        if kwargs.pop("amsgrad", False):
-            raise ConfigError("optimizer.params.amsgrad: true is not supported by OneBitLamb (nor by "
-                              "DeepSpeed's). Remove the key or set it to false.")
-        for key in ("bias_correction", "eps_inside_sqrt", "max_grad_norm"):  # DeepSpeed ignores them too
-            kwargs.pop(key, None)
-        return OneBitLamb(param_groups, **{k: (tuple(v) if k == "betas" else v) for k, v in kwargs.items()})
-    if name == "zerooneadam":
-        if kwargs.pop("amsgrad", False):
-            raise ConfigError("optimizer.params.amsgrad: true is not supported by ZeroOneAdam (nor by "
-                              "DeepSpeed's). Remove the key or set it to false.")
-        for key in ("bias_correction", "eps_inside_sqrt", "max_grad_norm"):  # DeepSpeed ignores them too
-            kwargs.pop(key, None)
-        return ZeroOneAdam(param_groups, **{k: (tuple(v) if k == "betas" else v) for k, v in kwargs.items()})
+    if name in ("onebitlamb", "zerooneadam"):
+        cls = OneBitLamb if name == "onebitlamb" else ZeroOneAdam
+        return cls(param_groups, **_onebit_kwargs(cls.__name__, kwargs))
     for attr in dir(torch.optim):
         cls = getattr(torch.optim, attr)
         if attr.lower() == name and inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer):
             return cls(param_groups, **kwargs)
     raise ConfigError(f"optimizer.type: {type_name!r} is not Adam, AdamW, Lamb or a torch.optim class")
+
+
+def _onebit_kwargs(optimizer: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Config params of ZeroOneAdam / OneBitLamb as their constructors take them: amsgrad refused
+    by name; the keys DeepSpeed's versions store and never read, dropped (config/effects.py
+    lists them as accepted without effect)."""
+    if kwargs.pop("amsgrad", False):
+        raise ConfigError(f"optimizer.params.amsgrad: true is not supported by {optimizer} (nor by "
+                          "DeepSpeed's). Remove the key or set it to false.")
+    for key in ("bias_correction", "eps_inside_sqrt", "max_grad_norm"):
+        kwargs.pop(key, None)
+    return {k: (tuple(v) if k == "betas" else v) for k, v in kwargs.items()}
 
 
 def _one_bit_adam(kwargs: dict[str, Any], param_groups: list[dict[str, Any]], device: torch.device,
