@@ -9,6 +9,7 @@ Prints one line per job with both exit statuses, then "CLEAN-EXIT <ok>/<jobs>".
 
 import atexit
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -49,6 +50,7 @@ for job in range(JOBS):
 
 if rank < 0:
     print(f"CLEAN-EXIT {JOBS_OK}/{JOBS}", flush=True)
+    shutil.rmtree(out_dir, ignore_errors=True)  # the ranks' logs, read above
 else:
     # ---- the user's script (one rank) ----
     fd = os.open(f"{out_dir}/{job}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
