@@ -161,6 +161,16 @@ class OneBitOptimizer:
                                "zeroshard.initialize() (the config's optimizer section), which gives it the "
                                "process group")
 
+    def _after_warmup_step(self, what: str) -> None:
+        """After a warm-up step: bind the errors once the state exists; at the warm-up's end,
+        switch the strategy's full-precision gradient reduction off."""
+        if "worker_error" not in self.state.get(self._params()[0], {}):
+            self._bind_errors(reset=True)
+        if self.compressing:
+            logger.info(f"{type(self).__name__}: warm-up over after {self.freeze_step} steps; the momentum is "
+                        f"now averaged with 1-bit compression and {what} frozen")
+            self._strategy.set_grad_reduction(False)
+
     def _average_momenta(self, momenta: list[Tensor]) -> None:
         """Replace each rank's momenta by their 1-bit average over ranks (nothing at world 1)."""
         if self._comm is not None and self._comm.world_size > 1 and self._allreduce is not None:
@@ -219,12 +229,7 @@ class OneBitAdam(OneBitOptimizer, torch.optim.AdamW):
         self._check_attached()
         if not self.compressing:
             loss = super().step(closure)
-            if "worker_error" not in self.state.get(self._params()[0], {}):
-                self._bind_errors(reset=True)
-            if self.compressing:
-                logger.info(f"OneBitAdam: warm-up over after {self.freeze_step} steps; the momentum is now "
-                            "averaged with 1-bit compression and the variance is frozen")
-                self._strategy.set_grad_reduction(False)
+            self._after_warmup_step("the variance is")
             return loss
         loss = None
         if closure is not None:

@@ -121,12 +121,7 @@ class OneBitLamb(OneBitOptimizer, torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if params:
                 self._warmup_step(group, params)
-        if "worker_error" not in self.state.get(self._params()[0], {}):
-            self._bind_errors(reset=True)
-        if self.compressing:
-            logger.info(f"OneBitLamb: warm-up over after {self.freeze_step} steps; the momentum is now "
-                        "averaged with 1-bit compression and the variance and trust ratios are frozen")
-            self._strategy.set_grad_reduction(False)
+        self._after_warmup_step("the variance and trust ratios are")
         return loss
 
     def _warmup_step(self, group: dict[str, Any], params: list[Tensor]) -> None:

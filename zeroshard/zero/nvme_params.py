@@ -64,6 +64,7 @@ class MappedParamShard:
                                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.tensor: Tensor = torch.frombuffer(self._mm, dtype=dtype, count=numel)
         self._resident: OrderedDict[tuple[int, int], None] = OrderedDict()  # element ranges, LRU first
+        self._resident_numel = 0
         self.reads_advised = 0
         """Ranges asked to be read ahead (for tests and the bench)."""
         atexit.register(self.close)
@@ -75,7 +76,7 @@ class MappedParamShard:
     @property
     def resident_numel(self) -> int:
         """Elements of the ranges currently kept mapped in (what `max_in_cpu` bounds)."""
-        return sum(e - s for s, e in self._resident)
+        return self._resident_numel
 
     def _bytes(self, start: int, end: int) -> tuple[int, int]:
         """The page-aligned byte range covering elements [start, end)."""
@@ -97,9 +98,11 @@ class MappedParamShard:
                 self._mm.madvise(mmap.MADV_WILLNEED, lo, n)
                 self.reads_advised += 1
             self._resident[key] = None
+            self._resident_numel += end - start
         while self.resident_numel > self.max_in_cpu and len(self._resident) > 1:
             old = next(iter(self._resident))
             del self._resident[old]
+            self._resident_numel -= old[1] - old[0]
             self._drop(*old)
 
     def _drop(self, start: int, end: int) -> None:
@@ -120,6 +123,7 @@ class MappedParamShard:
         if self._mm is None:
             return
         self._resident.clear()
+        self._resident_numel = 0
         self._drop(0, self.numel)
 
     def close(self) -> None:
