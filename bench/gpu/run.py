@@ -29,6 +29,9 @@ sys.path.insert(0, str(HERE))
 
 from runner import ROWS, GpuSpec  # noqa: E402
 
+# The NVMe rows and the optimizer-only CPU offload row they are measured against run by name.
+DEFAULT_ROWS = [r for r in ROWS if "nvme" not in r and r != "zs3_offload_opt"]
+
 # Dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets, by device-name substring.
 PEAK_BF16_TFLOPS = [("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0),
                     ("L40S", 362.1), ("A10G", 70.0)]
@@ -97,12 +100,17 @@ def render(results: list[dict[str, Any]], peak: float | None) -> str:
                      if mem is not None else
                      f"| {row} | ok | {r['tokens_per_s']:.0f} | {mfu} | n/a (CPU) | "
                      f"{r['time_to_first_step_s']:.1f} | {vs_ds} | {vs_fs} |")
+    for nvme, cpu in (("zs2_nvme", "zs2_offload"), ("zs3_nvme", "zs3_offload_opt")):
+        a, b = by_row.get(nvme, {}), by_row.get(cpu, {})
+        if a.get("status") == b.get("status") == "ok":
+            lines.append(f"\n{nvme} against {cpu} (NVMe over CPU optimizer offload, throughput): "
+                         f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=sorted(ROWS))
+    p.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=sorted(ROWS))
     p.add_argument("--nproc", type=int, default=None, help="processes (default: visible GPUs, or 1)")
     p.add_argument("--spec", default="{}", help="GpuSpec overrides as JSON, e.g. '{\"micro_batch\": 4}'")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak")
@@ -115,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = args.rows
     if args.smoke:
         overrides = {"model": "tiny", "micro_batch": 2, "seq_len": 32, "steps": 2, "warmup": 1, **overrides}
-        rows = [r for r in rows if not r.startswith("ds")] if args.rows == list(ROWS) else rows
+        rows = [r for r in rows if not r.startswith("ds")] if args.rows == DEFAULT_ROWS else rows
     spec = GpuSpec(**overrides)
     nproc = args.nproc
     if nproc is None:

@@ -28,6 +28,8 @@ MODELS = {
     "1b": GPTConfig(vocab_size=256, block_size=1024, n_layer=24, n_head=16, n_embd=2048),
     "350m": GPTConfig(vocab_size=256, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
     "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64),
+    # the 25M GPT of bench/ (8 blocks of width 512): the NVMe rows compare swap against CPU offload on it
+    "25m": GPTConfig(vocab_size=256, block_size=1024, n_layer=8, n_head=8, n_embd=512),
 }
 
 
@@ -60,6 +62,10 @@ def ds_config(spec: GpuSpec, stage: int, offload: str, device: str) -> dict[str,
     pin = device == "cuda"
     if offload in ("optimizer", "both"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if offload == "nvme":  # swap files under $ZS_BENCH_NVME_PATH (bench/nvme.md)
+        path = os.environ.get("ZS_BENCH_NVME_PATH", "/tmp/zeroshard-nvme-bench")
+        os.makedirs(path, exist_ok=True)
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path, "pin_memory": pin, "buffer_count": 4}
     if offload == "both":
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     return {
@@ -77,6 +83,9 @@ ROWS: dict[str, tuple[str, int, str]] = {
     **{f"zs{s}": ("zeroshard", s, "none") for s in range(4)},
     "zs2_offload": ("zeroshard", 2, "optimizer"),
     "zs3_offload": ("zeroshard", 3, "both"),
+    "zs3_offload_opt": ("zeroshard", 3, "optimizer"),
+    "zs2_nvme": ("zeroshard", 2, "nvme"),
+    "zs3_nvme": ("zeroshard", 3, "nvme"),
     **{f"ds{s}": ("deepspeed", s, "none") for s in range(4)},
     "ds2_offload": ("deepspeed", 2, "optimizer"),
     "ds3_offload": ("deepspeed", 3, "both"),
