@@ -156,7 +156,10 @@ class OptimizerShard:
         self._comm.all_reduce(sq)
         mult = grad_scale * prescale_factor / self._comm.world_size
         stats = unscale_and_clip(views, sq.item(), mult, max_norm)
-        if not stats.overflow:
+        # The NVMe step reads the full-precision gradient shard itself (SwapAdam(grads=...)), and
+        # its fragments alias the parameters on the model's device while that shard is on the
+        # CPU: attaching would copy (or, on a GPU, refuse) a gradient nobody reads.
+        if not stats.overflow and self._swap_optimizer is None:
             attach_grads(self.fragment_params, self._fragment_grads)
         return stats
 
