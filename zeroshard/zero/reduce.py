@@ -188,6 +188,12 @@ class GradReducer:
         self._staging: dict[int, Tensor] = {}     # key -> that block sliced to the bucket
         self._in_flight: list[_InFlight] = []
         self._folded: set[int] = set()            # keys whose target holds this step's data
+        # Note: [folds into host memory]. With the gradient shard offloaded, a fold copies a GPU
+        # result into pinned host memory asynchronously; nothing on the host may read the target
+        # (or add into it) before that copy lands. Copies are issued at once and the adds of later
+        # micro-batches deferred; `drain` waits for the copies, then does the adds on the host.
+        self._host_copies: list[torch.cuda.Event] = []
+        self._host_adds: list[tuple[Tensor, Tensor]] = []  # (host target, the copy to add into it)
         self._pool_bytes = 0
 
     @property
@@ -296,17 +302,30 @@ class GradReducer:
         f = self._in_flight.pop(0)
         f.handle.wait()
         if f.target is not None and f.result is not None:
-            if f.key in self._folded:
-                f.target.add_(f.result.to(f.target.device, non_blocking=True))
+            to_host = f.target.device.type == "cpu" and f.result.device.type == "cuda"
+            if f.key in self._folded and to_host:  # Note: [folds into host memory]
+                self._host_adds.append((f.target, f.result.to("cpu", non_blocking=True)))
+            elif f.key in self._folded:
+                f.target.add_(f.result.to(f.target.device))
             else:
-                f.target.copy_(f.result, non_blocking=True)
+                f.target.copy_(f.result, non_blocking=to_host)
                 self._folded.add(f.key)
+            if to_host:
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(f.result.device))
+                self._host_copies.append(done)
         self._give_back(f.key)  # staging memory returns to the pool only after the fold
 
     def drain(self) -> None:
-        """Wait for every bucket in flight and fold it."""
+        """Wait for every bucket in flight and fold it; afterwards the targets hold the sums."""
         while self._in_flight:
             self._finish_oldest()
+        for done in self._host_copies:
+            done.synchronize()
+        self._host_copies.clear()
+        for target, host in self._host_adds:
+            target.add_(host)
+        self._host_adds.clear()
 
     def end_micro_batch(self) -> None:
         """Return blocks still held (buckets never launched this micro-batch) to the pool."""
