@@ -49,14 +49,9 @@ def run(stage: int, precision: str, offload: str, rank: int, world: int):
 
 
 @cache
-def stage0(precision: str, rank: int, world: int):
-    engine, losses, snaps = run(0, precision, "none", rank, world)
-    return losses, snaps, engine.skipped_steps
-
-
-@cache
-def host_optimizer_reference(precision: str, rank: int, world: int):
-    engine, losses, snaps = run(1, precision, "optimizer", rank, world)
+def reference(stage: int, offload: str, precision: str, rank: int, world: int):
+    """Stage 0 (or, Note: [host optimizer on a GPU job], the stage-1 optimizer-offload run)."""
+    engine, losses, snaps = run(stage, precision, offload, rank, world)
     return losses, snaps, engine.skipped_steps
 
 
@@ -64,8 +59,8 @@ def host_optimizer_reference(precision: str, rank: int, world: int):
                          ids=[f"s{s}-{p}-{o}" for s, p, o in CASES])
 def test_matches_stage0_on_cuda(groups, stage: int, precision: str, offload: str) -> None:
     cross_device = offload != "none" and precision != "fp32"  # Note: [host optimizer on a GPU job]
-    reference = host_optimizer_reference if cross_device and stage != 1 else stage0
-    want_losses, want, want_skipped = reference(precision, groups.rank, groups.world_size)
+    ref = (1, "optimizer") if cross_device and stage != 1 else (0, "none")
+    want_losses, want, want_skipped = reference(*ref, precision, groups.rank, groups.world_size)
     engine, losses, got = run(stage, precision, offload, groups.rank, groups.world_size)
     assert engine.device.type == "cuda"
     if cross_device and stage == 1:

@@ -1,6 +1,7 @@
 """Stage-3 parameter all-gathers as ZeRO++ changes them: int8 blockwise codes on the wire
 (qwZ, `zero_quantized_weights`) and a secondary partition within each node (hpZ,
-`zero_hpz_partition_size`). Imports nothing of ours but `zero/quant.py` (and `comm` for
+`zero_hpz_partition_size`); and, for shards in host memory, gathers fed from a side stream
+(`CopyStream`). Imports nothing of ours but `zero/quant.py` (and `comm` for
 types); zero/stage3.py decides which gather each unit gets.
 
 qwZ: each rank quantises its chunk of a unit's flat buffer to int8 with one fp32 scale per
@@ -33,7 +34,8 @@ class PendingGather:
 
     __slots__ = ("_handles", "_finish")
 
-    def __init__(self, handles: Sequence["Handle | PendingGather"], finish: Callable[[], None]) -> None:
+    def __init__(self, handles: Sequence["Handle | PendingGather | StreamWait"],
+                 finish: Callable[[], None]) -> None:
         self._handles = list(handles)
         self._finish: Callable[[], None] | None = finish
 
@@ -44,6 +46,50 @@ class PendingGather:
             h.wait()
         finish, self._finish = self._finish, None
         finish()
+
+
+class StreamWait:
+    """A handle whose `wait()` makes the current stream wait for `event` (the host does not block)."""
+
+    __slots__ = ("_event", "_device")
+
+    def __init__(self, event: "torch.cuda.Event", device: torch.device) -> None:
+        self._event, self._device = event, device
+
+    def wait(self) -> None:
+        torch.cuda.current_stream(self._device).wait_event(self._event)
+
+
+class CopyStream:
+    """Host-to-device copies and their gathers on a side stream (Note: [copy stream]).
+
+    Note: [copy stream]. With stage 3's shards in host memory and the model on a GPU, a unit's
+    copy to the device and its gather are issued on a side stream, so a prefetch runs while the
+    compute stream works on the unit before it (issued on the compute stream, the copy would wait
+    for every kernel queued ahead of it). The device buffers are allocated on the compute stream
+    before the side stream waits for it, so memory the compute stream just freed is not written
+    early; the returned handle first makes the compute stream wait for the copy (a gather without
+    a process group finishes with a copy on the current stream), then waits for the gather; and
+    `synchronize` lets the step wait before the optimizer writes the host shards the copies read.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._stream = torch.cuda.Stream(device)
+
+    def gather(self, comm: "Comm", full: Tensor, src: Tensor) -> PendingGather:
+        """`full` = every rank's `src` (a host tensor) gathered on the device, after `wait()`."""
+        dst = torch.empty(src.shape, dtype=src.dtype, device=self._device)  # the compute stream's
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+            handle = comm.all_gather(full, dst, async_op=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return PendingGather([StreamWait(done, self._device), handle], finish=lambda: None)
+
+    def synchronize(self) -> None:
+        self._stream.synchronize()
 
 
 def quantized_all_gather(comm: "Comm", full: Tensor, mine: Tensor, *,

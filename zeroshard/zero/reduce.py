@@ -191,8 +191,9 @@ class GradReducer:
         # Note: [folds into host memory]. With the gradient shard offloaded, a fold copies a GPU
         # result into pinned host memory asynchronously; nothing on the host may read the target
         # (or add into it) before that copy lands. Copies are issued at once and the adds of later
-        # micro-batches deferred; `drain` waits for the copies, then does the adds on the host.
-        self._host_copies: list[torch.cuda.Event] = []
+        # micro-batches deferred; `drain` waits for the copies (the event after the last one: they
+        # are issued in order on one stream), then does the adds on the host.
+        self._host_copied: torch.cuda.Event | None = None
         self._host_adds: list[tuple[Tensor, Tensor]] = []  # (host target, the copy to add into it)
         self._pool_bytes = 0
 
@@ -311,18 +312,17 @@ class GradReducer:
                 f.target.copy_(f.result, non_blocking=to_host)
                 self._folded.add(f.key)
             if to_host:
-                done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(f.result.device))
-                self._host_copies.append(done)
+                self._host_copied = torch.cuda.Event()
+                self._host_copied.record(torch.cuda.current_stream(f.result.device))
         self._give_back(f.key)  # staging memory returns to the pool only after the fold
 
     def drain(self) -> None:
         """Wait for every bucket in flight and fold it; afterwards the targets hold the sums."""
         while self._in_flight:
             self._finish_oldest()
-        for done in self._host_copies:
-            done.synchronize()
-        self._host_copies.clear()
+        if self._host_copied is not None:
+            self._host_copied.synchronize()
+            self._host_copied = None
         for target, host in self._host_adds:
             target.add_(host)
         self._host_adds.clear()

@@ -54,7 +54,7 @@ from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition
 from zeroshard.comm.groups import node_rank_lists
-from zeroshard.zero.gather import SecondaryPartition, quantized_all_gather
+from zeroshard.zero.gather import CopyStream, SecondaryPartition, quantized_all_gather
 from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
 from zeroshard.zero.offload import OffloadPolicy
 from zeroshard.zero.reduce import GradReducer, LaunchOrder, ReduceMode, ReduceOptions
@@ -200,17 +200,9 @@ class Stage3Strategy(ShardedStrategyBase):
         self._state: list[UnitState] = []
         self._handles: dict[int, "Handle | PendingGather"] = {}
         self._exact: list[bool] = []  # per unit: gathered values are exact (Note: [exact gathers])
-        # Note: [copy stream]. With the shards in host memory and the model on a GPU, a unit's
-        # host-to-device copy and its gather are issued on a side stream, so a prefetch runs while
-        # the compute stream works on the unit before it (issued on the compute stream, the copy
-        # would wait for every kernel queued ahead of it). The device buffers are allocated on the
-        # compute stream before the side stream waits for it, so memory the compute stream just
-        # freed is not written early; the compute stream waits for the copy's event before the
-        # gather's result is used; and the step waits for the side stream before the optimizer
-        # writes the host shards the copies read.
-        self._copy_stream = (torch.cuda.Stream(self._device)
-                             if self._device.type == "cuda" and self._lp_shard.device.type == "cpu" else None)
-        self._copy_done: dict[int, "torch.cuda.Event"] = {}
+        # Note: [copy stream] (zero/gather.py): host shards reach a GPU on a side stream.
+        self._copies = (CopyStream(self._device)
+                        if self._device.type == "cuda" and self._lp_shard.device.type == "cpu" else None)
         for u in range(len(plan.buckets)):
             full = torch.zeros(plan.layouts[u].padded_numel, dtype=self._dtype, device=self._device)
             first, last = plan.buckets[u]
@@ -295,12 +287,16 @@ class Stage3Strategy(ShardedStrategyBase):
         root = check_swap_dir(home.path, nbytes, key=home.key, direct=None)
         return MappedParamShard(root, numel, self._dtype, rank=self._rank, max_in_cpu=home.max_in_cpu)
 
-    def _primary(self, u: int) -> Tensor:
-        """This rank's chunk of unit `u` (low precision, on the device)."""
+    def _host_chunk(self, u: int) -> Tensor:
+        """This rank's chunk of unit `u` where the shard lives (low precision)."""
         start, end = self._plan.shard_range(u)
         if self._lp_home is not None:
             self._lp_home.use(start, end)  # read ahead; keep at most max_in_cpu elements mapped in
-        return self._lp_shard[start:end].to(self._device, non_blocking=True)
+        return self._lp_shard[start:end]
+
+    def _primary(self, u: int) -> Tensor:
+        """This rank's chunk of unit `u` (low precision, on the device)."""
+        return self._host_chunk(u).to(self._device, non_blocking=True)
 
     def _start_gather(self, u: int, exact: bool = False) -> None:
         """Start gathering unit `u`: from the node's secondary partition under hpZ, int8 codes
@@ -310,8 +306,8 @@ class Stage3Strategy(ShardedStrategyBase):
         full = self._full[u]
         full.untyped_storage().resize_(full.numel() * full.element_size())
         primary = exact or u == self._persistent or not (self._opt.quantized_weights or self._hpz is not None)
-        if primary and self._copy_stream is not None:
-            self._handles[u] = self._gather_on_copy_stream(u, full)
+        if primary and self._copies is not None:
+            self._handles[u] = self._copies.gather(self._comm, full, self._host_chunk(u))
         elif primary:
             self._handles[u] = self._comm.all_gather(full, self._primary(u), async_op=True)
         elif self._hpz is not None:
@@ -323,37 +319,10 @@ class Stage3Strategy(ShardedStrategyBase):
         if self._training:  # the training working set; user gathers are the user's choice
             self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
 
-    def _gather_on_copy_stream(self, u: int, full: Tensor) -> "Handle":
-        """Copy this rank's chunk of unit `u` to the device and gather it, on the side stream
-        (Note: [copy stream])."""
-        start, end = self._plan.shard_range(u)
-        if self._lp_home is not None:
-            self._lp_home.use(start, end)
-        src = self._lp_shard[start:end]
-        dst = torch.empty(src.shape, dtype=src.dtype, device=self._device)  # the compute stream's
-        stream = self._copy_stream
-        assert stream is not None
-        stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-            handle = self._comm.all_gather(full, dst, async_op=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        self._copy_done[u] = done
-        return handle
-
-    def _wait_gather(self, u: int) -> None:
-        """Finish unit `u`'s gather: the compute stream first waits for its copy (a gather
-        without a process group finishes with a copy on the current stream)."""
-        done = self._copy_done.pop(u, None)
-        if done is not None:
-            torch.cuda.current_stream(self._device).wait_event(done)
-        self._handles.pop(u).wait()
-
     def _sync_copies(self) -> None:
         """Before the host shards are written: no copy may still be reading them."""
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
+        if self._copies is not None:
+            self._copies.synchronize()
 
     def _gather(self, u: int, exact: bool = False) -> None:
         if exact and self._state[u] is not UnitState.RELEASED and not self._exact[u]:
@@ -361,7 +330,7 @@ class Stage3Strategy(ShardedStrategyBase):
             return
         self._start_gather(u, exact)
         if self._state[u] is UnitState.GATHERING:
-            self._wait_gather(u)
+            self._handles.pop(u).wait()
             self._state[u] = UnitState.GATHERED
             self._set_gathered(u, True)
 
@@ -370,7 +339,7 @@ class Stage3Strategy(ShardedStrategyBase):
                 or self._user_pins.get(u, 0) > 0):
             return
         if self._state[u] is UnitState.GATHERING:
-            self._wait_gather(u)
+            self._handles.pop(u).wait()
         self._full[u].untyped_storage().resize_(0)
         self._state[u] = UnitState.RELEASED
         self._set_gathered(u, False)
@@ -396,7 +365,7 @@ class Stage3Strategy(ShardedStrategyBase):
     def _regather(self, u: int, exact: bool) -> None:
         """Gather a gathered unit again (its storage stays allocated)."""
         if self._state[u] is UnitState.GATHERING:
-            self._wait_gather(u)
+            self._handles.pop(u).wait()
         self._state[u] = UnitState.RELEASED
         self._gather(u, exact)
 
