@@ -1,4 +1,4 @@
-"""Swap bandwidth of zero/nvme_io.py against the raw disk on the same directory (bench/nvme.md).
+"""Swap bandwidth of zero/offload/nvme_io.py against the raw disk on the same directory (bench/nvme.md).
 
 Raw = fio, libaio, O_DIRECT, sequential, the same block size and the same number of requests in
 flight as zeroshard's point (thread_count x queue_depth). The disk is shared with other jobs, so
@@ -17,8 +17,8 @@ import subprocess
 from pathlib import Path
 
 from zeroshard.cli.bench_io import _sizes
-from zeroshard.zero.nvme_bench import measure
-from zeroshard.zero.nvme_io import IOOptions
+from zeroshard.zero.offload.nvme_bench import measure
+from zeroshard.zero.offload.nvme_io import IOOptions
 
 
 def fio(directory: Path, rw: str, size: int, block: int, depth: int) -> float:

@@ -1,4 +1,4 @@
-"""Optimizer step time: Adam states swapped through NVMe (zero/nvme_swap.py) against CPU offload
+"""Optimizer step time: Adam states swapped through NVMe (zero/offload/nvme_swap.py) against CPU offload
 (torch's fused AdamW on an in-memory shard), same element count. bench/nvme.md.
 
     python bench/nvme_step.py DIR [--numel 25e6] [--sub-group 5e6] [--buffer-count 3] [--steps 5]
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.zero.nvme_io import IOOptions
-from zeroshard.zero.nvme_swap import AdamHyper, SwappedAdam
+from zeroshard.zero.offload.nvme_io import IOOptions
+from zeroshard.zero.offload.nvme_swap import AdamHyper, SwappedAdam
 
 
 def main() -> None:

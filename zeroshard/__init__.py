@@ -11,6 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from zeroshard.compat.paths import serve as _serve_deepspeed_paths
+
+_serve_deepspeed_paths()  # zeroshard.checkpointing, zeroshard.runtime.lr_schedules, ... (compat/paths.py)
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

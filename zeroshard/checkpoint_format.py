@@ -4,7 +4,7 @@ records the engine and the checkpointer exchange (`EngineState`, `LoadedState`).
 One home that the runtime (which fills them), `checkpoint/` (which writes and reads them) and
 the offline tools (`to-fp32`, resharding) all import without pulling in the runtime. Imports
 only torch; see docs/checkpoints.md for the files on disk and Note: [checkpoint fragments] in
-runtime/checkpointing.py for what a fragment is.
+runtime/checkpoint_state.py for what a fragment is.
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(groups) -> None:
     # The scale sequence follows DeepSpeed's rules (pinned case by case in
     # tests/unit/test_loss_scaler.py); here: the engine feeds the scaler every rank's overflow.
     from zeroshard.runtime.loss_scaler import DynamicLossScaler
-    from zeroshard.runtime.lr_schedules import WarmupLR
+    from zeroshard.optim.lr_schedules import WarmupLR
 
     ref = DynamicLossScaler(init_scale=2.0**8, scale_window=2, hysteresis=2)
     want = []

@@ -1,4 +1,4 @@
-"""Stage-3 parameter shards on NVMe (`offload_param.device: "nvme"`, zero/nvme_params.py) at 1/2/3 ranks.
+"""Stage-3 parameter shards on NVMe (`offload_param.device: "nvme"`, zero/offload/nvme_params.py) at 1/2/3 ranks.
 
 - The trajectory is CPU parameter offload's, bit for bit (fp32 and bf16; with the optimizer on
   the CPU and on NVMe).
@@ -19,7 +19,7 @@ import torch
 
 from engine_helpers import init_engine, make_config, make_model, train_engine
 from test_zero12 import STEPS, run
-from zeroshard.zero.nvme_swap import SWAP_DIR
+from zeroshard.zero.offload.nvme_swap import SWAP_DIR
 
 ROOT = Path(tempfile.gettempdir()) / "zeroshard-test-nvme-params"
 

@@ -1,4 +1,4 @@
-"""1-bit Adam (`"type": "OneBitAdam"`, runtime/onebit.py) on the tiny GPT at stage 0.
+"""1-bit Adam (`"type": "OneBitAdam"`, optim/onebit_adam.py) on the tiny GPT at stage 0.
 
 - Warm-up: bitwise plain Adam (the same torch AdamW kernel on the same all-reduced gradients).
 - After `freeze_step`: the loss curve stays within a stated tolerance of plain Adam's.
@@ -19,8 +19,8 @@ import torch
 from engine_helpers import global_batches, init_engine, make_config, make_model, train_engine
 
 from zeroshard.errors import ConfigError
-from zeroshard.runtime.onebit import OneBitAdam
-from zeroshard.zero.onebit import wire_bytes
+from zeroshard.optim.onebit_adam import OneBitAdam
+from zeroshard.optim.onebit_allreduce import wire_bytes
 
 FREEZE = 4
 STEPS = 20
@@ -95,7 +95,7 @@ def test_momentum_allreduce_bytes_drop_32x(groups) -> None:
         return
     assert warm[0] >= 2 * (world - 1) / world * 4 * n  # the whole fp32 gradient, every warm-up step
     assert "all_to_all" in compressed[1]
-    # Theory (zero/onebit.py wire_bytes): 1 bit per element (each parameter padded to 8 * world
+    # Theory (optim/onebit_allreduce.py wire_bytes): 1 bit per element (each parameter padded to 8 * world
     # elements) plus two fp32 scales per parameter per rank, and the 8-byte all-reduce that agrees
     # on the gradient norm. The scales weigh on this tiny model (10,848 elements in many small
     # tensors); the bench's larger model shows the ~32x (bench/onebit.md).

@@ -1,10 +1,10 @@
-"""1-bit Lamb (`"type": "OneBitLamb"`, runtime/onebit_lamb.py) on the tiny GPT at stage 0, 1/2/3 ranks.
+"""1-bit Lamb (`"type": "OneBitLamb"`, optim/onebit_lamb.py) on the tiny GPT at stage 0, 1/2/3 ranks.
 
 - Warm-up: DeepSpeed's LAMB rule (no bias correction, trust-ratio running average), against a
   per-parameter reference written here from that rule.
 - After `freeze_step`: the loss stays within a stated band of the same LAMB uncompressed, and
   still falls.
-- The momentum all-reduce moves the 1-bit wire bytes of zero/onebit.py, ~1/32 of fp32's.
+- The momentum all-reduce moves the 1-bit wire bytes of optim/onebit_allreduce.py, ~1/32 of fp32's.
 - Checkpoints: a resumed run equals the uninterrupted one bit for bit (frozen ratios, factors,
   scaling coefficients and errors come back); a Lamb run loads the checkpoint.
 """
@@ -21,8 +21,8 @@ import torch
 from engine_helpers import global_batches, init_engine, make_config, make_model, train_engine
 from test_onebit import _wire_bytes
 from zeroshard.errors import ConfigError
-from zeroshard.runtime.onebit_lamb import OneBitLamb
-from zeroshard.zero.onebit import wire_bytes
+from zeroshard.optim.onebit_lamb import OneBitLamb
+from zeroshard.optim.onebit_allreduce import wire_bytes
 
 FREEZE = 4
 STEPS = 20

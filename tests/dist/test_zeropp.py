@@ -75,7 +75,7 @@ QWZ_STEPS = 12
 
 def _block_bound(chunks: torch.Tensor, block: int) -> torch.Tensor:
     """Per element of `chunks` ([world, k], fp32): its block's amax / 254 (zero/gather.py's
-    bound), with the fp32 slack of zero/quant.py (a relative 2^-22 of amax, plus 1.2e-38)."""
+    bound), with the fp32 slack of comm/codecs.py (a relative 2^-22 of amax, plus 1.2e-38)."""
     world, k = chunks.shape
     nblocks = -(-k // block)
     padded = torch.zeros(world, nblocks * block)

@@ -1,4 +1,4 @@
-"""0/1 Adam (`"type": "ZeroOneAdam"`, runtime/zoadam.py) on the tiny GPT at stage 0.
+"""0/1 Adam (`"type": "ZeroOneAdam"`, optim/zero_one_adam.py) on the tiny GPT at stage 0.
 
 Schedule used here (var_freeze_step 12, var_update_scaler 4, local_step_scaler 2,
 local_step_clipper 4): variance steps 1-4, 6, 8, 10, 12 (full-precision gradient all-reduce);
@@ -9,7 +9,7 @@ ranks agree (1-bit average of the accumulated updates) at steps 13, 14, 16, 20, 
 - Steps 1-4 equal, bit for bit, an uncompressed Adam without bias correction (DeepSpeed's 0/1
   Adam update) on the engine's all-reduced gradients (the same tensor ops in the same order).
 - Afterwards the loss stays within a stated band of that uncompressed optimizer.
-- Bytes per step follow the schedule and zero/onebit.py's `wire_bytes`.
+- Bytes per step follow the schedule and optim/onebit_allreduce.py's `wire_bytes`.
 - A checkpoint taken between agreements resumes bit for bit; plain Adam loads it.
 """
 
@@ -25,8 +25,8 @@ import torch
 from engine_helpers import global_batches, init_engine, make_config, make_model, train_engine
 
 from zeroshard.errors import ConfigError
-from zeroshard.runtime.zoadam import ZeroOneAdam
-from zeroshard.zero.onebit import wire_bytes
+from zeroshard.optim.zero_one_adam import ZeroOneAdam
+from zeroshard.optim.onebit_allreduce import wire_bytes
 
 VAR_FREEZE = 12
 STEPS = 24

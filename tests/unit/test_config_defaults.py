@@ -136,7 +136,7 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
         ("max_coeff", 10.0), ("min_coeff", 0.01), ("amsgrad", False), ("cuda_aware", False),
         ("comm_backend_name", "nccl"), ("coeff_beta", 0.9), ("factor_max", 4.0), ("factor_min", 0.5),
         ("factor_threshold", 0.1))},
-    # runtime/lr_schedules.py constructors
+    # optim/lr_schedules.py constructors
     "scheduler.params[WarmupLR].warmup_min_lr": 0.0, "scheduler.params[WarmupLR].warmup_max_lr": None,
     "scheduler.params[WarmupLR].warmup_num_steps": 1000, "scheduler.params[WarmupLR].warmup_type": "log",
     "scheduler.params[WarmupLR].last_batch_iteration": -1,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zeroshard.errors import ConfigError, NotSupportedError
-from zeroshard.runtime.lamb import Lamb
+from zeroshard.optim.lamb import Lamb
 
 
 class ReferenceLamb:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zeroshard.errors import ConfigError
-from zeroshard.runtime.lr_schedules import (
+from zeroshard.optim.lr_schedules import (
     SCHEDULERS,
     LRRangeTest,
     LRSchedule,

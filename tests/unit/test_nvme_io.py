@@ -1,4 +1,4 @@
-"""The NVMe swap I/O layer (zero/nvme_io.py): round trips, alignment, fallbacks, errors."""
+"""The NVMe swap I/O layer (zero/offload/nvme_io.py): round trips, alignment, fallbacks, errors."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from zeroshard.errors import ConfigError
-from zeroshard.zero import nvme_io
-from zeroshard.zero.nvme_io import ALIGN, AsyncIO, IOOptions, NvmeIOError, aligned_empty, check_swap_dir
+from zeroshard.zero.offload import nvme_io
+from zeroshard.zero.offload.nvme_io import ALIGN, AsyncIO, IOOptions, NvmeIOError, aligned_empty, check_swap_dir
 
 SMALL = IOOptions(block_size=8192, queue_depth=2, thread_count=2)
 
@@ -186,7 +186,7 @@ def test_bench_io_cli_prints_table_and_aio_block(tmp_path: Path, capsys: pytest.
 
 
 def test_best_prefers_the_slower_side_then_fewer_in_flight() -> None:
-    from zeroshard.zero.nvme_bench import IOPoint, aio_block, best
+    from zeroshard.zero.offload.nvme_bench import IOPoint, aio_block, best
 
     mib = 2**20
     pts = [IOPoint(1 << 20, 8, 2, 900 * mib, 100 * mib, True),  # fast writes, slow reads

@@ -1,4 +1,4 @@
-"""Adam states in swap files (zero/nvme_swap.py): bitwise equal to torch's fused AdamW on CPU,
+"""Adam states in swap files (zero/offload/nvme_swap.py): bitwise equal to torch's fused AdamW on CPU,
 pipelined over sub-groups, and scratch files that never outlive their run."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroshard.zero.nvme_io import IOOptions
-from zeroshard.zero.nvme_swap import SWAP_DIR, AdamHyper, SwappedAdam, remove_stale_runs, sub_groups, swap_bytes
+from zeroshard.zero.offload.nvme_io import IOOptions
+from zeroshard.zero.offload.nvme_swap import SWAP_DIR, AdamHyper, SwappedAdam, remove_stale_runs, sub_groups, swap_bytes
 
 IO = IOOptions(block_size=16384, queue_depth=2, thread_count=2)
 
@@ -128,7 +128,7 @@ def test_stale_run_of_a_dead_process_is_replaced_never_read(tmp_path: Path) -> N
 
 
 def test_killed_process_leaves_files_the_next_run_removes(tmp_path: Path) -> None:
-    code = (f"import os, torch; from zeroshard.zero.nvme_swap import SwappedAdam; "
+    code = (f"import os, torch; from zeroshard.zero.offload.nvme_swap import SwappedAdam; "
             f"s = SwappedAdam({str(tmp_path)!r}, 4096, rank=0, sub_group_numel=4096); os._exit(0)")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
     left = list((tmp_path / SWAP_DIR).iterdir())

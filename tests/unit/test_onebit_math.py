@@ -1,4 +1,4 @@
-"""The 1-bit all-reduce's math (zero/onebit.py), with the ranks simulated in one process: chunk
+"""The 1-bit all-reduce's math (optim/onebit_allreduce.py), with the ranks simulated in one process: chunk
 layout, pack/unpack of chunked signs, the error-feedback invariant, and 1-bit Adam's refusals."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from zeroshard.errors import ConfigError
-from zeroshard.runtime.onebit import OneBitAdam
-from zeroshard.zero.onebit import chunk_range, decode, padded_numel, server_combine, worker_compress
-from zeroshard.zero.quant import pack_signs, unpack_signs
+from zeroshard.optim.onebit_adam import OneBitAdam
+from zeroshard.optim.onebit_allreduce import chunk_range, decode, padded_numel, server_combine, worker_compress
+from zeroshard.comm.codecs import pack_signs, unpack_signs
 
 
 @pytest.mark.parametrize("numel,world", [(1, 1), (100, 2), (4099, 3), (64, 8), (8, 1)])
@@ -68,7 +68,7 @@ def test_error_feedback_invariant(world: int, numel: int) -> None:
     total_in = torch.stack([torch.stack(xs).mean(0) for xs in inputs]).sum(0)
     residual = torch.stack(worker).mean(0) + server
     torch.testing.assert_close(total_out, total_in - residual, atol=1e-4, rtol=0)
-    # The errors stay bounded (a contraction, zero/quant.py): far below the summed input.
+    # The errors stay bounded (a contraction, comm/codecs.py): far below the summed input.
     assert residual.norm() < 0.5 * total_in.abs().sum()
 
 

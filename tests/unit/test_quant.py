@@ -1,4 +1,4 @@
-"""zero/quant.py: blockwise int8/int4 round-trip bounds, packed byte counts, sign compression
+"""comm/codecs.py: blockwise int8/int4 round-trip bounds, packed byte counts, sign compression
 with error feedback. No process group."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from zeroshard.zero.quant import (
+from zeroshard.comm.codecs import (
     DEFAULT_BLOCK_NUMEL,
     SignCompressor,
     dequantize,

@@ -1,5 +1,5 @@
 """The pure pieces of zero/: execution order and prefetch policy (schedule.py), the offload
-policy (offload.py), the staging-pool arithmetic of the estimator. No process group."""
+policy (zero/offload/policy.py), the staging-pool arithmetic of the estimator. No process group."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from zeroshard.config import load_config
 from zeroshard.estimate.states import _staging_pool
-from zeroshard.zero.offload import OffloadPolicy
+from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.schedule import ExecutionOrder, PrefetchPolicy
 
 

@@ -1,11 +1,11 @@
-"""0/1 Adam's schedules (runtime/zoadam.py) against DeepSpeed's counter rules, simulated step by
+"""0/1 Adam's schedules (optim/zero_one_adam.py) against DeepSpeed's counter rules, simulated step by
 step as its ZeroOneAdam.step keeps them (var_interval/var_counter, local_step_interval/counter)."""
 
 from __future__ import annotations
 
 import pytest
 
-from zeroshard.runtime.zoadam import local_step_interval, variance_update_step
+from zeroshard.optim.zero_one_adam import local_step_interval, variance_update_step
 
 
 def _ds_variance_steps(steps: int, scaler: int) -> list[bool]:

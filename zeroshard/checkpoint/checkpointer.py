@@ -1,4 +1,4 @@
-"""`ShardedCheckpointer`: the `Checkpointer` (runtime/checkpointing.py) initialize() gives the engine.
+"""`ShardedCheckpointer`: the `Checkpointer` (runtime/checkpoint_state.py) initialize() gives the engine.
 
 Saves zeroshard's format; loads zeroshard's and DeepSpeed 0.19's (checkpoint/ds_import.py)."""
 

@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from zeroshard.errors import ZeroshardError
-    from zeroshard.zero.nvme_bench import IOPoint, aio_block, best, sweep
-    from zeroshard.zero.nvme_io import check_swap_dir
+    from zeroshard.zero.offload.nvme_bench import IOPoint, aio_block, best, sweep
+    from zeroshard.zero.offload.nvme_io import check_swap_dir
 
     def show(p: IOPoint) -> None:
         print(f"{p.block_size:>10} {p.queue_depth:>5} {p.thread_count:>7} {p.write_bytes_per_s / 2**20:>10.0f} "

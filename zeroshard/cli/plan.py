@@ -76,13 +76,13 @@ def _bandwidth(text: str) -> tuple[int, int]:
 
 
 def _disk(args: argparse.Namespace) -> tuple[float | None, float | None]:
-    """(read, write) bytes/s of --nvme-path: given, else measured with `zero/nvme_bench.py`."""
+    """(read, write) bytes/s of --nvme-path: given, else measured with `zero/offload/nvme_bench.py`."""
     if args.nvme_bandwidth is not None:
         return args.nvme_bandwidth
     if args.nvme_path is None:
         return None, None
-    from zeroshard.zero.nvme_bench import measure
-    from zeroshard.zero.nvme_io import IOOptions, check_swap_dir
+    from zeroshard.zero.offload.nvme_bench import measure
+    from zeroshard.zero.offload.nvme_io import IOOptions, check_swap_dir
 
     root = check_swap_dir(Path(args.nvme_path), 256 << 20, key="--nvme-path", direct=None)
     point = measure(root, IOOptions(block_size=1 << 20, queue_depth=8), file_bytes=256 << 20, request_bytes=64 << 20)

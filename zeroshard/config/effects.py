@@ -23,8 +23,8 @@ _Z = "zero_optimization."
 _BUILD = ("zero/build.py",)
 _ENGINE = ("runtime/engine.py",)
 _SCALER = ("runtime/initialize.py", "runtime/loss_scaler.py")
-_SCHED = ("runtime/lr_schedules.py",)
-_ADAM = ("runtime/optim.py::cls(param_groups, **kwargs)", "class:torch.optim.AdamW", "class:torch.optim.Adam")
+_SCHED = ("optim/lr_schedules.py",)
+_ADAM = ("optim/factory.py::cls(param_groups, **kwargs)", "class:torch.optim.AdamW", "class:torch.optim.Adam")
 
 ACTED_ON: dict[str, tuple[str, ...]] = {
     # batch, optimizer, scheduler
@@ -36,21 +36,21 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "scheduler.type": ("runtime/initialize.py::cfg.scheduler.type",),
     "scheduler.params": ("runtime/initialize.py::cfg.scheduler.params",),
     **{f"optimizer.params[Adam].{k}": _ADAM for k in ("lr", "betas", "eps", "weight_decay", "amsgrad")},
-    "optimizer.params[Adam].adam_w_mode": ("runtime/optim.py",),
-    **{f"optimizer.params[Lamb].{k}": ("runtime/lamb.py",) for k in (
+    "optimizer.params[Adam].adam_w_mode": ("optim/factory.py",),
+    **{f"optimizer.params[Lamb].{k}": ("optim/lamb.py",) for k in (
         "lr", "betas", "eps", "eps_inside_sqrt", "weight_decay", "max_grad_norm", "max_coeff", "min_coeff",
         "amsgrad")},
-    **{f"optimizer.params[OneBitAdam].{k}": ("runtime/onebit.py",) for k in (
+    **{f"optimizer.params[OneBitAdam].{k}": ("optim/onebit_adam.py",) for k in (
         "lr", "freeze_step", "betas", "eps", "weight_decay", "comm_backend_name")},
-    **{f"optimizer.params[OneBitAdam].{k}": ("runtime/optim.py",) for k in ("amsgrad", "eps_inside_sqrt")},
-    **{f"optimizer.params[ZeroOneAdam].{k}": ("runtime/zoadam.py",) for k in (
+    **{f"optimizer.params[OneBitAdam].{k}": ("optim/factory.py",) for k in ("amsgrad", "eps_inside_sqrt")},
+    **{f"optimizer.params[ZeroOneAdam].{k}": ("optim/zero_one_adam.py",) for k in (
         "lr", "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "betas", "eps",
         "weight_decay", "comm_backend_name")},
-    "optimizer.params[ZeroOneAdam].amsgrad": ("runtime/optim.py",),
-    **{f"optimizer.params[OneBitLamb].{k}": ("runtime/onebit_lamb.py",) for k in (
+    "optimizer.params[ZeroOneAdam].amsgrad": ("optim/factory.py",),
+    **{f"optimizer.params[OneBitLamb].{k}": ("optim/onebit_lamb.py",) for k in (
         "lr", "freeze_step", "betas", "eps", "weight_decay", "max_coeff", "min_coeff", "coeff_beta", "factor_max",
         "factor_min", "factor_threshold", "comm_backend_name")},
-    "optimizer.params[OneBitLamb].amsgrad": ("runtime/optim.py",),
+    "optimizer.params[OneBitLamb].amsgrad": ("optim/factory.py",),
     # precision (fp16.enabled / bf16.enabled select Config.precision, which initialize reads)
     "fp16.enabled": ("runtime/initialize.py::cfg.precision",), "bf16.enabled": ("runtime/initialize.py::cfg.precision",),
     "fp16.loss_scale": _SCALER, "fp16.initial_scale_power": _SCALER, "fp16.loss_scale_window": _SCALER,
@@ -73,21 +73,21 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     _Z + "stage": _BUILD, _Z + "reduce_scatter": _BUILD, _Z + "reduce_bucket_size": _BUILD,
     _Z + "allgather_partitions": _BUILD, _Z + "allgather_bucket_size": _BUILD, _Z + "overlap_comm": _BUILD,
     _Z + "offload_param.device": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param",
-                                  "zero/offload.py::section.device"),
+                                  "zero/offload/policy.py::section.device"),
     _Z + "offload_optimizer.device": ("zero/build.py::OffloadPolicy.from_config(zero.offload_optimizer",
-                                      "zero/offload.py::section.device"),
+                                      "zero/offload/policy.py::section.device"),
     _Z + "offload_optimizer.pin_memory": ("zero/build.py::OffloadPolicy.from_config(zero.offload_optimizer",
-                                          "zero/offload.py::section.pin_memory"),
+                                          "zero/offload/policy.py::section.pin_memory"),
     _Z + "offload_param.pin_memory": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param",
-                                      "zero/offload.py::section.pin_memory"),
-    _Z + "offload_optimizer.nvme_path": ("zero/offload.py::section.nvme_path",),
-    _Z + "offload_param.nvme_path": ("zero/offload.py::section.nvme_path", "zero/stage3.py::_nvme_param_home"),
-    _Z + "offload_param.max_in_cpu": ("zero/offload.py::section, \"max_in_cpu\"", "zero/nvme_params.py::max_in_cpu"),
-    _Z + "offload_optimizer.buffer_count": ("zero/offload.py::section.buffer_count", "zero/nvme_swap.py::buffer_count"),
-    _Z + "offload_optimizer.fast_init": ("zero/offload.py::fast_init", "zero/nvme_swap.py::fast_init"),
-    "aio.block_size": ("zero/offload.py::aio.block_size",), "aio.queue_depth": ("zero/offload.py::aio.queue_depth",),
-    "aio.intra_op_parallelism": ("zero/offload.py::aio.intra_op_parallelism",),
-    _Z + "sub_group_size": ("zero/build.py::sub_group_size", "zero/nvme_swap.py::sub_group_numel"),
+                                      "zero/offload/policy.py::section.pin_memory"),
+    _Z + "offload_optimizer.nvme_path": ("zero/offload/policy.py::section.nvme_path",),
+    _Z + "offload_param.nvme_path": ("zero/offload/policy.py::section.nvme_path", "zero/stage3.py::_nvme_param_home"),
+    _Z + "offload_param.max_in_cpu": ("zero/offload/policy.py::section, \"max_in_cpu\"", "zero/offload/nvme_params.py::max_in_cpu"),
+    _Z + "offload_optimizer.buffer_count": ("zero/offload/policy.py::section.buffer_count", "zero/offload/nvme_swap.py::buffer_count"),
+    _Z + "offload_optimizer.fast_init": ("zero/offload/policy.py::fast_init", "zero/offload/nvme_swap.py::fast_init"),
+    "aio.block_size": ("zero/offload/policy.py::aio.block_size",), "aio.queue_depth": ("zero/offload/policy.py::aio.queue_depth",),
+    "aio.intra_op_parallelism": ("zero/offload/policy.py::aio.intra_op_parallelism",),
+    _Z + "sub_group_size": ("zero/build.py::sub_group_size", "zero/offload/nvme_swap.py::sub_group_numel"),
     _Z + "stage3_prefetch_bucket_size": _BUILD, _Z + "stage3_param_persistence_threshold": _BUILD,
     _Z + "stage3_max_live_parameters": _BUILD, _Z + "stage3_max_reuse_distance": _BUILD,
     _Z + "stage3_gather_16bit_weights_on_model_save": ("runtime/engine_queries.py", "runtime/model_export.py"),
@@ -132,10 +132,10 @@ as a constructor argument, for parameters passed through as keyword arguments)."
 
 _PARAM_PAGES = ("parameter shards on NVMe are a memory-mapped swap file read ahead unit by unit; "
                 "max_in_cpu bounds what stays in memory, so there are no swap buffers to count or size "
-                "(zero/nvme_params.py).")
+                "(zero/offload/nvme_params.py).")
 
 _PIPE = ("the NVMe step always reads ahead and writes behind while stepping, in buffer_count slots "
-         "of sub_group_size elements per state (zero/nvme_swap.py).")
+         "of sub_group_size elements per state (zero/offload/nvme_swap.py).")
 
 NO_EFFECT: dict[str, str] = {
     "bf16.immediate_grad_update": "zeroshard always folds each micro-batch's gradients into the "
@@ -161,9 +161,9 @@ NO_EFFECT: dict[str, str] = {
     _Z + "offload_optimizer.pipeline_read": _PIPE,
     _Z + "offload_optimizer.pipeline_write": _PIPE,
     "aio.single_submit": "each block is its own preadv/pwritev call from a pool thread; there is no "
-    "batched submission to turn off (zero/nvme_io.py).",
+    "batched submission to turn off (zero/offload/nvme_io.py).",
     "aio.overlap_events": "pool threads complete their own requests; submission never waits on "
-    "completions, so there is nothing to overlap or not (zero/nvme_io.py).",
+    "completions, so there is nothing to overlap or not (zero/offload/nvme_io.py).",
     _Z + "offload_optimizer.cpuadam_cores_perc": "a SuperOffload setting; super_offload is not "
     "supported yet (refused).",
     "torch_autocast.lower_precision_safe_modules": "checked to import at initialize; zeroshard reduces "

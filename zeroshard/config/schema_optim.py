@@ -71,7 +71,7 @@ class LambParams:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OneBitAdamParams:
-    """`optimizer.params` for type OneBitAdam (DeepSpeed's OnebitAdam arguments; runtime/onebit.py).
+    """`optimizer.params` for type OneBitAdam (DeepSpeed's OnebitAdam arguments; optim/onebit_adam.py).
     Needs zero_optimization.stage 0, as in DeepSpeed."""
 
     lr: float = spec(1e-3, ge=0.0)
@@ -103,7 +103,7 @@ class OneBitAdamParams:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroOneAdamParams:
-    """`optimizer.params` for type ZeroOneAdam (DeepSpeed's 0/1 Adam arguments; runtime/zoadam.py).
+    """`optimizer.params` for type ZeroOneAdam (DeepSpeed's 0/1 Adam arguments; optim/zero_one_adam.py).
     Needs zero_optimization.stage 0, as in DeepSpeed."""
 
     lr: float = spec(1e-3, ge=0.0)
@@ -139,7 +139,7 @@ class ZeroOneAdamParams:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OneBitLambParams:
-    """`optimizer.params` for type OneBitLamb (DeepSpeed's OnebitLamb arguments; runtime/onebit_lamb.py).
+    """`optimizer.params` for type OneBitLamb (DeepSpeed's OnebitLamb arguments; optim/onebit_lamb.py).
     Needs zero_optimization.stage 0, as in DeepSpeed."""
 
     lr: float = spec(1e-3, ge=0.0)

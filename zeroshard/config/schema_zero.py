@@ -33,7 +33,7 @@ class OffloadOptimizerConfig:
     pin_memory: bool = True
     """Keep the CPU copies in page-locked memory: faster host<->device copies, at the cost of
     memory the OS cannot page out. Default true, as in DeepSpeed 0.19. Acted on at stages 1-3
-    when a CUDA device exists (zero/offload.py)."""
+    when a CUDA device exists (zero/offload/policy.py)."""
     pipeline_read: bool = False
     """Overlap reading the next sub-group from NVMe with the current step (NVMe only)."""
     pipeline_write: bool = False
@@ -61,7 +61,7 @@ class OffloadParamConfig:
     buffer_count: int = spec(5, ge=0)
     """Number of buffers in DeepSpeed's NVMe parameter swap pool (DeepSpeed's default, 5). Without
     effect in zeroshard: the shard is a memory-mapped swap file paged in unit by unit, bounded by
-    `max_in_cpu` (zero/nvme_params.py)."""
+    `max_in_cpu` (zero/offload/nvme_params.py)."""
     buffer_size: int = spec(100_000_000, ge=0)
     """Size of each of DeepSpeed's NVMe swap buffers, in elements (default 1e8). Without effect in
     zeroshard, as `buffer_count`."""
@@ -70,7 +70,7 @@ class OffloadParamConfig:
     recently used units are written back and dropped. Default 1e9."""
     pin_memory: bool = True
     """Keep the CPU parameter copies in page-locked memory (faster copies, unpageable).
-    Default true, as in DeepSpeed 0.19. Acted on when a CUDA device exists (zero/offload.py)."""
+    Default true, as in DeepSpeed 0.19. Acted on when a CUDA device exists (zero/offload/policy.py)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

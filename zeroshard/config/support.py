@@ -46,7 +46,7 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(key="fp16.fp16_master_weights_and_grads",
                 why="master weights are always fp32.", fix="Remove the key."),
     Unsupported(key="aio.use_gds", why="GPUDirect Storage is not built: swap I/O goes through page-aligned "
-                "host buffers (zero/nvme_io.py).", fix='Remove the key (or set it to false).'),
+                "host buffers (zero/offload/nvme_io.py).", fix='Remove the key (or set it to false).'),
     *(Unsupported(key=f"checkpoint.{k}", why=f"checkpoint.{k} is not implemented (zeroshard's checkpoints "
                   "are one directory per tag, resharded on load).", fix="Remove the key.")
       for k in ("load_universal", "parallel_write", "checkpoint_serialization")),

@@ -63,7 +63,7 @@ class Hardware:
     nvme_path: str | None = None
     disk_read: float | None = None
     """Bytes per second read from `nvme_path` per node (measured by `zeroshard plan` with
-    `zero/nvme_bench.py`, or given); None: unknown."""
+    `zero/offload/nvme_bench.py`, or given); None: unknown."""
     disk_write: float | None = None
     """Bytes per second written to `nvme_path` per node; None: unknown."""
 

@@ -339,7 +339,7 @@ def _staging_pool(sizes: tuple[int, ...], overlap_comm: bool) -> int:
 
 
 def nvme_pool_bytes(setup: Setup, shard_numel: int) -> int:
-    """Host memory of the NVMe optimizer swap pool (zero/nvme_swap.py, Note: [swap pipeline]):
+    """Host memory of the NVMe optimizer swap pool (zero/offload/nvme_swap.py, Note: [swap pipeline]):
     `buffer_count` slots (at least 3, at most one per sub-group) of three fp32 states of one
     sub-group each."""
     group = max(1, min(setup.sub_group_size, shard_numel))

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from zeroshard.checkpoint_format import EngineState, LoadedState
 from zeroshard.errors import CheckpointError
 from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
-from zeroshard.runtime.checkpointing import Checkpointer, apply_state, collect_state
+from zeroshard.runtime.checkpoint_state import Checkpointer, apply_state, collect_state
 from zeroshard.runtime.direct_backward import DirectBackward
 from zeroshard.runtime.engine_progress import EngineProgress
 from zeroshard.runtime.engine_queries import EngineQueries
@@ -30,7 +30,7 @@ from zeroshard.runtime.param_access import forget_engine, register_engine
 from zeroshard.runtime.inference import generate_tokens, hf_generate
 from zeroshard.runtime.loss_scaler import LossScaler
 from zeroshard.runtime.monitor import MetricSink, Timers
-from zeroshard.runtime.optim import optimizer_state_bytes
+from zeroshard.optim.factory import optimizer_state_bytes
 from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.strategy import GradStats, ModelStateBytes, ZeroStrategy
 from zeroshard.zero.units import ZeroParameter

@@ -18,15 +18,15 @@ from zeroshard.config import Config, load_config, read_config_file
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.runtime.activation_checkpointing import configure_from_config
 from zeroshard.runtime.autocast import autocast_dtype, safe_module_classes
-from zeroshard.runtime.checkpointing import Checkpointer
+from zeroshard.runtime.checkpoint_state import Checkpointer
 from zeroshard.runtime.config_sync import check_same_config
 from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
 from zeroshard.runtime.loss_scaler import build_loss_scaler
-from zeroshard.runtime.lr_schedules import build_scheduler
-from zeroshard.runtime.onebit import OneBitOptimizer
+from zeroshard.optim.lr_schedules import build_scheduler
+from zeroshard.optim.onebit_adam import OneBitOptimizer
 from zeroshard.runtime.monitor import build_sinks, format_bytes, setup_logging
-from zeroshard.runtime.optim import (
+from zeroshard.optim.factory import (
     params_dict,
     adopt_client_optimizer,
     build_optimizer,

@@ -38,7 +38,7 @@ _LAZY = {
     **{name: "zeroshard.zero.leaf" for name in (
         "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
         "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")},
-    "see_memory_usage": "zeroshard.runtime.utils",
+    "see_memory_usage": "zeroshard.runtime.memory_usage",
     "RepeatingLoader": "zeroshard.runtime.dataloader",
     "unwrap_model_for_generation": "zeroshard.runtime.inference",
 }
@@ -48,7 +48,7 @@ __all__ = ["log_dist", "logger", *_LAZY]
 if TYPE_CHECKING:
     from zeroshard.runtime.dataloader import RepeatingLoader
     from zeroshard.runtime.inference import unwrap_model_for_generation
-    from zeroshard.runtime.utils import see_memory_usage
+    from zeroshard.runtime.memory_usage import see_memory_usage
     from zeroshard.zero.leaf import (
         get_z3_leaf_modules,
         set_z3_leaf_module,

@@ -1,11 +1,11 @@
 """Stage-3 parameter all-gathers as ZeRO++ changes them: int8 blockwise codes on the wire
 (qwZ, `zero_quantized_weights`) and a secondary partition within each node (hpZ,
 `zero_hpz_partition_size`); and, for shards in host memory, gathers fed from a side stream
-(`CopyStream`). Imports nothing of ours but `zero/quant.py` (and `comm` for
+(`CopyStream`). Imports nothing of ours but `comm/codecs.py` (and `comm` for
 types); zero/stage3.py decides which gather each unit gets.
 
 qwZ: each rank quantises its chunk of a unit's flat buffer to int8 with one fp32 scale per
-`block_numel` elements (zero/quant.py, `DEFAULT_BLOCK_NUMEL` = 2048), then two all-gathers
+`block_numel` elements (comm/codecs.py, `DEFAULT_BLOCK_NUMEL` = 2048), then two all-gathers
 carry the codes and the scales; on arrival every rank dequantises all the chunks (its own
 too, so every rank computes with the same weights). Each chunk is quantised on its own, so a
 block never straddles two ranks' chunks. Per element the gathered weight is off by at most
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from zeroshard.zero.quant import DEFAULT_BLOCK_NUMEL, Quantized, dequantize, quantize_int8
+from zeroshard.comm.codecs import DEFAULT_BLOCK_NUMEL, Quantized, dequantize, quantize_int8
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, Handle

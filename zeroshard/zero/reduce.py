@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from zeroshard.zero.quant import DEFAULT_BLOCK_NUMEL, Quantized, dequantize, quantize_int4, quantize_int8
+from zeroshard.comm.codecs import DEFAULT_BLOCK_NUMEL, Quantized, dequantize, quantize_int4, quantize_int8
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, Handle
@@ -45,7 +45,7 @@ class ReduceMode(Enum):
     """This rank's chunk of the sum arrives in a receive buffer, then is folded into the target."""
     QUANTIZED_REDUCE_SCATTER = "quantized_reduce_scatter"
     """qgZ, one level: each rank quantises the chunk meant for each rank (blockwise,
-    `quant_bits`, zero/quant.py), one all-to-all of codes and one of scales exchange them, and
+    `quant_bits`, comm/codecs.py), one all-to-all of codes and one of scales exchange them, and
     each rank dequantises the world_size contributions to its chunk and sums them in fp32.
     Per element the sum is off by at most the sum over source ranks of that rank's
     `amax_block / (2 * qmax)` (qmax 7 for int4, 127 for int8).

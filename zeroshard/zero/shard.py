@@ -3,7 +3,7 @@
 The optimizer steps on *fragments* (zero/flat.py): one `nn.Parameter` per piece of a model
 parameter inside this rank's shard, each a view of the master shard, so the optimizer's state
 is sharded with no change to torch.optim. Where the master lives is the offload policy's
-(zero/offload.py) concern. This module knows nothing about units, gathers or hooks.
+(zero/offload/policy.py) concern. This module knows nothing about units, gathers or hooks.
 
 Note: [shard storage] The low-precision values a rank holds are either the whole flat buffer
 (stages 1/2: every rank holds the model; rank r's shard is chunk r of each bucket, addressed by
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition, ShardFragment
-from zeroshard.zero.offload import OffloadPolicy
+from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.strategy import (
     BytesByHome,
     GradStats,
@@ -35,7 +35,7 @@ from zeroshard.zero.strategy import (
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
-    from zeroshard.zero.nvme_optim import SwapAdam
+    from zeroshard.zero.offload.nvme_optim import SwapAdam
 
 
 class OptimizerShard:
@@ -185,9 +185,9 @@ class OptimizerShard:
         home = self._policy.nvme
         if home is None:
             return optimizer
-        from zeroshard.zero.nvme_io import check_swap_dir
-        from zeroshard.zero.nvme_optim import SwapAdam
-        from zeroshard.zero.nvme_swap import SwappedAdam, swap_bytes
+        from zeroshard.zero.offload.nvme_io import check_swap_dir
+        from zeroshard.zero.offload.nvme_optim import SwapAdam
+        from zeroshard.zero.offload.nvme_swap import SwappedAdam, swap_bytes
 
         numel = sum(f.numel for f in self._fragments)
         root = check_swap_dir(home.path, swap_bytes(numel), key=home.key, direct=home.io.direct)
@@ -265,7 +265,7 @@ class ShardedStrategyBase:
         self._shard.set_fragment_grad(index, value, grad_scale, self._prescale_factor)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The optimizer the engine steps (an NVMe home swaps the states: zero/nvme_optim.py)."""
+        """The optimizer the engine steps (an NVMe home swaps the states: zero/offload/nvme_optim.py)."""
         return self._shard.swap_optimizer(optimizer)
 
 

@@ -143,7 +143,7 @@ class Stage0Strategy:
     def set_grad_reduction(self, enabled: bool) -> None:
         """Reduce gradients across ranks (True, the default) or keep each rank's own (False).
 
-        The 1-bit optimizers (runtime/onebit.py) turn it off when their warm-up ends: they
+        The 1-bit optimizers (optim/onebit_adam.py) turn it off when their warm-up ends: they
         all-reduce the momentum themselves, compressed. Takes effect from the next micro-batch.
         With it off, `prepare_step` unscales and clips the local gradient, and the ranks agree on
         overflow and the norm with one 8-byte all-reduce (see `prepare_step`).
@@ -220,7 +220,7 @@ class Stage0Strategy:
     def transient_bytes(self) -> int:
         return 0  # buckets are reduced in place in the flat gradient
 
-    # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpointing.py) -------------
+    # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpoint_state.py) -------------
 
     def checkpoint_fragments(self) -> list[MasterFragment]:
         # One whole-parameter fragment per parameter, in registration order.

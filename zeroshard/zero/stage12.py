@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition
-from zeroshard.zero.offload import OffloadPolicy
+from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.reduce import GradAccumulator, GradReducer, LaunchOrder, ReduceMode, ReduceOptions
 from zeroshard.zero.shard import OptimizerShard, ShardedStrategyBase
 from zeroshard.zero.strategy import BytesByHome, ModelStateBytes, ParamPiece
@@ -200,7 +200,7 @@ class PartitionedStrategy(ShardedStrategyBase):
         """Bytes kept for reuse beyond the model states: the reducer's staging pool."""
         return self._reducer.pool_bytes()
 
-    # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpointing.py) ---------------
+    # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpoint_state.py) ---------------
 
     def param_pieces(self) -> list[ParamPiece] | None:
         return None  # every rank holds the whole model (the all-gathered flat buffer)

@@ -56,7 +56,7 @@ from zeroshard.zero.flat import BucketedPartition
 from zeroshard.comm.groups import node_rank_lists
 from zeroshard.zero.gather import CopyStream, SecondaryPartition, quantized_all_gather
 from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
-from zeroshard.zero.offload import OffloadPolicy
+from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.reduce import GradReducer, LaunchOrder, ReduceMode, ReduceOptions
 from zeroshard.zero.schedule import ExecutionOrder, PrefetchPolicy
 from zeroshard.zero.shard import OptimizerShard, ShardedStrategyBase
@@ -74,7 +74,7 @@ from zeroshard.zero.units import (
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, Handle
     from zeroshard.zero.gather import PendingGather
-    from zeroshard.zero.nvme_params import MappedParamShard
+    from zeroshard.zero.offload.nvme_params import MappedParamShard
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,8 +280,8 @@ class Stage3Strategy(ShardedStrategyBase):
         home = self._opt.offload_param.nvme
         if home is None:
             return None
-        from zeroshard.zero.nvme_io import check_swap_dir
-        from zeroshard.zero.nvme_params import MappedParamShard
+        from zeroshard.zero.offload.nvme_io import check_swap_dir
+        from zeroshard.zero.offload.nvme_params import MappedParamShard
 
         nbytes = numel * torch.empty((), dtype=self._dtype).element_size()
         root = check_swap_dir(home.path, nbytes, key=home.key, direct=None)
@@ -556,7 +556,7 @@ class Stage3Strategy(ShardedStrategyBase):
     def is_persistent(self, param: ZeroParameter) -> bool:
         return self.unit_of(param) == self._persistent
 
-    # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpointing.py) -------------
+    # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpoint_state.py) -------------
 
     def param_pieces(self) -> list[ParamPiece] | None:
         """This rank's low-precision pieces of every parameter (frozen ones included)."""

@@ -121,7 +121,7 @@ class BytesByHome:
 class MasterFragment:
     """A range of one model parameter whose fp32 master this rank owns (checkpoints).
 
-    See Note: [checkpoint fragments] in runtime/checkpointing.py.
+    See Note: [checkpoint fragments] in runtime/checkpoint_state.py.
     """
 
     param: nn.Parameter
@@ -179,7 +179,7 @@ class ZeroStrategy(Protocol):
         """Bytes held beyond the model states and kept between steps (the staging pool)."""
         ...
 
-    # -- checkpoints (runtime/checkpointing.py) ---------------------------------------------
+    # -- checkpoints (runtime/checkpoint_state.py) ---------------------------------------------
 
     def checkpoint_fragments(self) -> list[MasterFragment]:
         """This rank's fp32 master fragments, in a fixed order (the same before save and after

@@ -1,5 +1,5 @@
 """The optimizer the engine steps when the optimizer's home is NVMe: torch's Adam/AdamW settings
-and parameter groups, its states in swap files (zero/nvme_swap.py).
+and parameter groups, its states in swap files (zero/offload/nvme_swap.py).
 
 It is a `torch.optim.Optimizer` over the shard's fragments, so lr schedulers, `param_groups`
 and checkpoints see what they see with CPU offload: `state[fragment]` reads that fragment's
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.errors import ConfigError
-from zeroshard.zero.nvme_swap import AdamHyper, SwappedAdam
+from zeroshard.zero.offload.nvme_swap import AdamHyper, SwappedAdam
 
 
 def _hyper(group: Mapping[str, Any], decoupled: bool) -> AdamHyper:

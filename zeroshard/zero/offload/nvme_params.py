@@ -18,7 +18,7 @@ adds is residency:
   first filled: everything is written back and dropped, so between steps the parameters are on
   disk and the next forward pages them in again.
 
-Files follow Note: [swap files are scratch] (zero/nvme_swap.py): a run directory per process
+Files follow Note: [swap files are scratch] (zero/offload/nvme_swap.py): a run directory per process
 under `<nvme_path>/zeroshard-swap/`, stale ones of dead processes removed on start, removed at
 a clean exit; a checkpoint holds the values, never the swap file. No compiler and no library:
 `mmap`, `madvise`, `posix_fadvise` are in Python's standard library.
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from zeroshard.zero.nvme_swap import new_run_dir
+from zeroshard.zero.offload.nvme_swap import new_run_dir
 
 PAGE = mmap.PAGESIZE
 

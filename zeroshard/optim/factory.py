@@ -1,8 +1,8 @@
 """Optimizer and scheduler factories: build from the config, or adopt the client's objects.
 
 We wrap torch.optim, we do not rewrite it: Adam/AdamW map to torch's fused kernels where the
-device has them (CUDA, and CPU since torch 2.4), Lamb is ours (runtime/lamb.py), and any other
-`torch.optim` class is taken by name. OneBitAdam (runtime/onebit.py) is torch's AdamW during its
+device has them (CUDA, and CPU since torch 2.4), Lamb is ours (optim/lamb.py), and any other
+`torch.optim` class is taken by name. OneBitAdam (optim/onebit_adam.py) is torch's AdamW during its
 warm-up.
 """
 
@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from zeroshard.errors import ConfigError
-from zeroshard.runtime.lamb import Lamb
-from zeroshard.runtime.onebit import OneBitAdam
-from zeroshard.runtime.onebit_lamb import OneBitLamb
-from zeroshard.runtime.zoadam import ZeroOneAdam
+from zeroshard.optim.lamb import Lamb
+from zeroshard.optim.onebit_adam import OneBitAdam
+from zeroshard.optim.onebit_lamb import OneBitLamb
+from zeroshard.optim.zero_one_adam import ZeroOneAdam
 
 logger = logging.getLogger("zeroshard")
 

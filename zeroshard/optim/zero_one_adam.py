@@ -10,7 +10,7 @@ schedule; `variance_update_step`, `local_step_interval`):
   all-reduces the gradient in full precision and both moments are updated,
   `v = b2 v + (1 - b2) g^2`, `m = b1 m + (1 - b1) g`. On the other steps the strategy keeps each
   rank's gradient (`set_grad_reduction(False)`), the gradients are averaged by the 1-bit
-  error-feedback all-reduce of zero/onebit.py and only the momentum takes them.
+  error-feedback all-reduce of optim/onebit_allreduce.py and only the momentum takes them.
 - *local-step phase* (`t > var_freeze_step`): the variance is frozen. Every step folds the
   rank's own gradient into its momentum and takes a local step; every `H`-th step (`t % H == 0`,
   `H` = `local_step_interval`, doubling every `local_step_scaler` steps up to
@@ -27,7 +27,7 @@ agreements) is the same.
 
 State per parameter: `step`, `exp_avg`, `exp_avg_sq`, `momentum_accumulator` (the local updates
 since the last agreement), `lrs` (the sum of their learning rates), and 1-bit Adam's
-`worker_error`, `server_error`, `error_rank`, `error_world_size` (runtime/onebit.py).
+`worker_error`, `server_error`, `error_rank`, `error_world_size` (optim/onebit_adam.py).
 
 Differences from DeepSpeed's ZeroOneAdam: docs/deepspeed-differences.md ("1-bit Adam").
 """
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from zeroshard.errors import ConfigError
-from zeroshard.runtime.onebit import OneBitAdam
+from zeroshard.optim.onebit_adam import OneBitAdam
 
 logger = logging.getLogger("zeroshard")
 

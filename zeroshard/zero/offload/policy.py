@@ -17,7 +17,7 @@ from torch import Tensor
 
 from pathlib import Path
 
-from zeroshard.zero.nvme_io import IOOptions
+from zeroshard.zero.offload.nvme_io import IOOptions
 
 if TYPE_CHECKING:
     from zeroshard.config.schema import AioConfig
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class NvmeHome:
-    """Swap files under `path` (zero/nvme_swap.py), read and written with `io`."""
+    """Swap files under `path` (zero/offload/nvme_swap.py), read and written with `io`."""
 
     path: Path
     sub_group_numel: int

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from zeroshard.zero.quant import SCALE_BYTES, SignPacked, pack_signs, unpack_signs
+from zeroshard.comm.codecs import SCALE_BYTES, SignPacked, pack_signs, unpack_signs
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm

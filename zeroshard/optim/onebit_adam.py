@@ -9,7 +9,7 @@ Two stages, switched by the step count:
 - *compression* (after `freeze_step`): the strategy stops reducing gradients
   (`Stage0Strategy.set_grad_reduction(False)`); each rank folds its local gradient into the
   momentum, `m = b1 m + (1 - b1) g_r`, and the momenta are averaged by the error-feedback 1-bit
-  all-reduce of zero/onebit.py (one scale per parameter, four collectives for all of them). The variance
+  all-reduce of optim/onebit_allreduce.py (one scale per parameter, four collectives for all of them). The variance
   `exp_avg_sq` stays frozen at its step-`freeze_step` value; the update is AdamW's with that
   variance: `p -= lr (m / bc1) / (sqrt(v / bc2_freeze) + eps) + lr wd p`, where `bc1 = 1 - b1^t`
   keeps counting and `bc2_freeze = 1 - b2^freeze_step`.
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from zeroshard.errors import ConfigError
-from zeroshard.zero.onebit import SignAllReduce
+from zeroshard.optim.onebit_allreduce import SignAllReduce
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
@@ -49,14 +49,14 @@ OWNER_KEYS = ("error_rank", "error_world_size")
 """Who the errors belong to; a load elsewhere starts them at zero."""
 
 LOCAL_STEP_KEYS = ("momentum_accumulator", "lrs")
-"""0/1 Adam's (runtime/zoadam.py) local-step state: the updates since the ranks last agreed."""
+"""0/1 Adam's (optim/zero_one_adam.py) local-step state: the updates since the ranks last agreed."""
 
 COMM_BACKENDS = ("nccl", "gloo")
 """`comm_backend_name` values accepted: both name the job's own process group (see `attach`)."""
 
 
 LAMB_STATE_KEYS = ("exp_avg_sq_fresh", "lamb_coeff_freeze", "last_factor", "scaling_coeff")
-"""1-bit Lamb's state beyond Lamb's (runtime/onebit_lamb.py)."""
+"""1-bit Lamb's state beyond Lamb's (optim/onebit_lamb.py)."""
 
 STATE_KEYS = ERROR_KEYS + OWNER_KEYS + LOCAL_STEP_KEYS + LAMB_STATE_KEYS
 """State keys the 1-bit optimizers add to Adam's and Lamb's; a plain optimizer loading their

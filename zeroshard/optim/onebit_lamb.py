@@ -17,7 +17,7 @@ no longer ships); where zeroshard departs, docs/deepspeed-differences.md ("1-bit
 
 - *compression* (after `freeze_step`): the strategy stops reducing gradients. `v` is frozen. Each
   rank folds its local gradient into the momentum, which is averaged by the error-feedback 1-bit
-  all-reduce (zero/onebit.py), each parameter's momentum first multiplied by its `scaling_coeff`
+  all-reduce (optim/onebit_allreduce.py), each parameter's momentum first multiplied by its `scaling_coeff`
   (fixed at the first compressed step so that every parameter's momentum has the same RMS) and
   divided by it after. From the averaged momentum, a gradient is reconstructed,
   `g' = (m - b1 m_prev) / (1 - b1)`, and feeds `exp_avg_sq_fresh` (a variance that keeps moving).
@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from zeroshard.errors import ConfigError
-from zeroshard.runtime.onebit import OneBitOptimizer, check_onebit_args
+from zeroshard.optim.onebit_adam import OneBitOptimizer, check_onebit_args
 
 logger = logging.getLogger("zeroshard")
 

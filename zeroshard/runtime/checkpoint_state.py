@@ -35,8 +35,8 @@ from zeroshard.checkpoint_format import (
     unpickle_bytes,
 )
 from zeroshard.errors import CheckpointError
-from zeroshard.runtime.onebit import STATE_KEYS as ONEBIT_STATE_KEYS
-from zeroshard.runtime.onebit import OneBitOptimizer, drop_onebit_state
+from zeroshard.optim.onebit_adam import STATE_KEYS as ONEBIT_STATE_KEYS
+from zeroshard.optim.onebit_adam import OneBitOptimizer, drop_onebit_state
 from zeroshard.zero.strategy import MasterFragment, ZeroStrategy
 
 if TYPE_CHECKING:

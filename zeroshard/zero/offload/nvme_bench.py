@@ -2,7 +2,7 @@
 DeepSpeed's ds_io), and the `aio` block that did best.
 
 Each point writes (once untimed, to lay the blocks out, then timed: every optimizer step
-overwrites its swap files), then reads a scratch file of `file_bytes` through `zero/nvme_io.py`, as the
+overwrites its swap files), then reads a scratch file of `file_bytes` through `zero/offload/nvme_io.py`, as the
 optimizer swap does: requests of `request_bytes` (one swap buffer) from page-aligned memory,
 `overlap` requests in flight, each cut into `block_size` system calls. Direct I/O bypasses the
 page cache, so reads measure the disk; without O_DIRECT the numbers are the page cache's and the
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.zero.nvme_io import AsyncIO, IOHandle, IOOptions, SwapFile, aligned_empty
+from zeroshard.zero.offload.nvme_io import AsyncIO, IOHandle, IOOptions, SwapFile, aligned_empty
 
 
 @dataclass(frozen=True, slots=True)

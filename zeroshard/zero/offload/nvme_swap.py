@@ -22,7 +22,7 @@ Note: [swap files are scratch] Files live in `<nvme_path>/zeroshard-swap/<run>/r
 are written to checkpoints in the normal format by whoever owns the shard; a resumed run builds
 new swap files from them. `close()` (and interpreter exit) removes this run's files.
 
-Imports nothing of ours but zero/nvme_io.py and `errors`.
+Imports nothing of ours but zero/offload/nvme_io.py and `errors`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from zeroshard.zero.nvme_io import AsyncIO, IOHandle, IOOptions, SwapFile, aligned_empty
+from zeroshard.zero.offload.nvme_io import AsyncIO, IOHandle, IOOptions, SwapFile, aligned_empty
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 _CUT = 64
