@@ -83,7 +83,7 @@ def test_an_18b_config_is_never_materialised() -> None:
 
 def test_builtin_counts_match_transformers() -> None:
     pytest.importorskip("transformers")  # the [hf] extra; the counts themselves are tested below
-    from zeroshard.estimate.spec import _spec_with_transformers
+    from zeroshard.estimate.model_source import _spec_with_transformers
 
     for name, cfg in [*SMALL.items(), ("t0_3b", T0_3B)]:
         # T5: transformers 5 ties the LM head whatever the config says; compare the base model.

@@ -1,7 +1,8 @@
 """Checkpoints: sharded save/load with a layout manifest, resharding, consolidation to fp32.
 
-Layer 5: imports runtime/, zero/, comm/ and errors, never the other way round (the engine
-reaches this package only through the `Checkpointer` initialize() gives it).
+Layer 5: imports comm/, checkpoint_format.py and errors, never runtime/ or zero/: the engine
+hands it tensors and a `Manifest`, and reaches this package only through the `Checkpointer`
+initialize() gives it.
 See docs/checkpoints.md for the on-disk format.
 """
 

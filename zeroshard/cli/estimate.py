@@ -15,7 +15,8 @@ from zeroshard.config import load_config
 from zeroshard.errors import ConfigError, ZeroshardError
 from zeroshard.estimate.activations import ActivationOptions, activation_bytes
 from zeroshard.estimate.deepspeed_compat import format_rows, zero2_rows, zero3_rows
-from zeroshard.estimate.spec import ModelSpec, load_model_spec, parse_count, spec_from_counts
+from zeroshard.estimate.model_source import load_model_spec
+from zeroshard.estimate.spec import ModelSpec, parse_count, spec_from_counts
 from zeroshard.estimate.states import Precision, Setup
 from zeroshard.estimate.table import format_table, table_rows
 

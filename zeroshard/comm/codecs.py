@@ -1,6 +1,6 @@
 """Blockwise quantisation for compressed communication (ZeRO++ qwZ/qgZ, 1-bit optimizers):
 int8 and packed int4 symmetric codes with one fp32 scale per block, and sign compression with
-error feedback. Pure torch, device-agnostic; imports nothing of ours but `errors`.
+error feedback. Pure torch, device-agnostic; imports nothing of ours.
 
 Vocabulary: a *block* is `block_numel` consecutive elements of the flattened input sharing
 one scale; the last block may be shorter (it is zero-padded for the arithmetic only: the

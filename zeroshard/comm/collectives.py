@@ -3,7 +3,7 @@
 Every collective is issued on the data-parallel process group's backend with a per-operation
 timeout, and waited with that timeout (plus a grace), so a rank that diverges fails with a
 ``CommError`` naming every rank's last collective (Note: [divergence diagnostics] in
-``divergence.py``) instead of hanging. Imports nothing of ours but ``errors`` and ``comm``.
+``divergence.py``) instead of hanging. Imports nothing of ours but ``comm``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ on the world group, ranks are node-major (node n = ranks [n s, (n + 1) s)), so i
 the last rank of each node sends to another node (N of the W links cross), and an all-to-all
 sends (W - s) / W of its input across. Summing `split` over every rank gives the cluster's
 totals; bench/zeropp_step.py does so and compares with the veth counters of bench/two_node.py.
-Imports nothing of ours.
+Imports nothing of ours but comm/log.py (the records it reads).
 """
 
 from __future__ import annotations

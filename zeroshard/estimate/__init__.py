@@ -6,7 +6,8 @@
 
 DeepSpeed's estimator API is here under its names (`estimate_zero2_model_states_mem_needs_all_live`
 and the rest); `zeroshard estimate` and `zeroshard plan` are the command-line faces. See
-docs/estimate.md. Imports `zeroshard.config`, `zeroshard.zero` (layout rules) and torch.
+docs/estimate.md. Imports `zeroshard.config`, `zeroshard.zero` (layout rules), torch, the built-in GPT
+(`zeroshard.examples.gpt`) and, in probe_worker.py only, `zeroshard.runtime` (it trains).
 """
 
 from zeroshard.estimate.activations import ActivationOptions, activation_bytes
@@ -19,16 +20,9 @@ from zeroshard.estimate.deepspeed_compat import (
     estimate_zero3_model_states_mem_needs_all_cold,
     estimate_zero3_model_states_mem_needs_all_live,
 )
+from zeroshard.estimate.model_source import load_model_spec, spec_from_hf_config
 from zeroshard.estimate.plan import Decision, Hardware, Plan, Workload, make_plan
-from zeroshard.estimate.spec import (
-    ModelSpec,
-    TransformerShape,
-    load_model_spec,
-    spec_from_counts,
-    spec_from_gpt,
-    spec_from_hf_config,
-    spec_from_module,
-)
+from zeroshard.estimate.spec import ModelSpec, TransformerShape, spec_from_counts, spec_from_gpt, spec_from_module
 from zeroshard.estimate.states import NodeEstimate, RankEstimate, Setup, StateBytes, estimate_node, estimate_rank
 from zeroshard.estimate.table import stage_supported
 

@@ -4,7 +4,7 @@ The arithmetic mirrors what the strategies allocate (zero/stage0.py, zero/stage1
 `estimate_rank(...)` equals `engine.model_state_bytes()` category by category; see
 docs/estimate.md for the formulas and how they differ from DeepSpeed's. Stage 3 is a
 prediction from the design (sharded parameters gathered per unit) until the engine has it.
-Imports `zeroshard.config` (a `Setup` is read from a `Config`) and `zeroshard.zero.flat`
+Imports `zeroshard.config` (a `Setup` is read from a `Config`), `estimate.spec` and `zeroshard.zero.flat`
 (the exact bucket padding); never a process group.
 """
 

@@ -5,8 +5,8 @@ and runs again in backward to rebuild what backward needs; torch.utils.checkpoin
 autograd work, this module adds what DeepSpeed scripts expect around it: the module-wide
 settings of `configure()` / the `activation_checkpointing` config block, DeepSpeed's named RNG
 tracker (restored for the recompute, Note: [rng of the recompute]), the recompute timer
-(`profile`) and CPU homes for checkpointed inputs (`cpu_checkpointing`). Imports runtime-level
-and config only; never torch.distributed.
+(`profile`) and CPU homes for checkpointed inputs (`cpu_checkpointing`). Imports nothing
+of ours but `config` and `errors`; never torch.distributed.
 
 Note: [rng of the recompute] The recompute must draw the same dropout masks as the forward.
 torch.utils.checkpoint restores the default CPU and device generators (preserve_rng_state).
@@ -41,7 +41,7 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 
 
 @dataclass(frozen=True, slots=True)
-class CheckpointingSettings:
+class ActivationCheckpointingSettings:
     """What `configure()` set; the defaults are DeepSpeed 0.19.8's."""
 
     partition_activations: bool = False
@@ -57,7 +57,10 @@ class CheckpointingSettings:
     """Add the recompute time to `recompute_seconds()` (the engine's wall-clock breakdown)."""
 
 
-_settings: CheckpointingSettings | None = None
+CheckpointingSettings = ActivationCheckpointingSettings
+"""The name `zeroshard.checkpointing` exported before the class said which checkpointing it is."""
+
+_settings: ActivationCheckpointingSettings | None = None
 _recompute_s = 0.0
 _forward_s = 0.0
 
@@ -228,7 +231,7 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
                      num_checkpoints=num_checkpoints, cpu_checkpointing=checkpoint_in_cpu,
                      synchronize=synchronize, profile=profile)
     values.update({k: v for k, v in overrides.items() if v is not None})
-    settings = CheckpointingSettings(**values)
+    settings = ActivationCheckpointingSettings(**values)
     mp_size = _model_parallel_size(mpu_)
     if settings.partition_activations and mp_size > 1:
         raise NotSupportedError(
@@ -251,9 +254,9 @@ def reset() -> None:
     that call it after evaluation forwards."""
 
 
-def settings() -> CheckpointingSettings:
+def settings() -> ActivationCheckpointingSettings:
     """The settings in force (DeepSpeed's defaults until `configure()`)."""
-    return _settings if _settings is not None else CheckpointingSettings()
+    return _settings if _settings is not None else ActivationCheckpointingSettings()
 
 
 def recompute_seconds(*, reset: bool = True) -> float:
@@ -282,7 +285,7 @@ def _sync() -> None:
 class _Region:
     """The checkpointed function plus what its recompute must restore (Note: [rng of the recompute])."""
 
-    def __init__(self, function: Callable[..., Any], opts: CheckpointingSettings, kwarg_keys: tuple[str, ...],
+    def __init__(self, function: Callable[..., Any], opts: ActivationCheckpointingSettings, kwarg_keys: tuple[str, ...],
                  n_positional: int, homes: list[torch.device | None] | None) -> None:
         self._function, self._opts = function, opts
         self._kwarg_keys, self._n_positional = kwarg_keys, n_positional

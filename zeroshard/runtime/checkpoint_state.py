@@ -5,7 +5,8 @@ which the offline tools import without the runtime.
 
 The engine does not import zeroshard.checkpoint (STYLE §1): `collect_state` returns tensors
 plus a `Manifest`, and `initialize()` hands the engine a `Checkpointer` that writes them.
-Nothing here touches files. Imports runtime/ and zero/ only.
+Nothing here touches files. Imports runtime/, zero/, optim/ (the 1-bit optimizers' state keys) and
+checkpoint_format.py only.
 
 Note: [checkpoint fragments] Trainable state is described per *fragment*: a range
 `[param_offset, param_offset + numel)` of one flattened parameter, identified by the

@@ -2,7 +2,7 @@
 
 A mixin of `ZeroEngine`: each query reads the typed Config (`self._config`), the optimizer or
 the process groups; none changes state. Kept apart so engine.py holds the training step only.
-Imports nothing of zeroshard but the config types (for annotations).
+Imports nothing of zeroshard but the config and comm types (for annotations).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The one gradient reducer every stage uses: staging pool, launch order, buckets in flight,
 the reduction mode, the fold into a target, the drain.
 
-Imports nothing of ours but `zero/` itself (and `comm` for types). A compressed or quantised
+Imports nothing of ours but `comm/codecs.py` (and `comm` for types). A compressed or quantised
 reduction (qgZ, 1-bit) is one more `ReduceMode` handled in `GradReducer._issue`.
 
 Note: [gradient bucket lifetime] A bucket's data is either a view of a buffer that lives for

@@ -3,6 +3,6 @@ home: asynchronous file I/O (nvme_io.py), the swapped Adam (nvme_swap.py) and it
 optimizer (nvme_optim.py), stage-3 parameter shards in a memory-mapped file (nvme_params.py),
 and the `zeroshard bench-io` measurement (nvme_bench.py).
 
-Below the strategies of zero/, which ask the policy where a state lives; imports nothing of
-zero/ outside this package.
+Below the strategies of zero/, which ask the policy where a state lives. Imports nothing of ours
+but `config` types and `errors`.
 """

@@ -22,7 +22,7 @@ Note: [swap files are scratch] Files live in `<nvme_path>/zeroshard-swap/<run>/r
 are written to checkpoints in the normal format by whoever owns the shard; a resumed run builds
 new swap files from them. `close()` (and interpreter exit) removes this run's files.
 
-Imports nothing of ours but zero/offload/nvme_io.py and `errors`.
+Imports nothing of ours but zero/offload/nvme_io.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 One policy for the optimizer shard (`offload_optimizer`: fp32 master, gradient shard,
 optimizer state) and one for stage-3 parameter shards (`offload_param`). A new home (NVMe
 swap files) is one more policy here; strategies only ask `home`, `allocate` and `label`.
-Imports nothing of ours but `config` types.
+Imports nothing of ours but `config` types and nvme_io.py (the `aio` options).
 """
 
 from __future__ import annotations
