@@ -83,7 +83,7 @@ def main() -> int:
         worker(args.repeats)
         return 0
     sys.path.insert(0, str(BENCH))
-    from run import OthersCpu, machine, versions, wait_idle, write_section  # noqa: PLC0415
+    from run import OthersCpu, machine, versions, wait_idle, write_section
 
     wait_idle(30.0)
     meter = OthersCpu()

@@ -56,7 +56,7 @@ def make_optimizers() -> dict[str, Callable[[list[Any]], Any]]:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         opts["DeepSpeedCPUAdam"] = lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=True, **HP)
-    except Exception as e:  # noqa: BLE001 (reported as a missing column)
+    except Exception as e:  # reported as a missing column
         print(f"[cpu_adam] DeepSpeedCPUAdam unavailable: {type(e).__name__}: {e}", file=sys.stderr)
     return opts
 
@@ -129,9 +129,9 @@ def child(threads: int, repeats: int, warmup: int) -> dict[str, Any]:
 
 def render(results: list[dict[str, Any]], args: argparse.Namespace, total_s: float) -> str:
     sys.path.insert(0, str(BENCH))
-    from run import machine, versions  # noqa: PLC0415 (bench/run.py's header helpers)
-
     import datetime as dt
+
+    from run import machine, versions  # bench/run.py's header helpers
 
     ds = "DeepSpeedCPUAdam"
     L = [f"Measured {dt.datetime.now().strftime('%Y-%m-%d %H:%M')} by `python bench/cpu_adam.py` "
@@ -170,7 +170,7 @@ def main() -> int:
         return 0
     t0 = time.perf_counter()
     results = []
-    from run import OthersCpu, wait_idle  # noqa: PLC0415
+    from run import OthersCpu, wait_idle
 
     for n in args.threads:
         wait_idle(60.0)
@@ -181,7 +181,7 @@ def main() -> int:
                              env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]) | {"others_cpu": meter.share()})
     body = render(results, args, time.perf_counter() - t0)
-    from run import write_section  # noqa: PLC0415
+    from run import write_section
 
     write_section(args.results, "cpu_adam", body, "CPU Adam step (bench/cpu_adam.py)")
     raw = BENCH / "out" / "cpu_adam.json"

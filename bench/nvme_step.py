@@ -54,7 +54,8 @@ def main() -> None:
     groups = -(-n // swap.sub_group_numel)
     swapped = max(0, groups - len(swap._slots)) / groups  # resident slots are not swapped
     moved = 2 * 3 * 4 * n * swapped  # read + write of three fp32 states
-    print(f"{n / 1e6:.0f}M elements, sub-group {int(args.sub_group) / 1e6:.0f}M, torch threads {torch.get_num_threads()}: "
+    print(f"{n / 1e6:.0f}M elements, sub-group {int(args.sub_group) / 1e6:.0f}M, "
+          f"torch threads {torch.get_num_threads()}: "
           f"CPU offload step {c * 1e3:.0f} ms, NVMe step {v * 1e3:.0f} ms "
           f"({moved / 2**20:.0f} MiB swapped, {moved / v / 2**20:.0f} MiB/s), CPU/NVMe = {c / v:.2f}")
 

@@ -56,7 +56,7 @@ def main() -> int:
               "zero_optimization": {"stage": 0}}
     engine, *_ = zeroshard.initialize(model=GPT(cfg), config=config)
     world = engine.world_size
-    log = engine._comm.log  # noqa: SLF001
+    log = engine._comm.log
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (2 * world, cfg.block_size + 1), generator=g)
     mine = tokens[2 * engine.rank : 2 * engine.rank + 2]
@@ -72,7 +72,7 @@ def main() -> int:
         seconds = time.perf_counter() - start
         wire = sum(r.bytes * WIRE[r.op](world) for r in log.records if r.op in WIRE)
         rows.append((seconds, wire))
-        engine._comm.all_reduce(loss, "avg")  # noqa: SLF001 (outside the timed step and its bytes)
+        engine._comm.all_reduce(loss, "avg")  # outside the timed step and its bytes
     k = args.freeze_step
     warm, after = rows[1:k], rows[k + 1 :]  # step 1 pays the first-touch allocations
     if engine.rank == 0:

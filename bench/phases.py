@@ -22,9 +22,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
-from engines.common import RunSpec, build_model, ds_config  # noqa: E402
+import torch
+from engines.common import RunSpec, build_model, ds_config
 
 PHASES = ("forward", "backward", "reduce_wait", "norm_clip", "optimizer", "after_step")
 

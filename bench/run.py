@@ -35,8 +35,8 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from engines import DEFAULT_ENGINES, ENGINES, EngineSpec  # noqa: E402
-from engines.common import RunSpec  # noqa: E402
+from engines import DEFAULT_ENGINES, ENGINES, EngineSpec  # noqa: E402  bench/engines loads after the sys.path insert
+from engines.common import RunSpec  # noqa: E402  bench/engines loads after the sys.path insert
 
 WORLD_SIZE = 2
 MIB = 2**20
@@ -136,7 +136,7 @@ def run_once(engine: str, spec: RunSpec, steps: int, warmup: int, out_dir: Path,
             "others_cpu": others}
 
 
-def _set_nice(nice: int):  # noqa: ANN202 (a preexec_fn or None)
+def _set_nice(nice: int):  # a preexec_fn or None
     if nice == 0:
         return None
     return lambda: os.setpriority(os.PRIO_PROCESS, 0, nice)  # inherited by torchrun's ranks
@@ -321,13 +321,13 @@ def versions() -> str:
         from importlib.metadata import version
 
         parts.append(f"DeepSpeed {version('deepspeed')}")
-    except Exception:  # noqa: BLE001
+    except Exception:
         parts.append("DeepSpeed not installed")
     try:
         from importlib.metadata import version
 
         parts.append(f"zeroshard {version('zeroshard')}")
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,

@@ -20,10 +20,9 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything can import deepspeed
 
-import torch  # noqa: E402
-
-from engines import ENGINES  # noqa: E402
-from engines.common import Batches, RunSpec, tensor_census  # noqa: E402
+import torch
+from engines import ENGINES
+from engines.common import Batches, RunSpec, tensor_census
 
 
 def current_rss_bytes() -> int:
@@ -51,7 +50,7 @@ def run(args: argparse.Namespace, rank: int, world_size: int) -> dict:
     t0 = time.perf_counter()
     try:
         stepper = engine.build(spec)
-    except Exception as e:  # noqa: BLE001 (recorded in the table, then the run ends)
+    except Exception as e:  # recorded in the table, then the run ends
         out.update(status=classify(e), message=f"{type(e).__name__}: {e}",
                    traceback=traceback.format_exc(limit=8))
         return out
@@ -82,7 +81,7 @@ def run(args: argparse.Namespace, rank: int, world_size: int) -> dict:
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
             (args.out_dir / f"profile_rank{rank}.txt").write_text(table)
             prof.export_chrome_trace(str(args.out_dir / f"trace_rank{rank}.json"))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out.update(status="error", message=f"{type(e).__name__}: {e} (step {len(phase_losses)})",
                    traceback=traceback.format_exc(limit=8))
         return out
@@ -124,7 +123,7 @@ def main() -> int:
             if out["status"] == "ok":
                 dist.barrier()
             dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 (teardown noise must not hide the result)
+    except Exception:  # teardown noise must not hide the result
         pass
     # A rank that failed exits non-zero so torchrun stops its peers instead of letting them
     # wait in a collective; "unsupported" is raised at initialize on every rank alike.

@@ -56,9 +56,9 @@ def main() -> int:
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.block_size + 1), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]  # one batch, memorised: the loss must fall
-    log = engine._comm.log  # noqa: SLF001  (the bench reads the engine's comm log)
+    log = engine._comm.log  # the bench reads the engine's comm log
     times, loss = [], float("nan")
-    for step in range(args.steps):
+    for _step in range(args.steps):
         log.reset()  # what remains after the loop is the last step's calls
         start = time.perf_counter()
         out = engine(x, y)

@@ -43,7 +43,8 @@ DEEPSPEED_FILES = ("test_deepspeed_examples.py", "test_deepspeed_example.py", "t
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "deepspeed: compares with a real DeepSpeed 0.19 (opt-in: tests/run.py --deepspeed)")
+    config.addinivalue_line("markers",
+                            "deepspeed: compares with a real DeepSpeed 0.19 (opt-in: tests/run.py --deepspeed)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -20,8 +20,8 @@ failed.
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import re
 import subprocess
 import sys
@@ -61,9 +61,9 @@ OPT_IN: dict[str, list[str]] = {
 
 def ensure_installed() -> None:
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401  only whether it is installed
 
-        import zeroshard  # noqa: F401
+        import zeroshard  # noqa: F401  only whether it is installed
     except ImportError:
         print("installing torch==2.13.0 and zeroshard[test] ...", flush=True)
         subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "torch==2.13.0",

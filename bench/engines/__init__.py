@@ -65,7 +65,8 @@ def _rows() -> list[EngineSpec]:
                                           "stage 3 + NVMe parameter and optimizer offload")):
         rows.append(EngineSpec(f"zs{suffix}", "zeroshard", stage, offload, f"zeroshard {text}", _zs(stage, offload)))
         if (stage, offload) != (2, "nvme"):  # DeepSpeed swaps optimizer states to NVMe at stage 3 only
-            rows.append(EngineSpec(f"ds{suffix}", "deepspeed", stage, offload, f"DeepSpeed {text}", _ds(stage, offload)))
+            rows.append(EngineSpec(f"ds{suffix}", "deepspeed", stage, offload, f"DeepSpeed {text}",
+                                   _ds(stage, offload)))
     rows.append(EngineSpec("ddp", "torch", None, False, "torch DDP", _torch("ddp")))
     rows.append(EngineSpec("ddp_zero", "torch", None, False, "torch DDP + ZeroRedundancyOptimizer",
                            _torch("ddp_zero")))

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from runner import ROWS, GpuSpec  # noqa: E402
+from runner import ROWS, GpuSpec  # noqa: E402  bench/gpu/runner.py loads after the sys.path insert
 
 # The NVMe rows and the optimizer-only CPU offload row they are measured against run by name.
 DEFAULT_ROWS = [r for r in ROWS if "nvme" not in r and r != "zs3_offload_opt"]
@@ -78,7 +78,8 @@ def render(results: list[dict[str, Any]], peak: float | None) -> str:
         "",
         f"Spec: `{json.dumps(m.get('spec', {}))}`",
         "",
-        "| row | status | tokens/s | MFU | peak allocated GiB | first step s | vs DeepSpeed (speed / memory) | vs FSDP2 |",
+        "| row | status | tokens/s | MFU | peak allocated GiB | first step s "
+        "| vs DeepSpeed (speed / memory) | vs FSDP2 |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:

@@ -93,7 +93,7 @@ ROWS: dict[str, tuple[str, int, str]] = {
 }
 
 
-def build(row: str, spec: GpuSpec, device: torch.device):  # noqa: ANN201 (engine-specific)
+def build(row: str, spec: GpuSpec, device: torch.device):  # engine-specific
     kind, stage, offload = ROWS[row]
     torch.manual_seed(spec.seed)
     model = GPT(MODELS[spec.model])
@@ -147,13 +147,13 @@ def machine() -> dict[str, Any]:
             info["driver"] = subprocess.run(
                 ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                 capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
-        except Exception as e:  # noqa: BLE001 (recorded, not fatal)
+        except Exception as e:  # recorded, not fatal
             info["driver"] = f"unknown ({e})"
     try:
         import deepspeed
 
         info["deepspeed"] = deepspeed.__version__
-    except Exception:  # noqa: BLE001
+    except Exception:
         info["deepspeed"] = None
     return info
 
@@ -185,7 +185,7 @@ def run(row: str, spec: GpuSpec) -> dict[str, Any]:
             if s >= spec.warmup:
                 times.append(time.perf_counter() - t)
             losses.append(float(loss))
-    except Exception as e:  # noqa: BLE001 (the row records why)
+    except Exception as e:  # the row records why
         oom = isinstance(e, torch.OutOfMemoryError)
         out.update(status="oom" if oom else "error", message=f"{type(e).__name__}: {str(e)[:400]}",
                    traceback=traceback.format_exc(limit=6))

@@ -13,7 +13,6 @@ To run it under DeepSpeed instead, change only the import below to `import deeps
 """
 
 import argparse
-import os
 
 import torch
 import torch.nn as nn

@@ -16,9 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import Tensor
-
 from cases import LOSS_TOL, LR_TOL, SAVE_AT, WEIGHT_TOL, Case
+from torch import Tensor
 
 
 @dataclass

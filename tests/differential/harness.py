@@ -28,8 +28,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from cases import BY_NAME, CASES, Case  # noqa: E402
-from compare import Result, compare_case, table  # noqa: E402
+from cases import BY_NAME, CASES, Case  # noqa: E402  the sibling modules load after the sys.path insert
+from compare import Result, compare_case, table  # noqa: E402  the sibling modules load after the sys.path insert
 
 JOB_TIMEOUT_S = 1800
 

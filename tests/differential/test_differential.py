@@ -16,9 +16,9 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import conftest  # noqa: E402
-from cases import CASES, Case  # noqa: E402
-from compare import Result, table  # noqa: E402
+import conftest  # noqa: E402  the sibling modules load after the sys.path insert
+from cases import CASES, Case  # noqa: E402  the sibling modules load after the sys.path insert
+from compare import Result, table  # noqa: E402  the sibling modules load after the sys.path insert
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed: pip install -e '.[bench]'", allow_module_level=True)

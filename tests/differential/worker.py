@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cases import BY_NAME, CASES, SAVE_AT, STEPS, WORLD_SIZE, Case  # noqa: E402
+from cases import BY_NAME, CASES, SAVE_AT, STEPS, WORLD_SIZE, Case
 
-from zeroshard.examples.gpt import GPT, CharDataset, GPTConfig, load_corpus  # noqa: E402
+from zeroshard.examples.gpt import GPT, CharDataset, GPTConfig, load_corpus
 
 SEED = 1234
 MODEL = GPTConfig.preset("tiny")

@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 from engine_helpers import TINY, global_batches, init_engine, make_config, rank_micro_batches
+from torch import Tensor, nn
 
 import zeroshard.checkpointing as ckpt
 from zeroshard.examples.gpt import GPT, GPTConfig

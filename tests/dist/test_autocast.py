@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import global_batches, make_config, make_model, rank_micro_batches
 
 import zeroshard
-from engine_helpers import global_batches, make_config, make_model, rank_micro_batches
 from zeroshard.errors import ConfigError
 from zeroshard.zero.init import GatheredParameters
 

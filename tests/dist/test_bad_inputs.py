@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import init_engine, make_config, make_model
 
 import zeroshard
-from engine_helpers import init_engine, make_config, make_model
 from zeroshard.errors import ConfigError
 
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from engine_helpers import global_batches, init_engine, make_config, make_model, train_engine
 
 MASTER = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import assert_params_close, global_batches, init_engine, make_config, make_model, train_engine
 
 import zeroshard
-from engine_helpers import assert_params_close, global_batches, init_engine, make_config, make_model, train_engine
 from zeroshard.checkpoint import (
     convert_zero_checkpoint_to_fp32_state_dict,
     export_pretrained,

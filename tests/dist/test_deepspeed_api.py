@@ -13,10 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
-import zeroshard
-import zeroshard.comm as zcomm
 from engine_helpers import (
     api_config,
     close,
@@ -29,6 +25,10 @@ from engine_helpers import (
     rank_micro_batches,
     train_engine,
 )
+from torch import nn
+
+import zeroshard
+import zeroshard.comm as zcomm
 from zeroshard.errors import CheckpointError, NotSupportedError
 from zeroshard.utils import (
     safe_get_full_fp32_param,

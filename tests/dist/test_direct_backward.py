@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import global_batches, init_engine, make_config, make_model, rank_micro_batches
 
 import zeroshard
-from engine_helpers import global_batches, init_engine, make_config, make_model, rank_micro_batches
 
 
 def _config(stage: int, precision: str = "fp32") -> dict[str, Any]:

@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-
 from engine_helpers import (
     assert_params_close,
     capture_zeroshard_log,
@@ -146,7 +145,8 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(groups) -> None:
     scales, lrs, applied = [], [], []
     before = [p.detach().clone() for p in engine.module.parameters()]
     for step, batch in enumerate(global_batches(8, 2 * world)):
-        _, params = train_engine(engine, [batch], groups.rank, world, before_backward=lambda _s, l, s=step: inject(s, l))
+        _, params = train_engine(engine, [batch], groups.rank, world,
+                                 before_backward=lambda _s, loss, s=step: inject(s, loss))
         scales.append(engine.get_loss_scale())
         lrs.append(engine.get_lr()[0])
         applied.append(engine.was_step_applied())
@@ -155,8 +155,8 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(groups) -> None:
         before = [p.detach().clone() for p in engine.module.parameters()]
     # The scale sequence follows DeepSpeed's rules (pinned case by case in
     # tests/unit/test_loss_scaler.py); here: the engine feeds the scaler every rank's overflow.
-    from zeroshard.runtime.loss_scaler import DynamicLossScaler
     from zeroshard.optim.lr_schedules import WarmupLR
+    from zeroshard.runtime.loss_scaler import DynamicLossScaler
 
     ref = DynamicLossScaler(init_scale=2.0**8, scale_window=2, hysteresis=2)
     want = []

@@ -4,9 +4,8 @@ casts them (through lists, tuples and dicts); integer tensors and keyword inputs
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from engine_helpers import init_engine, make_config
+from torch import nn
 
 
 class Recorder(nn.Module):
@@ -15,7 +14,8 @@ class Recorder(nn.Module):
         self.lin = nn.Linear(4, 1)
         self.seen: list[object] = []
 
-    def forward(self, x: torch.Tensor, pair: tuple, extra: dict, ids: torch.Tensor, *, kw: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pair: tuple, extra: dict, ids: torch.Tensor, *,
+                kw: torch.Tensor) -> torch.Tensor:
         self.seen = [x.dtype, pair[0].dtype, extra["m"].dtype, ids.dtype, kw.dtype]
         return self.lin(x.to(self.lin.weight.dtype)).float().mean() + 0 * kw.sum()
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from engine_helpers import init_engine, make_config
+
 from zeroshard.config import load_config
 from zeroshard.estimate import Setup, estimate_rank, spec_from_module
 from zeroshard.examples.gpt import GPT, GPTConfig

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from engine_helpers import init_engine, make_model, train_engine
 from test_checkpoint import STEPS_AFTER, STEPS_BEFORE, assert_equal, batches, config
+
 from zeroshard.checkpoint.files import LATEST, MANIFEST, MODEL_FILE, WRITER_TOKEN, optim_file, rng_file
 from zeroshard.checkpoint.manifest import read_manifest
 from zeroshard.comm.groups import NODE_SIZE_ENV
@@ -108,5 +108,6 @@ def test_a_load_needing_other_nodes_files_names_the_fix(groups: Any, shared_dir:
     if world == 1:
         assert other.load_checkpoint(mine)[0] is not None
         return
-    with pytest.raises(CheckpointError, match=r"use_node_local_storage.*Copy the global_step1/ directory of every node"):
+    with pytest.raises(CheckpointError,
+                       match=r"use_node_local_storage.*Copy the global_step1/ directory of every node"):
         other.load_checkpoint(mine)

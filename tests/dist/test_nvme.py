@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from engine_helpers import assert_params_close, make_config
 from test_zero12 import STEPS, run
 
@@ -53,8 +52,8 @@ def test_swap_dir_checked_at_initialize(groups, tmp_path: Path) -> None:
     from zeroshard.errors import ConfigError
 
     def cfg(path: Path, **opt: Any) -> dict[str, Any]:
-        return make_config(zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(path)}},
-                           **opt)
+        return make_config(
+            zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(path)}}, **opt)
 
     with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path: .*missing.* does not exist"):
         init_engine(make_model(), cfg(tmp_path / "missing"))

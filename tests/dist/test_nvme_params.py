@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-
 from engine_helpers import init_engine, make_config, make_model, train_engine
 from test_zero12 import STEPS, run
+
 from zeroshard.zero.offload.nvme_swap import SWAP_DIR
 
 ROOT = Path(tempfile.gettempdir()) / "zeroshard-test-nvme-params"
@@ -38,7 +38,7 @@ def config(precision: str, params: str, optimizer: str = "cpu", max_in_cpu: int 
 
 
 def home_of(engine: Any) -> Any:
-    return engine._strategy._lp_home  # noqa: SLF001
+    return engine._strategy._lp_home
 
 
 @pytest.mark.parametrize("precision,optimizer", [("fp32", "cpu"), ("bf16", "cpu"), ("fp32", "nvme")])
@@ -50,7 +50,7 @@ def test_matches_cpu_param_offload_bitwise(groups, precision: str, optimizer: st
             assert torch.equal(g, w), f"{precision}, optimizer {optimizer}, step {step}: not bitwise equal"
     home = home_of(engine)
     assert home is not None and home.path.is_file() and home.path.parents[2] == ROOT / SWAP_DIR
-    assert engine._strategy._lp_shard.data_ptr() == home.tensor.data_ptr()  # noqa: SLF001 (the mapping)
+    assert engine._strategy._lp_shard.data_ptr() == home.tensor.data_ptr()  # the mapping
     home.close()
     assert not home.dir.exists(), "the swap file is removed at close"
 
@@ -62,7 +62,7 @@ def test_at_most_max_in_cpu_elements_stay_in_memory(groups) -> None:
     rank, world = groups.rank, groups.world_size
     engine = init_engine(make_model(), config("fp32", "nvme", max_in_cpu=1))
     home = home_of(engine)
-    plan = engine._strategy._plan  # noqa: SLF001
+    plan = engine._strategy._plan
     largest = max(e - s for s, e in (plan.shard_range(u) for u in range(len(plan.buckets))))
     peaks, reads, evictions = [], [], []
     original_use, original_evict = home.use, home.evict_all
@@ -112,7 +112,8 @@ def test_checkpoint_resume_and_cpu_offload_loads_it(groups, shared_dir: Path) ->
     cpu.load_checkpoint(str(shared_dir))
     _, on_cpu = train_engine(cpu, batches[3:], rank, world)
     for step, (a_list, b_list) in enumerate(zip(on_cpu, want[3:])):
-        assert all(torch.equal(a, b) for a, b in zip(a_list, b_list)), f"CPU offload from an NVMe checkpoint, step {step}"
+        assert all(torch.equal(a, b) for a, b in zip(a_list, b_list)), (
+            f"CPU offload from an NVMe checkpoint, step {step}")
     for e in (straight, first, resumed):
         home_of(e).close()
 
@@ -130,5 +131,5 @@ def test_stale_swap_dirs_are_removed_and_never_read(groups, tmp_path: Path) -> N
     assert not stale.parent.exists()
     home = home_of(engine)
     reference = init_engine(make_model(), config("fp32", "cpu"))
-    assert torch.equal(home.tensor, reference._strategy._lp_shard)  # noqa: SLF001
+    assert torch.equal(home.tensor, reference._strategy._lp_shard)
     home.close()

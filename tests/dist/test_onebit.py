@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from engine_helpers import global_batches, init_engine, make_config, make_model, train_engine
 
 from zeroshard.errors import ConfigError
@@ -82,7 +81,7 @@ def test_momentum_allreduce_bytes_drop_32x(groups) -> None:
     rank, world = groups.rank, groups.world_size
     model = make_model()
     engine = init_engine(model, onebit_config(comms_logger={"enabled": True}))
-    log = engine._comm.log  # noqa: SLF001
+    log = engine._comm.log
     per_step = []
     for batch in _batches(world, FREEZE + 3):
         log.reset()
@@ -117,7 +116,7 @@ def test_checkpoint_resume_equals_uninterrupted_and_loads_into_adam(groups, shar
 
     first = init_engine(copy.deepcopy(model), onebit_config())
     train_engine(first, batches[: FREEZE + 3], rank, world)
-    ar = first.optimizer._allreduce  # noqa: SLF001
+    ar = first.optimizer._allreduce
     errors = [t.clone() for t in ar.worker_errors + ar.server_errors_full]
     if world > 1:
         assert sum(float(e.abs().sum()) for e in errors) > 0, "the run compressed: its errors are not zero"
@@ -125,7 +124,7 @@ def test_checkpoint_resume_equals_uninterrupted_and_loads_into_adam(groups, shar
 
     resumed = init_engine(make_model(seed=5), onebit_config())
     resumed.load_checkpoint(str(shared_dir))
-    ar = resumed.optimizer._allreduce  # noqa: SLF001
+    ar = resumed.optimizer._allreduce
     got_errors = ar.worker_errors + ar.server_errors_full
     assert all(torch.equal(a, b) for a, b in zip(got_errors, errors)), "this rank's own errors come back"
     assert resumed.optimizer.compressing

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-
 from engine_helpers import global_batches, init_engine, make_config, make_model, train_engine
 from test_onebit import _wire_bytes
+
 from zeroshard.errors import ConfigError
-from zeroshard.optim.onebit_lamb import OneBitLamb
 from zeroshard.optim.onebit_allreduce import wire_bytes
+from zeroshard.optim.onebit_lamb import OneBitLamb
 
 FREEZE = 4
 STEPS = 20
@@ -84,7 +84,7 @@ def test_warmup_is_lamb_then_compression_stays_close(groups) -> None:
         for a, b in zip(params[step], ref_params[step]):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), f"warm-up step {step}"
         assert losses[step] == pytest.approx(ref_losses[step], rel=1e-5)
-    frozen = [opt.state[p]["lamb_coeff_freeze"] for p in opt._params()]  # noqa: SLF001
+    frozen = [opt.state[p]["lamb_coeff_freeze"] for p in opt._params()]
     assert frozen == pytest.approx(ref.optimizer.coeffs[FREEZE - 1], rel=1e-5)
     assert opt.compressing and all(0.01 * 0.5 <= c <= 10 for c in frozen)
     more, _ = train_engine(engine, _batches(world, STEPS - FREEZE), rank, world)
@@ -101,7 +101,7 @@ def test_warmup_is_lamb_then_compression_stays_close(groups) -> None:
         assert 0.6 * ref_losses[step] <= losses[step] <= 1.25 * ref_losses[step], (
             f"step {step}: 1-bit Lamb {losses[step]:.4f} vs LAMB {ref_losses[step]:.4f}\n{losses}\n{ref_losses}")
     assert losses[0] - losses[-1] > 0.5 * (ref_losses[0] - ref_losses[-1]), "1-bit Lamb still trains"
-    factors = [opt.state[p]["last_factor"] for p in opt._params()]  # noqa: SLF001
+    factors = [opt.state[p]["last_factor"] for p in opt._params()]
     assert all(0.5 <= f <= 4.0 for f in factors)
     assert len(opt.get_lamb_coeffs()) == len(factors)
 
@@ -110,7 +110,7 @@ def test_momentum_allreduce_bytes(groups) -> None:
     rank, world = groups.rank, groups.world_size
     model = make_model()
     engine = init_engine(model, lamb1_config(comms_logger={"enabled": True}))
-    log = engine._comm.log  # noqa: SLF001
+    log = engine._comm.log
     per_step = []
     for batch in _batches(world, FREEZE + 2):
         log.reset()
@@ -137,10 +137,10 @@ def test_checkpoint_resume_is_bitwise_and_loads_into_lamb(groups, shared_dir: Pa
     first = init_engine(copy.deepcopy(model), lamb1_config())
     train_engine(first, batches[: FREEZE + 3], rank, world)
     first.save_checkpoint(str(shared_dir))
-    saved = first.optimizer.state[first.optimizer._params()[0]]  # noqa: SLF001
+    saved = first.optimizer.state[first.optimizer._params()[0]]
     resumed = init_engine(make_model(seed=5), lamb1_config())
     resumed.load_checkpoint(str(shared_dir))
-    got_state = resumed.optimizer.state[resumed.optimizer._params()[0]]  # noqa: SLF001
+    got_state = resumed.optimizer.state[resumed.optimizer._params()[0]]
     for key in ("lamb_coeff_freeze", "last_factor", "scaling_coeff"):
         assert got_state[key] == saved[key], key
     assert torch.equal(got_state["exp_avg_sq_fresh"], saved["exp_avg_sq_fresh"])

@@ -8,8 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
 from engine_helpers import (
     api_config,
     backward_only,
@@ -21,6 +19,8 @@ from engine_helpers import (
     params_of,
     train_engine,
 )
+from torch import nn
+
 from zeroshard.utils import (
     safe_get_full_fp32_param,
     safe_get_full_grad,

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from engine_helpers import (
     assert_params_close,
     global_batches,
@@ -78,11 +77,13 @@ def run(cfg: dict[str, Any], rank: int, world: int) -> tuple[Any, list[list[torc
     last = world - 1
 
     def inject(step: int, loss: torch.Tensor) -> torch.Tensor:
-        return loss * float("inf") if engine.zs_config.precision == "fp16" and step == OVERFLOW_STEP and rank == last else loss
+        overflow = engine.zs_config.precision == "fp16" and step == OVERFLOW_STEP and rank == last
+        return loss * float("inf") if overflow else loss
 
     params = []
     for step, batch in enumerate(global_batches(STEPS, 2 * 2 * world)):
-        _, snap = train_engine(engine, [batch], rank, world, before_backward=lambda _s, l, s=step: inject(s, l))
+        _, snap = train_engine(engine, [batch], rank, world,
+                               before_backward=lambda _s, loss, s=step: inject(s, loss))
         params.append(snap[0])
     return engine, params
 

@@ -12,8 +12,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from engine_helpers import (
     assert_params_close,
     gathered_snapshot,
@@ -24,6 +22,7 @@ from engine_helpers import (
     train_engine,
 )
 from test_zero12 import STEPS, config, run, stage0, tolerance
+from torch import nn
 
 from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.units import PartitionedParameterError
@@ -146,7 +145,7 @@ def test_hard_cases_match_stage0(groups, precision: str) -> None:
         engine = init_engine(copy.deepcopy(base), make_config(zero_optimization=zero, **extra))
         snaps, evals = [], []
         for x, y in batches:
-            r, w = groups.rank, groups.world_size
+            r = groups.rank
             out = engine(x[2 * r : 2 * r + 2], y[2 * r : 2 * r + 2])
             engine.backward(out["loss"])
             engine.step()

@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-
 from engine_helpers import assert_params_close, gathered_snapshot, global_batches, init_engine, make_config, make_model
 
 import zeroshard
@@ -88,7 +87,8 @@ def test_save_16bit_model(groups, tmp_path_factory) -> None:
     want = dict(zip([n for n, _ in engine.module.named_parameters()], gathered_snapshot(engine.module)))
     if groups.rank == 0:
         saved = torch.load(directory / "pytorch_model.bin")
-        assert saved["lm_head.weight"] is saved["wte.weight"] or torch.equal(saved["lm_head.weight"], saved["wte.weight"])
+        head, wte = saved["lm_head.weight"], saved["wte.weight"]
+        assert head is wte or torch.equal(head, wte)
         for name, value in want.items():
             assert saved[name].dtype == torch.bfloat16 and torch.equal(saved[name].float(), value), name
         # The file is a usable checkpoint: a fresh model loads it with every key accounted for.

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from engine_helpers import (
     assert_params_close,
     gathered_snapshot,

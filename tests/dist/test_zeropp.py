@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_helpers import gathered_snapshot, global_batches, init_engine, make_model, rank_micro_batches, train_engine
 from test_zero3 import stage3_config
 
@@ -56,9 +55,9 @@ def test_qgz_trains_within_tolerance_of_plain_stage3(groups, monkeypatch, layout
         monkeypatch.setenv("ZEROSHARD_NODE_SIZE", "2")
     _, plain_losses, plain_params = _train(False, rank, world)
     engine, q_losses, q_params = _train(True, rank, world)
-    assert engine._strategy._reducer.mode is ReduceMode.QUANTIZED_REDUCE_SCATTER  # noqa: SLF001
+    assert engine._strategy._reducer.mode is ReduceMode.QUANTIZED_REDUCE_SCATTER
     two_level = layout == "2-per-node" and world > 2 and world % 2 == 0
-    assert (engine._strategy._reducer._hierarchy is not None) == two_level  # noqa: SLF001
+    assert (engine._strategy._reducer._hierarchy is not None) == two_level
     assert q_losses[0] == plain_losses[0]  # same start: the first forward precedes any reduction
     for step in range(1, STEPS):
         q_drop, plain_drop = q_losses[0] - q_losses[step], plain_losses[0] - plain_losses[step]
@@ -109,7 +108,7 @@ def test_quantized_all_gather_within_bound(groups, dtype: torch.dtype) -> None:
 
 
 def _gather_bytes(engine: object) -> list[int]:
-    return [r.bytes for r in engine._comm.log.records if r.op == "all_gather"]  # noqa: SLF001
+    return [r.bytes for r in engine._comm.log.records if r.op == "all_gather"]
 
 
 def _train_qwz(quantized: bool, precision: str, world: int, rank: int) -> tuple[object, list[float], list[list[int]]]:
@@ -119,7 +118,7 @@ def _train_qwz(quantized: bool, precision: str, world: int, rank: int) -> tuple[
     batch = global_batches(1, 2 * 2 * world)[0]
     losses, step_bytes = [], []
     for _ in range(QWZ_STEPS):  # no GatheredParameters between steps: the log holds the training gathers only
-        engine._comm.log.reset()  # noqa: SLF001
+        engine._comm.log.reset()
         loss = 0.0
         for x, y in rank_micro_batches(batch, rank, world, 2, 2):
             out = engine(x, y)
@@ -161,7 +160,7 @@ def test_qwz_gathers_within_bound_and_masters_exact(groups) -> None:
     # GatheredParameters (and so saves) gather exactly: each rank's own pieces come back bitwise.
     every = list(engine.module.parameters())
     with GatheredParameters(every):
-        for piece in engine._strategy.param_pieces():  # noqa: SLF001
+        for piece in engine._strategy.param_pieces():
             whole = piece.param.detach().reshape(-1)
             assert torch.equal(whole[piece.param_offset : piece.param_offset + piece.numel], piece.data)
 
@@ -178,8 +177,8 @@ def test_qwz_trains_within_tolerance_and_halves_gather_bytes(groups) -> None:
     # a scale per 2048 of each chunk instead of bf16. The persistent unit stays exact.
     from zeroshard.zero.gather import quantized_gather_bytes
 
-    strategy = engine._strategy  # noqa: SLF001
-    persistent_bytes = 2 * strategy._full[strategy._persistent].numel()  # noqa: SLF001
+    strategy = engine._strategy
+    persistent_bytes = 2 * strategy._full[strategy._persistent].numel()
     for q, plain in zip(q_bytes, plain_bytes):
         expected = sum(b if b == persistent_bytes else quantized_gather_bytes(b // 2, world) for b in plain)
         assert sum(q) == expected
@@ -223,7 +222,7 @@ def test_hpz_matches_stage3_and_gathers_within_node(groups, monkeypatch, quantiz
     cfg = stage3_config("bf16", "plain", zero_hpz_partition_size=node, zero_quantized_weights=quantized)
     cfg["comms_logger"] = {"enabled": True}
     engine = init_engine(make_model(), cfg)
-    log = engine._comm.log  # noqa: SLF001
+    log = engine._comm.log
     got_losses, got = train_engine(engine, batches, rank, world)
     if quantized:  # qwZ on the refresh instead of every gather: a different rounding, same bound
         assert got_losses == pytest.approx(want_losses, rel=QWZ_LOSS_RTOL)
@@ -234,8 +233,8 @@ def test_hpz_matches_stage3_and_gathers_within_node(groups, monkeypatch, quantiz
     # One more step, logged: forward and backward gather on the node group only; the step
     # refreshes the secondary partition over the cross group (one all-gather per unit) and the
     # persistent unit over the world.
-    strategy = engine._strategy  # noqa: SLF001
-    units = len(strategy._full) - 1  # noqa: SLF001
+    strategy = engine._strategy
+    units = len(strategy._full) - 1
     x, y = rank_micro_batches(batches[0], rank, world, 2, 2)[0]
     log.reset()
     engine.backward(engine(x, y))

@@ -21,12 +21,11 @@ from typing import Any
 
 import pytest
 import torch
-
 from engine_helpers import global_batches, init_engine, make_config, make_model, train_engine
 
 from zeroshard.errors import ConfigError
-from zeroshard.optim.zero_one_adam import ZeroOneAdam
 from zeroshard.optim.onebit_allreduce import wire_bytes
+from zeroshard.optim.zero_one_adam import ZeroOneAdam
 
 VAR_FREEZE = 12
 STEPS = 24
@@ -134,7 +133,7 @@ def test_bytes_follow_the_schedule(groups) -> None:
     rank, world = groups.rank, groups.world_size
     model = make_model()
     engine = init_engine(model, zoadam_config(comms_logger={"enabled": True}))
-    log = engine._comm.log  # noqa: SLF001
+    log = engine._comm.log
     sent = {}
     for step, batch in enumerate(_batches(world), start=1):
         log.reset()
@@ -170,7 +169,7 @@ def test_checkpoint_between_agreements_resumes_bitwise(groups, shared_dir: Path)
     first = init_engine(copy.deepcopy(model), zoadam_config())
     train_engine(first, batches[:cut], rank, world)
     opt = first.optimizer
-    acc = [opt.state[p]["momentum_accumulator"].clone() for p in opt._params()]  # noqa: SLF001
+    acc = [opt.state[p]["momentum_accumulator"].clone() for p in opt._params()]
     assert sum(float(a.abs().sum()) for a in acc) > 0
     first.save_checkpoint(str(shared_dir))
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
 
-from engine_helpers import (  # noqa: E402  (tests/dist is not a package)
+from engine_helpers import (  # tests/dist is not a package
     assert_params_close,
     gathered_snapshot,
     global_batches,

@@ -13,7 +13,6 @@ from functools import cache
 
 import pytest
 import torch
-
 from gpu_helpers import assert_params_close, global_batches, init_engine, make_model, precision_config, train_on_device
 
 STEPS = 20

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from gpu_helpers import global_batches, init_engine, make_model, precision_config, train_on_device
 
 STEPS = 6

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gpu_helpers import global_batches, init_engine, make_config, make_model, precision_config, train_on_device
 
 
@@ -25,7 +24,7 @@ def test_fp16_overflow_detected_on_device(groups) -> None:
     last = groups.world_size - 1
     batches = global_batches(2, 2 * 2 * groups.world_size)
     train_on_device(engine, batches[:1], groups.rank, groups.world_size,
-                    before_backward=lambda s, l: l * float("inf") if groups.rank == last else l)
+                    before_backward=lambda s, loss: loss * float("inf") if groups.rank == last else loss)
     assert engine.skipped_steps == 1 and not engine.was_step_applied()
     assert engine.get_loss_scale() == scale0 / 2
     # The profiled step is the engine's alone: train_on_device's snapshots copy every parameter

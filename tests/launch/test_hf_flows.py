@@ -195,14 +195,15 @@ def test_accelerate_launch_use_deepspeed(tmp_path: Path, name: str) -> None:
     save_pretrained, engine.save_checkpoint."""
     got = accelerate(tmp_path, "zeroshard", name)
     assert got["engine"] == "zeroshard.runtime.engine.ZeroEngine"
-    assert len(got["losses"]) == 8 and all(4.0 < l < 5.5 for l in got["losses"])
+    assert len(got["losses"]) == 8 and all(4.0 < loss < 5.5 for loss in got["losses"])
     assert {"latest", "pytorch_model"} <= set(got["state_files"]) and "model.safetensors" in got["pretrained"]
     assert got["state_dict_keys"] > 0
     assert (tmp_path / "zeroshard" / name / "ckpt" / "zero_to_fp32.py").exists()
 
 
 @pytest.mark.deepspeed  # opt-in: tests/run.py --deepspeed (tests/conftest.py)
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="the differential flows need a real DeepSpeed 0.19 (pip install -e .[bench])")
+@pytest.mark.skipif(not HAS_DEEPSPEED,
+                    reason="the differential flows need a real DeepSpeed 0.19 (pip install -e .[bench])")
 class TestAgainstDeepSpeed:
     """The same scripts under real DeepSpeed 0.19: per-step loss, grad norm and lr within 1e-5."""
 
@@ -238,7 +239,8 @@ class TestAgainstDeepSpeed:
         note_deviation(what, "eval_loss", relative(a["eval_loss"], b["eval_loss"]))
         from safetensors.torch import load_file
 
-        wa, wb = load_file(tmp_path / "a_final" / "model.safetensors"), load_file(tmp_path / "b_final" / "model.safetensors")
+        wa = load_file(tmp_path / "a_final" / "model.safetensors")
+        wb = load_file(tmp_path / "b_final" / "model.safetensors")
         assert wa.keys() == wb.keys()
         dev = max(float((wa[k] - wb[k]).abs().max() / wb[k].abs().max().clamp_min(1e-12)) for k in wb)
         note_deviation(what, "saved_weights", dev)

@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
-from two_node import TwoNodeCluster, unavailable  # noqa: E402
+from two_node import TwoNodeCluster, unavailable  # noqa: E402  bench/two_node.py loads after the sys.path insert
 
 WHY = unavailable()
 

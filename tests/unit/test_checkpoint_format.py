@@ -16,12 +16,11 @@ from zeroshard.checkpoint import files
 from zeroshard.checkpoint.manifest import check_compatible, from_json, read_latest, resolve, to_json
 from zeroshard.checkpoint.reshard import RangeIndex, Read
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, read_safetensors
+from zeroshard.checkpoint_format import Manifest, TensorInfo
 from zeroshard.cli.main import main as cli
 from zeroshard.errors import CheckpointError
-from zeroshard.checkpoint_format import Manifest, TensorInfo
 from zeroshard.runtime.dataloader import ResumableDistributedSampler
 from zeroshard.zero.flat import BucketedPartition
-
 
 # -- resharding ---------------------------------------------------------------------------
 
@@ -61,7 +60,8 @@ def test_any_partition_reassembles_from_any_other(saved_world: int, loaded_world
         for p, o, n in rank:
             out = torch.empty(n)
             for r in index.reads(p, o, n):
-                out[r.dst_offset : r.dst_offset + r.numel] = data[r.source][r.entry][r.src_offset : r.src_offset + r.numel]
+                src = data[r.source][r.entry]
+                out[r.dst_offset : r.dst_offset + r.numel] = src[r.src_offset : r.src_offset + r.numel]
             assert torch.equal(out, params[p][o : o + n])
 
 
@@ -188,7 +188,8 @@ def test_safetensors_writer_streams_and_round_trips(tmp_path: Path) -> None:
     got = read_safetensors(tmp_path / "x.safetensors")
     assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
     with pytest.raises(AssertionError, match="expected 2 tensors, 1 written"):
-        with SafetensorsWriter(tmp_path / "y.safetensors", [("a", (1,), torch.float32), ("b", (1,), torch.float32)]) as w:
+        entries = [("a", (1,), torch.float32), ("b", (1,), torch.float32)]
+        with SafetensorsWriter(tmp_path / "y.safetensors", entries) as w:
             w.write("a", torch.zeros(1))
     assert not (tmp_path / "y.safetensors").exists() and not (tmp_path / "y.safetensors.tmp").exists()
 

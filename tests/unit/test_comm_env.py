@@ -12,9 +12,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm import (Comm, CommLog, ProcessGroups, destroy_distributed, expand_hostlist,
-                            init_distributed, parse_launch_env)
-from zeroshard.comm import divergence
+from zeroshard.comm import (
+    Comm,
+    CommLog,
+    ProcessGroups,
+    destroy_distributed,
+    divergence,
+    expand_hostlist,
+    init_distributed,
+    parse_launch_env,
+)
 from zeroshard.comm.divergence import CollectiveTracker, describe_states
 from zeroshard.comm.env import parse_tasks_per_node, resolve_timeout_s
 from zeroshard.errors import CommError

@@ -36,7 +36,7 @@ def probe(env_extra: dict[str, str], code: str = PROBE) -> tuple[dict, str]:
     proc = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True,
                           timeout=120, cwd="/")
     assert proc.returncode == 0, proc.stderr
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("PROBE"))
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("PROBE"))
     return json.loads(line[len("PROBE"):]), proc.stderr
 
 
@@ -73,8 +73,10 @@ def test_off_unless_asked(value: str | None) -> None:
 
 def test_install_in_code_and_eager_submodules() -> None:
     code = ("import zeroshard.compat as c; c.install(); import deepspeed, os;"
-            "print('PROBE' + __import__('json').dumps({'chain': sorted(deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES),"
-            " 'env': os.environ.get('ZEROSHARD_AS_DEEPSPEED'), 'engine': deepspeed.runtime.engine.DeepSpeedEngine.__name__,"
+            "print('PROBE' + __import__('json').dumps({"
+            "'chain': sorted(deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES),"
+            " 'env': os.environ.get('ZEROSHARD_AS_DEEPSPEED'),"
+            " 'engine': deepspeed.runtime.engine.DeepSpeedEngine.__name__,"
             " 'runner': deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME}))")
     out, _ = probe({}, code)
     assert out["env"] == "1", "children of this process must get the alias too"

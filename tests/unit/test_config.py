@@ -231,8 +231,9 @@ def test_steps_per_print_infinity_means_never(tmp_path: Path) -> None:
 
 def test_nvme_optimizer_offload_loads_at_stages_1_to_3() -> None:
     for stage in (1, 2, 3):
-        cfg = make_config(zero_optimization={"stage": stage, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}},
-                          aio={"block_size": 2097152, "queue_depth": 16, "intra_op_parallelism": 2})
+        cfg = make_config(
+            zero_optimization={"stage": stage, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}},
+            aio={"block_size": 2097152, "queue_depth": 16, "intra_op_parallelism": 2})
         assert cfg.zero_optimization.offload_optimizer.device == "nvme" and cfg.aio.block_size == 2097152
 
 

@@ -287,7 +287,8 @@ def _deepspeed_values() -> dict[str, Any]:
     got.update(model("tensorboard.", TensorBoardConfig()))
     got.update(model("csv_monitor.", CSVConfig()))
     got.update(model("wandb.", WandbConfig()))
-    got.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in model("comms_logger.", CommsLoggerConfig()).items()})
+    comms = model("comms_logger.", CommsLoggerConfig())
+    got.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in comms.items()})
     got.update({f"aio.{k}": v for k, v in AIO_DEFAULT_DICT.items()})
     got.update({f"activation_checkpointing.{k}": v for k, v in act.ACT_CHKPT_DEFAULT.items()})
     for key in ("gradient_clipping", "steps_per_print", "wall_clock_breakdown", "dump_state",
@@ -335,6 +336,7 @@ def test_literal_table_matches_installed_deepspeed() -> None:
             value = str(value)
         if key == "checkpoint.tag_validation":  # DeepSpeed upper-cases it; both read it case-insensitively
             value = value.capitalize()
-        assert value == theirs or (value == 5e8 and theirs == 500_000_000), f"{key}: table {theirs!r}, DeepSpeed {value!r}"
+        assert value == theirs or (value == 5e8 and theirs == 500_000_000), (
+            f"{key}: table {theirs!r}, DeepSpeed {value!r}")
         checked += 1
     assert checked >= 150, f"only {checked} keys could be read from DeepSpeed"

@@ -66,7 +66,8 @@ def test_duplicate_in_hjson_file_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("literal, shown", [("Infinity", "Infinity"), ("-Infinity", "-Infinity"), ("NaN", "NaN")])
 def test_non_finite_numbers_are_refused_anywhere(tmp_path: Path, literal: str, shown: str) -> None:
     for where, text in (
-        ("optimizer.params.lr", f'{{"train_batch_size": 4, "optimizer": {{"type": "AdamW", "params": {{"lr": {literal}}}}}}}'),
+        ("optimizer.params.lr",
+         f'{{"train_batch_size": 4, "optimizer": {{"type": "AdamW", "params": {{"lr": {literal}}}}}}}'),
         ("gradient_clipping", f'{{"train_batch_size": 4, "gradient_clipping": {literal}}}'),
         ("optimizer.params.momentum", f'{{"train_batch_size": 4, "optimizer": {{"type": "SGD", "params": '
                                       f'{{"lr": 0.1, "momentum": {literal}}}}}}}'),
@@ -170,7 +171,8 @@ BAD_FOR_BOTH: list[tuple[dict[str, Any], str]] = [
     ({"fp16": {"enabled": True, "min_loss_scale": 0}},
      "fp16.min_loss_scale: got 0.0, expected a number > 0 and <= the initial loss scale"),
     ({"fp16": {"enabled": True, "initial_scale_power": 2, "min_loss_scale": 8}},
-     "fp16.min_loss_scale: got 8.0, expected a number > 0 and <= the initial loss scale 2**fp16.initial_scale_power = 4"),
+     "fp16.min_loss_scale: got 8.0, expected a number > 0 and <= the initial loss scale "
+     "2**fp16.initial_scale_power = 4"),
     ({"optimizer": {"type": "Lamb", "params": {"min_coeff": 2.0, "max_coeff": 1.0}}},
      "optimizer.params.min_coeff: got 2.0, expected <= optimizer.params.max_coeff (1.0)."),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "fast"}}}, 'optimizer.params.lr: got "fast", expected a number'),

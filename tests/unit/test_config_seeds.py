@@ -8,7 +8,6 @@ reaching one proves the rest of the file is valid.
 from __future__ import annotations
 
 import re
-
 from typing import Any
 
 import pytest

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "differential"))
-from cases import BY_NAME, CASES, SAVE_AT, STEPS  # noqa: E402
-from compare import compare_case, table  # noqa: E402
+from cases import BY_NAME, CASES, SAVE_AT, STEPS
+from compare import compare_case, table
 
 
 def _steps(loss0: float = 5.5, scale: float | None = None) -> list[dict[str, Any]]:
@@ -57,7 +57,8 @@ def test_lr_grad_norm_scale_skips_weights_and_resume_are_each_checked() -> None:
         mutate(zs)
         r = compare_case(BY_NAME["s2_fp16"], zs, base, W, W)
         assert not r.ok and any(word in p for p in r.problems), (word, r.problems)
-    r = compare_case(BY_NAME["s2_fp32"], _record(_steps()), _record(_steps()), {"wte.weight": W["wte.weight"] + 1e-3}, W)
+    r = compare_case(BY_NAME["s2_fp32"], _record(_steps()), _record(_steps()),
+                     {"wte.weight": W["wte.weight"] + 1e-3}, W)
     assert not r.ok and "weights" in r.problems[0]
 
 

@@ -12,6 +12,7 @@ import io
 import pytest
 
 from zeroshard.config import load_config
+from zeroshard.errors import ZeroshardError
 from zeroshard.estimate import (
     ActivationOptions,
     Setup,
@@ -29,7 +30,6 @@ from zeroshard.estimate import (
 )
 from zeroshard.estimate.activations import layer_bytes
 from zeroshard.estimate.states import Device, Precision, Stage
-from zeroshard.errors import ZeroshardError
 
 PHI = 1_200_000_000  # divisible by every world size below times 16: no padding in the closed forms
 GiB = 2**30
@@ -149,7 +149,7 @@ def test_deepspeed_zero2_formula() -> None:
     assert gpu == 2 * 10**9 + 18 * 10**9 // 8 and cpu == int(1e9 * 4 * 4 * 1.5)
 
 
-def _printed(fn, *args, **kwargs) -> str:  # noqa: ANN001 (any estimator function)
+def _printed(fn, *args, **kwargs) -> str:  # any estimator function
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         fn(*args, **kwargs)

@@ -11,10 +11,10 @@ import torch
 pytest.importorskip("safetensors")
 pytest.importorskip("transformers")
 
-from safetensors import safe_open  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from zeroshard.compat.hf_loading import read_flat_range  # noqa: E402
+from zeroshard.compat.hf_loading import read_flat_range
 
 
 @pytest.mark.parametrize("shape", [(), (7,), (5, 3), (4, 3, 2), (1, 11)])

@@ -129,8 +129,8 @@ def test_static_state_dict_round_trip() -> None:
 
 
 def test_build_loss_scaler_maps_fp16_keys() -> None:
-    keys: dict[str, Any] = dict(initial_scale_power=12, loss_scale_window=500, hysteresis=3, consecutive_hysteresis=True,
-                min_loss_scale=0.5)
+    keys: dict[str, Any] = dict(initial_scale_power=12, loss_scale_window=500, hysteresis=3,
+                                consecutive_hysteresis=True, min_loss_scale=0.5)
     dyn = build_loss_scaler(loss_scale=0, **keys)
     assert isinstance(dyn, DynamicLossScaler) and dyn.dynamic
     assert (dyn.loss_scale, dyn.scale_window, dyn.hysteresis, dyn.min_scale) == (4096.0, 500, 3, 0.5)

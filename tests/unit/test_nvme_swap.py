@@ -224,7 +224,7 @@ def test_a_step_swaps_only_what_the_slots_cannot_keep(tmp_path: Path) -> None:
             for kind in ("read", "write"):
                 inner = getattr(f, kind)
 
-                def wrapped(*a, _inner=inner, _kind=kind, **k):  # noqa: ANN002, ANN003, ANN202
+                def wrapped(*a, _inner=inner, _kind=kind, **k):
                     calls[_kind] += 1
                     return _inner(*a, **k)
                 setattr(f, kind, wrapped)

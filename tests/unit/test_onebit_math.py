@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from zeroshard.comm.codecs import pack_signs, unpack_signs
 from zeroshard.errors import ConfigError
 from zeroshard.optim.onebit_adam import OneBitAdam
 from zeroshard.optim.onebit_allreduce import chunk_range, decode, padded_numel, server_combine, worker_compress
-from zeroshard.comm.codecs import pack_signs, unpack_signs
 
 
 @pytest.mark.parametrize("numel,world", [(1, 1), (100, 2), (4099, 3), (64, 8), (8, 1)])

@@ -49,8 +49,8 @@ def test_disabled_draws_nothing() -> None:
     assert out.getvalue() == ""
 
 
-def test_checkpoint_save_and_load_report_progress_for_large_states(monkeypatch: pytest.MonkeyPatch,
-                                                                   tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_checkpoint_save_and_load_report_progress_for_large_states(
+        monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     import zeroshard.checkpoint.load as load_mod
     import zeroshard.checkpoint.save as save_mod
 

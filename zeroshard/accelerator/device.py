@@ -225,7 +225,7 @@ class Accelerator:
         return getattr(self._module, "Stream", torch.Stream)
 
     @property
-    def Event(self) -> Any:  # noqa: N802
+    def Event(self) -> Any:  # noqa: N802 (DeepSpeed's name)
         return getattr(self._module, "Event", torch.Event)
 
     def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
@@ -391,7 +391,8 @@ class Accelerator:
     def create_graph(self) -> Any:
         return None if self._is_cpu else torch.accelerator.Graph()
 
-    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> contextlib.AbstractContextManager[Any]:
+    def capture_to_graph(self, graph: Any, pool: Any = None,
+                         stream: Any = None) -> contextlib.AbstractContextManager[Any]:
         if graph is None:
             return contextlib.nullcontext()
         return self._module.graph(graph, pool=pool, stream=stream)

@@ -59,7 +59,7 @@ def load_ds(path: Path) -> dict[str, Any]:
     try:
         with torch.serialization.safe_globals(_STAND_INS):
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 (torch raises many types for a corrupt zip/pickle)
+    except Exception as e:  # torch raises many types for a corrupt zip/pickle
         first = str(e).splitlines()[0] if str(e) else ""
         raise CheckpointError(f"{path}: not a readable DeepSpeed checkpoint file ({type(e).__name__}: {first})") from e
     if not isinstance(data, dict):

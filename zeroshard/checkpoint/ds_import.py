@@ -35,15 +35,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from zeroshard.checkpoint.ds_files import (DS_MODEL_FILE, DsFiles, address, check_parallelism, list_files, load_ds,
-                                           loss_scaler_state, resolve_ds)
+from zeroshard.checkpoint.ds_files import (
+    DS_MODEL_FILE,
+    DsFiles,
+    address,
+    check_parallelism,
+    list_files,
+    load_ds,
+    loss_scaler_state,
+    resolve_ds,
+)
 from zeroshard.checkpoint.files import MODEL_FILE
 from zeroshard.checkpoint.load import CheckpointReader, _read_files
 from zeroshard.checkpoint.manifest import check_compatible
 from zeroshard.checkpoint.reshard import RangeIndex
 from zeroshard.checkpoint.save import agree
-from zeroshard.errors import CheckpointError
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, TensorInfo, pickle_bytes
+from zeroshard.errors import CheckpointError
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
@@ -268,7 +276,7 @@ def _stage3(files: DsFiles, model: dict[str, Any]) -> DsLayout:
             raise CheckpointError(f"{files.ckpt / files.optim[0]}: sub-group {k} holds {flats[k].numel()} elements, "
                                   f"its parameters' pieces add up to {offset}: not a layout zeroshard understands")
     frozen_pieces: list[list[Range]] = [[] for _ in range(world)]
-    for j, (n, s) in enumerate(frozen.items()):
+    for j, (_name, s) in enumerate(frozen.items()):
         numel, per = math.prod(s), math.ceil(math.prod(s) / world)
         for r in range(world):
             if numel - r * per > 0:

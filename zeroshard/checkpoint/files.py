@@ -154,6 +154,6 @@ def load_torch(path: Path, *, expected_bytes: int | None, mmap: bool = True) -> 
                               "truncated or was replaced after the save")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:  # noqa: BLE001 (torch raises many types for a corrupt zip/pickle)
+    except Exception as e:  # torch raises many types for a corrupt zip/pickle
         raise CheckpointError(f"{path}: not a readable zeroshard checkpoint file ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from e

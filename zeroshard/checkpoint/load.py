@@ -20,9 +20,9 @@ from zeroshard.checkpoint.files import MANIFEST, MODEL_FILE, load_torch, optim_f
 from zeroshard.checkpoint.manifest import check_compatible, resolve
 from zeroshard.checkpoint.reshard import RangeIndex
 from zeroshard.checkpoint.save import agree
+from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, unpickle_bytes
 from zeroshard.errors import CheckpointError
 from zeroshard.progress import PROGRESS_MIN_BYTES, Progress
-from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, unpickle_bytes
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from zeroshard.checkpoint.files import LATEST, MANIFEST, retired_dir
-from zeroshard.errors import CheckpointError
 from zeroshard.checkpoint_format import FORMAT_VERSION, Manifest, TensorInfo
+from zeroshard.errors import CheckpointError
 
 logger = logging.getLogger("zeroshard")
 

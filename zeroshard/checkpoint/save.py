@@ -33,13 +33,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zeroshard.checkpoint.files import (
-    LATEST, MANIFEST, MODEL_FILE, WRITER_TOKEN, begin_save, fault_point, fsync_dir, optim_file, pieces_file,
-    retired_dir, rng_file, save_torch, staging_dir, write_text_atomic,
+    LATEST,
+    MANIFEST,
+    MODEL_FILE,
+    WRITER_TOKEN,
+    begin_save,
+    fault_point,
+    fsync_dir,
+    optim_file,
+    pieces_file,
+    retired_dir,
+    rng_file,
+    save_torch,
+    staging_dir,
+    write_text_atomic,
 )
 from zeroshard.checkpoint.manifest import to_json
+from zeroshard.checkpoint_format import FORMAT_VERSION, EngineState, Range, pickle_bytes
 from zeroshard.errors import CheckpointError
 from zeroshard.progress import PROGRESS_MIN_BYTES, Progress
-from zeroshard.checkpoint_format import FORMAT_VERSION, EngineState, Range, pickle_bytes
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm

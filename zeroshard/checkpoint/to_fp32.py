@@ -29,9 +29,9 @@ from zeroshard.checkpoint.files import MANIFEST, write_atomic
 from zeroshard.checkpoint.load import CheckpointReader
 from zeroshard.checkpoint.manifest import read_manifest, resolve
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter
+from zeroshard.checkpoint_format import Manifest, TensorInfo
 from zeroshard.errors import CheckpointError
 from zeroshard.progress import Progress as _Progress
-from zeroshard.checkpoint_format import Manifest, TensorInfo
 
 logger = logging.getLogger("zeroshard")
 
@@ -39,7 +39,7 @@ CHUNK_BYTES = 64 * 2**20
 """Output bytes assembled per pass over the rank files (bounds the memory-mapped pages)."""
 
 
-def Progress(total_bytes: int, enabled: bool, stream: TextIO | None = None) -> _Progress:  # noqa: N802
+def Progress(total_bytes: int, enabled: bool, stream: TextIO | None = None) -> _Progress:  # noqa: N802  called like the class it stands in for
     """to-fp32's bar over the output bytes (zeroshard/progress.py: tqdm on a terminal)."""
     return _Progress(total_bytes, "to-fp32", enabled, unit="B", stream=stream)
 

@@ -95,13 +95,14 @@ def _workload(args: argparse.Namespace, spec: ModelSpec) -> Workload:
     base = read_config_file(args.config) if args.config else {}
     precision = args.precision
     if precision is None:
-        precision = "bf16" if base.get("bf16", {}).get("enabled") else "fp16" if base.get("fp16", {}).get("enabled") else (
-            "fp32" if args.config else "bf16")
+        precision = ("bf16" if base.get("bf16", {}).get("enabled") else
+                     "fp16" if base.get("fp16", {}).get("enabled") else "fp32" if args.config else "bf16")
     seq = args.seq_len or (spec.shape.max_seq_len if spec.shape and spec.shape.max_seq_len else None)
     if seq is None and spec.shape is not None:
         seq = 512
     return Workload(precision=precision, seq_len=seq, global_batch=args.global_batch,
-                    max_micro_batch=args.max_micro_batch, checkpointing={"on": True, "off": False, "auto": "auto"}[args.activation_checkpointing],
+                    max_micro_batch=args.max_micro_batch,
+                    checkpointing={"on": True, "off": False, "auto": "auto"}[args.activation_checkpointing],
                     base_config=base)
 
 

@@ -9,8 +9,6 @@ DeepSpeed's functional API (``deepspeed.comm.get_rank``, ``all_reduce``, ...) is
 
 from zeroshard.comm.collectives import Comm, Handle, ReduceOpName
 from zeroshard.comm.env import LaunchEnv, expand_hostlist, parse_launch_env
-from zeroshard.comm.groups import ProcessGroups, destroy_distributed
-from zeroshard.comm.log import CommLog, CommRecord
 from zeroshard.comm.functional import (  # deepspeed.comm's functions
     ReduceOp,
     all_gather,
@@ -34,6 +32,8 @@ from zeroshard.comm.functional import (  # deepspeed.comm's functions
     reduce,
     reduce_scatter_tensor,
 )
+from zeroshard.comm.groups import ProcessGroups, destroy_distributed
+from zeroshard.comm.log import CommLog, CommRecord
 
 __all__ = [
     "ReduceOp",

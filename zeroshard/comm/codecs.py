@@ -24,8 +24,8 @@ Error bounds (the result is fp32; casting it to bf16/fp16 adds that dtype's own 
   compensated input, and the sum of everything sent over T steps equals the sum of the
   inputs minus the final residual. (DeepSpeed's 1-bit Adam scales by `||c||_2 / sqrt(n)`,
   whose residual can exceed `||c||`, e.g. for a one-hot `c`; `pack_signs(c, "rms")` gives it,
-  and optim/onebit_allreduce.py uses it: it trains 1-bit Adam far closer to plain Adam, see pack_signs.) Zero maps to +1 as in
-  DeepSpeed's packing, so a sign costs exactly one bit.
+  and optim/onebit_allreduce.py uses it: it trains 1-bit Adam far closer to plain Adam, see
+  pack_signs.) Zero maps to +1 as in DeepSpeed's packing, so a sign costs exactly one bit.
 
 Block size: `DEFAULT_BLOCK_NUMEL = 2048`. One fp32 scale per 2048 codes costs 4 / 2048 =
 0.2% of the int8 payload (0.4% of int4), so the wire is within 0.2 points of the ideal 1/2

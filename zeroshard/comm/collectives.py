@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from time import perf_counter
@@ -269,7 +268,7 @@ class Comm:
             pg = self._pg
             opts = dist.BroadcastOptions()
             opts.rootRank, opts.rootTensor, opts.timeout = src, 0, self._timeout
-            issue = lambda: pg.broadcast([buf], opts)  # noqa: E731
+            issue = lambda: pg.broadcast([buf], opts)
         return self._start("broadcast", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
                            async_op)
 
@@ -297,7 +296,7 @@ class Comm:
             opts = dist.ScatterOptions()
             opts.rootRank, opts.timeout = src, self._timeout
             inputs = [in_bufs] if self.rank == src else []
-            issue = lambda: pg.scatter([out_buf], inputs, opts)  # noqa: E731
+            issue = lambda: pg.scatter([out_buf], inputs, opts)
         return self._start("scatter", out_buf.numel(), out_buf.dtype,
                            _nbytes(out_buf) * self.world_size, issue, finish, async_op)
 
@@ -327,7 +326,7 @@ class Comm:
             opts = dist.GatherOptions()
             opts.rootRank, opts.timeout = dst, self._timeout
             outputs = [out_bufs] if self.rank == dst else []
-            issue = lambda: pg.gather(outputs, [buf], opts)  # noqa: E731
+            issue = lambda: pg.gather(outputs, [buf], opts)
         return self._start("gather", buf.numel(), buf.dtype, _nbytes(buf) * self.world_size,
                            issue, finish, async_op)
 
@@ -361,7 +360,7 @@ class Comm:
             opts.timeout = self._timeout
             single = getattr(pg, "all_gather_single", None) or pg._allgather_base
             chunks = list(out_buf.view(-1).split(n))
-            issue = lambda: self._native(  # noqa: E731
+            issue = lambda: self._native(
                 "all_gather_single", lambda: single(out_buf.view(-1), in_buf, opts),
                 lambda: pg.allgather([chunks], [in_buf], opts))
         return self._start("all_gather", n, in_buf.dtype, _nbytes(in_buf) * self.world_size,
@@ -394,7 +393,7 @@ class Comm:
                 opts.timeout = self._timeout
                 return pg.reduce([buf], opts)
 
-            issue = lambda: self._reducing(op, make, divide)  # noqa: E731
+            issue = lambda: self._reducing(op, make, divide)
         return self._start("reduce", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
                            async_op)
 
@@ -447,7 +446,7 @@ class Comm:
                 return self._native("reduce_scatter_single",
                                     lambda: single(out_buf.view(-1), in_buf, opts), fallback)
 
-            issue = lambda: self._reducing(op, make, divide)  # noqa: E731
+            issue = lambda: self._reducing(op, make, divide)
         return self._start("reduce_scatter", in_buf.numel(), in_buf.dtype, _nbytes(in_buf),
                            issue, finish, async_op)
 
@@ -474,7 +473,7 @@ class Comm:
                 opts.reduceOp, opts.timeout = red, self._timeout
                 return pg.allreduce([buf], opts)
 
-            issue = lambda: self._reducing(op, make, divide)  # noqa: E731
+            issue = lambda: self._reducing(op, make, divide)
         return self._start("all_reduce", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
                            async_op)
 
@@ -519,7 +518,7 @@ class Comm:
                 ag.timeout = self._timeout
                 return pg.allgather([list(gathered[0].split(numel))], [in_buf], ag)
 
-            issue = lambda: self._native(  # noqa: E731
+            issue = lambda: self._native(
                 "all_to_all_single",
                 lambda: pg.alltoall_base(out_buf.view(-1), in_buf, [], [], opts), fallback)
         return self._start("all_to_all", numel, in_buf.dtype, _nbytes(in_buf), issue, finish,
@@ -532,7 +531,7 @@ class Comm:
             pg = self._pg
             opts = dist.BarrierOptions()
             opts.timeout, opts.device = self._timeout, self.groups.device
-            issue = lambda: pg.barrier(opts)  # noqa: E731
+            issue = lambda: pg.barrier(opts)
         return self._start("barrier", 0, None, 0, issue, None, async_op)
 
 

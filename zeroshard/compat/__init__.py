@@ -78,6 +78,6 @@ def _pth_hook() -> None:
     if requested():
         try:
             install()
-        except Exception as e:  # noqa: BLE001 (start-up must never break the interpreter)
+        except Exception as e:  # start-up must never break the interpreter
             print(f"[zeroshard] {ENV_VAR} is set but the deepspeed alias was not installed: {e}",
                   file=sys.stderr)

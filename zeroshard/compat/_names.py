@@ -17,7 +17,7 @@ def reexport(module_name: str, targets: Mapping[str, str]) -> tuple[Callable[[st
         targets: name -> "zeroshard.module:attribute".
     """
 
-    def __getattr__(name: str) -> Any:
+    def __getattr__(name: str) -> Any:  # noqa: N807  a module's __getattr__ (PEP 562)
         target = targets.get(name)
         if target is None:
             raise AttributeError(
@@ -32,7 +32,7 @@ def reexport(module_name: str, targets: Mapping[str, str]) -> tuple[Callable[[st
                 f"in this zeroshard version: {e}") from e
         return value
 
-    def __dir__() -> list[str]:
+    def __dir__() -> list[str]:  # noqa: N807  a module's __dir__ (PEP 562)
         return sorted(targets)
 
     return __getattr__, __dir__

@@ -45,8 +45,10 @@ REMOVED: dict[str, str] = {
 """Keys users invent, with the spelling to use instead."""
 
 DEPRECATED_BOOLS: dict[str, tuple[tuple[str, ...], str]] = {
-    "zero_optimization.cpu_offload": (("zero_optimization.offload_optimizer.device",), '"offload_optimizer": {"device": "cpu"}'),
-    "zero_optimization.cpu_offload_param": (("zero_optimization.offload_param.device",), '"offload_param": {"device": "cpu"}'),
+    "zero_optimization.cpu_offload": (("zero_optimization.offload_optimizer.device",),
+                                      '"offload_optimizer": {"device": "cpu"}'),
+    "zero_optimization.cpu_offload_param": (("zero_optimization.offload_param.device",),
+                                            '"offload_param": {"device": "cpu"}'),
     "zero_optimization.cpu_offload_use_pin_memory": (
         ("zero_optimization.offload_optimizer.pin_memory", "zero_optimization.offload_param.pin_memory"),
         '"pin_memory" inside "offload_optimizer" / "offload_param"'),

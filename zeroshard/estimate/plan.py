@@ -209,7 +209,8 @@ def evaluate(spec: ModelSpec, work: Workload, hw: Hardware, stage: Stage, opt: D
                           hidden_size=spec.shape.hidden_size if spec.shape else None)
     except NotSupportedError as e:
         why = str(e).split(". ")[0].removeprefix("not supported yet: ")
-        return Decision(name=name, status="skipped", line=f"{name}: skipped, not supported yet by this zeroshard ({why})")
+        return Decision(name=name, status="skipped",
+                        line=f"{name}: skipped, not supported yet by this zeroshard ({why})")
     except ConfigError as e:
         return Decision(name=name, status="skipped", line=f"{name}: skipped, {str(e).splitlines()[0]}")
     est = estimate_node(spec, Setup.from_config(cfg, devices_per_node=hw.devices_per_node, nodes=hw.nodes))
@@ -357,6 +358,7 @@ def summary_line(plan: Plan) -> str:
                 "checkpointing in the model")
     gas = (c.ds_config or {}).get("gradient_accumulation_steps", 1)
     return (f"choice: {c.name} in {c.estimate.setup.precision}, micro batch {c.micro_batch} x {gas} "
-            f"accumulation x {hw.world_size} device(s): needs {format_gb(c.device_need)} of {format_gb(hw.device_memory)} "
+            f"accumulation x {hw.world_size} device(s): needs {format_gb(c.device_need)} of "
+            f"{format_gb(hw.device_memory)} "
             f"per device, margin {format_gb(hw.device_budget - c.device_need)} after the {hw.reserve:.0%} reserve; "
             f"CPU {format_gb(c.estimate.cpu_peak)} of {format_gb(hw.cpu_memory)} per node")

@@ -217,7 +217,8 @@ def _partition_layout(spec: "ModelSpec", setup: Setup, rank: int) -> _Layout:
     chunk = world * ALIGN_NUMEL
     padded = phi + buckets * chunk
     padded -= padded % chunk
-    sizes = [setup.bucket_numel] * (phi // setup.bucket_numel) + ([phi % setup.bucket_numel] if phi % setup.bucket_numel else [])
+    tail = phi % setup.bucket_numel
+    sizes = [setup.bucket_numel] * (phi // setup.bucket_numel) + ([tail] if tail else [])
     return _Layout(padded, padded // world, math.ceil(phi / world), tuple(n + chunk for n in sizes))
 
 

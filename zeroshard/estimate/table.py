@@ -61,7 +61,8 @@ def support_status(ds_config: Mapping[str, Any], world_size: int) -> str | None:
 
 def stage_supported(stage: int, offload_optimizer: Device = "none", offload_param: Device = "none") -> bool:
     """Whether the installed zeroshard runs this combination (asks the config loader)."""
-    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero_section(stage, offload_optimizer, offload_param)}
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "zero_optimization": zero_section(stage, offload_optimizer, offload_param)}
     return support_status(cfg, 1) is None
 
 
@@ -110,7 +111,8 @@ def format_table(spec: ModelSpec, base: Setup, rows: list[TableRow]) -> str:
         "",
         "states: params + gradients + fp32 master + optimizer states held between steps; buffers: the",
         "step's transient memory (stage-2 reduce-scatter staging, stage-3 gathered layers); CPU/node:",
-        "offloaded states (and NVMe swap buffers) of every local rank; (init): the fp32 model each rank builds on the CPU",
+        "offloaded states (and NVMe swap buffers) of every local rank; "
+        "(init): the fp32 model each rank builds on the CPU",
         "before moving it to its device (one layer per rank with zero.Init). Activations come on top.",
     ]
     return "\n".join(lines)

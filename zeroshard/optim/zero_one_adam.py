@@ -124,8 +124,8 @@ class ZeroOneAdam(OneBitAdam):
         """Whether step `step` communicates at all (every variance-phase step does)."""
         if step <= self.var_freeze_step:
             return True
-        H = local_step_interval(step, self.var_freeze_step, self.local_step_scaler, self.local_step_clipper)
-        return step % H == 0
+        interval = local_step_interval(step, self.var_freeze_step, self.local_step_scaler, self.local_step_clipper)
+        return step % interval == 0
 
     def _average(self, tensors: list[Tensor]) -> list[Tensor]:
         """The 1-bit average over ranks (the tensors themselves at world size 1)."""

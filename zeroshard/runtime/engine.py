@@ -20,17 +20,17 @@ from torch import Tensor, nn
 
 from zeroshard.checkpoint_format import EngineState, LoadedState
 from zeroshard.errors import CheckpointError
+from zeroshard.optim.factory import optimizer_state_bytes
 from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
 from zeroshard.runtime.checkpoint_state import Checkpointer, apply_state, collect_state
 from zeroshard.runtime.direct_backward import DirectBackward
 from zeroshard.runtime.engine_progress import EngineProgress
 from zeroshard.runtime.engine_queries import EngineQueries
-from zeroshard.runtime.model_export import ModelExport
-from zeroshard.runtime.param_access import forget_engine, register_engine
 from zeroshard.runtime.inference import generate_tokens, hf_generate
 from zeroshard.runtime.loss_scaler import LossScaler
+from zeroshard.runtime.model_export import ModelExport
 from zeroshard.runtime.monitor import MetricSink, Timers
-from zeroshard.optim.factory import optimizer_state_bytes
+from zeroshard.runtime.param_access import forget_engine, register_engine
 from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.strategy import GradStats, ModelStateBytes, ZeroStrategy
 from zeroshard.zero.units import ZeroParameter
@@ -416,7 +416,7 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
         return self._loss_scaler
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
-                        client_state: Mapping[str, Any] | None = {},  # noqa: B006 (DeepSpeed's; never mutated)
+                        client_state: Mapping[str, Any] | None = {},  # DeepSpeed's; never mutated
                         save_latest: bool = True,
                         exclude_frozen_parameters: bool = False, *, save_optimizer_states: bool = True) -> str:
         """Save a checkpoint; every rank must call it (like DeepSpeed's `save_checkpoint`).

@@ -16,6 +16,14 @@ from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
 from zeroshard.comm.groups import node_leader
 from zeroshard.config import Config, load_config, read_config_file
 from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.optim.factory import (
+    adopt_client_optimizer,
+    build_optimizer,
+    client_auto_values,
+    params_dict,
+)
+from zeroshard.optim.lr_schedules import build_scheduler
+from zeroshard.optim.onebit_adam import OneBitOptimizer
 from zeroshard.runtime.activation_checkpointing import configure_from_config
 from zeroshard.runtime.autocast import autocast_dtype, safe_module_classes
 from zeroshard.runtime.checkpoint_state import Checkpointer
@@ -23,15 +31,7 @@ from zeroshard.runtime.config_sync import check_same_config
 from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
 from zeroshard.runtime.loss_scaler import build_loss_scaler
-from zeroshard.optim.lr_schedules import build_scheduler
-from zeroshard.optim.onebit_adam import OneBitOptimizer
 from zeroshard.runtime.monitor import build_sinks, format_bytes, setup_logging
-from zeroshard.optim.factory import (
-    params_dict,
-    adopt_client_optimizer,
-    build_optimizer,
-    client_auto_values,
-)
 from zeroshard.zero import ZeroStrategy, broadcast_module_state
 from zeroshard.zero.build import build_strategy
 from zeroshard.zero.init_partition import init_partitioned, move_unpartitioned

@@ -11,10 +11,10 @@ from torch import nn
 from zeroshard.comm.groups import NODE_SIZE_ENV, node_size
 from zeroshard.errors import ConfigError
 from zeroshard.zero.leaf import DEFAULT_LEAF_CLASSES, apply_leaf_config, leaf_units
-from zeroshard.zero.stage0 import Stage0Strategy
 from zeroshard.zero.offload.policy import OffloadPolicy
-from zeroshard.zero.stage12 import PartitionOptions, Stage1Strategy, Stage2Strategy
+from zeroshard.zero.stage0 import Stage0Strategy
 from zeroshard.zero.stage3 import Stage3Options, Stage3Strategy
+from zeroshard.zero.stage12 import PartitionOptions, Stage1Strategy, Stage2Strategy
 from zeroshard.zero.strategy import ZeroStrategy
 from zeroshard.zero.units import default_units
 

@@ -179,7 +179,7 @@ def move_unpartitioned(module: nn.Module, device: torch.device, dtype: torch.dty
     """`module.to(device, dtype)` that leaves `zero.Init` shards alone (casting their shards):
     moving a partitioned parameter with `.to` would materialise it whole."""
     for sub in module.modules():
-        for name, p in list(sub._parameters.items()):
+        for _name, p in list(sub._parameters.items()):
             if p is None:
                 continue
             state = zero_state(p)
@@ -190,10 +190,12 @@ def move_unpartitioned(module: nn.Module, device: torch.device, dtype: torch.dty
                 p.data = placeholder(p.shape, dtype if dtype is not None and p.is_floating_point() else p.dtype, device)
             else:
                 with torch.no_grad():
-                    p.data = p.data.to(device=device, dtype=dtype if dtype is not None and p.is_floating_point() else None)
+                    cast = dtype if dtype is not None and p.is_floating_point() else None
+                    p.data = p.data.to(device=device, dtype=cast)
         for name, b in list(sub._buffers.items()):
             if b is not None:
-                sub._buffers[name] = b.to(device=device, dtype=dtype if dtype is not None and b.is_floating_point() else None)
+                cast = dtype if dtype is not None and b.is_floating_point() else None
+                sub._buffers[name] = b.to(device=device, dtype=cast)
 
 
 def init_partitioned(p: Any) -> bool:

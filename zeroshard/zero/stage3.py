@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from zeroshard.zero.flat import BucketedPartition
 from zeroshard.comm.groups import node_rank_lists
+from zeroshard.zero.flat import BucketedPartition
 from zeroshard.zero.gather import CopyStream, SecondaryPartition, quantized_all_gather
 from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
 from zeroshard.zero.offload.policy import OffloadPolicy

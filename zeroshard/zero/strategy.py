@@ -21,7 +21,6 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-
 _SQ_CHUNK_NUMEL = 1 << 16
 """Elements converted to float64 at a time: stays in cache, so the float64 sum costs ~2x the
 fp32 norm on CPU instead of ~40x for a float64 reduction over the whole tensor."""

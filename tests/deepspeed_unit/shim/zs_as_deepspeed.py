@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 
-class ZeroshardMissing(AttributeError):
+class ZeroshardMissing(AttributeError):  # noqa: N818  an AttributeError by design: hasattr() must see it
     pass
 
 

@@ -26,9 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dist"))
 
-from engine_helpers import global_batches, init_engine, make_config, make_model, train_engine  # noqa: E402
-from zeroshard.checkpoint import files  # noqa: E402
-from zeroshard.errors import CheckpointError  # noqa: E402
+from engine_helpers import global_batches, init_engine, make_config, make_model, train_engine
+
+from zeroshard.checkpoint import files
+from zeroshard.errors import CheckpointError
 
 CONFIG = make_config(bf16={"enabled": True}, zero_optimization={
     "stage": 2, "reduce_bucket_size": 300, "offload_optimizer": {"device": "cpu"}})
@@ -53,7 +54,7 @@ def child_save(engine: Any, where: Path, fault_at: int | None, report: Path | No
         engine.save_checkpoint(where, tag=tag)
         if report is not None:
             torch.save({"events": files.events(), "params": snapshot(engine)}, report)
-    except BaseException as e:  # noqa: BLE001 (report anything, exit non-zero)
+    except BaseException as e:  # report anything, exit non-zero
         print(f"child failed: {type(e).__name__}: {e}", flush=True)
         code = 3
     os._exit(code)

@@ -16,9 +16,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dist"))
 
-import zeroshard  # noqa: E402
-from engine_helpers import global_batches, init_engine, make_config, make_model, train_engine  # noqa: E402
-from zeroshard.checkpoint.files import FAULT_ENV  # noqa: E402
+from engine_helpers import global_batches, init_engine, make_config, make_model, train_engine
+
+import zeroshard
+from zeroshard.checkpoint.files import FAULT_ENV
 
 CONFIG = make_config(zero_optimization={"stage": 1, "reduce_bucket_size": 300})
 

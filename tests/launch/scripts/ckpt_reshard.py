@@ -21,8 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dist"))
 
-import zeroshard  # noqa: E402
-from engine_helpers import global_batches, init_engine, make_config, make_model, train_engine  # noqa: E402
+from engine_helpers import global_batches, init_engine, make_config, make_model, train_engine
+
+import zeroshard
 
 J, STEPS, GLOBAL_BATCH = 4, 10, 6
 TOL = 1e-5

@@ -18,9 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dist"))
 
-import zeroshard  # noqa: E402
-from engine_helpers import TINY, gathered_snapshot, make_config  # noqa: E402
-from zeroshard.examples.gpt import GPT, GPTConfig  # noqa: E402
+from engine_helpers import TINY, gathered_snapshot, make_config
+
+import zeroshard
+from zeroshard.examples.gpt import GPT, GPTConfig
 
 K, J = 8, 3
 CONFIGS: dict[str, tuple[int, str, bool, int]] = {  # stage, precision, cpu offload, grad accumulation
@@ -113,7 +114,8 @@ def main(mode: str, out: Path) -> None:
                 if not torch.equal(a, b):
                     raise AssertionError(f"{name} rank {rank}: parameter {i} differs "
                                          f"(max {(a.float() - b.float()).abs().max():.3e})")
-            if (engine.global_steps, engine.get_loss_scale(), engine.get_lr()) != (ref["steps"], ref["scale"], ref["lr"]):
+            got = (engine.global_steps, engine.get_loss_scale(), engine.get_lr())
+            if got != (ref["steps"], ref["scale"], ref["lr"]):
                 raise AssertionError(f"{name}: counters / loss scale / lr differ")
             print(f"RESUME OK {name} rank {rank}: {len(losses)} micro-batch losses and all parameters "
                   "bitwise equal", flush=True)

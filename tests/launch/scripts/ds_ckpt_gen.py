@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ds_ckpt_common import GLOBAL_BATCH, J, batches, ds_config, make_model, model_parameters, step_losses  # noqa: E402
+from ds_ckpt_common import GLOBAL_BATCH, J, batches, ds_config, make_model, model_parameters, step_losses
 
 
 def _allow_fp16_on_cpu() -> None:

@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import zeroshard  # noqa: E402
-from ds_ckpt_common import (GLOBAL_BATCH, J, batches, ds_config, make_model, model_parameters, parse_case,
-                            step_losses)  # noqa: E402
+from ds_ckpt_common import GLOBAL_BATCH, J, batches, ds_config, make_model, model_parameters, parse_case, step_losses
+
+import zeroshard
 
 TOL = {"fp32": 1e-5, "bf16": 2e-3, "fp16": 2e-3}
 TOL_STAGE0_FP16 = 1e-2
@@ -59,7 +59,7 @@ def refuse(root: Path, case: str, rank: int, world: int) -> None:
         import torch.distributed as dist
 
         dist.barrier()
-    probes = [(f"layer_01-model_00-model_states.pt", "pipeline"), ("expert_0_mp_rank_00_model_states.pt", "MoE")]
+    probes = [("layer_01-model_00-model_states.pt", "pipeline"), ("expert_0_mp_rank_00_model_states.pt", "MoE")]
     for name, word in probes:
         if rank == 0:
             (bad / tag / name).write_bytes(b"")

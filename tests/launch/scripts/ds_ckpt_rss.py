@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ds_ckpt_common import ds_config, parse_case  # noqa: E402
+from ds_ckpt_common import ds_config, parse_case
 
-from zeroshard.examples.gpt import GPT, GPTConfig  # noqa: E402
+from zeroshard.examples.gpt import GPT, GPTConfig
 
 
 def model() -> GPT:

@@ -27,7 +27,7 @@ rank = int(os.environ.get("RANK", "0"))
 ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
       "zero_optimization": {"stage": args.stage},
       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}}
-dschf = HfDeepSpeedConfig(ds)  # noqa: F841 (must stay alive while the model is built)
+dschf = HfDeepSpeedConfig(ds)  # must stay alive while the model is built
 cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 torch.manual_seed(0)

@@ -22,10 +22,10 @@ p.add_argument("--trainer", action="store_true", help="TrainingArguments(deepspe
 p.add_argument("--check", action="store_true", help="save rank 0's gathered weights and a forward loss")
 args = p.parse_args()
 
-import deepspeed  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments  # noqa: E402
-from transformers.integrations import HfDeepSpeedConfig  # noqa: E402
+import deepspeed  # noqa: E402  after argument parsing, as the user script it imitates
+import torch.distributed as dist  # noqa: E402  after argument parsing, as the user script it imitates
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments  # noqa: E402  after argument parsing, as the user script it imitates
+from transformers.integrations import HfDeepSpeedConfig  # noqa: E402  after argument parsing, as the user script it imitates
 
 rank = int(os.environ.get("RANK", "0"))
 world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -10,12 +10,11 @@ Imports nothing of ours but `config` types and nvme_io.py (the `aio` options).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-
-from pathlib import Path
 
 from zeroshard.zero.offload.nvme_io import IOOptions
 

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-
 from common import check_framework, import_deepspeed, record_losses
 
 deepspeed = import_deepspeed()

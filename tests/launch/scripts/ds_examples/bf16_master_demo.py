@@ -13,7 +13,6 @@ import json
 
 import torch
 import torch.nn as nn
-
 from common import check_framework, import_deepspeed, record_losses
 
 deepspeed = import_deepspeed()
@@ -88,7 +87,7 @@ def main() -> None:
     loss_fn = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(args.seed + rank)  # the demo's random tokens, per rank
     losses = []
-    for step in range(args.num_steps):
+    for _step in range(args.num_steps):
         input_ids = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_length), generator=g).to(device)
         labels = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_length), generator=g).to(device)
         if use_autocast:

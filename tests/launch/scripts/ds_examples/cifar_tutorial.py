@@ -13,7 +13,6 @@ import json
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from common import check_framework, import_deepspeed, record_losses
 
 deepspeed = import_deepspeed()
@@ -21,7 +20,8 @@ deepspeed = import_deepspeed()
 # `from deepspeed.moe.utils import ...` need a module named "deepspeed" (the compatibility alias);
 # attribute access reaches the same functions through the renamed import.
 get_accelerator = deepspeed.accelerator.get_accelerator
-split_params_into_different_moe_groups_for_optimizer = deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer
+split_params_into_different_moe_groups_for_optimizer = (
+    deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer)
 
 
 class Net(nn.Module):

@@ -1,1 +1,1 @@
-from deepspeed.checkpoint import utils  # noqa: F401
+from deepspeed.checkpoint import utils

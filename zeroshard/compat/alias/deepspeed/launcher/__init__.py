@@ -1,1 +1,1 @@
-from deepspeed.launcher import runner  # noqa: F401
+from deepspeed.launcher import runner

@@ -1,1 +1,1 @@
-from deepspeed.moe import utils  # noqa: F401
+from deepspeed.moe import utils

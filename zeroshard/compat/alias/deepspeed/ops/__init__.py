@@ -1,1 +1,1 @@
-from deepspeed.ops import adagrad, adam, lion  # noqa: F401
+from deepspeed.ops import adagrad, adam, lion

@@ -1,3 +1,3 @@
 """deepspeed.runtime: the engine, lr schedules and ZeRO modules, mapped onto zeroshard."""
 
-from deepspeed.runtime import activation_checkpointing, engine, lr_schedules, utils, zero  # noqa: F401
+from deepspeed.runtime import activation_checkpointing, engine, lr_schedules, utils, zero

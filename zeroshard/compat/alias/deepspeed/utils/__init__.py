@@ -1,8 +1,7 @@
 """deepspeed.utils -> zeroshard.utils (logger, safe_get_* / safe_set_*, z3 leaf modules)."""
 
+from deepspeed.utils import zero_to_fp32
 from zeroshard.compat._names import reexport as _reexport
-
-from deepspeed.utils import zero_to_fp32  # noqa: F401
 
 _NAMES = ["logger", "log_dist", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
           "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",

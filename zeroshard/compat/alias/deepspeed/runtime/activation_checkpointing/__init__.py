@@ -1,1 +1,1 @@
-from deepspeed.runtime.activation_checkpointing import checkpointing  # noqa: F401
+from deepspeed.runtime.activation_checkpointing import checkpointing
