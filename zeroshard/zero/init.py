@@ -93,9 +93,11 @@ class Init:
         if not self._enabled:
             return self
         from zeroshard.comm import Comm, init_distributed
+        from zeroshard.comm.topology import Topology, build_mesh
         from zeroshard.zero.init_partition import InitPartitioner
 
-        groups = init_distributed()
+        world = init_distributed()  # the mesh initialize() builds next (the same one: built once)
+        groups = build_mesh(world, Topology.for_world(world.world_size)).axis("dp")
         self._partitioner = InitPartitioner(Comm(groups), groups.rank, groups.world_size,
                                             dtype=self._dtype, remote_device=self._remote_device)
         reg = nn.modules.module
