@@ -45,9 +45,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from zeroshard.comm.groups import (
     ProcessGroups,
+    adopt_subgroup,
     current_groups,
     node_rank_lists,
-    adopt_subgroup,
     subgroup,
 )
 from zeroshard.errors import CommError
