@@ -42,16 +42,30 @@ DEEPSPEED_TESTS = os.environ.get("ZEROSHARD_DEEPSPEED_TESTS") == "1"
 DEEPSPEED_FILES = ("test_deepspeed_examples.py", "test_deepspeed_example.py", "test_ds_checkpoint.py")
 
 
+# Note: [benchmark smoke runs are opt-in] tests/launch/test_gpu_bench_harness.py runs the GPU
+# benchmark's harness end to end on a CPU (three torchrun jobs, a 400 s budget on 2 cores): it
+# checks bench/gpu/run.py's plumbing, not zeroshard, so it runs in the `bench` stage
+# (`python tests/run.py bench`, which sets ZEROSHARD_BENCH_TESTS=1), not in the default suite.
+BENCH_TESTS = os.environ.get("ZEROSHARD_BENCH_TESTS") == "1"
+BENCH_FILES = ("test_gpu_bench_harness.py",)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers",
                             "deepspeed: compares with a real DeepSpeed 0.19 (opt-in: tests/run.py --deepspeed)")
+    config.addinivalue_line("markers", "bench: a benchmark harness's smoke run (opt-in: tests/run.py bench)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="runs a real DeepSpeed 0.19 beside zeroshard: opt-in, "
                                    "`python tests/run.py --deepspeed` (needs pip install -e .[bench])")
+    skip_bench = pytest.mark.skip(reason="a benchmark harness's smoke run (minutes): opt-in, `python tests/run.py bench`")
     for item in items:
         if item.fspath.basename in DEEPSPEED_FILES:
             item.add_marker(pytest.mark.deepspeed)
         if "deepspeed" in item.keywords and not DEEPSPEED_TESTS:
             item.add_marker(skip)
+        if item.fspath.basename in BENCH_FILES:
+            item.add_marker(pytest.mark.bench)
+        if "bench" in item.keywords and not BENCH_TESTS:
+            item.add_marker(skip_bench)

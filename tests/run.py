@@ -4,11 +4,13 @@
     python tests/run.py unit dist2 # some stages
     python tests/run.py --deepspeed  # everything, plus the differential suite against DeepSpeed
     python tests/run.py deepspeed  # the differential suite only (needs DeepSpeed 0.19, opt-in)
+    python tests/run.py bench      # the GPU benchmark harness's smoke run on CPU (opt-in, minutes)
 
 The distributed tests share one gloo process group per run (process start-up dominates on a
 small CPU box), so they run under torchrun, not plain pytest. On a machine without torch or
 zeroshard installed, this installs them first (torch 2.13.0, the CPU build on the CI image).
-The last line is the total over every stage: "total: N passed, N failed, N skipped".
+The closing summary has one row per stage (counts and wall time); the last line is the total
+over every stage: "total: N passed, N failed, N skipped".
 
 Every stage runs with -x: in a distributed stage a failure on one rank would otherwise pair its
 peers' collectives with the next test. So that one failure never hides the rest, a stage that
@@ -29,14 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from torchrun_cmd import torchrun
+
 ROOT = Path(__file__).resolve().parents[1]
 PYTEST = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
-
-
-def torchrun(n: int) -> list[str]:
-    # Rank 0 prints; the others run the same tests silently (a failure on any rank fails the run).
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-            "--local-ranks-filter=0"]
 
 
 STAGES: dict[str, list[str]] = {
@@ -48,14 +46,17 @@ STAGES: dict[str, list[str]] = {
     "gpu": [sys.executable, *PYTEST, "-rs", "tests/gpu"],
     "unit": [sys.executable, *PYTEST, "tests/unit"],
     "dist1": [sys.executable, *PYTEST, "tests/dist"],  # world size 1: no process group at all
-    "dist2": [*torchrun(2), *PYTEST, "tests/dist"],
-    "dist3": [*torchrun(3), *PYTEST, "tests/dist"],
+    # Rank 0 prints; the others run the same tests silently (a failure on any rank fails the run).
+    "dist2": torchrun(2, *PYTEST, "tests/dist", rank0_output=True),
+    "dist3": torchrun(3, *PYTEST, "tests/dist", rank0_output=True),
     "launch": [sys.executable, *PYTEST, "tests/launch"],
 }
 # Opt-in: zeroshard against DeepSpeed 0.19 on the same cases (tests/differential/harness.py).
 # Not -x: each case is one test, and one deviating case must not hide the others.
 OPT_IN: dict[str, list[str]] = {
     "deepspeed": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/differential"],
+    # Note: [benchmark smoke runs are opt-in] in tests/conftest.py.
+    "bench": [sys.executable, *PYTEST, "tests/launch/test_gpu_bench_harness.py"],
 }
 
 
@@ -134,6 +135,17 @@ def run_stage(name: str) -> tuple[dict[str, int], bool]:
     return c, ok
 
 
+def summary_table(rows: list[tuple[str, dict[str, int], bool, float]]) -> str:
+    """One row per stage that ran: its counts, whether it passed and its wall time; then the sum
+    of the wall times. (README's Tests section quotes this table.)"""
+    lines = [f"{'stage':<10} {'passed':>7} {'failed':>7} {'skipped':>8}  {'result':<6} {'wall':>8}"]
+    for name, c, stage_ok, wall in rows:
+        lines.append(f"{name:<10} {c['passed']:>7} {c['failed']:>7} {c['skipped']:>8}  "
+                     f"{'ok' if stage_ok else 'FAILED':<6} {wall:>6.0f} s")
+    lines.append(f"{'all':<10} {'':>7} {'':>7} {'':>8}  {'':<6} {sum(r[3] for r in rows):>6.0f} s")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     ensure_installed()
     stages = [a for a in argv if a != "--deepspeed"] or list(STAGES)
@@ -143,8 +155,15 @@ def main(argv: list[str]) -> int:
         # Note: [DeepSpeed comparison tests are opt-in] (tests/conftest.py): the stages of this
         # run also run their tests marked `deepspeed`.
         os.environ["ZEROSHARD_DEEPSPEED_TESTS"] = "1"
+    if "bench" in stages:
+        os.environ["ZEROSHARD_BENCH_TESTS"] = "1"
     commands = {**STAGES, **OPT_IN}
+    unknown = [name for name in stages if name not in commands]
+    if unknown:
+        print(f"unknown stage(s) {', '.join(unknown)}: expected some of {', '.join(commands)}", file=sys.stderr)
+        return 2
     total = {"passed": 0, "failed": 0, "skipped": 0}
+    rows: list[tuple[str, dict[str, int], bool, float]] = []
     ok = True
     for name in stages:
         start = time.perf_counter()
@@ -153,8 +172,11 @@ def main(argv: list[str]) -> int:
         ok = ok and stage_ok
         for key in total:
             total[key] += c[key]
+        wall = time.perf_counter() - start
+        rows.append((name, c, stage_ok, wall))
         print(f"=== {name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped, "
-              f"{'ok' if stage_ok else 'FAILED'}, {time.perf_counter() - start:.0f} s", flush=True)
+              f"{'ok' if stage_ok else 'FAILED'}, {wall:.0f} s", flush=True)
+    print(summary_table(rows))
     print(f"total: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
     return 0 if ok else 1
 

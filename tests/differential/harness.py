@@ -28,8 +28,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # tests/torchrun_cmd.py, also when run as a script
 from cases import BY_NAME, CASES, Case  # noqa: E402  the sibling modules load after the sys.path insert
 from compare import Result, compare_case, table  # noqa: E402  the sibling modules load after the sys.path insert
+from torchrun_cmd import torchrun  # noqa: E402  the sibling modules load after the sys.path insert
 
 JOB_TIMEOUT_S = 1800
 
@@ -47,9 +49,8 @@ def job_env() -> dict[str, str]:
 def run_engine(engine: str, out_dir: Path, cases: list[Case]) -> float:
     """One torchrun job (2 ranks) running every case under `engine`; returns its wall time."""
     out = out_dir / f"{engine}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(HERE / "worker.py"), "--engine", engine, "--out", str(out),
-           "--cases", *[c.name for c in cases]]
+    cmd = torchrun(2, str(HERE / "worker.py"), "--engine", engine, "--out", str(out),
+                   "--cases", *[c.name for c in cases])
     start = time.perf_counter()
     with open(out_dir / f"{engine}.log", "w") as log:
         try:

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchrun_cmd import torchrun
+
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).resolve().parents[2]
 RANDOM_WRITES = 20
@@ -46,11 +48,10 @@ def test_kill_at_many_points_during_save(tmp_path: Path) -> None:
 
 
 def test_kill_one_rank_of_two_during_save(tmp_path: Path) -> None:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     script = str(SCRIPTS / "ckpt_kill_rank.py")
-    killed = _run([*torchrun, script, "save", str(tmp_path), "10", "1"])
+    killed = _run(torchrun(2, script, "save", str(tmp_path), "10", "1"))
     assert killed.returncode != 0 and "SAVE COMPLETED" not in killed.stdout, killed.stdout[-4000:]
     assert "Signal 9 (SIGKILL)" in killed.stdout or "SIGKILL" in killed.stdout, killed.stdout[-4000:]
-    resumed = _run([*torchrun, script, "resume", str(tmp_path)])
+    resumed = _run(torchrun(2, script, "resume", str(tmp_path)))
     assert resumed.returncode == 0, resumed.stdout[-6000:]
     assert "KILL RESUME OK rank 0" in resumed.stdout and "KILL RESUME OK rank 1" in resumed.stdout

@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
+
+from torchrun_cmd import python_or_torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "ckpt_reshard.py"
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,9 +23,7 @@ def _env() -> dict[str, str]:
 
 
 def _start(nproc: int, *args: str) -> subprocess.Popen[str]:
-    launcher = ([sys.executable] if nproc == 1 else
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"])
-    return subprocess.Popen([*launcher, str(SCRIPT), *args], cwd=ROOT, env=_env(), text=True,
+    return subprocess.Popen(python_or_torchrun(nproc, str(SCRIPT), *args), cwd=ROOT, env=_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 

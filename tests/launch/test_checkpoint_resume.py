@@ -13,17 +13,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchrun_cmd import torchrun
+
 SCRIPT = Path(__file__).parent / "scripts" / "ckpt_resume.py"
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(SCRIPT.parent))
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 300) -> str:
+def run_job(nproc: int, *args: str, timeout: float = 300) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={nproc}", *args], cwd=ROOT, env=env, text=True,
+    proc = subprocess.run(torchrun(nproc, *args), cwd=ROOT, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-6000:]}")
@@ -33,8 +34,8 @@ def torchrun(nproc: int, *args: str, timeout: float = 300) -> str:
 def test_resume_in_fresh_processes_is_bitwise_exact(tmp_path: Path) -> None:
     from ckpt_resume import CONFIGS
 
-    torchrun(2, str(SCRIPT), "save", str(tmp_path))
-    out = torchrun(2, str(SCRIPT), "resume", str(tmp_path))
+    run_job(2, str(SCRIPT), "save", str(tmp_path))
+    out = run_job(2, str(SCRIPT), "resume", str(tmp_path))
     for name in CONFIGS:
         for rank in (0, 1):
             assert f"RESUME OK {name} rank {rank}" in out, out[-4000:]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torchrun_cmd import torchrun
 
 from zeroshard.checkpoint.safetensors_io import read_safetensors
 
@@ -49,8 +50,7 @@ def peak_rss_bytes(args: list[str]) -> int:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("big")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(SCRIPT), str(out)], cwd=ROOT, env=_env(), text=True, stdout=subprocess.PIPE,
+    proc = subprocess.run(torchrun(2, str(SCRIPT), str(out)), cwd=ROOT, env=_env(), text=True, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return out

@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from torchrun_cmd import torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "comm_diverge.py"
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,8 +41,7 @@ def jobs() -> dict[str, tuple[int, str, float]]:
         env.pop(key, None)
     start = time.monotonic()
     procs = {mode: subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(SCRIPT), mode],
+        torchrun(2, str(SCRIPT), mode),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
         for mode in MODES + MISMATCH_MODES}
     results = {}

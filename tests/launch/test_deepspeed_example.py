@@ -12,10 +12,10 @@ import importlib.util
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from torchrun_cmd import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "deepspeed_port"
@@ -42,9 +42,8 @@ def deepspeed_copy(tmp: Path) -> Path:
 def run(script: Path, world: int, tmp: Path, tag: str) -> list[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".ds_build"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(script), "--deepspeed", "--deepspeed_config", str(EXAMPLE / "ds_config.json"),
-           "--checkpoint_dir", str(tmp / f"ckpt-{tag}")]
+    cmd = torchrun(world, str(script), "--deepspeed", "--deepspeed_config", str(EXAMPLE / "ds_config.json"),
+                   "--checkpoint_dir", str(tmp / f"ckpt-{tag}"))
     done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{tag} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     lines = [ln for ln in done.stdout.splitlines() if re.match(r"^(step \d+ loss|resumed|fc2\.weight)", ln)]

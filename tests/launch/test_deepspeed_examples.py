@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from torchrun_cmd import torchrun
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="DeepSpeed is not installed (it is only the reference)")
@@ -114,7 +115,7 @@ def _env(framework: str) -> dict[str, str]:
 
 def _launch(launcher: str, world: int, argv: list[str], framework: str) -> None:
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *argv]
+        cmd = torchrun(world, *argv)
     else:
         cmd = [sys.executable, "-m", "zeroshard.cli.main", "launch", f"--num_gpus={world}", *argv]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(framework), text=True, stdout=subprocess.PIPE,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torchrun_cmd import python_or_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -43,11 +44,8 @@ def _env() -> dict[str, str]:
 
 
 def _start(nproc: int, script: str, *args: str) -> subprocess.Popen[str]:
-    launcher = ([sys.executable] if nproc == 1 else
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                 "--local-ranks-filter=0"])
-    return subprocess.Popen([*launcher, str(SCRIPTS / script), *args], cwd=ROOT, env=_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    cmd = python_or_torchrun(nproc, str(SCRIPTS / script), *args, rank0_output=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def _finish(proc: subprocess.Popen[str], what: str, timeout_s: int = 900) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from torchrun_cmd import torchrun as torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -47,7 +48,7 @@ def run(cmd: list[str], engine: str, cwd: Path, nproc: int = 1, accelerate: list
         full = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
                 "--num_processes", str(nproc), "--main_process_port", "0", *accelerate, *cmd]
     elif nproc > 1 or torchrun:  # a lone DeepSpeed process needs torchrun (or MPI) for its group
-        full = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd]
+        full = torchrun_cmd(nproc, *cmd)
     else:
         full = [sys.executable, *cmd]
     t = time.perf_counter()

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torchrun_cmd import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "hf_pretrained_load.py"
@@ -57,8 +57,7 @@ def load(path: Path, tmp: Path, nproc: int, *flags: str, env: dict[str, str] | N
                                                             "MASTER_PORT", "ZEROSHARD_ALIAS_QUIET")}
     base.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                 OMP_NUM_THREADS="1", ZEROSHARD_AS_DEEPSPEED="1", **(env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(SCRIPT), "--pretrained", str(path), "--results", str(results), *flags]
+    cmd = torchrun(nproc, str(SCRIPT), "--pretrained", str(path), "--results", str(results), *flags)
     proc = subprocess.run(cmd, env=base, text=True, capture_output=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [json.loads(Path(f"{results}.rank{r}").read_text()) for r in range(nproc)], proc.stderr

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from torchrun_cmd import torchrun
 
 
 def run_train(*args: str) -> subprocess.CompletedProcess[str]:
@@ -46,8 +47,7 @@ def test_train_rejects_bad_config(tmp_path) -> None:
 
 def test_script_with_its_own_process_group() -> None:
     script = __import__("pathlib").Path(__file__).parent / "scripts" / "existing_group.py"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script)], text=True, capture_output=True, timeout=300)
+    proc = subprocess.run(torchrun(2, str(script)), text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("EXISTING-GROUP OK") == 2 and "world 2 steps 2" in proc.stdout
 

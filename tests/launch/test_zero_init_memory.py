@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
+
+from torchrun_cmd import torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "zero_init_memory.py"
 
@@ -15,8 +16,7 @@ def peak_growth(mode: str) -> list[dict[str, int]]:
     # Large blocks straight from mmap, so freed tensors leave RSS at once (glibc otherwise
     # keeps freed heap pages, and peak RSS would measure the allocator, not zeroshard).
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(SCRIPT), mode], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(torchrun(2, str(SCRIPT), mode), capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = re.findall(r"RESULT rank=(\d) init=\w+ peak_growth=(\d+) model=(\d+) largest=(\d+) world=(\d)", proc.stdout)
     assert len(rows) == 2, proc.stdout

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from zeroshard.comm.divergence import CallRecord, CollectiveTracker, tracker_for
-from zeroshard.comm.groups import ProcessGroups, group_store, subgroup
+from zeroshard.comm.groups import ProcessGroups, group_store, node_rank_lists, subgroup
 from zeroshard.comm.handle import Handle, WaitPolicy
 from zeroshard.comm.log import CommLog
 
@@ -155,6 +155,15 @@ class Comm:
         """
         return Comm(subgroup(self.groups, rank_lists), timeout_s=self.timeout_s, log=self.log,
                     label=label)
+
+    def node_split(self, size: int) -> tuple[Comm, Comm]:
+        """ZeRO++'s (node, cross) Comms for `size` ranks of this group per node: node n holds
+        positions [n * size, (n + 1) * size), a cross group one position per node (hpZ,
+        hierarchical qgZ). On a mesh axis (comm/topology.py) these are the groups of
+        ``MeshGroups.node_split(size)``.
+        """
+        nodes, cross = node_rank_lists(self.world_size, size)
+        return self.split(nodes, "node"), self.split(cross, "cross")
 
     @property
     def log(self) -> CommLog | None:

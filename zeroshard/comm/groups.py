@@ -51,6 +51,10 @@ class ProcessGroups:
     launcher: str = "none"
     """Whose environment was read: "torchrun", "openmpi", "slurm", "user" (a group the
     script created itself) or "none"."""
+    siblings: tuple[tuple[int, ...], ...] = ()
+    """For a group along some axes of the world (comm/topology.py, :func:`subgroup`): the
+    partition of the world's ranks it is one part of, in global ranks, each part in position
+    order; empty for the world itself (positions are then global ranks)."""
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu",
@@ -278,31 +282,74 @@ def node_rank_lists(world_size: int, size: int) -> tuple[list[list[int]], list[l
 
 
 _SUBGROUPS: dict[tuple[tuple[int, ...], ...], list[dist.ProcessGroup | None]] = {}
-"""Partition of the ranks -> one process group per part (None for a one-rank part)."""
+"""Partition of the world's ranks -> one process group per part (None for a one-rank part)."""
+_ADOPTED: list[dist.ProcessGroup] = []
+"""Groups made elsewhere (``DeviceMesh``) whose trackers :func:`destroy_distributed` closes."""
+
+
+def _global_parts(groups: ProcessGroups,
+                  rank_lists: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """`rank_lists` (positions in `groups`) applied to every sibling of `groups`: a partition of
+    the world in global ranks, the same on every rank."""
+    if not groups.siblings:
+        return rank_lists
+    return tuple(tuple(sib[p] for p in part) for sib in groups.siblings for part in rank_lists)
 
 
 def subgroup(groups: ProcessGroups, rank_lists: Sequence[Sequence[int]]) -> ProcessGroups:
-    """ProcessGroups for the part of ``rank_lists`` holding ``groups.rank`` (collective: every
-    rank passes the same lists; each part's group is created once and reused)."""
+    """ProcessGroups for the part of ``rank_lists`` holding ``groups.rank``.
+
+    ``rank_lists`` partitions the positions of ``groups``. When ``groups`` is itself one part of
+    the world (an axis of comm/topology.py's mesh), the same split is made in every sibling
+    group, so that every rank of the world creates the same groups in the same order. Collective
+    over the world: every rank passes the same lists; each partition's groups are created once
+    and reused (also those ``register_subgroup`` recorded).
+    """
     key = tuple(tuple(int(r) for r in part) for part in rank_lists)
     mine = [i for i, part in enumerate(key) if groups.rank in part]
     if len(mine) != 1 or sorted(r for part in key for r in part) != list(range(groups.world_size)):
         raise AssertionError(f"expected a partition of range({groups.world_size}), got {key}")
     part = key[mine[0]]
+    world_parts = _global_parts(groups, key)
     if groups.dp_group is None:
         pg = None
     else:
-        pgs = _SUBGROUPS.get(key)
+        me = dist.get_rank()
+        index = next(i for i, p in enumerate(world_parts) if me in p)
+        pgs = _SUBGROUPS.get(world_parts)
         if pgs is None:
             # new_group is collective over the default group: every rank creates every part.
             pgs = [dist.new_group(list(p), timeout=timedelta(seconds=groups.timeout_s))
-                   if len(p) > 1 else None for p in key]
-            _SUBGROUPS[key] = pgs
-        pg = pgs[mine[0]]
-        if pg is not None:  # diagnostics stay local: the parts share the default group's store
-            tracker_for(pg, part.index(groups.rank), len(part), lambda _g: None)
+                   if len(p) > 1 else None for p in world_parts]
+            _SUBGROUPS[world_parts] = pgs
+        pg = pgs[index]
+        if pg is not None:
+            tracker_for(pg, part.index(groups.rank), len(part), _no_store)
     return replace(groups, rank=part.index(groups.rank), world_size=len(part),
-                   local_rank=part.index(groups.rank), local_world_size=len(part), dp_group=pg)
+                   local_rank=part.index(groups.rank), local_world_size=len(part), dp_group=pg,
+                   siblings=world_parts)
+
+
+def _no_store(_group: dist.ProcessGroup) -> None:
+    """Sub-groups' divergence diagnostics stay local: they share the default group's store."""
+    return None
+
+
+def adopt_subgroup(group: dist.ProcessGroup, rank: int, world_size: int) -> None:
+    """Give a group made elsewhere (``DeviceMesh``'s, comm/topology.py) a divergence tracker as
+    :func:`subgroup`'s have, closed by :func:`destroy_distributed`.
+
+    It does not enter :func:`subgroup`'s cache: a split always gets groups of its own, so that
+    collectives issued on a split and on its parent never share one group's ordering.
+    """
+    tracker_for(group, rank, world_size, _no_store)
+    if all(g is not group for g in _ADOPTED):
+        _ADOPTED.append(group)
+
+
+def current_groups() -> ProcessGroups | None:
+    """The ProcessGroups :func:`init_distributed` built for this process, if any."""
+    return _GROUPS
 
 
 def destroy_distributed() -> None:
@@ -316,6 +363,9 @@ def destroy_distributed() -> None:
             if pg is not None:
                 forget_tracker(pg)
     _SUBGROUPS.clear()
+    for pg in _ADOPTED:
+        forget_tracker(pg)
+    _ADOPTED.clear()
     if groups.dp_group is not None:
         forget_tracker(groups.dp_group)
         if _OWNS_GROUP and dist.is_initialized():

@@ -14,6 +14,7 @@ from torch import nn
 from zeroshard.arguments import config_path_from_args
 from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
 from zeroshard.comm.groups import node_leader
+from zeroshard.comm.topology import MeshGroups, Topology, build_mesh
 from zeroshard.config import Config, load_config, read_config_file
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.optim.factory import (
@@ -157,8 +158,12 @@ def initialize(
     raw_config = source if isinstance(source, Mapping) else read_config_file(source)
     if distributed_port is not None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    groups = init_distributed()
-    setup_logging(groups.rank)
+    world = init_distributed()
+    setup_logging(world.rank)
+    # The one source of process groups (comm/topology.py): data parallelism only until pipe/ and
+    # tensor/ add their sizes; ZeRO, the data loader and the batch arithmetic see the dp axis.
+    mesh = build_mesh(world, Topology.for_world(world.world_size))
+    groups = mesh.axis("dp")
     auto = dict(client_auto_values(optimizer))
     cfg = load_config(source, dp_world_size=groups.world_size,
                       hidden_size=model_hidden_size(model), auto_values=auto)
@@ -187,11 +192,12 @@ def initialize(
     comms = cfg.comms_logger
     comm = Comm(groups, log=CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
                 if comms.enabled else None)
-    check_same_config(cfg, comm)  # the first collective: before anything trains on it
+    check_same_config(cfg, _world_comm(mesh, comm))  # the first collective: before anything trains on it
     broadcast_module_state(model, comm)
     param_groups = _param_groups(model, model_parameters)
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
-    strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units)
+    strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units,
+                              model_parallel=_model_parallel_comm(mesh, comm))
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
     if isinstance(opt, OneBitOptimizer):  # it all-reduces the momentum itself, after its warm-up
         opt.attach(comm, strategy)
@@ -246,6 +252,18 @@ def _check_optimizer_present(cfg: Config, optimizer: Any, model_parameters: Any,
             f"optimizer=, but {' and '.join(asks)} ask(s) for training. Add an \"optimizer\" "
             "section (e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}) or pass optimizer=; "
             "for inference only, leave out model_parameters=, training_data= and schedulers.")
+
+
+def _world_comm(mesh: MeshGroups, dp: Comm) -> Comm:
+    """A Comm over every rank (the config check): `dp` itself while dp spans the world."""
+    return dp if dp.groups is mesh.world else Comm(mesh.world, timeout_s=dp.timeout_s, log=dp.log)
+
+
+def _model_parallel_comm(mesh: MeshGroups, dp: Comm) -> Comm | None:
+    """The pp x tp group the gradient norm also sums over (Note: [norm groups] in
+    zero/strategy.py); None while it is this rank alone."""
+    mp = mesh.axes("pp", "tp")
+    return Comm(mp, timeout_s=dp.timeout_s, log=dp.log, label="pp*tp") if mp.world_size > 1 else None
 
 
 def _checkpointer(comm: Comm, node_local: bool) -> Checkpointer:

@@ -79,8 +79,11 @@ def _mark_leaves(module: nn.Module, zero: object) -> None:
 
 def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
                    groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None = None,
-                   ) -> ZeroStrategy:
+                   model_parallel: "Comm | None" = None) -> ZeroStrategy:
     """The strategy for `cfg.zero_optimization.stage` over the trainable `params`.
+
+    `comm` and `groups` are the data-parallel group (``MeshGroups.axis("dp")``, comm/topology.py);
+    `model_parallel` the pp x tp group the gradient norm also sums over (``axes("pp", "tp")``).
 
     `units` (stage 3): modules or module classes gathered as one; default: every block of a
     ModuleList, plus the root.
@@ -99,7 +102,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     if zero.stage == 0:
         return Stage0Strategy(params, comm=comm, world_size=groups.world_size, grad_dtype=grad_dtype,
                               comm_dtype=comm_dtype, reduce_bucket_numel=int(zero.reduce_bucket_size),
-                              prescale_factor=prescale)
+                              prescale_factor=prescale, model_parallel=model_parallel)
     if zero.stage in (1, 2):
         options = PartitionOptions(
             grad_dtype=grad_dtype,
@@ -112,6 +115,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             allgather_partitions=bool(zero.allgather_partitions),
             offload=OffloadPolicy.from_config(zero.offload_optimizer, sub_group_size=int(zero.sub_group_size),
                                               aio=cfg.aio),
+            model_parallel=model_parallel,
         )
         cls = Stage1Strategy if zero.stage == 1 else Stage2Strategy
         return cls(params, comm=comm, rank=groups.rank, world_size=groups.world_size, options=options)
@@ -134,6 +138,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             quantized_weights=bool(zero.zero_quantized_weights),
             node_size=node_size(groups),
             hpz_size=_hpz_size(int(zero.zero_hpz_partition_size), groups),
+            model_parallel=model_parallel,
         )
         _mark_leaves(module, zero)
         chosen = resolve_units(module, units) if units else default_units(module)

@@ -93,9 +93,15 @@ class Init:
         if not self._enabled:
             return self
         from zeroshard.comm import Comm, init_distributed
+        from zeroshard.comm.topology import current_mesh
         from zeroshard.zero.init_partition import InitPartitioner
 
-        groups = init_distributed()
+        world = init_distributed()
+        # The dp axis of the mesh already built (by initialize() or the script's build_mesh);
+        # without one, data parallelism only: dp is the world. Not built here: a DeviceMesh's
+        # groups would count in the construction peak tests/launch/test_zero_init_memory.py bounds.
+        mesh = current_mesh()
+        groups = mesh.axis("dp") if mesh is not None else world
         self._partitioner = InitPartitioner(Comm(groups), groups.rank, groups.world_size,
                                             dtype=self._dtype, remote_device=self._remote_device)
         reg = nn.modules.module

@@ -30,6 +30,7 @@ from zeroshard.zero.strategy import (
     MasterFragment,
     attach_grads,
     sum_of_squares,
+    sum_over_model_parallel,
     unscale_and_clip,
 )
 
@@ -58,8 +59,9 @@ class OptimizerShard:
                  trainable: Sequence[bool], lp: Tensor, lp_is_flat: bool, device: torch.device,
                  policy: OffloadPolicy, lp_policy: OffloadPolicy = OffloadPolicy(),
                  grad_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32,
-                 whole_grads: Tensor | None = None) -> None:
+                 whole_grads: Tensor | None = None, model_parallel: "Comm | None" = None) -> None:
         self._plan, self._comm, self._rank = plan, comm, comm.rank
+        self._model_parallel = model_parallel  # the norm's second sum (Note: [norm groups])
         self._params, self._policy = list(params), policy
         self._device = device  # the model's device (collectives, the norm)
         self._lp, self._lp_is_flat = lp, lp_is_flat
@@ -154,6 +156,7 @@ class OptimizerShard:
         views = self._grad_views()
         sq = sum_of_squares(views).to(self._device)
         self._comm.all_reduce(sq)
+        sum_over_model_parallel(sq, self._model_parallel)
         mult = grad_scale * prescale_factor / self._comm.world_size
         stats = unscale_and_clip(views, sq.item(), mult, max_norm)
         # The NVMe step reads the full-precision gradient shard itself (SwapAdam(grads=...)), and

@@ -26,6 +26,7 @@ from zeroshard.zero.strategy import (
     ParamPiece,
     attach_grads,
     sum_of_squares,
+    sum_over_model_parallel,
     unscale_and_clip,
 )
 
@@ -64,6 +65,8 @@ class Stage0Strategy:
         reduce_bucket_numel: elements per all-reduce bucket (`reduce_bucket_size`).
         prescale_factor: divide gradients by this before the all-reduce
             (`gradient_predivide_factor` with `prescale_gradients`), 1.0 = reduce then average.
+        model_parallel: the pp x tp group the gradient norm also sums over (Note: [norm groups]
+            in zero/strategy.py); None or one rank: nothing to add.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class Stage0Strategy:
         comm_dtype: torch.dtype | None,
         reduce_bucket_numel: int,
         prescale_factor: float = 1.0,
+        model_parallel: "Comm | None" = None,
     ) -> None:
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
@@ -83,6 +87,7 @@ class Stage0Strategy:
         # is laid out reversed and buckets fill from its start during backward.
         self._params = list(reversed(params))
         self._comm = comm
+        self._model_parallel = model_parallel  # the norm's second sum (Note: [norm groups])
         self._world_size = world_size
         self._comm_dtype = comm_dtype
         self._prescale_factor = prescale_factor
@@ -182,14 +187,14 @@ class Stage0Strategy:
         mult = self._grad_mult(grad_scale)
         if self._reducing:
             # The flat buffer holds the sum over ranks (identical on every rank): no collective.
-            sq_sum = sum_of_squares([flat]).item()
+            sq_sum = sum_over_model_parallel(sum_of_squares([flat]), self._model_parallel).item()
         else:
             # Local gradients (1-bit compression stage): the norm is the root mean square of the
             # ranks' local norms, sqrt(sum_r ||g_r||^2 / N), so every rank clips by the same
             # coefficient, and an inf/nan on any rank makes the sum non-finite everywhere.
             sq = sum_of_squares([flat])
             self._comm.all_reduce(sq, "sum")
-            sq_sum = sq.item() / self._world_size
+            sq_sum = sum_over_model_parallel(sq, self._model_parallel).item() / self._world_size
         stats = unscale_and_clip([flat], sq_sum, mult, max_norm)
         if not stats.overflow:
             attach_grads(self._master, self._grads.views)

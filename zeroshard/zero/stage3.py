@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from zeroshard.comm.groups import node_rank_lists
 from zeroshard.zero.flat import BucketedPartition
 from zeroshard.zero.gather import CopyStream, SecondaryPartition, quantized_all_gather
 from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
@@ -112,6 +111,8 @@ class Stage3Options:
     """hpZ (`zero_hpz_partition_size`): ranks per node holding a secondary partition that the
     gathers of forward and backward read (zero/gather.py, SecondaryPartition); 1 = off.
     zero/build.py checks it equals the node size and divides the world size."""
+    model_parallel: "Comm | None" = None
+    """The pp x tp group the gradient norm also sums over (Note: [norm groups] in zero/strategy.py)."""
 
 
 def _in_recompute() -> bool:
@@ -142,7 +143,7 @@ class Stage3Strategy(ShardedStrategyBase):
         self._shard = OptimizerShard(self._plan, comm, self._params, trainable=self._trainable, lp=self._lp_shard,
                                      lp_is_flat=False, device=self._device, policy=options.offload_optimizer,
                                      lp_policy=options.offload_param, grad_dtype=options.grad_dtype,
-                                     master_dtype=options.master_dtype)
+                                     master_dtype=options.master_dtype, model_parallel=options.model_parallel)
         self._init_reduction()
         self._exec = ExecutionOrder()
         self._prefetch = PrefetchPolicy(self._exec, [f.numel() for f in self._full],
@@ -229,8 +230,7 @@ class Stage3Strategy(ShardedStrategyBase):
 
     def _node_comms(self, size: int) -> tuple["Comm", "Comm"]:
         """Comms over this rank's node group and cross group (one rank per node)."""
-        nodes, cross = node_rank_lists(self._world, size)
-        return self._comm.split(nodes, "node"), self._comm.split(cross, "cross")
+        return self._comm.node_split(size)  # sub-groups of the dp axis (comm/topology.py)
 
     def _init_reduction(self) -> None:
         opt = self._opt

@@ -16,10 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm
+
 
 _SQ_CHUNK_NUMEL = 1 << 16
 """Elements converted to float64 at a time: stays in cache, so the float64 sum costs ~2x the
@@ -45,6 +49,22 @@ def sum_of_squares(tensors: Sequence[Tensor]) -> Tensor:
             c = chunk.double()
             acc += torch.dot(c, c)
     return acc.reshape(1)
+
+
+def sum_over_model_parallel(sq: Tensor, model_parallel: "Comm | None") -> Tensor:
+    """Add the other pipeline stages' and tensor-parallel shards' squares to `sq` (this rank's
+    data-parallel-reduced sum of squares), in place.
+
+    Note: [norm groups] The gradient norm is global: each stage first sums its squares over
+    its data-parallel group (the ranks holding the other parts of the same parameters), then
+    over `model_parallel`, the ranks that differ only in pipeline stage or tensor-parallel shard
+    (``MeshGroups.axes("pp", "tp")``, comm/topology.py). Two sums reach every rank of the world,
+    so an inf/nan anywhere makes every rank's norm non-finite: the overflow vote spans the world.
+    With pp = tp = 1 (today) the group is this rank alone and nothing is sent.
+    """
+    if model_parallel is not None and model_parallel.world_size > 1:
+        model_parallel.all_reduce(sq, "sum")
+    return sq
 
 
 def unscale_and_clip(grads: Sequence[Tensor], sq_sum: float, mult: float, max_norm: float) -> "GradStats":

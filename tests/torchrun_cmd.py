@@ -1,0 +1,28 @@
+"""The torchrun command line every test uses to start a job: one place to change it.
+
+The test directories import it by module name: pytest puts ``tests/`` on ``sys.path`` (the
+directory of the top ``conftest.py``), and ``tests/run.py`` runs from ``tests/``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def torchrun(nproc: int, *args: str, rank0_output: bool = False) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node=N ARGS``: one node, a
+    rendezvous on a free port, `nproc` ranks running ``ARGS`` (a script or ``-m module``).
+
+    Args:
+        rank0_output: print rank 0's output only (``--local-ranks-filter=0``); the other ranks
+            still run, and a failure on any of them still fails the job.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    if rank0_output:
+        cmd.append("--local-ranks-filter=0")
+    return [*cmd, *args]
+
+
+def python_or_torchrun(nproc: int, *args: str, rank0_output: bool = False) -> list[str]:
+    """A plain ``python ARGS`` for one process (no process group), else :func:`torchrun`."""
+    return [sys.executable, *args] if nproc == 1 else torchrun(nproc, *args, rank0_output=rank0_output)
