@@ -59,7 +59,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="runs a real DeepSpeed 0.19 beside zeroshard: opt-in, "
                                    "`python tests/run.py --deepspeed` (needs pip install -e .[bench])")
-    skip_bench = pytest.mark.skip(reason="a benchmark harness's smoke run (minutes): opt-in, `python tests/run.py bench`")
+    skip_bench = pytest.mark.skip(reason="a benchmark harness's smoke run (minutes): opt-in, "
+                                         "`python tests/run.py bench`")
     for item in items:
         if item.fspath.basename in DEEPSPEED_FILES:
             item.add_marker(pytest.mark.deepspeed)
