@@ -28,6 +28,7 @@ from zeroshard.zero.strategy import (
     BytesByHome,
     GradStats,
     MasterFragment,
+    ZeroStrategy,
     attach_grads,
     sum_of_squares,
     unscale_and_clip,
@@ -239,7 +240,7 @@ class OptimizerShard:
         acc.add(home, "optimizer_states", optimizer_state_bytes)
 
 
-class ShardedStrategyBase:
+class ShardedStrategyBase(ZeroStrategy):
     """The `ZeroStrategy` methods every sharded stage (1-3) answers from its optimizer shard."""
 
     _shard: OptimizerShard
