@@ -26,7 +26,7 @@ from zeroshard.runtime.engine_progress import EngineProgress
 from zeroshard.runtime.engine_queries import EngineQueries
 from zeroshard.runtime.engine_state import MicroBatchState, Phase
 from zeroshard.runtime.model_export import ModelExport
-from zeroshard.runtime.param_access import forget_engine, register_engine
+from zeroshard.runtime.param_access import forget_engine, register_engine, whole_weights
 from zeroshard.runtime.inference import generate_tokens, hf_generate
 from zeroshard.runtime.loss_scaler import LossScaler
 from zeroshard.runtime.monitor import MetricSink, Timers
@@ -561,33 +561,13 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
         if loaded is None:
             logger.warning(f"{load_dir} has no 'latest' file: no checkpoint loaded")
             return None, None
-        src = self._consolidate_loaded(loaded)
+        src = whole_weights(self, loaded)
         with GatheredParameters([p for p in self.module.parameters() if isinstance(p, ZeroParameter)],
                                 modifier_rank=0):
             custom_load_fn(src=src, dst=self.module)
         self._strategy.sync_master_from_params()
         logger.info(f"loaded checkpoint {loaded.path} through custom_load_fn")
         return loaded.path, {}
-
-    def _consolidate_loaded(self, loaded: Any) -> dict[str, Tensor]:
-        """The whole state_dict of a weights-only load (stage-3 pieces gathered over ranks)."""
-        src = dict(loaded.module)
-        pieces = self._strategy.param_pieces()
-        if loaded.weight_pieces is None or pieces is None:
-            return src
-        flat: dict[int, Tensor] = {}  # param -> numel values + 1 flag "this rank read a piece"
-        for piece, value in zip(pieces, loaded.weight_pieces, strict=True):
-            full = flat.setdefault(id(piece.param), torch.zeros(piece.param.numel() + 1, dtype=torch.float32,
-                                                                device=self.device))
-            if value is not None:
-                full[piece.param_offset : piece.param_offset + piece.numel].copy_(value)
-                full[-1] = 1.0
-        for name, p in self.module.named_parameters():
-            full = flat.get(id(p), torch.zeros(p.numel() + 1, dtype=torch.float32, device=self.device))
-            self._comm.all_reduce(full)  # each element is owned by one rank; the others add 0
-            if full[-1].item() > 0:  # absent (a frozen parameter not saved): not in src
-                src[name] = full[:-1].to(p.dtype).view(p.shape).cpu()
-        return src
 
 
 DeepSpeedEngine = ZeroEngine

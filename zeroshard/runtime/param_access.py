@@ -12,7 +12,9 @@ parameter from them:
 
 Which of the two a parameter is (owned once, or replicated on every rank) is learnt once per
 engine by one all-reduce of per-parameter owned element counts, so no query branches on the
-stage. Imports runtime/ and zero/ only.
+stage. `whole_weights` assembles a weights-only checkpoint load alike (stage-3 pieces summed
+over the ranks). Reads the engine's public names only. Imports runtime/ and zero/ only (and
+checkpoint_format for a type).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 from zeroshard.zero.strategy import MasterFragment
 
 if TYPE_CHECKING:
+    from zeroshard.checkpoint_format import LoadedState
     from zeroshard.runtime.engine import ZeroEngine
 
 _ENGINE_OF: dict[int, tuple[weakref.ref[nn.Parameter], weakref.ref["ZeroEngine"]]] = {}
@@ -337,3 +340,28 @@ SAFE_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "safe_update_full_grad_vectorized": update_full_grad_vectorized,
 }
 """DeepSpeed's names (deepspeed.utils) -> the functions above."""
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def whole_weights(engine: "ZeroEngine", loaded: "LoadedState") -> dict[str, Tensor]:
+    """The whole state_dict of a weights-only load (`load_checkpoint(custom_load_fn=...)`):
+    stage-3 pieces are gathered over the ranks. Collective."""
+    src = dict(loaded.module)
+    pieces = engine.strategy.param_pieces()
+    if loaded.weight_pieces is None or pieces is None:
+        return src
+    flat: dict[int, Tensor] = {}  # param -> numel values + 1 flag "this rank read a piece"
+    for piece, value in zip(pieces, loaded.weight_pieces, strict=True):
+        full = flat.setdefault(id(piece.param), torch.zeros(piece.param.numel() + 1, dtype=torch.float32,
+                                                            device=engine.device))
+        if value is not None:
+            full[piece.param_offset : piece.param_offset + piece.numel].copy_(value)
+            full[-1] = 1.0
+    for name, p in engine.module.named_parameters():
+        full = flat.get(id(p), torch.zeros(p.numel() + 1, dtype=torch.float32, device=engine.device))
+        engine.comm.all_reduce(full)  # each element is owned by one rank; the others add 0
+        if full[-1].item() > 0:  # absent (a frozen parameter not saved): not in src
+            src[name] = full[:-1].to(p.dtype).view(p.shape).cpu()
+    return src
