@@ -121,7 +121,8 @@ class UnitShards:
     def fill(self, u: int, full: Tensor) -> None:
         """Construction: take this rank's chunk (and any secondary copy) of unit `u` from its
         whole values `full`."""
-        self.home.tensor[slice(*self._plan.shard_range(u))].copy_(full[slice(*self._plan.layouts[u].partition(self._rank))])
+        mine = full[slice(*self._plan.layouts[u].partition(self._rank))]
+        self.home.tensor[slice(*self._plan.shard_range(u))].copy_(mine)
         self._training.fill(u, full)
 
     def write(self, u: int, full: Tensor) -> Tensor:
