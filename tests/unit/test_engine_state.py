@@ -108,6 +108,9 @@ def test_evaluation_forward_drops_a_pending_training_forward() -> None:
     s.forward(training=True)
     s.stepped()  # a load while a forward awaits its backward: the forward still awaits it
     assert s.awaits_backward
+    s.scaled()
+    s.forward(training=False)  # a scaled loss still awaits its (direct) backward
+    assert s.phase is Phase.SCALED
 
 
 def test_boundary_requests() -> None:

@@ -13,8 +13,10 @@ Note: [micro-batch phases] One micro-batch goes
 `FORWARD` and `SCALED` are "a training forward awaits its backward" (step() refuses);
 `SCALED` also lets a direct `loss.backward()` run under fp16 loss scaling (runtime/
 direct_backward.py). `REDUCED` is "reduced gradients wait for step()" (safe_get_full_grad and
-friends read them). An evaluation forward (no grad, or module.eval()) drops a pending
-`FORWARD`/`SCALED` back to `IDLE` and leaves `REDUCED` alone. `no_sync` and
+friends read them). An evaluation forward (no grad, or module.eval()) drops a pending `FORWARD`
+back to `IDLE` (its output was not meant for a backward) and leaves `SCALED` (a scaled loss
+still awaits its backward) and `REDUCED` alone; a training forward after `REDUCED` starts the
+next micro-batch (`FORWARD`). `no_sync` and
 `set_gradient_accumulation_boundary` are the user's requests that decide whether a backward
 reduces; they span micro-batches, so they are fields beside the phase, not phases.
 """
@@ -77,7 +79,7 @@ class MicroBatchState:
         if training:
             if self.phase is not Phase.SCALED:
                 self.phase = Phase.FORWARD
-        elif self.awaits_backward:
+        elif self.phase is Phase.FORWARD:
             self.phase = Phase.IDLE
 
     def scaled(self) -> None:
