@@ -208,7 +208,7 @@ def tensor_census(roots: Iterable[Any], max_depth: int = 4) -> int:
         if attrs is None:
             return
         for name, v in attrs.items():
-            if name in ("module", "_modules", "timers", "monitor", "_sinks", "comm", "_comm"):
+            if name in ("module", "_modules", "timers", "monitor", "_sinks", "_progress", "comm", "_comm"):
                 continue
             walk(v, depth - 1)
 

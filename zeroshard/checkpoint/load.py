@@ -2,7 +2,7 @@
 
 Note: [no partial load] Loading reads and checks everything this rank needs into fresh CPU
 tensors first; the ranks then agree that every rank succeeded, and only then does the engine
-copy anything into the model (runtime/checkpointing.apply_state). A bad file or a mismatched
+copy anything into the model (runtime/checkpoint_state.apply_state). A bad file or a mismatched
 model raises CheckpointError on every rank and leaves the engine untouched.
 """
 

@@ -79,7 +79,7 @@ def train(args: argparse.Namespace) -> int:
     # the teardown of gloo and the comm watcher can race with a peer that already exited.
     from zeroshard.comm import destroy_distributed
 
-    engine._comm.barrier()
+    engine.comm.barrier()
     destroy_distributed()
     return 0
 
@@ -97,7 +97,7 @@ def _print_model_state_saving(engine: Any, n_params: int) -> None:
     held = engine.model_state_bytes()
     mine = torch.tensor([sum(s.total for s in held)], dtype=torch.int64, device=engine.device)
     every = torch.zeros(engine.world_size, dtype=torch.int64, device=engine.device)
-    engine._comm.all_gather(every, mine)
+    engine.comm.all_gather(every, mine)
     setup = dataclasses.replace(Setup.from_config(engine.zs_config), stage=0,
                                 offload_optimizer="none", offload_param="none")
     stage0 = estimate_rank(spec_from_counts(n_params), setup).device.total

@@ -67,10 +67,10 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
         "zero/stage3.py::mode = ReduceMode.QUANTIZED_REDUCE_SCATTER"),
     _Z + "zero_quantized_weights": (
         "zero/build.py::quantized_weights=bool(zero.zero_quantized_weights)",
-        "zero/stage3.py::quantized_all_gather(self._comm, full, self._primary(u))"),
+        "zero/unit_shards.py::QuantizedGather(comm, self.chunk, device)"),
     _Z + "zero_hpz_partition_size": (
         "zero/build.py::hpz_size=_hpz_size(int(zero.zero_hpz_partition_size), groups)",
-        "zero/stage3.py::self._hpz = SecondaryPartition("),
+        "zero/stage3.py::secondary = SecondaryPartition("),
     _Z + "stage": _BUILD, _Z + "reduce_scatter": _BUILD, _Z + "reduce_bucket_size": _BUILD,
     _Z + "allgather_partitions": _BUILD, _Z + "allgather_bucket_size": _BUILD, _Z + "overlap_comm": _BUILD,
     _Z + "offload_param.device": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param",
@@ -82,7 +82,8 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     _Z + "offload_param.pin_memory": ("zero/build.py::OffloadPolicy.from_config(zero.offload_param",
                                       "zero/offload/policy.py::section.pin_memory"),
     _Z + "offload_optimizer.nvme_path": ("zero/offload/policy.py::section.nvme_path",),
-    _Z + "offload_param.nvme_path": ("zero/offload/policy.py::section.nvme_path", "zero/stage3.py::_nvme_param_home"),
+    _Z + "offload_param.nvme_path": ("zero/offload/policy.py::section.nvme_path",
+                                     "zero/unit_shards.py::check_swap_dir(nvme.path"),
     _Z + "offload_param.max_in_cpu": ("zero/offload/policy.py::section, \"max_in_cpu\"",
                                       "zero/offload/nvme_params.py::max_in_cpu"),
     _Z + "offload_optimizer.buffer_count": ("zero/offload/policy.py::section.buffer_count",

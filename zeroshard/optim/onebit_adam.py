@@ -106,7 +106,7 @@ class OneBitOptimizer:
             ConfigError: the strategy cannot hand out local gradients (a ZeRO stage above 0).
         """
         name = type(self).__name__
-        if not hasattr(strategy, "set_grad_reduction"):
+        if not strategy.keeps_local_grads():
             raise ConfigError(f"optimizer.type {name} needs zero_optimization.stage 0 (plain data "
                               f"parallelism, as in DeepSpeed); {type(strategy).__name__} partitions the "
                               "gradients. Set stage to 0 or use Adam.")

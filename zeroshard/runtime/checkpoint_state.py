@@ -35,7 +35,6 @@ from zeroshard.checkpoint_format import (
     pickle_bytes,
     unpickle_bytes,
 )
-from zeroshard.errors import CheckpointError
 from zeroshard.optim.onebit_adam import STATE_KEYS as ONEBIT_STATE_KEYS
 from zeroshard.optim.onebit_adam import OneBitOptimizer, drop_onebit_state
 from zeroshard.zero.strategy import MasterFragment, ZeroStrategy
@@ -117,9 +116,6 @@ def run_state_of(engine: "ZeroEngine") -> dict[str, Any]:
 
 def collect_state(engine: "ZeroEngine", strategy: ZeroStrategy, *, include_frozen: bool) -> EngineState:
     """This rank's state for a checkpoint: views of the live tensors plus the Manifest."""
-    if not hasattr(strategy, "checkpoint_fragments"):
-        raise CheckpointError(f"{type(strategy).__name__} does not implement checkpoints yet "
-                              "(checkpoint_fragments, param_pieces, sync_* in zero/strategy.py)")
     module, optimizer = engine.module, engine.optimizer
     named, aliases = _param_tables(module)
     index = {id(p): i for i, (_, p) in enumerate(named)}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -26,11 +25,12 @@ from zeroshard.runtime.checkpoint_state import Checkpointer, apply_state, collec
 from zeroshard.runtime.direct_backward import DirectBackward
 from zeroshard.runtime.engine_progress import EngineProgress
 from zeroshard.runtime.engine_queries import EngineQueries
+from zeroshard.runtime.engine_state import MicroBatchState, Phase
 from zeroshard.runtime.inference import generate_tokens, hf_generate
 from zeroshard.runtime.loss_scaler import LossScaler
 from zeroshard.runtime.model_export import ModelExport
 from zeroshard.runtime.monitor import MetricSink, Timers
-from zeroshard.runtime.param_access import forget_engine, register_engine
+from zeroshard.runtime.param_access import forget_engine, register_engine, whole_weights
 from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.strategy import GradStats, ModelStateBytes, ZeroStrategy
 from zeroshard.zero.units import ZeroParameter
@@ -42,7 +42,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger("zeroshard")
 
 
-class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
+class _KeptByProgress:
+    """An engine attribute kept by its `EngineProgress` (runtime/engine_progress.py), read and
+    written through (a checkpoint load sets the counters)."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self._name = name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = self._name or name
+
+    def __get__(self, engine: "ZeroEngine | None", owner: type | None = None) -> Any:
+        return self if engine is None else getattr(engine._progress, self._name)
+
+    def __set__(self, engine: "ZeroEngine", value: Any) -> None:
+        setattr(engine._progress, self._name, value)
+
+
+class ZeroEngine(EngineQueries, ModelExport, nn.Module):
     """Wraps a model for data-parallel ZeRO training. Built by `zeroshard.initialize`.
 
     Use it as DeepSpeed's engine::
@@ -86,36 +103,68 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self._groups, self._comm, self._strategy = groups, comm, strategy
-        self._loss_scaler, self._sinks = loss_scaler, sinks
+        self._loss_scaler = loss_scaler
         self._grad_accum_steps = config.gradient_accumulation_steps
         self.timers = Timers(groups.device, enabled=config.wall_clock_breakdown)
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
+        self._progress = EngineProgress(
+            comm=comm, device=groups.device, sinks=sinks, timers=self.timers,
+            micro_batch_samples=config.train_micro_batch_size_per_gpu * groups.world_size,
+            train_batch_size=config.train_batch_size, steps_per_print=config.steps_per_print)
         self._last_grad_stats: GradStats | None = None
         self._autocast_dtype = autocast_dtype(config.torch_autocast, groups.device.type)
-        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
-        self._no_sync = False
-        self._grads_ready = False  # reduced gradients wait for step() (safe_get_full_grad)
-        self._forward_awaits_backward = False  # a training forward not yet followed by backward
-        self._pending_backwards = 0  # backward passes since the last optimizer step
+        self._micro = MicroBatchState()  # Note: [micro-batch phases] in runtime/engine_state.py
         self._direct = DirectBackward(self._begin_direct_backward, self._end_direct_backward)
-        self._scaled_for_direct = False  # engine.scale(loss) was called for a direct backward
-        self._direct_boundary = False
-        self._init_progress()
         self._publish_loss_scale(overflow=False)
         register_engine(self, module)
 
-    def _init_progress(self) -> None:
-        self._loss_sum: Tensor | None = None  # on the loss's device: no sync per micro-batch
-        self._loss_count = 0
-        self._window_start = time.perf_counter()
-        self._window_samples = 0
-        self._run_start: float | None = None
-        self._run_samples = 0
-        self.last_loss: float | None = None
-        self.last_samples_per_s: float | None = None
+    # -- counters (owned by EngineProgress; checkpoints restore them) ---------------------
+
+    global_steps = _KeptByProgress()
+    global_samples = _KeptByProgress()
+    micro_steps = _KeptByProgress()
+    skipped_steps = _KeptByProgress()
+    last_loss = _KeptByProgress()
+    """Mean loss over ranks at the last progress report (None before one)."""
+    last_samples_per_s = _KeptByProgress()
+    """Throughput over all ranks between the last two progress reports (None before one)."""
+    _sinks = _KeptByProgress("sinks")
+
+    def summary(self) -> dict[str, Any]:
+        """End-of-run figures (steps, samples, final loss, throughput, peak memory per rank);
+        every rank must call it (peak memory is gathered)."""
+        return self._progress.summary()
+
+    def print_summary(self) -> dict[str, Any]:
+        """`summary()`, logged on one line; closes the monitor sinks. Every rank must call it."""
+        return self._progress.print_summary()
+
+    def _report(self) -> None:
+        lrs = self.get_lr()
+        self._progress.report(lr=lrs[0] if lrs else 0.0, loss_scale=self.get_loss_scale(),
+                              grad_norm=self.get_global_grad_norm(), model_states=self.model_state_bytes())
+
+    # -- collaborators, read-only (library code: safe_* helpers, generation, the CLI) -----
+
+    @property
+    def zs_config(self) -> "Config":
+        """The typed, validated Config (`engine.config` is the dict the user passed)."""
+        return self._config
+
+    @property
+    def comm(self) -> "Comm":
+        """The data-parallel group's collectives (zeroshard.comm.Comm)."""
+        return self._comm
+
+    @property
+    def strategy(self) -> ZeroStrategy:
+        """The ZeRO strategy partitioning this engine's states (zero/strategy.py)."""
+        return self._strategy
+
+    @property
+    def grads_ready(self) -> bool:
+        """Reduced gradients wait for `step()`: between the backward that ends an optimizer
+        step and the step (when `safe_get_full_grad` and friends can read them)."""
+        return self._micro.grads_ready
 
     # -- DeepSpeed-compatible queries -----------------------------------------------------
 
@@ -124,9 +173,7 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
 
         Follows the micro-step count, unless `set_gradient_accumulation_boundary` said otherwise.
         """
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self._grad_accum_steps == 0
+        return self._micro.is_boundary(self.micro_steps, self._grad_accum_steps)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the micro-step count: the next `backward` reduces (True) or only
@@ -140,7 +187,7 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
             engine.backward(engine(batches[-1]))
             engine.step()
         """
-        self._boundary_override = bool(is_boundary)
+        self._micro.boundary_override = bool(is_boundary)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -150,13 +197,13 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
         Unlike DeepSpeed this also works at stages 2 and 3: their per-micro-batch
         reduce-scatters still run (they are how those stages accumulate), with the same result.
         """
-        if self._no_sync:
+        if self._micro.no_sync:
             raise RuntimeError("engine.no_sync() cannot be re-entered")
-        self._no_sync = True
+        self._micro.no_sync = True
         try:
             yield
         finally:
-            self._no_sync = False
+            self._micro.no_sync = False
 
     def torch_autocast_enabled(self) -> bool:
         """The `torch_autocast` section is on: the forward runs under torch.autocast."""
@@ -230,16 +277,16 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
     # -- training -------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._run_start is None:
-            self._run_start = time.perf_counter()
+        self._progress.forward_started()
         self.timers.start("forward")
         if self._config.fp16.auto_cast:  # DeepSpeed casts the positional inputs only
             args = cast_inputs_half(args)
         with forward_context(self._autocast_dtype, self.device.type):  # torch_autocast section
             out = self.module(*args, **kwargs)
         # A training forward must be followed by engine.backward before step(): see step().
-        self._forward_awaits_backward = torch.is_grad_enabled() and self.module.training
-        if self._forward_awaits_backward:  # a direct loss.backward() is a micro-batch too
+        training = torch.is_grad_enabled() and self.module.training
+        self._micro.forward(training)
+        if training:  # a direct loss.backward() is a micro-batch too
             self._direct.attach(out)
         self.timers.stop("forward")
         return out
@@ -251,29 +298,27 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
         if loss.dim() != 0 or not loss.requires_grad:
             raise ValueError(f"engine.scale expects a scalar loss with a graph, got shape {tuple(loss.shape)} "
                              f"(requires_grad={loss.requires_grad})")
-        self._scaled_for_direct = True
+        self._micro.scaled()
         scale = self.get_loss_scale()
         return loss.float() * scale if scale != 1.0 else loss
 
     def _begin_direct_backward(self) -> float:
         """Prologue of a `backward()` the script called itself (runtime/direct_backward.py)."""
-        if self._loss_scaler is not None and not self._scaled_for_direct:
+        if self._loss_scaler is not None and self._micro.phase is not Phase.SCALED:
             raise RuntimeError(
                 "loss.backward() without engine.backward: this config scales the loss (fp16), so the "
                 "gradients would not be scaled; call engine.backward(loss), or "
                 "engine.scale(loss).backward() (as DeepSpeed requires)")
-        self._direct_boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
-        self._strategy.begin_micro_batch(self._direct_boundary)
+        reduces = self._micro.reduces(self.micro_steps, self._grad_accum_steps)
+        self._micro.begin_backward(reduces)
+        self._strategy.begin_micro_batch(reduces)
         self.timers.start("backward")
         return 1.0 / self._grad_accum_steps
 
     def _end_direct_backward(self) -> None:
         self.timers.stop("backward")
-        self._scaled_for_direct = False
         self._strategy.after_backward()
-        self._grads_ready = self._direct_boundary
-        self._forward_awaits_backward = False
-        self._pending_backwards += 1
+        self._micro.end_backward()
 
     def backward(self, loss: Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Tensor:
         """Backward of a micro-batch's loss, divided by gradient_accumulation_steps.
@@ -295,8 +340,9 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
                 f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; "
                 "reduce it first (e.g. loss.mean())"
             )
-        boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
-        self._strategy.begin_micro_batch(boundary)
+        reduces = self._micro.reduces(self.micro_steps, self._grad_accum_steps)
+        self._micro.begin_backward(reduces)
+        self._strategy.begin_micro_batch(reduces)
         gas = self._grad_accum_steps if scale_wrt_gas else 1
         scale = self.get_loss_scale() / gas
         self.timers.start("backward")
@@ -309,12 +355,8 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
         self.timers.start("reduce_wait")
         self._strategy.after_backward()
         self.timers.stop("reduce_wait")
-        self._grads_ready = boundary
-        self._forward_awaits_backward = False
-        self._pending_backwards += 1
-        detached = loss.detach().double()
-        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
-        self._loss_count += 1
+        self._micro.end_backward()
+        self._progress.add_loss(loss)
         return loss / gas if gas != 1 else loss
 
     def step(self) -> None:
@@ -324,21 +366,19 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
         fp16 overflow (lowering the loss scale), otherwise step the optimizer and then the
         lr scheduler.
         """
-        if self._no_sync:
+        if self._micro.no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave the block and run one "
                                "more backward (it reduces the accumulated gradients) before step()")
-        if self._forward_awaits_backward:
+        if self._micro.awaits_backward:
             # A training forward whose output never reached backward (engine.backward or a
             # direct backward of the output, runtime/direct_backward.py): no gradients to step on.
             raise RuntimeError(
                 "engine.step() after a training forward without a backward: call "
                 "engine.backward(loss) (or loss.backward()) on the forward's loss before step(), "
                 "or run an evaluation forward under torch.no_grad() / engine.eval()")
-        samples = self._config.train_micro_batch_size_per_gpu * self._groups.world_size
-        self._window_samples += samples
-        self._run_samples += samples
+        self._progress.micro_batch_done()
         if not self.is_gradient_accumulation_boundary():
-            self.micro_steps += 1
+            self._progress.accumulation_step_done()
             return
         if self.optimizer is None:
             raise RuntimeError(
@@ -346,8 +386,7 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
                 "or pass optimizer= to zeroshard.initialize()"
             )
         self.timers.start("step")
-        self._grads_ready = False
-        self._pending_backwards = 0
+        self._micro.stepped()
         stats = self._strategy.prepare_step(1.0 / self.get_loss_scale(), self._config.gradient_clipping)
         if not stats.overflow:
             self.optimizer.step()
@@ -363,15 +402,9 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
                     f"loss scale {before:g} -> {self._loss_scaler.loss_scale:g}"
                 )
         self._publish_loss_scale(stats.overflow)
-        if stats.overflow:
-            self.skipped_steps += 1
-        elif self.lr_scheduler is not None:
+        if not stats.overflow and self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self.global_steps += 1
-        self.global_samples += self._config.train_batch_size
-        self.micro_steps += 1
-        every = self._config.steps_per_print  # None: never print progress
-        if every is not None and self.global_steps % every == 0:
+        if self._progress.optimizer_step_done(skipped=stats.overflow):  # every steps_per_print
             self._report()
 
     # -- inference ------------------------------------------------------------------------
@@ -449,9 +482,9 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
                                   "(nothing was written)")
         if self.checkpointer is None:
             raise CheckpointError("this engine has no checkpointer; build it with zeroshard.initialize()")
-        if self._pending_backwards:
+        if self._micro.pending_backwards:
             raise CheckpointError(
-                f"save_checkpoint after {self._pending_backwards} backward pass(es) of an unfinished "
+                f"save_checkpoint after {self._micro.pending_backwards} backward pass(es) of an unfinished "
                 f"optimizer step (gradient accumulation): accumulated gradients are not saved. "
                 "Save right after the engine.step() that ends an optimizer step.")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
@@ -513,7 +546,7 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
             return None, None
         self.apply_state(loaded, load_lr_scheduler_states=load_lr_scheduler_states,
                          load_module_only=load_module_only, load_rng_state=load_rng_state)
-        self._grads_ready, self._pending_backwards = False, 0
+        self._micro.stepped()
         self._publish_loss_scale(overflow=False)
         logger.info(f"loaded checkpoint {loaded.path} (step {self.global_steps})")
         return loaded.path, loaded.client_state if loaded.client_state is not None else {}
@@ -528,33 +561,13 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
         if loaded is None:
             logger.warning(f"{load_dir} has no 'latest' file: no checkpoint loaded")
             return None, None
-        src = self._consolidate_loaded(loaded)
+        src = whole_weights(self, loaded)
         with GatheredParameters([p for p in self.module.parameters() if isinstance(p, ZeroParameter)],
                                 modifier_rank=0):
             custom_load_fn(src=src, dst=self.module)
         self._strategy.sync_master_from_params()
         logger.info(f"loaded checkpoint {loaded.path} through custom_load_fn")
         return loaded.path, {}
-
-    def _consolidate_loaded(self, loaded: Any) -> dict[str, Tensor]:
-        """The whole state_dict of a weights-only load (stage-3 pieces gathered over ranks)."""
-        src = dict(loaded.module)
-        pieces = self._strategy.param_pieces()
-        if loaded.weight_pieces is None or pieces is None:
-            return src
-        flat: dict[int, Tensor] = {}  # param -> numel values + 1 flag "this rank read a piece"
-        for piece, value in zip(pieces, loaded.weight_pieces, strict=True):
-            full = flat.setdefault(id(piece.param), torch.zeros(piece.param.numel() + 1, dtype=torch.float32,
-                                                                device=self.device))
-            if value is not None:
-                full[piece.param_offset : piece.param_offset + piece.numel].copy_(value)
-                full[-1] = 1.0
-        for name, p in self.module.named_parameters():
-            full = flat.get(id(p), torch.zeros(p.numel() + 1, dtype=torch.float32, device=self.device))
-            self._comm.all_reduce(full)  # each element is owned by one rank; the others add 0
-            if full[-1].item() > 0:  # absent (a frozen parameter not saved): not in src
-                src[name] = full[:-1].to(p.dtype).view(p.shape).cpu()
-        return src
 
 
 DeepSpeedEngine = ZeroEngine

@@ -1,8 +1,8 @@
 """DeepSpeed's read-only engine queries (`train_batch_size()`, `get_lr()`, `fp16_enabled()`, ...).
 
-A mixin of `ZeroEngine`: each query reads the typed Config (`self._config`), the optimizer or
-the process groups; none changes state. Kept apart so engine.py holds the training step only.
-Imports nothing of zeroshard but the config and comm types (for annotations).
+A mixin of `ZeroEngine`: each query reads the engine's public `zs_config`, `comm` or
+`optimizer`; none changes state, and none reads an engine underscore name. Kept apart so
+engine.py holds the training step only. Imports nothing of zeroshard but the config and comm types (for annotations).
 """
 
 from __future__ import annotations
@@ -12,60 +12,55 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from zeroshard.comm import ProcessGroups
+    from zeroshard.comm import Comm
     from zeroshard.config import Config
 
 
 class EngineQueries:
     """DeepSpeed 0.19.8's `DeepSpeedEngine` queries, with its names and return types."""
 
-    _config: "Config"
-    _groups: "ProcessGroups"
+    zs_config: "Config"  # the engine's properties
+    comm: "Comm"
     optimizer: torch.optim.Optimizer | None
 
-    @property
-    def zs_config(self) -> "Config":
-        """The typed, validated Config (`engine.config` is the dict the user passed)."""
-        return self._config
-
     def train_batch_size(self) -> int:
-        return self._config.train_batch_size
+        return self.zs_config.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self._config.train_micro_batch_size_per_gpu
+        return self.zs_config.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
-        return self._config.gradient_accumulation_steps
+        return self.zs_config.gradient_accumulation_steps
 
     def gradient_clipping(self) -> float:
-        return self._config.gradient_clipping
+        return self.zs_config.gradient_clipping
 
     def zero_optimization_stage(self) -> int:
-        return self._config.zero_optimization.stage
+        return self.zs_config.zero_optimization.stage
 
     def zero_optimization(self) -> bool:
-        return self._config.zero_optimization.stage > 0
+        return self.zs_config.zero_optimization.stage > 0
 
     def zero_optimization_partition_gradients(self) -> bool:
-        return self._config.zero_optimization.stage >= 2
+        return self.zs_config.zero_optimization.stage >= 2
 
     def zero_optimization_partition_weights(self) -> bool:
-        return self._config.zero_optimization.stage >= 3
+        return self.zs_config.zero_optimization.stage >= 3
 
     def zero_offload_optimizer(self) -> bool:
-        return self._config.zero_optimization.offload_optimizer.device != "none"
+        return self.zs_config.zero_optimization.offload_optimizer.device != "none"
 
     zero_cpu_offload = zero_offload_optimizer
 
     def zero_offload_param(self) -> bool:
-        return self._config.zero_optimization.offload_param.device != "none"
+        return self.zs_config.zero_optimization.offload_param.device != "none"
 
     def get_batch_info(self) -> tuple[int, int, int]:
         """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)."""
         return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
 
     def dump_state(self) -> bool:
-        return bool(self._config.dump_state)
+        return bool(self.zs_config.dump_state)
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed releases stage-3 parameters it kept gathered; zeroshard releases every
@@ -73,33 +68,33 @@ class EngineQueries:
         there is nothing to free."""
 
     def fp16_enabled(self) -> bool:
-        return self._config.precision == "fp16"
+        return self.zs_config.precision == "fp16"
 
     def bfloat16_enabled(self) -> bool:
-        return self._config.precision == "bf16"
+        return self.zs_config.precision == "bf16"
 
     bf16_enabled = bfloat16_enabled
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        return bool(self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+        return bool(self.zs_config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
 
     def steps_per_print(self) -> int | None:
-        return self._config.steps_per_print
+        return self.zs_config.steps_per_print
 
     def wall_clock_breakdown(self) -> bool:
-        return bool(self._config.wall_clock_breakdown)
+        return bool(self.zs_config.wall_clock_breakdown)
 
     @property
     def local_rank(self) -> int:
-        return self._groups.local_rank
+        return self.comm.groups.local_rank
 
     @property
     def dp_world_size(self) -> int:
-        return self._groups.world_size
+        return self.comm.world_size
 
     @property
     def global_rank(self) -> int:
-        return self._groups.rank
+        return self.comm.rank
 
     @property
     def mp_world_size(self) -> int:
@@ -107,7 +102,7 @@ class EngineQueries:
 
     @property
     def data_parallel_group(self) -> Any:
-        return self._groups.dp_group
+        return self.comm.groups.dp_group
 
     def get_lr(self) -> list[float]:
         """The learning rate of every param group."""
@@ -123,7 +118,7 @@ class EngineQueries:
         return [g.get(key) for g in self.optimizer.param_groups]
 
     def get_type(self) -> Any:
-        return self._config.optimizer.type if self._config.optimizer is not None else None
+        return self.zs_config.optimizer.type if self.zs_config.optimizer is not None else None
 
     def optimizer_name(self) -> str | None:
-        return self._config.optimizer.type if self._config.optimizer is not None else None
+        return self.zs_config.optimizer.type if self.zs_config.optimizer is not None else None

@@ -43,7 +43,7 @@ def generate_tokens(engine: "ZeroEngine", input_ids: Tensor, max_new_tokens: int
     while True:
         mine_done = steps >= max_new_tokens or bool(finished.all())
         flag = torch.tensor([0.0 if mine_done else 1.0], device=engine.device)
-        engine._comm.all_reduce(flag, op="max")  # any rank still generating?
+        engine.comm.all_reduce(flag, op="max")  # any rank still generating?
         if flag.item() == 0.0:
             return idx
         context = idx if block_size is None else idx[:, -block_size:]

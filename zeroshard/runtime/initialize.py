@@ -201,9 +201,8 @@ def initialize(
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
     if isinstance(opt, OneBitOptimizer):  # it all-reduces the momentum itself, after its warm-up
         opt.attach(comm, strategy)
-    wrap = getattr(strategy, "wrap_optimizer", None)  # an NVMe home swaps the optimizer's states
-    if opt is not None and wrap is not None:
-        opt = wrap(opt)
+    if opt is not None:
+        opt = strategy.wrap_optimizer(opt)  # an NVMe home swaps the optimizer's states
     sched = _make_scheduler(cfg, lr_scheduler, opt)
     scaler = None
     safe_module_classes(cfg.torch_autocast)  # a bad class name fails here, before training

@@ -12,7 +12,9 @@ parameter from them:
 
 Which of the two a parameter is (owned once, or replicated on every rank) is learnt once per
 engine by one all-reduce of per-parameter owned element counts, so no query branches on the
-stage. Imports runtime/ and zero/ only.
+stage. `whole_weights` assembles a weights-only checkpoint load alike (stage-3 pieces summed
+over the ranks). Reads the engine's public names only. Imports runtime/ and zero/ only (and
+checkpoint_format for a type).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 from zeroshard.zero.strategy import MasterFragment
 
 if TYPE_CHECKING:
+    from zeroshard.checkpoint_format import LoadedState
     from zeroshard.runtime.engine import ZeroEngine
 
 _ENGINE_OF: dict[int, tuple[weakref.ref[nn.Parameter], weakref.ref["ZeroEngine"]]] = {}
@@ -76,9 +79,9 @@ def _count_ownership(engine: "ZeroEngine") -> _Ownership:
     params = list(engine.module.parameters())
     index = {id(p): i for i, p in enumerate(params)}
     owned = torch.zeros(len(params), dtype=torch.float64, device=engine.device)
-    for f in engine._strategy.checkpoint_fragments():
+    for f in engine.strategy.checkpoint_fragments():
         owned[index[id(f.param)]] += f.numel
-    engine._comm.all_reduce(owned)
+    engine.comm.all_reduce(owned)
     world = engine.world_size
     replicated = {id(p): world > 1 and int(owned[i].item()) == world * p.numel() for i, p in enumerate(params)}
     return _Ownership(replicated)
@@ -86,7 +89,7 @@ def _count_ownership(engine: "ZeroEngine") -> _Ownership:
 
 def _fragments(engine: "ZeroEngine", param: nn.Parameter) -> list[tuple[int, MasterFragment]]:
     """(position in checkpoint_fragments(), fragment) of `param` on this rank."""
-    return [(i, f) for i, f in enumerate(engine._strategy.checkpoint_fragments()) if f.param is param]
+    return [(i, f) for i, f in enumerate(engine.strategy.checkpoint_fragments()) if f.param is param]
 
 
 Piece = tuple[int, Tensor]
@@ -108,7 +111,7 @@ def _assemble(engine: "ZeroEngine", param: nn.Parameter, pieces: list[Piece] | N
     for off, value in pieces or []:
         buf[off : off + value.numel()].copy_(value)
     buf[-1] = 1.0 if pieces is not None else 0.0
-    engine._comm.all_reduce(buf)  # each element is owned by exactly one rank
+    engine.comm.all_reduce(buf)  # each element is owned by exactly one rank
     if buf[-1].item() == 0:
         return None
     return buf[:-1].to(dtype).view(param.shape)
@@ -153,16 +156,16 @@ def set_full_fp32_param(param: nn.Parameter, value: Tensor) -> None:
     with torch.no_grad():
         for _, f in _fragments(engine, param):
             f.master.data.view(-1).copy_(flat[f.param_offset : f.param_offset + f.numel])
-    engine._strategy.sync_params_from_master()
+    engine.strategy.sync_params_from_master()
 
 
 # -- gradients --------------------------------------------------------------------------------
 
 
 def _grads(engine: "ZeroEngine") -> list[Tensor] | None:
-    if not engine._grads_ready:
+    if not engine.grads_ready:
         return None
-    return engine._strategy.fragment_grads(1.0 / engine.get_loss_scale())
+    return engine.strategy.fragment_grads(1.0 / engine.get_loss_scale())
 
 
 def get_full_grad(param: nn.Parameter) -> Tensor | None:
@@ -188,7 +191,7 @@ def get_local_grad(param: nn.Parameter) -> Tensor | None:
 
 
 def _grads_or_raise(engine: "ZeroEngine", what: str) -> None:
-    if not engine._grads_ready:
+    if not engine.grads_ready:
         raise ValueError(
             f"{what}: there is no reduced gradient to write now; call it after the backward that "
             "ends an accumulation step (is_gradient_accumulation_boundary()) and before step()")
@@ -203,8 +206,8 @@ def set_full_grad(param: nn.Parameter, value: Tensor) -> None:
     _grads_or_raise(engine, "safe_set_full_grad")
     flat = value.detach().reshape(-1).to(device=engine.device, dtype=torch.float32)
     for i, f in _fragments(engine, param):
-        engine._strategy.set_fragment_grad(i, flat[f.param_offset : f.param_offset + f.numel],
-                                           1.0 / engine.get_loss_scale())
+        engine.strategy.set_fragment_grad(i, flat[f.param_offset : f.param_offset + f.numel],
+                                          1.0 / engine.get_loss_scale())
 
 
 def set_local_grad(param: nn.Parameter, value: Tensor) -> None:
@@ -215,7 +218,7 @@ def set_local_grad(param: nn.Parameter, value: Tensor) -> None:
     flat = _check_local(frags, value).to(device=engine.device, dtype=torch.float32)
     pos = 0
     for i, f in frags:
-        engine._strategy.set_fragment_grad(i, flat[pos : pos + f.numel], 1.0 / engine.get_loss_scale())
+        engine.strategy.set_fragment_grad(i, flat[pos : pos + f.numel], 1.0 / engine.get_loss_scale())
         pos += f.numel
 
 
@@ -337,3 +340,28 @@ SAFE_FUNCTIONS: dict[str, Callable[..., Any]] = {
     "safe_update_full_grad_vectorized": update_full_grad_vectorized,
 }
 """DeepSpeed's names (deepspeed.utils) -> the functions above."""
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def whole_weights(engine: "ZeroEngine", loaded: "LoadedState") -> dict[str, Tensor]:
+    """The whole state_dict of a weights-only load (`load_checkpoint(custom_load_fn=...)`):
+    stage-3 pieces are gathered over the ranks. Collective."""
+    src = dict(loaded.module)
+    pieces = engine.strategy.param_pieces()
+    if loaded.weight_pieces is None or pieces is None:
+        return src
+    flat: dict[int, Tensor] = {}  # param -> numel values + 1 flag "this rank read a piece"
+    for piece, value in zip(pieces, loaded.weight_pieces, strict=True):
+        full = flat.setdefault(id(piece.param), torch.zeros(piece.param.numel() + 1, dtype=torch.float32,
+                                                            device=engine.device))
+        if value is not None:
+            full[piece.param_offset : piece.param_offset + piece.numel].copy_(value)
+            full[-1] = 1.0
+    for name, p in engine.module.named_parameters():
+        full = flat.get(id(p), torch.zeros(p.numel() + 1, dtype=torch.float32, device=engine.device))
+        engine.comm.all_reduce(full)  # each element is owned by one rank; the others add 0
+        if full[-1].item() > 0:  # absent (a frozen parameter not saved): not in src
+            src[name] = full[:-1].to(p.dtype).view(p.shape).cpu()
+    return src

@@ -66,17 +66,6 @@ def _hpz_size(size: int, groups: "ProcessGroups") -> int:
     return size
 
 
-def _mark_leaves(module: nn.Module, zero: object) -> None:
-    """Apply `zero_optimization.leaf_module` where the config models it; else DeepSpeed's
-    default leaf classes (its MoE blocks). Marks set by `set_z3_leaf_modules` are kept."""
-    leaf = getattr(zero, "leaf_module", None)
-    if leaf is None:
-        apply_leaf_config(module, DEFAULT_LEAF_CLASSES, (), ())
-        return
-    apply_leaf_config(module, tuple(getattr(leaf, "classes", DEFAULT_LEAF_CLASSES)),
-                      tuple(getattr(leaf, "names", ())), tuple(getattr(leaf, "name_suffixes", ())))
-
-
 def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
                    groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None = None,
                    model_parallel: "Comm | None" = None) -> ZeroStrategy:
@@ -140,7 +129,9 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             hpz_size=_hpz_size(int(zero.zero_hpz_partition_size), groups),
             model_parallel=model_parallel,
         )
-        _mark_leaves(module, zero)
+        # DeepSpeed's default leaf classes (its MoE blocks) are units; marks set by
+        # set_z3_leaf_modules are kept. (`zero_optimization.leaf_module` is refused by name.)
+        apply_leaf_config(module, DEFAULT_LEAF_CLASSES, (), ())
         chosen = resolve_units(module, units) if units else default_units(module)
         return Stage3Strategy(module, params, comm=comm, rank=groups.rank, world_size=groups.world_size,
                               options=options3, units=leaf_units(module, chosen))

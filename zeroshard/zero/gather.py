@@ -1,8 +1,11 @@
-"""Stage-3 parameter all-gathers as ZeRO++ changes them: int8 blockwise codes on the wire
-(qwZ, `zero_quantized_weights`) and a secondary partition within each node (hpZ,
-`zero_hpz_partition_size`); and, for shards in host memory, gathers fed from a side stream
-(`CopyStream`). Imports nothing of ours but `comm/codecs.py` (and `comm` for
-types); zero/stage3.py decides which gather each unit gets.
+"""How a stage-3 unit becomes full: one `UnitGather` class per route or wire format.
+
+`UnitGather` all-gathers each rank's chunk as it is; `StreamedGather` feeds it from host memory
+on a side stream (`CopyStream`); `QuantizedGather` carries int8 blockwise codes (qwZ,
+`zero_quantized_weights`); `SecondaryGather` reads a secondary partition within each node (hpZ,
+`zero_hpz_partition_size`). A new route or wire format is one more subclass. Imports nothing of
+ours but `comm/codecs.py` (and `comm` for types); zero/unit_shards.py picks the gathers a
+strategy uses, zero/stage3.py which of them each gather takes (Note: [exact gathers]).
 
 qwZ: each rank quantises its chunk of a unit's flat buffer to int8 with one fp32 scale per
 `block_numel` elements (comm/codecs.py, `DEFAULT_BLOCK_NUMEL` = 2048), then two all-gathers
@@ -16,7 +19,7 @@ codes plus `4 * ceil(n_chunk / 2048)` per rank, against `2 n` in bf16/fp16 and `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -185,3 +188,101 @@ class SecondaryPartition:
             full.view(self._n, self._s, k).copy_(scratch.view(self._s, self._n, k).transpose(0, 1))
 
         return PendingGather([handle], finish)
+
+
+ChunkOf = Callable[[int], Tensor]
+"""unit -> this rank's chunk of the unit where its shard lives (1-D, the parameters' dtype)."""
+
+
+class UnitGather:
+    """The plain route: each rank's chunk copied to the device and all-gathered as it is; the
+    base of the other routes, whose hooks default to doing nothing.
+
+    Args:
+        comm: the data-parallel group.
+        chunk: this rank's chunk of a unit, where the shard lives (zero/unit_shards.py).
+        device: the model's device, where the full buffers live.
+    """
+
+    exact = True
+    """The gathered values equal the shards (Note: [exact gathers] in zero/stage3.py)."""
+
+    def __init__(self, comm: "Comm", chunk: ChunkOf, device: torch.device) -> None:
+        self._comm, self._chunk, self._device = comm, chunk, device
+
+    def _device_chunk(self, u: int) -> Tensor:
+        return self._chunk(u).to(self._device, non_blocking=True)
+
+    def start(self, u: int, full: Tensor) -> "Handle | PendingGather":
+        """Start gathering unit `u` into `full` (its padded flat buffer, storage allocated)."""
+        return self._comm.all_gather(full, self._device_chunk(u), async_op=True)
+
+    def fill(self, u: int, full: Tensor) -> None:
+        """Construction: unit `u`'s whole values are in `full`; keep what this route holds of
+        them besides the primary shard (hpZ: the secondary chunks)."""
+
+    def refresh(self, units: Iterable[int]) -> None:
+        """The primary shards of `units` changed (a step, a load): rebuild what `fill` kept."""
+
+    def synchronize(self) -> None:
+        """Before the shards are written: no copy of this route may still be reading them."""
+
+    def extra_bytes(self) -> int:
+        """Device bytes this route keeps beyond the primary shard (hpZ's secondary partition)."""
+        return 0
+
+
+class StreamedGather(UnitGather):
+    """Host-resident shards reach the GPU on a side stream (Note: [copy stream])."""
+
+    def __init__(self, comm: "Comm", chunk: ChunkOf, device: torch.device) -> None:
+        super().__init__(comm, chunk, device)
+        self._copies = CopyStream(device)
+
+    def start(self, u: int, full: Tensor) -> "Handle | PendingGather":
+        return self._copies.gather(self._comm, full, self._chunk(u))
+
+    def synchronize(self) -> None:
+        self._copies.synchronize()
+
+
+class QuantizedGather(UnitGather):
+    """qwZ: int8 codes and fp32 block scales on the wire (`quantized_all_gather`)."""
+
+    exact = False
+
+    def start(self, u: int, full: Tensor) -> "Handle | PendingGather":
+        return quantized_all_gather(self._comm, full, self._device_chunk(u))
+
+
+class SecondaryGather(UnitGather):
+    """hpZ: gathers read a secondary partition within the node (`SecondaryPartition`), rebuilt
+    from the primary shards after each step (int8 on the wire under qwZ: then not exact).
+
+    Args:
+        secondary: the partition (every unit but `persistent` has chunks in it).
+        persistent: the unit that never goes through this route (gathered exactly, once a step).
+    """
+
+    def __init__(self, comm: "Comm", chunk: ChunkOf, device: torch.device, *,
+                 secondary: "SecondaryPartition", persistent: int, quantized: bool) -> None:
+        super().__init__(comm, chunk, device)
+        self._secondary, self._persistent = secondary, persistent
+        self.exact = not quantized
+
+    def start(self, u: int, full: Tensor) -> "Handle | PendingGather":
+        return self._secondary.gather(u, full)
+
+    def fill(self, u: int, full: Tensor) -> None:
+        if u != self._persistent:
+            self._secondary.fill_from_full(u, full)
+
+    def refresh(self, units: Iterable[int]) -> None:
+        """The only gathers of a training step that cross nodes (SecondaryPartition's docstring)."""
+        pending = [self._secondary.refresh(u, self._device_chunk(u)) for u in units if u != self._persistent]
+        for handle in pending:
+            handle.wait()
+
+    def extra_bytes(self) -> int:
+        shard = self._secondary.shard
+        return shard.numel() * shard.element_size()

@@ -28,6 +28,7 @@ from zeroshard.zero.strategy import (
     BytesByHome,
     GradStats,
     MasterFragment,
+    ZeroStrategy,
     attach_grads,
     sum_of_squares,
     sum_over_model_parallel,
@@ -242,7 +243,7 @@ class OptimizerShard:
         acc.add(home, "optimizer_states", optimizer_state_bytes)
 
 
-class ShardedStrategyBase:
+class ShardedStrategyBase(ZeroStrategy):
     """The `ZeroStrategy` methods every sharded stage (1-3) answers from its optimizer shard."""
 
     _shard: OptimizerShard

@@ -24,6 +24,7 @@ from zeroshard.zero.strategy import (
     MasterFragment,
     ModelStateBytes,
     ParamPiece,
+    ZeroStrategy,
     attach_grads,
     sum_of_squares,
     sum_over_model_parallel,
@@ -52,7 +53,7 @@ def broadcast_module_state(module: nn.Module, comm: "Comm", src: int = 0) -> Non
                 offset += t.numel()
 
 
-class Stage0Strategy:
+class Stage0Strategy(ZeroStrategy):
     """Data parallel training with bucketed, overlapped gradient all-reduce.
 
     Args:
@@ -144,6 +145,9 @@ class Stage0Strategy:
         self._boundary = boundary
         self._reducing = self._reduce_grads
         self._order.reset()
+
+    def keeps_local_grads(self) -> bool:
+        return True
 
     def set_grad_reduction(self, enabled: bool) -> None:
         """Reduce gradients across ranks (True, the default) or keep each rank's own (False).

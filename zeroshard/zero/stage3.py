@@ -15,7 +15,9 @@ Per micro-batch:
   grad hooks         stage each gradient in the reducer's pooled block for the unit; when the
                      unit's last gradient arrives, reduce it into the gradient shard and release
 The optimizer shard (zero/shard.py) and the gradient reducer (zero/reduce.py) are the ones
-stages 1/2 use; this module keeps the units and their gather / release state machine.
+stages 1/2 use. Where the parameter shard lives and how a unit becomes full (CPU/NVMe home,
+side-stream copies, hpZ, qwZ) is zero/unit_shards.py's; this module keeps the units, their
+hooks and the gather / release state machine.
 
 Note: [recompute under activation checkpointing] torch.utils.checkpoint (and
 zeroshard.checkpointing, HF's gradient_checkpointing_enable) runs a unit's forward a second
@@ -34,8 +36,8 @@ low-precision shards stay exact. Three gathers stay exact: the persistent unit (
 below `stage3_param_persistence_threshold`: few bytes, and layer norms near 1 would lose the
 most), user gathers (`GatheredParameters`: what a user reads, saves or modifies with
 `modifier_rank` must be the true weights, or a save would store int8-rounded ones), and their
-re-gather when a unit a user gathers is already gathered quantised. `_exact[u]` says which
-kind a gathered unit holds.
+re-gather when a unit a user gathers is already gathered quantised. `UnitBuffer.exact` says
+which kind a gathered unit holds; `UnitShards.gather_for` picks the route.
 
 Note: [released storage] a released unit's flat buffer keeps its tensor object but its storage
 is resized to 0 bytes; parameters and any views autograd saved keep pointing at it and see the
@@ -53,7 +55,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition
-from zeroshard.zero.gather import CopyStream, SecondaryPartition, quantized_all_gather
+from zeroshard.zero.gather import SecondaryPartition
 from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.reduce import GradReducer, LaunchOrder, ReduceMode, ReduceOptions
@@ -61,6 +63,7 @@ from zeroshard.zero.schedule import ExecutionOrder, PrefetchPolicy
 from zeroshard.zero.shard import OptimizerShard, ShardedStrategyBase
 from zeroshard.zero.stage12 import ALIGN_NUMEL
 from zeroshard.zero.strategy import BytesByHome, ModelStateBytes, ParamPiece
+from zeroshard.zero.unit_shards import InMemoryShard, UnitBuffer, UnitShards, open_shard_home
 from zeroshard.zero.units import (
     ZeroParameter,
     ZeroParamState,
@@ -71,9 +74,8 @@ from zeroshard.zero.units import (
 )
 
 if TYPE_CHECKING:
-    from zeroshard.comm import Comm, Handle
-    from zeroshard.zero.gather import PendingGather
-    from zeroshard.zero.offload.nvme_params import MappedParamShard
+    from zeroshard.comm import Comm
+    from zeroshard.zero.unit_shards import ShardHome
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,10 +122,16 @@ def _in_recompute() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class UnitState(Enum):
-    RELEASED = "released"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
+class Pass(Enum):
+    """Which pass the model is in, as the root unit's hooks and `after_backward` see it."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    """A training forward (grad enabled): records the order, pins units used outside it."""
+    EVAL_FORWARD = "eval_forward"
+    """A forward without grad: everything is released when it ends."""
+    BACKWARD = "backward"
+    """After a training forward, until `after_backward`."""
 
 
 class Stage3Strategy(ShardedStrategyBase):
@@ -133,30 +141,34 @@ class Stage3Strategy(ShardedStrategyBase):
     def __init__(self, module: nn.Module, params: Sequence[nn.Parameter], *, comm: "Comm", rank: int,
                  world_size: int, options: Stage3Options, units: Sequence[nn.Module] | None = None) -> None:
         self._comm, self._rank, self._world, self._opt = comm, rank, world_size, options
-        self._prescale_factor = options.prescale_factor
         self._backward_started: set[int] = set()  # units whose outputs' gradients arrived
         self._recompute_tail: int | None = None  # the unit whose recompute finished last
         self._device = params[0].device if params else torch.device("cpu")
+        self._pass = Pass.IDLE
         trainable = {id(p) for p in params}
-        self._init_units(module, list(units) if units is not None else default_units(module), trainable)
-        self._init_shards()
-        self._shard = OptimizerShard(self._plan, comm, self._params, trainable=self._trainable, lp=self._lp_shard,
+        names = self._init_units(module, list(units) if units is not None else default_units(module), trainable)
+        self._init_shards(names)
+        self._shard = OptimizerShard(self._plan, comm, self._params, trainable=self._trainable, lp=self._shards.shard,
                                      lp_is_flat=False, device=self._device, policy=options.offload_optimizer,
                                      lp_policy=options.offload_param, grad_dtype=options.grad_dtype,
                                      master_dtype=options.master_dtype, model_parallel=options.model_parallel)
         self._init_reduction()
         self._exec = ExecutionOrder()
-        self._prefetch = PrefetchPolicy(self._exec, [f.numel() for f in self._full],
+        self._prefetch = PrefetchPolicy(self._exec, [unit.full.numel() for unit in self._units],
                                         prefetch_numel=options.prefetch_numel, max_live_numel=options.max_live_numel,
                                         max_reuse_distance=options.max_reuse_distance)
         self._install_hooks()
         self.peak_live_numel = 0
-        self._training = False
-        self._in_forward = False
+
+    @property
+    def _prescale_factor(self) -> float:  # ShardedStrategyBase's
+        return self._opt.prescale_factor
 
     # -- construction ---------------------------------------------------------------------
 
-    def _init_units(self, module: nn.Module, units: list[nn.Module], trainable: set[int]) -> None:
+    def _init_units(self, module: nn.Module, units: list[nn.Module], trainable: set[int]) -> list[str]:
+        """Assign the parameters to units (the last one persistent) and plan the partition;
+        returns the parameters' names, in plan order."""
         assigned = assign_params(module, units)
         persistent: list[tuple[str, nn.Parameter]] = []
         groups: list[list[tuple[str, nn.Parameter]]] = []
@@ -170,7 +182,7 @@ class Stage3Strategy(ShardedStrategyBase):
         self._unit_modules.append(None)
         self._persistent = len(groups) - 1
         self._params = [p for g in groups for _, p in g]
-        self._names = [n for g in groups for n, _ in g]
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}
         self._trainable = [id(p) in trainable for p in self._params]
         bounds, start = [], 0
         for g in groups:
@@ -179,33 +191,28 @@ class Stage3Strategy(ShardedStrategyBase):
         self._plan = BucketedPartition([p.numel() for p in self._params], world_size=self._world,
                                        align=ALIGN_NUMEL, buckets=bounds)
         self._unit_of = [u for u, (a, b) in enumerate(bounds) for _ in range(a, b)]
+        return [n for g in groups for n, _ in g]
 
-    def _init_shards(self) -> None:
+    def _init_shards(self, names: list[str]) -> None:
         """Partition the whole model the ranks hold now; keep only this rank's shards."""
         dtypes = {p.dtype for p in self._params}
         if len(dtypes) > 1:
             raise ValueError(f"ZeRO stage 3 needs one parameter dtype, found {sorted(map(str, dtypes))}")
-        self._dtype = dtypes.pop() if dtypes else torch.float32
+        dtype = dtypes.pop() if dtypes else torch.float32
         plan = self._plan
-        self._lp_home = self._nvme_param_home(plan.shard_numel)  # Note: [parameters on NVMe]
-        self._lp_shard = (self._lp_home.tensor if self._lp_home is not None else
-                          self._opt.offload_param.allocate(plan.shard_numel, self._dtype, self._device))  # 1D
-        self._hpz: SecondaryPartition | None = None
+        home = open_shard_home(self._opt.offload_param, plan.shard_numel, dtype, self._device,
+                               rank=self._rank)  # Note: [parameters on NVMe]
+        secondary = None
         if self._opt.hpz_size > 1:
             padded = [0 if u == self._persistent else plan.layouts[u].padded_numel for u in range(len(plan.buckets))]
-            self._hpz = SecondaryPartition(*self._node_comms(self._opt.hpz_size), padded, dtype=self._dtype,
+            secondary = SecondaryPartition(*self._node_comms(self._opt.hpz_size), padded, dtype=dtype,
                                            device=self._device, quantized=self._opt.quantized_weights)
-        self._pinned: set[int] = set()  # units kept gathered: used outside their unit's forward
-        self._user_pins: dict[int, int] = {}
-        self._full: list[Tensor] = []   # per unit, 1D padded flat buffer (storage may be empty)
-        self._state: list[UnitState] = []
-        self._handles: dict[int, "Handle | PendingGather"] = {}
-        self._exact: list[bool] = []  # per unit: gathered values are exact (Note: [exact gathers])
-        # Note: [copy stream] (zero/gather.py): host shards reach a GPU on a side stream.
-        self._copies = (CopyStream(self._device)
-                        if self._device.type == "cuda" and self._lp_shard.device.type == "cpu" else None)
+        self._shards = UnitShards(plan, self._comm, rank=self._rank, home=home, device=self._device,
+                                  persistent=self._persistent, quantized=self._opt.quantized_weights,
+                                  secondary=secondary)
+        self._units: list[UnitBuffer] = []
         for u in range(len(plan.buckets)):
-            full = torch.zeros(plan.layouts[u].padded_numel, dtype=self._dtype, device=self._device)
+            full = torch.zeros(plan.layouts[u].padded_numel, dtype=dtype, device=self._device)
             first, last = plan.buckets[u]
             with torch.no_grad():
                 for i in range(first, last):
@@ -215,18 +222,13 @@ class Stage3Strategy(ShardedStrategyBase):
                     view.copy_(gather_init_shards(self._comm, p, self._world).view(p.shape)
                                if init_partitioned(p) else p.detach())  # zero.Init: only shards exist
                     p.data = view
-                    make_zero_parameter(p, ZeroParamState(name=self._names[i], owner=self, unit=u))
-                self._lp_shard[slice(*plan.shard_range(u))].copy_(full[slice(*plan.layouts[u].partition(self._rank))])
-                if self._hpz is not None and u != self._persistent:
-                    self._hpz.fill_from_full(u, full)
-            self._full.append(full)
-            self._state.append(UnitState.GATHERED)
-            self._exact.append(True)
+                    make_zero_parameter(p, ZeroParamState(name=names[i], owner=self, unit=u))
+                self._shards.fill(u, full)
+            self._units.append(UnitBuffer(full))
         for u in range(len(plan.buckets)):
             if u != self._persistent:
                 self._release(u)
-        if self._lp_home is not None:
-            self._lp_home.evict_all()  # filled: on disk until the first forward reads it
+        home.evict_all()  # filled: an NVMe home is on disk until the first forward reads it
 
     def _node_comms(self, size: int) -> tuple["Comm", "Comm"]:
         """Comms over this rank's node group and cross group (one rank per node)."""
@@ -262,90 +264,64 @@ class Stage3Strategy(ShardedStrategyBase):
         first, last = self._plan.buckets[self._persistent]
         return (f"Stage3Strategy({len(self._params)} params in {len(self._plan.buckets) - 1} units + "
                 f"{last - first} persistent params, shard {self._plan.shard_numel} elements on rank "
-                f"{self._rank}, params on {self._lp_shard.device}, {self._shard!r})")
+                f"{self._rank}, params on {self._shards.shard.device}, {self._shard!r})")
 
     @property
     def _order(self) -> list[int]:
         """The recorded unit order (zero/schedule.py)."""
         return self._exec.order
 
+    # Read by tests: the units' full buffers, the shard, its NVMe home.
+    @property
+    def _full(self) -> list[Tensor]:
+        return [unit.full for unit in self._units]
+
+    @property
+    def _lp_shard(self) -> Tensor:
+        return self._shards.shard
+
+    @property
+    def _lp_home(self) -> "ShardHome | None":
+        """The NVMe home (zero/offload/nvme_params.py), or None when the shard is in memory."""
+        return None if isinstance(self._shards.home, InMemoryShard) else self._shards.home
+
+    @property
+    def _training(self) -> bool:
+        return self._pass in (Pass.FORWARD, Pass.BACKWARD)
+
     # -- gather / release -----------------------------------------------------------------
 
     def _live_numel(self) -> int:
-        return sum(self._full[u].numel() for u, s in enumerate(self._state) if s is not UnitState.RELEASED)
-
-    def _nvme_param_home(self, numel: int) -> "MappedParamShard | None":
-        """With `offload_param.device: "nvme"`, the swap file the shard lives in (the directory
-        is checked now, before any step)."""
-        home = self._opt.offload_param.nvme
-        if home is None:
-            return None
-        from zeroshard.zero.offload.nvme_io import check_swap_dir
-        from zeroshard.zero.offload.nvme_params import MappedParamShard
-
-        nbytes = numel * torch.empty((), dtype=self._dtype).element_size()
-        root = check_swap_dir(home.path, nbytes, key=home.key, direct=None)
-        return MappedParamShard(root, numel, self._dtype, rank=self._rank, max_in_cpu=home.max_in_cpu)
-
-    def _host_chunk(self, u: int) -> Tensor:
-        """This rank's chunk of unit `u` where the shard lives (low precision)."""
-        start, end = self._plan.shard_range(u)
-        if self._lp_home is not None:
-            self._lp_home.use(start, end)  # read ahead; keep at most max_in_cpu elements mapped in
-        return self._lp_shard[start:end]
-
-    def _primary(self, u: int) -> Tensor:
-        """This rank's chunk of unit `u` (low precision, on the device)."""
-        return self._host_chunk(u).to(self._device, non_blocking=True)
+        return sum(unit.full.numel() for unit in self._units if not unit.released)
 
     def _start_gather(self, u: int, exact: bool = False) -> None:
-        """Start gathering unit `u`: from the node's secondary partition under hpZ, int8 codes
-        under qwZ, unless `exact` or persistent (Note: [exact gathers])."""
-        if self._state[u] is not UnitState.RELEASED:
+        """Start gathering unit `u` along the route `UnitShards.gather_for` picks (hpZ's
+        secondary partition, qwZ's int8 codes, or exact; Note: [exact gathers])."""
+        unit = self._units[u]
+        if not unit.released:
             return
-        full = self._full[u]
-        full.untyped_storage().resize_(full.numel() * full.element_size())
-        primary = exact or u == self._persistent or not (self._opt.quantized_weights or self._hpz is not None)
-        if primary and self._copies is not None:
-            self._handles[u] = self._copies.gather(self._comm, full, self._host_chunk(u))
-        elif primary:
-            self._handles[u] = self._comm.all_gather(full, self._primary(u), async_op=True)
-        elif self._hpz is not None:
-            self._handles[u] = self._hpz.gather(u, full)
-        else:
-            self._handles[u] = quantized_all_gather(self._comm, full, self._primary(u))
-        self._exact[u] = primary or not self._opt.quantized_weights
-        self._state[u] = UnitState.GATHERING
+        unit.start(self._shards.gather_for(u, exact), u)
         if self._training:  # the training working set; user gathers are the user's choice
             self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
 
-    def _sync_copies(self) -> None:
-        """Before the host shards are written: no copy may still be reading them."""
-        if self._copies is not None:
-            self._copies.synchronize()
-
     def _gather(self, u: int, exact: bool = False) -> None:
-        if exact and self._state[u] is not UnitState.RELEASED and not self._exact[u]:
+        unit = self._units[u]
+        if exact and not unit.released and not unit.exact:
             self._regather(u, exact=True)
             return
         self._start_gather(u, exact)
-        if self._state[u] is UnitState.GATHERING:
-            self._handles.pop(u).wait()
-            self._state[u] = UnitState.GATHERED
+        if unit.finish():
             self._set_gathered(u, True)
 
     def _release(self, u: int) -> None:
-        if (u == self._persistent or self._state[u] is UnitState.RELEASED or u in self._pinned
-                or self._user_pins.get(u, 0) > 0):
+        unit = self._units[u]
+        if u == self._persistent or unit.released or unit.held:
             return
-        if self._state[u] is UnitState.GATHERING:
-            self._handles.pop(u).wait()
-        self._full[u].untyped_storage().resize_(0)
-        self._state[u] = UnitState.RELEASED
+        unit.free()
         self._set_gathered(u, False)
 
     def _is_released(self, u: int) -> bool:
-        return self._state[u] is UnitState.RELEASED
+        return self._units[u].released
 
     def _set_gathered(self, u: int, gathered: bool) -> None:
         first, last = self._plan.buckets[u]
@@ -355,37 +331,29 @@ class Stage3Strategy(ShardedStrategyBase):
     def on_demand(self, params: list[ZeroParameter]) -> bool:
         """Parameters used outside their unit's forward during a forward: gather their units and
         keep them until the step's backward is done (saved views need them)."""
-        if not (self._training or self._in_forward):
+        if self._pass is Pass.IDLE:
             return False
         for unit in sorted({p._zs.unit for p in params}):
-            self._pinned.add(unit)
+            self._units[unit].pinned = True
             self._gather(unit)
         return True
 
+    def _unpin_all(self) -> None:
+        for unit in self._units:
+            unit.pinned = False
+
     def _regather(self, u: int, exact: bool) -> None:
         """Gather a gathered unit again (its storage stays allocated)."""
-        if self._state[u] is UnitState.GATHERING:
-            self._handles.pop(u).wait()
-        self._state[u] = UnitState.RELEASED
+        self._units[u].invalidate()
         self._gather(u, exact)
 
     def _refresh_gathered(self) -> None:
         """The shards changed: rebuild the hpZ secondary partition, then the units gathered now
         (the persistent one, pinned ones) re-read their shards, each the kind of gather it held."""
-        self._refresh_secondary()
-        for u, state in enumerate(self._state):
-            if state is not UnitState.RELEASED:
-                self._regather(u, self._exact[u])
-
-    def _refresh_secondary(self, units: Sequence[int] | None = None) -> None:
-        """hpZ: rebuild the secondary chunks of `units` (default all) from the primary shards;
-        the only gathers of a training step that cross nodes (Note in zero/gather.py)."""
-        if self._hpz is None:
-            return
-        pending = [self._hpz.refresh(u, self._primary(u))
-                   for u in (range(len(self._full)) if units is None else units) if u != self._persistent]
-        for handle in pending:
-            handle.wait()
+        self._shards.refresh()
+        for u, unit in enumerate(self._units):
+            if not unit.released:
+                self._regather(u, unit.exact)
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -395,9 +363,8 @@ class Stage3Strategy(ShardedStrategyBase):
             self._prefetch.prefetch_backward(u, self._live_numel, self._is_released, self._start_gather)
             return
         if u == 0:  # the root: a new forward (and, when training, a new micro-batch)
-            self._in_forward = True
-            self._training = torch.is_grad_enabled()
-            if self._training:
+            self._pass = Pass.FORWARD if torch.is_grad_enabled() else Pass.EVAL_FORWARD
+            if self._pass is Pass.FORWARD:
                 self._arrivals.reset()
                 self._backward_started = set()  # units whose outputs' gradients arrived
                 self._recompute_tail = None  # the unit whose recompute finished last
@@ -427,15 +394,15 @@ class Stage3Strategy(ShardedStrategyBase):
             # before it is not last after all; release it unless its backward is running.
             prev, self._recompute_tail = self._recompute_tail, u
             if (prev is not None and prev != u and prev not in self._backward_started
-                    and self._full[prev].numel() > self._opt.max_reuse_distance):
+                    and self._units[prev].full.numel() > self._opt.max_reuse_distance):
                 self._release(prev)
             return None
         if not (torch.is_grad_enabled() and self._prefetch.reused_soon(u)):
             self._release(u)
         if u == 0:
-            self._in_forward = False
-        if u == 0 and not self._training:  # evaluation: nothing outlives the forward
-            self._pinned.clear()
+            self._pass = Pass.BACKWARD if self._pass is Pass.FORWARD else Pass.IDLE
+        if u == 0 and self._pass is Pass.IDLE:  # evaluation: nothing outlives the forward
+            self._unpin_all()
             for v in range(len(self._plan.buckets)):
                 self._release(v)
         return None
@@ -446,7 +413,7 @@ class Stage3Strategy(ShardedStrategyBase):
             return
         u = self._unit_of[index]
         off = self._plan.param_flat_offsets[index] - self._plan.flat_offsets[u]
-        self._reducer.accumulate(u, self._full[u].numel(), off, grad, first=not self._arrivals.seen(index))
+        self._reducer.accumulate(u, self._units[u].full.numel(), off, grad, first=not self._arrivals.seen(index))
         param.grad = None
         for ready in self._arrivals.arrive(index):
             if ready != self._persistent:
@@ -455,7 +422,7 @@ class Stage3Strategy(ShardedStrategyBase):
 
     def _reduce(self, u: int) -> None:
         self._arrivals.mark_launched(u)
-        data = self._reducer.staging(u, self._full[u].numel())  # zeros if no gradient arrived
+        data = self._reducer.staging(u, self._units[u].full.numel())  # zeros if no gradient arrived
         self._reducer.launch(u, data, self._shard.grad_target(u))
 
     # -- ZeroStrategy ---------------------------------------------------------------------
@@ -471,33 +438,29 @@ class Stage3Strategy(ShardedStrategyBase):
             if any(self._trainable[first:last]):
                 self._reduce(u)
         self._reducer.drain()
-        self._pinned.clear()
+        self._unpin_all()
         for u in range(len(self._plan.buckets)):
             self._release(u)
         self._exec.finish_recording()
-        self._training = False
+        self._pass = Pass.IDLE
 
     def after_step(self, applied: bool) -> None:
         self._shard.after_step()
         self._reducer.end_step()
         if not applied:
             return
-        self._sync_copies()
+        self._shards.before_write()
         self._shard.store_master_to_lp()
-        self._refresh_secondary()
-        if self._lp_home is not None:
-            self._lp_home.evict_all()  # the step wrote every shard: back to disk until next used
+        self._shards.refresh()
+        self._shards.home.evict_all()  # the step wrote every shard: an NVMe home is on disk until next used
         # The persistent unit stays gathered: refresh it now. Other units gather on next use.
         self._regather(self._persistent, exact=True)
 
     def model_state_bytes(self, optimizer_state_bytes: int) -> list[ModelStateBytes]:
         acc = BytesByHome()
-        persistent = self._full[self._persistent]
+        persistent = self._units[self._persistent].full
         acc.add(self._device.type, "params", persistent.numel() * persistent.element_size())  # whole everywhere
-        acc.add(self._opt.offload_param.label(self._device), "params",
-                self._lp_shard.numel() * self._lp_shard.element_size())
-        if self._hpz is not None:  # the secondary partition (hpZ)
-            acc.add(self._device.type, "params", self._hpz.shard.numel() * self._hpz.shard.element_size())
+        self._shards.count_bytes(acc, self._opt.offload_param.label(self._device), self._device)
         self._shard.count_bytes(acc, optimizer_state_bytes)
         return acc.result()
 
@@ -510,25 +473,21 @@ class Stage3Strategy(ShardedStrategyBase):
     def gather_params(self, params: Sequence[ZeroParameter]) -> None:
         """Gather the units of `params` for the user until `release_params`; collective."""
         for u in sorted({p._zs.unit for p in params}):  # every rank gathers in the same order
-            self._user_pins[u] = self._user_pins.get(u, 0) + 1
+            self._units[u].user_pins += 1
             self._gather(u, exact=True)  # Note: [exact gathers]
 
     def release_params(self, params: Sequence[ZeroParameter], modifier_rank: int | None) -> None:
         """End a user gather; with `modifier_rank`, that rank's whole values become the truth."""
         for u in sorted({p._zs.unit for p in params}):
+            unit = self._units[u]
             if modifier_rank is not None:
-                full = self._full[u]
-                self._comm.broadcast(full, src=modifier_rank)
-                chunk = full[slice(*self._plan.layouts[u].partition(self._rank))]
-                self._sync_copies()
-                self._lp_shard[slice(*self._plan.shard_range(u))].copy_(chunk)
+                self._comm.broadcast(unit.full, src=modifier_rank)
+                chunk = self._shards.write(u, unit.full)
                 master = self._shard.master_chunk(u)
                 if master is not None:
                     master.copy_(chunk)
-                self._refresh_secondary([u])
-            self._user_pins[u] -= 1
-            if self._user_pins[u] == 0:
-                del self._user_pins[u]
+            unit.user_pins -= 1
+            if unit.user_pins == 0:
                 self._release(u)
 
     def unit_of(self, param: ZeroParameter) -> int:
@@ -537,9 +496,7 @@ class Stage3Strategy(ShardedStrategyBase):
     # -- DeepSpeed's ds_* attributes (ZeroParameter's properties read these) ---------------
 
     def param_index(self, param: nn.Parameter) -> int:
-        index = getattr(self, "_index_of", None)
-        if index is None:
-            index = self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        index = self._index_of
         if id(param) not in index:
             raise AssertionError(f"expected {param._zs.name if isinstance(param, ZeroParameter) else '?'} "
                                  "to be managed by this strategy")
@@ -550,8 +507,8 @@ class Stage3Strategy(ShardedStrategyBase):
         index = self.param_index(param)
         for f in self._plan.rank_fragments(self._rank):
             if f.param_index == index:
-                return self._lp_shard[f.shard_offset : f.shard_offset + f.numel]
-        return self._lp_shard[:0]
+                return self._shards.shard[f.shard_offset : f.shard_offset + f.numel]
+        return self._shards.shard[:0]
 
     def is_persistent(self, param: ZeroParameter) -> bool:
         return self.unit_of(param) == self._persistent
@@ -561,12 +518,12 @@ class Stage3Strategy(ShardedStrategyBase):
     def param_pieces(self) -> list[ParamPiece] | None:
         """This rank's low-precision pieces of every parameter (frozen ones included)."""
         return [ParamPiece(param=self._params[f.param_index], param_offset=f.param_offset, numel=f.numel,
-                           data=self._lp_shard[f.shard_offset : f.shard_offset + f.numel])
+                           data=self._shards.shard[f.shard_offset : f.shard_offset + f.numel])
                 for f in self._plan.rank_fragments(self._rank)]
 
     @torch.no_grad()
     def sync_params_from_master(self) -> None:
-        self._sync_copies()
+        self._shards.before_write()
         self._shard.store_master_to_lp()
         self._refresh_gathered()
 

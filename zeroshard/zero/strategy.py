@@ -9,6 +9,10 @@ micro-batch and step (Note: [step protocol]):
     prepare_step(grad_scale, max_norm) -> GradStats   norm, overflow; grads scaled and clipped
     optimizer.step()                  only when not overflowed
     after_step(applied)               copy master weights back; reset gradient state
+
+A strategy subclasses `ZeroStrategy` (a Protocol with bodies): what one stage alone can do (an
+NVMe home that swaps the optimizer's states, local gradients for the 1-bit optimizers) is a
+method here with a default, overridden where supported; callers never probe with `hasattr`.
 """
 
 from __future__ import annotations
@@ -169,7 +173,11 @@ class ParamPiece:
 
 
 class ZeroStrategy(Protocol):
-    """One ZeRO stage. See Note: [step protocol] in this module's docstring."""
+    """One ZeRO stage. See Note: [step protocol] in this module's docstring.
+
+    Subclassed explicitly by every stage, so the capability methods at the end keep their
+    defaults where a stage does not override them.
+    """
 
     @property
     def optimizer_params(self) -> list[nn.Parameter]:
@@ -232,3 +240,23 @@ class ZeroStrategy(Protocol):
         `fragment_grads` returns them: averaged, multiplied by `grad_scale`). Same window as
         `fragment_grads`; local (no collective)."""
         ...
+
+    # -- capabilities, with defaults ----------------------------------------------------------
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the engine steps in place of `optimizer`. Default: `optimizer` itself;
+        an NVMe optimizer home swaps its states through files (zero/offload/nvme_optim.py)."""
+        return optimizer
+
+    def keeps_local_grads(self) -> bool:
+        """Whether `set_grad_reduction(False)` is supported: each rank then keeps its own
+        gradient (the 1-bit optimizers all-reduce their momentum themselves). Default False:
+        a sharded stage reduces gradients into shards as they arrive."""
+        return False
+
+    def set_grad_reduction(self, enabled: bool) -> None:
+        """Reduce gradients over the ranks (True, always the default) or keep each rank's own
+        (False; only where `keeps_local_grads()`). Takes effect from the next micro-batch."""
+        if not enabled:
+            raise AssertionError(f"expected keeps_local_grads() before set_grad_reduction(False), "
+                                 f"got a {type(self).__name__}")
