@@ -11,7 +11,7 @@ unit's full flat buffer between gathers. zero/stage3.py decides *when* to gather
   one parameter's sharded and unsharded life; here the shard side is `UnitShards`, the
   unsharded side a `UnitBuffer` per unit).
 
-Imports zero/ only (zero/offload/nvme_* on first use of an NVMe home).
+Imports zero/ only (zero/offload/nvme_* on first use of an NVMe home), and `comm` for types.
 """
 
 from __future__ import annotations
