@@ -66,7 +66,7 @@ class TiedLayerSpec(LayerSpec):
     """
 
     def __init__(self, key: str, typename: type[nn.Module], *module_args: Any,
-                 forward_fn: Callable[..., Any] | None = None, tied_weight_attr: Sequence[str] | str = ["weight"],  # noqa: B006
+                 forward_fn: Callable[..., Any] | None = None, tied_weight_attr: Sequence[str] | str = ["weight"],
                  **module_kwargs: Any) -> None:
         super().__init__(typename, *module_args, **module_kwargs)
         self.key = key
@@ -90,7 +90,46 @@ def _layer_name(layer: Any) -> str:
         return layer.typename.__name__
     if isinstance(layer, nn.Module):
         return layer.__class__.__name__
-    return getattr(layer, "__name__", type(layer).__name__)
+    return getattr(layer, "__name__", "")  # DeepSpeed skips a layer without a name in `type:` matching
+
+
+def count_layer_params(layers: Sequence[Any]) -> list[int]:
+    """Trainable parameters per layer; LayerSpecs are built on the meta device (no memory, no
+    random numbers drawn; DeepSpeed builds each for real, on every rank)."""
+    counts = []
+    for layer in layers:
+        if isinstance(layer, LayerSpec):
+            with torch.device("meta"):
+                layer = layer.build()
+        if isinstance(layer, nn.Module):
+            counts.append(sum(p.numel() for p in layer.parameters() if p.requires_grad))
+        else:
+            counts.append(0)
+    return counts
+
+
+def partition_layers(layers: Sequence[Any], method: str, num_parts: int) -> list[int]:
+    """Stage boundaries for `partition_method` (see PipelineModule): `parts[s]:parts[s + 1]`.
+
+    Raises:
+        ConfigError: an unknown method, or a `type:` regex no layer matches.
+    """
+    name = method.lower()
+    if name == "uniform":
+        return partition_uniform(len(layers), num_parts)
+    if name == "parameters":
+        return partition_spread(count_layer_params(layers), num_parts)
+    if name == "balanced":
+        return partition_min_max(count_layer_params(layers), num_parts)
+    if name.startswith("type:"):
+        regex = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        hits = [1 if regex.search(_layer_name(layer)) else 0 for layer in layers]
+        if not any(hits):
+            raise ConfigError(f"partition_method={method!r}: no layer's type matches; layer types are "
+                              f"{sorted({_layer_name(x) for x in layers})}")
+        return partition_spread(hits, num_parts)
+    raise ConfigError(f"partition_method={method!r}: expected 'parameters', 'uniform', 'type:<regex>' "
+                      "or 'balanced'")
 
 
 class _Chunk(nn.Module):
@@ -189,36 +228,10 @@ class PipelineModule(nn.Module):
     # -- building ---------------------------------------------------------------------------
 
     def _partition(self, method: str, num_parts: int) -> list[int]:
-        name = method.lower()
-        if name == "uniform":
-            return partition_uniform(self._num_layers, num_parts)
-        if name == "parameters":
-            return partition_spread(self._count_layer_params(), num_parts)
-        if name == "balanced":
-            return partition_min_max(self._count_layer_params(), num_parts)
-        if name.startswith("type:"):
-            regex = re.compile(method.split(":", 1)[1], re.IGNORECASE)
-            hits = [1 if regex.search(_layer_name(layer)) else 0 for layer in self._layer_specs]
-            if not any(hits):
-                raise ConfigError(f"partition_method={method!r}: no layer's type matches; layer types are "
-                                  f"{sorted({_layer_name(x) for x in self._layer_specs})}")
-            return partition_spread(hits, num_parts)
-        raise ConfigError(f"partition_method={method!r}: expected 'parameters', 'uniform', 'type:<regex>' "
-                          "or 'balanced'")
+        return partition_layers(self._layer_specs, method, num_parts)
 
     def _count_layer_params(self) -> list[int]:
-        """Trainable parameters per layer; LayerSpecs are built on the meta device (no memory,
-        no random numbers drawn; DeepSpeed builds them for real)."""
-        counts = []
-        for layer in self._layer_specs:
-            if isinstance(layer, LayerSpec):
-                with torch.device("meta"):
-                    layer = layer.build()
-            if isinstance(layer, nn.Module):
-                counts.append(sum(p.numel() for p in layer.parameters() if p.requires_grad))
-            else:
-                counts.append(0)
-        return counts
+        return count_layer_params(self._layer_specs)
 
     def _build(self, start: int, stop: int) -> list[Any]:
         funcs: list[Any] = []

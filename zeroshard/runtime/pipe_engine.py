@@ -37,7 +37,7 @@ class PipeParts:
     """What initialize() prepares for a pipeline before the strategy exists (the capture hooks
     must come first), handed to the PipelineEngine."""
 
-    def __init__(self, module: PipelineModule, cfg: "Config", mesh: "MeshGroups") -> None:
+    def __init__(self, module: PipelineModule, cfg: Config, mesh: MeshGroups) -> None:
         self.module, self.mesh = module, mesh
         self.pp_comm = Comm(mesh.axis("pp"), label="pp")
         self.tied = self._tie_comms(module, mesh)
@@ -58,7 +58,7 @@ class PipeParts:
         self.capture = GradCapture(params)
 
     @staticmethod
-    def _tie_comms(module: PipelineModule, mesh: "MeshGroups") -> dict[str, Comm]:
+    def _tie_comms(module: PipelineModule, mesh: MeshGroups) -> dict[str, Comm]:
         """key -> a Comm over the ranks holding `key` at this rank's (dp, tp) coordinate; built on
         every rank for every key in the same order (group creation is collective)."""
         topo, out = mesh.topology, {}
