@@ -5,6 +5,7 @@ the balanced partition, and the names DeepSpeed has that zeroshard refuses."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import importlib.util
 import inspect
 import os
@@ -36,9 +37,8 @@ def ds() -> Any:
     if not HAVE_DEEPSPEED:
         pytest.skip("DeepSpeed is not installed")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed.runtime.pipe.module as module
-    import deepspeed.runtime.pipe.topology as topology
-    import deepspeed.runtime.utils as utils
+    from deepspeed.runtime import utils
+    from deepspeed.runtime.pipe import module, topology
 
     return type("DS", (), {"utils": utils, "module": module, "topology": topology})
 
@@ -147,10 +147,10 @@ def test_balanced_partition_never_leaves_a_stage_empty() -> None:
         for parts in range(1, len(weights) + 1):
             cut = partition_min_max(weights, parts)
             assert cut[0] == 0 and cut[-1] == len(weights)
-            assert all(a < b for a, b in zip(cut, cut[1:])), (weights, parts, cut)
-            heaviest = max(sum(weights[a:b]) for a, b in zip(cut, cut[1:]))
-            assert heaviest <= max(sum(weights[a:b]) for a, b in zip(partition_uniform(len(weights), parts),
-                                                                      partition_uniform(len(weights), parts)[1:]))
+            assert all(a < b for a, b in itertools.pairwise(cut)), (weights, parts, cut)
+            heaviest = max(sum(weights[a:b]) for a, b in itertools.pairwise(cut))
+            assert heaviest <= max(sum(weights[a:b]) for a, b in itertools.pairwise(
+                partition_uniform(len(weights), parts)))
     assert partition_min_max([1, 1, 1, 10], 2) == [0, 3, 4]
     with pytest.raises(ValueError, match="at least one layer per stage"):
         partition_min_max([1, 2], 3)
