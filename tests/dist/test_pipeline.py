@@ -168,7 +168,7 @@ def stage_layouts(world: int) -> list[int]:
     return {1: [1], 2: [2], 3: [3], 4: [2, 4]}.get(world, [world])
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("tied", [False, True])
 def test_pipeline_matches_single_process(groups: ProcessGroups, zero: int, tied: bool) -> None:
     for stages in stage_layouts(groups.world_size):
@@ -209,6 +209,18 @@ def test_activation_checkpointing_by_interval(groups: ProcessGroups, reentrant: 
     engine, losses = train_pipeline(groups, stages, blocks, True, 2, cfg)
     assert engine.module.activation_checkpoint_interval == 1
     check_against_reference(engine, losses, blocks, True, 2, groups.world_size // stages, clip=0.0)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_cpu_offload_with_a_pipeline(groups: ProcessGroups, zero: int) -> None:
+    stages = stage_layouts(groups.world_size)[0]
+    blocks = 2 * stages
+    cfg = pipe_config(zero, clip=0.5)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if zero == 3:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    engine, losses = train_pipeline(groups, stages, blocks, True, 2, cfg)
+    check_against_reference(engine, losses, blocks, True, 2, groups.world_size // stages, clip=0.5)
 
 
 def test_tied_weights_stay_equal_across_stages(groups: ProcessGroups) -> None:

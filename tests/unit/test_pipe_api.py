@@ -5,9 +5,9 @@ the balanced partition, and the names DeepSpeed has that zeroshard refuses."""
 from __future__ import annotations
 
 import importlib
-import itertools
 import importlib.util
 import inspect
+import itertools
 import os
 import random
 from typing import Any
@@ -224,5 +224,5 @@ def test_importable_through_the_deepspeed_alias() -> None:
             "import zeroshard.pipe as z; print(p.PipelineModule is z.PipelineModule, deepspeed.pipe.LayerSpec is "
             "z.LayerSpec, PipeDataParallelTopology is z.PipeDataParallelTopology)")
     env = {**os.environ, "ZEROSHARD_ALIAS_QUIET": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert out.stdout.split() == ["True", "True", "True"], out.stderr[-2000:]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from zeroshard.comm import Comm
 from zeroshard.comm.groups import subgroup
+from zeroshard.errors import NotSupportedError
 from zeroshard.pipe.module import PipelineError, PipelineModule
 from zeroshard.pipe.schedule import GradCapture, build_schedule, last_outputs
 from zeroshard.runtime.activation_checkpointing import checkpoint, non_reentrant_checkpoint
@@ -140,6 +142,17 @@ class PipelineEngine(ZeroEngine):
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise PipelineError("Only train_batch() is accessible in pipeline mode.")
 
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> str:
+        raise NotSupportedError(
+            "save_checkpoint with a pipeline (PipelineModule) is not supported by zeroshard yet: DeepSpeed's "
+            "pipeline layout (layer_XX-model_states.pt per layer) is not written. Save the weights with "
+            "torch.save(engine.module.state_dict(), f'stage{engine.stage_id}.pt') meanwhile")
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
+        raise NotSupportedError(
+            "load_checkpoint with a pipeline (PipelineModule) is not supported by zeroshard yet (see "
+            "save_checkpoint); load stage weights with engine.module.load_state_dict(...) before training")
+
     # -- training ---------------------------------------------------------------------------
 
     def _loss_for_backward(self, output: Any, target: Any) -> Tensor:
@@ -192,16 +205,20 @@ class PipelineEngine(ZeroEngine):
         self._micro_losses = []
         inputs, labels = self._next_batches(self.micro_batches)
         self._strategy.begin_micro_batch(False)
-        if self._schedule is None:
-            self._run_local(inputs, labels, train=True)  # type: ignore[arg-type]
-        else:
-            args = inputs if self.is_first_stage() else ()
-            self._schedule.step(*args, target=labels if self.is_last_stage() else None, return_outputs=False)
-        grads = self._pipe.capture.collect()
-        self._reduce_tied(grads)
-        self._strategy.begin_micro_batch(True)
-        self._pipe.capture.deliver(grads)
-        self._strategy.after_backward()
+        with self._held():
+            if self._schedule is None:
+                self._run_local(inputs, labels, train=True)  # type: ignore[arg-type]
+            else:
+                args = inputs if self.is_first_stage() else ()
+                self._schedule.step(*args, target=labels if self.is_last_stage() else None, return_outputs=False)
+            grads = self._pipe.capture.collect()
+            self._reduce_tied(grads)
+            self._strategy.begin_micro_batch(True)
+            begin = getattr(self._strategy, "begin_delivered_backward", None)  # stage 3
+            if begin is not None:
+                begin()
+            self._pipe.capture.deliver(grads)
+            self._strategy.after_backward()
         self._grads_ready, self._pending_backwards = True, 1
         loss = self._aggregate_loss()
         self.micro_steps += self.micro_batches - 1
@@ -212,6 +229,20 @@ class PipelineEngine(ZeroEngine):
             self._boundary_override = None
         self.agg_train_loss = loss
         return loss
+
+    @contextmanager
+    def _held(self) -> Iterator[None]:
+        """Stage 3: the stage's parameters gathered for the whole batch (the strategy's hooks
+        gather per root forward, which a pipeline stage never calls)."""
+        hold = getattr(self._strategy, "hold_for_batch", None)
+        if hold is None:
+            yield
+            return
+        hold()
+        try:
+            yield
+        finally:
+            self._strategy.release_batch()  # type: ignore[attr-defined]
 
     def _reduce_tied(self, grads: dict[int, Tensor]) -> None:
         """Sum tied weights' gradients over the stages holding them; note what the non-first
@@ -284,7 +315,7 @@ class PipelineEngine(ZeroEngine):
         self.module.eval()
         try:
             inputs, labels = self._next_batches(self.micro_batches)
-            with torch.no_grad():
+            with torch.no_grad(), self._held():
                 if self._schedule is None:
                     outs = self._run_local(inputs, labels, train=False)  # type: ignore[arg-type]
                 else:
