@@ -21,16 +21,16 @@ VOCAB, DIM, SEQ, MICRO, GAS, STEPS = 16, 8, 6, 2, 4, 4
 
 CASES: dict[str, dict[str, Any]] = {
     # name: stages, zero stage, tied, partition method, activation checkpoint interval, clip; world = runner's
-    "pp2-z0-untied-parameters": dict(stages=2, zero=0, tied=False, method="parameters"),
-    "pp2-z1-tied-parameters": dict(stages=2, zero=1, tied=True, method="parameters"),
-    "pp2-z0-tied-uniform": dict(stages=2, zero=0, tied=True, method="uniform"),
-    "pp2-z1-untied-type:block": dict(stages=2, zero=1, tied=False, method="type:block"),
-    "pp2-z0-tied-ckpt1-nonreentrant": dict(stages=2, zero=0, tied=True, method="parameters", ckpt=1),
-    "pp2-z0-tied-clip0.05": dict(stages=2, zero=0, tied=True, method="parameters", clip=0.05),
-    "pp2xdp2-z0-tied": dict(stages=2, zero=0, tied=True, method="parameters"),
-    "pp2xdp2-z1-tied": dict(stages=2, zero=1, tied=True, method="parameters"),
-    "pp4-z0-tied": dict(stages=4, zero=0, tied=True, method="parameters"),
-    "pp4-z1-untied-uniform": dict(stages=4, zero=1, tied=False, method="uniform"),
+    "pp2-z0-untied-parameters": {"stages": 2, "zero": 0, "tied": False, "method": "parameters"},
+    "pp2-z1-tied-parameters": {"stages": 2, "zero": 1, "tied": True, "method": "parameters"},
+    "pp2-z0-tied-uniform": {"stages": 2, "zero": 0, "tied": True, "method": "uniform"},
+    "pp2-z1-untied-type:block": {"stages": 2, "zero": 1, "tied": False, "method": "type:block"},
+    "pp2-z0-tied-ckpt1-nonreentrant": {"stages": 2, "zero": 0, "tied": True, "method": "parameters", "ckpt": 1},
+    "pp2-z0-tied-clip0.05": {"stages": 2, "zero": 0, "tied": True, "method": "parameters", "clip": 0.05},
+    "pp2xdp2-z0-tied": {"stages": 2, "zero": 0, "tied": True, "method": "parameters"},
+    "pp2xdp2-z1-tied": {"stages": 2, "zero": 1, "tied": True, "method": "parameters"},
+    "pp4-z0-tied": {"stages": 4, "zero": 0, "tied": True, "method": "parameters"},
+    "pp4-z1-untied-uniform": {"stages": 4, "zero": 1, "tied": False, "method": "uniform"},
 }
 
 
@@ -96,7 +96,7 @@ def run_case(engine: str, name: str, world: int, rank: int) -> list[float] | Non
     last = TiedLayerSpec("embed", Embed, VOCAB, DIM, forward_fn=tied_head) if tied else LayerSpec(Head, DIM, VOCAB)
     extra: dict[str, Any] = {}
     if case.get("ckpt"):
-        extra = dict(activation_checkpoint_interval=case["ckpt"], activation_checkpoint_func=non_reentrant_checkpoint)
+        extra = {"activation_checkpoint_interval": case["ckpt"], "activation_checkpoint_func": non_reentrant_checkpoint}
     net = PipelineModule([first, *[LayerSpec(Block, DIM) for _ in range(blocks)], last], num_stages=case["stages"],
                          loss_fn=loss_fn, seed_layers=True, seed_fn=seed_fn, base_seed=1234, partition_method=case["method"], **extra)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
@@ -136,7 +136,7 @@ def main() -> int:
     for name in args.cases:
         try:
             out[name] = run_case(args.engine, name, world, rank)
-        except Exception as e:  # recorded, so one failing case does not hide the others
+        except Exception as e:  # noqa: BLE001 (recorded, so one failing case does not hide the others)
             out[name] = f"{type(e).__name__}: {e}"[:500]
             print(f"rank {rank} case {name}: {out[name]}", file=sys.stderr, flush=True)
     if rank == 0:
