@@ -8,6 +8,7 @@ agree within ~1e-6 relative at every ZeRO stage and schedule.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 import zeroshard
 from zeroshard.comm import ProcessGroups
 from zeroshard.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from zeroshard.errors import CheckpointError
 from zeroshard.pipe.module import PipelineError
 
 VOCAB, DIM, SEQ = 16, 8, 6
@@ -221,6 +223,49 @@ def test_cpu_offload_with_a_pipeline(groups: ProcessGroups, zero: int) -> None:
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     engine, losses = train_pipeline(groups, stages, blocks, True, 2, cfg)
     check_against_reference(engine, losses, blocks, True, 2, groups.world_size // stages, clip=0.5)
+
+
+@pytest.mark.parametrize("zero,zero_after", [(1, 1), (1, 2), (3, 0)])
+def test_checkpoint_save_fresh_engine_load_continue(groups: ProcessGroups, shared_dir: Any, zero: int,
+                                                    zero_after: int) -> None:
+    """2 steps, save, a fresh engine (possibly another ZeRO stage) loads and trains 2 more: the
+    losses and weights of the uninterrupted 4-step run."""
+    stages = stage_layouts(groups.world_size)[0]
+    blocks, dp = 2 * stages, groups.world_size // stages
+    batches = data(4, dp)
+    whole, whole_losses = train_pipeline(groups, stages, blocks, True, 4, pipe_config(zero, clip=0.5))
+
+    def engine_for(stage: int) -> Any:
+        net = PipelineModule(specs(blocks, True), num_stages=stages, loss_fn=loss_fn, seed_layers=True,
+                             base_seed=BASE_SEED + 99)  # other initial values: the load must replace them
+        return zeroshard.initialize(model=net, model_parameters=list(net.parameters()),
+                                    config=pipe_config(stage, clip=0.5))[0]
+
+    first, losses = train_pipeline(groups, stages, blocks, True, 2, pipe_config(zero, clip=0.5))
+    path = first.save_checkpoint(shared_dir)
+    layer_files = sorted(p.name for p in Path(path).glob("layer_*-model_states.pt"))
+    assert layer_files == [f"layer_{i:02d}-model_states.pt" for i in range(blocks + 1)]  # the tied head has none
+    second = engine_for(zero_after)
+    loaded, _ = second.load_checkpoint(shared_dir)
+    assert loaded == path and second.global_steps == 2
+    losses += [float(second.train_batch(iter(b[groups.rank % dp]))) for b in batches[2:]]
+    for step, (a, b) in enumerate(zip(losses, whole_losses, strict=True)):
+        assert math.isclose(a, b, rel_tol=1e-6), f"step {step}: resumed loss {a} != uninterrupted {b}"
+    want = dict(whole.module.named_parameters())
+    for name, p in second.module.named_parameters():
+        assert torch.allclose(p.detach().float(), want[name].detach().float(), rtol=1e-5, atol=1e-7), name
+
+
+def test_checkpoint_into_another_stage_layout_is_refused(groups: ProcessGroups, shared_dir: Any) -> None:
+    stages = stage_layouts(groups.world_size)[0]
+    engine, _ = train_pipeline(groups, stages, 2 * stages, False, 1, pipe_config(0, clip=0.0))
+    engine.save_checkpoint(shared_dir, tag="t")
+    other, _ = train_pipeline(groups, stages, 2 * stages, False, 0, pipe_config(0, clip=0.0),
+                              partition_method="uniform")
+    if other.module.parts == engine.module.parts:
+        other.module.parts = [*engine.module.parts[:-1], engine.module.parts[-1] + 1]  # a layout that differs
+    with pytest.raises(CheckpointError, match="another pipeline layout"):
+        other.load_checkpoint(shared_dir, tag="t")
 
 
 def test_tied_weights_stay_equal_across_stages(groups: ProcessGroups) -> None:

@@ -358,6 +358,16 @@ class PipelineModule(nn.Module):
             out.append(obj)
         return out
 
+    def local_layers(self) -> list[tuple[int, nn.Module]]:
+        """(global layer index, module) for each layer this rank holds that has a state (DeepSpeed
+        writes one `layer_XX-model_states.pt` per such layer; a tied module is in each of its layers)."""
+        out = []
+        for chunk in self.local_chunks:
+            for offset, f in enumerate(self._funcs[chunk]):
+                if isinstance(f, nn.Module):  # a tied layer with a forward_fn has no file, as in DeepSpeed
+                    out.append((self.parts[chunk] + offset, f))
+        return out
+
     def describe_partition(self) -> str:
         """Each stage's layers, as the engine logs them at start-up."""
         counts = self._count_layer_params()
