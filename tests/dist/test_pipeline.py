@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 import zeroshard
 from zeroshard.comm import ProcessGroups
-from zeroshard.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from zeroshard.errors import CheckpointError
+from zeroshard.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from zeroshard.pipe.module import PipelineError
 
 VOCAB, DIM, SEQ = 16, 8, 6

@@ -156,7 +156,7 @@ class PipelineEngine(ZeroEngine):
     # save_dir/latest               the tag, written last, after every stage finished
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
-                        client_state: Mapping[str, Any] | None = {},  # noqa: B006 (DeepSpeed's; never mutated)
+                        client_state: Mapping[str, Any] | None = {},
                         save_latest: bool = True, exclude_frozen_parameters: bool = False, *,
                         save_optimizer_states: bool = True) -> str:
         """Save every stage's state (every rank calls it); see Note: [pipeline checkpoint layout]."""
