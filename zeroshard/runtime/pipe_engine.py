@@ -127,6 +127,13 @@ class PipelineEngine(ZeroEngine):
     def get_pipeline_parallel_rank(self) -> int:
         return self.stage_id
 
+    def schedule_parts(self) -> tuple[Any, list[Any]]:
+        """torch's schedule object and this rank's PipelineStages (None, [] on a single stage),
+        for profiling (bench/pipeline.py times their ops)."""
+        if self._schedule is None:
+            return None, []
+        return self._schedule, list(getattr(self._schedule, "_stages", None) or [self._schedule._stage])
+
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         """The iterator `train_batch()` draws micro-batches `(inputs, labels)` from."""
         if self.is_first_stage() or self.is_last_stage():
