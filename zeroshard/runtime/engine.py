@@ -387,7 +387,7 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
             )
         self.timers.start("step")
         self._micro.stepped()
-        stats = self._strategy.prepare_step(1.0 / self.get_loss_scale(), self._config.gradient_clipping)
+        stats = self._prepare_step()
         if not stats.overflow:
             self.optimizer.step()
         self._strategy.after_step(applied=not stats.overflow)
@@ -406,6 +406,11 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
             self.lr_scheduler.step()
         if self._progress.optimizer_step_done(skipped=stats.overflow):  # every steps_per_print
             self._report()
+
+    def _prepare_step(self) -> GradStats:
+        """Reduced gradients -> unscaled, clipped, with the global norm (the pipeline engine
+        sums the norm over its stages)."""
+        return self._strategy.prepare_step(1.0 / self.get_loss_scale(), self._config.gradient_clipping)
 
     # -- inference ------------------------------------------------------------------------
 

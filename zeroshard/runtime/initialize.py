@@ -25,6 +25,7 @@ from zeroshard.optim.factory import (
 )
 from zeroshard.optim.lr_schedules import build_scheduler
 from zeroshard.optim.onebit_adam import OneBitOptimizer
+from zeroshard.pipe.module import PipelineModule
 from zeroshard.runtime.activation_checkpointing import configure_from_config
 from zeroshard.runtime.autocast import autocast_dtype, safe_module_classes
 from zeroshard.runtime.checkpoint_state import Checkpointer
@@ -33,6 +34,7 @@ from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
 from zeroshard.runtime.loss_scaler import build_loss_scaler
 from zeroshard.runtime.monitor import build_sinks, format_bytes, setup_logging
+from zeroshard.runtime.pipe_engine import PipelineEngine, PipeParts
 from zeroshard.zero import ZeroStrategy, broadcast_module_state
 from zeroshard.zero.build import build_strategy
 from zeroshard.zero.init_partition import init_partitioned, move_unpartitioned
@@ -160,9 +162,11 @@ def initialize(
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
     world = init_distributed()
     setup_logging(world.rank)
-    # The one source of process groups (comm/topology.py): data parallelism only until pipe/ and
-    # tensor/ add their sizes; ZeRO, the data loader and the batch arithmetic see the dp axis.
-    mesh = build_mesh(world, Topology.for_world(world.world_size))
+    # The one source of process groups (comm/topology.py): a PipelineModule brings its pp x dp
+    # topology; ZeRO, the data loader and the batch arithmetic see the dp axis.
+    pipe_module = model if isinstance(model, PipelineModule) else None
+    topology = pipe_module.mesh_topology if pipe_module is not None else Topology.for_world(world.world_size)
+    mesh = build_mesh(world, topology)
     groups = mesh.axis("dp")
     auto = dict(client_auto_values(optimizer))
     cfg = load_config(source, dp_world_size=groups.world_size,
@@ -194,10 +198,14 @@ def initialize(
                 if comms.enabled else None)
     check_same_config(cfg, _world_comm(mesh, comm))  # the first collective: before anything trains on it
     broadcast_module_state(model, comm)
+    pipe = PipeParts(pipe_module, cfg, mesh) if pipe_module is not None else None  # before the strategy's hooks
     param_groups = _param_groups(model, model_parameters)
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
+    # The pipeline engine sums its stages' norms itself (tied weights once: Note: [pipeline
+    # gradient norm] in runtime/pipe_engine.py), so its strategies sum over tp only.
+    norm_axes = ("tp",) if pipe is not None else ("pp", "tp")
     strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units,
-                              model_parallel=_model_parallel_comm(mesh, comm))
+                              model_parallel=_model_parallel_comm(mesh, comm, norm_axes))
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
     if isinstance(opt, OneBitOptimizer):  # it all-reduces the momentum itself, after its warm-up
         opt.attach(comm, strategy)
@@ -222,8 +230,9 @@ def initialize(
         loader = DistributedDataLoader(
             training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
             rank=groups.rank, world_size=groups.world_size, collate_fn=collate_fn)
-    engine = ZeroEngine(
-        module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,
+    engine_cls, extra = (ZeroEngine, {}) if pipe is None else (PipelineEngine, {"pipe": pipe})
+    engine = engine_cls(
+        **extra, module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,
         lr_scheduler=sched, loss_scaler=scaler, sinks=build_sinks(cfg, groups.rank),
         training_dataloader=loader, raw_config=raw_config)
     engine.checkpointer = _checkpointer(comm, cfg.checkpoint.use_node_local_storage)
@@ -258,11 +267,11 @@ def _world_comm(mesh: MeshGroups, dp: Comm) -> Comm:
     return dp if dp.groups is mesh.world else Comm(mesh.world, timeout_s=dp.timeout_s, log=dp.log)
 
 
-def _model_parallel_comm(mesh: MeshGroups, dp: Comm) -> Comm | None:
-    """The pp x tp group the gradient norm also sums over (Note: [norm groups] in
-    zero/strategy.py); None while it is this rank alone."""
-    mp = mesh.axes("pp", "tp")
-    return Comm(mp, timeout_s=dp.timeout_s, log=dp.log, label="pp*tp") if mp.world_size > 1 else None
+def _model_parallel_comm(mesh: MeshGroups, dp: Comm, axes: tuple[str, ...]) -> Comm | None:
+    """The group along `axes` (pp x tp by default) the gradient norm also sums over (Note: [norm
+    groups] in zero/strategy.py); None while it is this rank alone."""
+    mp = mesh.axes(*axes)
+    return Comm(mp, timeout_s=dp.timeout_s, log=dp.log, label="*".join(axes)) if mp.world_size > 1 else None
 
 
 def _checkpointer(comm: Comm, node_local: bool) -> Checkpointer:

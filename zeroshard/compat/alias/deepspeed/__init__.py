@@ -25,7 +25,7 @@ __getattr__, __dir__ = _reexport(__name__, {
     "DeepSpeedConfigError": "zeroshard.errors:ConfigError",
 })
 
-from deepspeed import accelerator, checkpoint, checkpointing, comm, launcher, moe, ops, runtime, utils, zero
+from deepspeed import accelerator, checkpoint, checkpointing, comm, launcher, moe, ops, pipe, runtime, utils, zero
 
 if _os.environ.get("RANK", "0") == "0" and not _os.environ.get("ZEROSHARD_ALIAS_QUIET"):
     import zeroshard as _zs
