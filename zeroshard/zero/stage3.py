@@ -507,7 +507,7 @@ class Stage3Strategy(ShardedStrategyBase):
         self._arrivals.reset()
         self._backward_started = set()
         self._reducer.end_micro_batch()
-        self._training = True
+        self._pass = Pass.BACKWARD
 
     def unit_of(self, param: ZeroParameter) -> int:
         return param._zs.unit
