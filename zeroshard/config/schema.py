@@ -13,6 +13,7 @@ from typing import Literal
 from zeroshard.config.describe import describe_config
 from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, spec
 from zeroshard.config.schema_optim import OptimizerConfig, SchedulerConfig
+from zeroshard.config.schema_tp import TensorParallelConfig
 from zeroshard.config.schema_zero import ZeroConfig
 
 DType = Literal["fp32", "fp16", "bf16"]
@@ -300,6 +301,8 @@ class Config:
     """Activation checkpointing."""
     checkpoint: CheckpointConfig = spec(default_factory=CheckpointConfig)
     """Checkpoint options."""
+    tensor_parallel: TensorParallelConfig = spec(default_factory=TensorParallelConfig)
+    """AutoTP tensor parallelism (zeroshard/tensor/); ZeRO partitions over the data-parallel ranks."""
     zero_allow_untested_optimizer: bool = False
     """DeepSpeed refuses client optimizers it has not tested with ZeRO unless true. zeroshard
     partitions any torch.optim optimizer, so the flag is accepted and has no effect."""

@@ -14,7 +14,7 @@ from torch import nn
 from zeroshard.arguments import config_path_from_args
 from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
 from zeroshard.comm.groups import node_leader
-from zeroshard.config import Config, load_config, read_config_file
+from zeroshard.config import Config, load_config, read_config_file, tensor_parallel_size
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.runtime.activation_checkpointing import configure_from_config
 from zeroshard.runtime.autocast import autocast_dtype, safe_module_classes
@@ -31,6 +31,13 @@ from zeroshard.runtime.optim import (
     adopt_client_optimizer,
     build_optimizer,
     client_auto_values,
+)
+from zeroshard.tensor.setup import (
+    ParallelLayout,
+    layout_for_mpu,
+    layout_for_tensor_parallel,
+    recorded_tp,
+    resolve_tp_size,
 )
 from zeroshard.zero import ZeroStrategy, broadcast_module_state
 from zeroshard.zero.build import build_strategy
@@ -111,8 +118,10 @@ def initialize(
             the config's `scheduler`.
         distributed_port: the rendezvous port when the launcher's environment has none
             (DeepSpeed's argument; `MASTER_PORT` wins when set).
-        mpu: model-parallel unit (tensor / pipeline parallelism): not supported yet; anything
-            but None raises NotSupportedError.
+        mpu: a Megatron-style model-parallel unit (`get_model_parallel_rank/world_size/group`,
+            `get_data_parallel_rank/world_size/group`): ZeRO partitions over its data-parallel
+            group and the gradient norm spans its model-parallel group (parameters the script
+            split carry `tensor_model_parallel = True`, the others are counted once).
         dist_init_required: accepted for DeepSpeed scripts; zeroshard joins the launcher's
             process group when none exists and reuses the script's own otherwise.
         collate_fn: collate function of the returned data loader.
@@ -129,7 +138,7 @@ def initialize(
     Raises:
         ConfigError: the config is invalid, names an unsupported feature, or has an "auto"
             value nothing can resolve.
-        NotSupportedError: `mpu` or `mesh_param` was given.
+        NotSupportedError: `mesh_param` was given, or `mpu` together with `tensor_parallel`.
 
     Example::
 
@@ -143,10 +152,6 @@ def initialize(
     """
     if model is None:
         raise ConfigError("initialize() needs model=")
-    if mpu is not None:
-        raise NotSupportedError(
-            "initialize(mpu=...): model parallelism (tensor / pipeline) is not supported by "
-            "zeroshard yet; drop mpu= to train with ZeRO data parallelism only")
     if mesh_param is not None:
         raise NotSupportedError(
             f"initialize(mesh_param={mesh_param!r}): device meshes (sequence / tensor parallelism) "
@@ -157,10 +162,17 @@ def initialize(
     raw_config = source if isinstance(source, Mapping) else read_config_file(source)
     if distributed_port is not None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    groups = init_distributed()
-    setup_logging(groups.rank)
+    world = init_distributed()
+    setup_logging(world.rank)
+    tp_size = max(tensor_parallel_size(raw_config), (recorded_tp(model) or (1, None))[0])
+    if mpu is not None and tp_size > 1:
+        raise NotSupportedError(
+            "not supported yet: initialize(mpu=...) together with tensor_parallel (AutoTP over an mpu's "
+            "groups); drop mpu= to let zeroshard build the groups, or drop the tensor_parallel section.")
+    dp_world = (int(mpu.get_data_parallel_world_size()) if mpu is not None and hasattr(
+        mpu, "get_data_parallel_world_size") else max(world.world_size // tp_size, 1))
     auto = dict(client_auto_values(optimizer))
-    cfg = load_config(source, dp_world_size=groups.world_size,
+    cfg = load_config(source, dp_world_size=dp_world,
                       hidden_size=model_hidden_size(model), auto_values=auto)
     logger.info(
         "resolved config (values not at their DeepSpeed default, with their source; "
@@ -172,6 +184,7 @@ def initialize(
 
     configure_from_config(cfg)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
+    tp_size = resolve_tp_size(model, cfg.tensor_parallel.size, dtype or torch.float32)
     if any(init_partitioned(p) for p in model.parameters()):
         if cfg.zero_optimization.stage != 3:
             raise ConfigError(
@@ -179,19 +192,25 @@ def initialize(
                 f"which needs zero_optimization.stage 3; the config says stage "
                 f"{cfg.zero_optimization.stage}. Set stage to 3, or build the model without zero.Init."
             )
-        move_unpartitioned(model, groups.device, dtype)
+        move_unpartitioned(model, world.device, dtype)
     elif dtype:
-        model.to(device=groups.device, dtype=dtype)
+        model.to(device=world.device, dtype=dtype)
     else:
-        model.to(groups.device)
+        model.to(world.device)
     comms = cfg.comms_logger
-    comm = Comm(groups, log=CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
-                if comms.enabled else None)
-    check_same_config(cfg, comm)  # the first collective: before anything trains on it
+    world_comm = Comm(world, log=CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
+                      if comms.enabled else None)
+    check_same_config(cfg, world_comm)  # the first collective: before anything trains on it
+    layout = _parallel_layout(world, world_comm, model, cfg, tp_size, mpu)
+    groups = layout.dp  # ZeRO, the batch and the data loader run over the data-parallel ranks
+    comm = world_comm if groups is world else Comm(groups, log=world_comm.log, label="dp")
     broadcast_module_state(model, comm)
     param_groups = _param_groups(model, model_parameters)
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
     strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units)
+    norm = layout.norm(model)
+    if norm is not None:
+        strategy.set_model_parallel_norm(norm)
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
     if isinstance(opt, OneBitOptimizer):  # it all-reduces the momentum itself, after its warm-up
         opt.attach(comm, strategy)
@@ -221,9 +240,26 @@ def initialize(
         module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,
         lr_scheduler=sched, loss_scaler=scaler, sinks=build_sinks(cfg, groups.rank),
         training_dataloader=loader, raw_config=raw_config)
+    engine.parallel = layout
     engine.checkpointer = _checkpointer(comm, cfg.checkpoint.use_node_local_storage)
+    if layout.tp is not None:  # files per world rank, keyed by global parameter names (tensor/checkpoint.py)
+        from zeroshard.tensor.checkpoint import TensorParallelCheckpointer
+
+        engine.checkpointer = TensorParallelCheckpointer(
+            _checkpointer(world_comm, cfg.checkpoint.use_node_local_storage), layout.tp, world.rank, world.world_size)
     _log_start(engine, groups)
     return engine, opt, loader, sched
+
+
+def _parallel_layout(world: ProcessGroups, world_comm: Comm, model: nn.Module, cfg: Config, tp_size: int,
+                     mpu: Any) -> ParallelLayout:
+    """The groups this rank trains with: plain data parallelism, AutoTP (the model is split over
+    the mesh's tp axis here), or a Megatron `mpu`'s groups."""
+    if mpu is not None:
+        return layout_for_mpu(world, world_comm, mpu)
+    if tp_size > 1:
+        return layout_for_tensor_parallel(world, world_comm, model, cfg.tensor_parallel, tp_size)
+    return ParallelLayout(world=world, dp=world, mp_comm=None, mp_rank=0)
 
 
 def _check_optimizer_present(cfg: Config, optimizer: Any, model_parameters: Any,

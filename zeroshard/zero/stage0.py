@@ -22,6 +22,7 @@ from zeroshard.zero.reduce import GradAccumulator, GradReducer, LaunchOrder, Red
 from zeroshard.zero.strategy import (
     GradStats,
     MasterFragment,
+    ModelParallelNorm,
     ModelStateBytes,
     ParamPiece,
     attach_grads,
@@ -100,6 +101,7 @@ class Stage0Strategy:
         self._boundary = False
         self._reduce_grads = True  # set_grad_reduction: the 1-bit optimizers' compression stage
         self._reducing = True  # latched per micro-batch: whether this step's gradients are reduced
+        self._model_parallel: ModelParallelNorm | None = None
         for index, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(lambda t, i=index: self._on_grad_ready(i, t))
 
@@ -139,6 +141,10 @@ class Stage0Strategy:
         self._boundary = boundary
         self._reducing = self._reduce_grads
         self._order.reset()
+
+    def set_model_parallel_norm(self, norm: ModelParallelNorm) -> None:
+        """Span the gradient norm over the model-parallel group too (zero/strategy.py)."""
+        self._model_parallel = norm
 
     def set_grad_reduction(self, enabled: bool) -> None:
         """Reduce gradients across ranks (True, the default) or keep each rank's own (False).
@@ -180,7 +186,13 @@ class Stage0Strategy:
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
         flat = self._grads.flat
         mult = self._grad_mult(grad_scale)
-        if self._reducing:
+        mp = self._model_parallel
+        if self._reducing and mp is not None:
+            # Identical on every dp rank; summed over the model-parallel group (zero/strategy.py).
+            dup = [self._grads.flat[o : o + n] for o, n, p in zip(self._layout.offsets, self._layout.numels,
+                                                                   self._params) if id(p) in mp.duplicates]
+            sq_sum = mp.finish(sum_of_squares([flat]), dup).item()
+        elif self._reducing:
             # The flat buffer holds the sum over ranks (identical on every rank): no collective.
             sq_sum = sum_of_squares([flat]).item()
         else:

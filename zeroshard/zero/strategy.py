@@ -16,11 +16,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor, nn
 
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm
 
 _SQ_CHUNK_NUMEL = 1 << 16
 """Elements converted to float64 at a time: stays in cache, so the float64 sum costs ~2x the
@@ -62,6 +64,30 @@ def unscale_and_clip(grads: Sequence[Tensor], sq_sum: float, mult: float, max_no
     if mult * coef != 1.0:
         torch._foreach_mul_(list(grads), mult * coef)
     return GradStats(norm=norm, overflow=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelParallelNorm:
+    """How the gradient norm spans the model-parallel ranks (tensor parallelism; later pipeline
+    stages too). ZeRO's strategy sums squares over its data-parallel group; then this rank drops
+    the squares of `duplicates` (parameters replicated across the model-parallel group, counted
+    by its first rank only) and the sum runs over `comm`. An inf/nan anywhere makes the sum
+    non-finite on every rank of the world, so the fp16 overflow vote spans the world too.
+    """
+
+    comm: "Comm"
+    """The model-parallel group (the ranks holding different pieces of one model replica)."""
+    duplicates: frozenset[int]
+    """ids of the parameters whose squares this rank leaves out (empty on the group's first rank)."""
+
+    def finish(self, sq: Tensor, duplicate_grads: Sequence[Tensor]) -> Tensor:
+        """`sq` (1-element float64, summed over data-parallel ranks where the caller does so)
+        minus the squares of `duplicate_grads`, summed over the model-parallel group."""
+        if duplicate_grads:
+            sq = sq - sum_of_squares(duplicate_grads).to(sq.device)
+        sq = sq.contiguous()
+        self.comm.all_reduce(sq)
+        return sq
 
 
 def attach_grads(params: Sequence[nn.Parameter], grads: Sequence[Tensor]) -> None:
@@ -170,6 +196,11 @@ class ZeroStrategy(Protocol):
     def after_backward(self) -> None: ...
 
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats: ...
+
+    def set_model_parallel_norm(self, norm: ModelParallelNorm) -> None:
+        """Under tensor (or pipeline) parallelism: sum the norm's squares over the model-parallel
+        group as `norm` says, after the data-parallel sum."""
+        ...
 
     def after_step(self, applied: bool) -> None: ...
 
