@@ -163,8 +163,8 @@ def test_mpu_drives_the_groups(groups: ProcessGroups) -> None:
     """A Megatron-style mpu: ZeRO over its data-parallel group, the norm over its model-parallel one."""
     from zeroshard.comm.groups import subgroup
     from zeroshard.comm.topology import Topology
-    from zeroshard.tensor import Plan, resolve_plan, shard_model
     from zeroshard.config import load_config
+    from zeroshard.tensor import Plan, resolve_plan, shard_model
 
     tp = _tp(groups.world_size)
     dp = groups.world_size // tp

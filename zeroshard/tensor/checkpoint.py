@@ -62,7 +62,7 @@ class TensorParallelCheckpointer:
         world_rank / world_size: this rank in the world, and the world's size.
     """
 
-    def __init__(self, inner: "Checkpointer", tp: TensorParallelState, world_rank: int, world_size: int) -> None:
+    def __init__(self, inner: Checkpointer, tp: TensorParallelState, world_rank: int, world_size: int) -> None:
         self._inner, self._tp = inner, tp
         self._rank, self._world = world_rank, world_size
 

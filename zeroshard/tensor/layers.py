@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from zeroshard.comm import Comm
 
 
-def _all_reduce(comm: "Comm", x: Tensor) -> Tensor:
+def _all_reduce(comm: Comm, x: Tensor) -> Tensor:
     out = x.contiguous().clone()
     comm.all_reduce(out, "sum")
     return out
@@ -37,7 +37,7 @@ class _CopyToTP(torch.autograd.Function):
     """Forward: identity. Backward: sum of the input gradients over the group."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, comm: "Comm") -> Tensor:
+    def forward(ctx: Any, x: Tensor, comm: Comm) -> Tensor:
         ctx.comm = comm
         return x
 
@@ -50,7 +50,7 @@ class _ReduceFromTP(torch.autograd.Function):
     """Forward: sum over the group. Backward: identity."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, comm: "Comm") -> Tensor:
+    def forward(ctx: Any, x: Tensor, comm: Comm) -> Tensor:
         return _all_reduce(comm, x)
 
     @staticmethod
@@ -62,7 +62,7 @@ class _GatherFromTP(torch.autograd.Function):
     """Forward: concatenate the ranks' last dimensions. Backward: this rank's slice."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, comm: "Comm") -> Tensor:
+    def forward(ctx: Any, x: Tensor, comm: Comm) -> Tensor:
         ctx.comm, ctx.width = comm, x.shape[-1]
         local = x.contiguous()
         out = torch.empty((comm.world_size, *local.shape), dtype=x.dtype, device=x.device)
@@ -79,7 +79,7 @@ class _ScatterToTP(torch.autograd.Function):
     """Forward: this rank's slice of the last dimension. Backward: gather the slices."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, comm: "Comm") -> Tensor:
+    def forward(ctx: Any, x: Tensor, comm: Comm) -> Tensor:
         ctx.comm = comm
         width = x.shape[-1] // comm.world_size
         return x.narrow(-1, comm.rank * width, width).contiguous()
@@ -89,19 +89,19 @@ class _ScatterToTP(torch.autograd.Function):
         return _GatherFromTP.apply(grad, ctx.comm), None
 
 
-def copy_to_tp(x: Tensor, comm: "Comm") -> Tensor:
+def copy_to_tp(x: Tensor, comm: Comm) -> Tensor:
     return _CopyToTP.apply(x, comm) if comm.world_size > 1 else x
 
 
-def reduce_from_tp(x: Tensor, comm: "Comm") -> Tensor:
+def reduce_from_tp(x: Tensor, comm: Comm) -> Tensor:
     return _ReduceFromTP.apply(x, comm) if comm.world_size > 1 else x
 
 
-def gather_from_tp(x: Tensor, comm: "Comm") -> Tensor:
+def gather_from_tp(x: Tensor, comm: Comm) -> Tensor:
     return _GatherFromTP.apply(x, comm) if comm.world_size > 1 else x
 
 
-def scatter_to_tp(x: Tensor, comm: "Comm") -> Tensor:
+def scatter_to_tp(x: Tensor, comm: Comm) -> Tensor:
     return _ScatterToTP.apply(x, comm) if comm.world_size > 1 else x
 
 
@@ -115,7 +115,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: all-gather the output's last dimension (a head whose output every rank needs).
     """
 
-    def __init__(self, linear: nn.Linear, comm: "Comm", *, gather_output: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, comm: Comm, *, gather_output: bool = False) -> None:
         super().__init__()
         tp, r = comm.world_size, comm.rank
         out = linear.out_features
@@ -147,7 +147,7 @@ class RowParallelLinear(nn.Module):
             False scatters a whole input first.
     """
 
-    def __init__(self, linear: nn.Linear, comm: "Comm", *, input_is_parallel: bool = True) -> None:
+    def __init__(self, linear: nn.Linear, comm: Comm, *, input_is_parallel: bool = True) -> None:
         super().__init__()
         tp, r = comm.world_size, comm.rank
         inp = linear.in_features

@@ -85,7 +85,7 @@ class Plan:
 class TensorParallelState:
     """What `shard_model` did to one model: the group and each split parameter's global layout."""
 
-    comm: "Comm"
+    comm: Comm
     plan: Plan
     split: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     """Parameter name -> (split dimension, global shape) for every parameter sharded over tp."""
@@ -114,7 +114,7 @@ class TensorParallelState:
         return full.narrow(dim, self.comm.rank * n, n)
 
 
-_STATES: "weakref.WeakKeyDictionary[nn.Module, TensorParallelState]" = weakref.WeakKeyDictionary()
+_STATES: weakref.WeakKeyDictionary[nn.Module, TensorParallelState] = weakref.WeakKeyDictionary()
 
 
 def tp_state_of(model: nn.Module) -> TensorParallelState | None:
@@ -208,7 +208,7 @@ def _tied(model: nn.Module) -> set[int]:
     return {k for k, n in seen.items() if n > 1}
 
 
-def shard_model(model: nn.Module, plan: Plan, comm: "Comm") -> TensorParallelState:
+def shard_model(model: nn.Module, plan: Plan, comm: Comm) -> TensorParallelState:
     """Replace the plan's linear layers of `model` by their tensor-parallel pieces, in place.
 
     Every tensor-parallel rank must hold the same whole model (initialize broadcasts it first).

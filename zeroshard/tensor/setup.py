@@ -25,7 +25,7 @@ from zeroshard.tensor.plan import TensorParallelState, resolve_plan, shard_model
 from zeroshard.zero.stage0 import broadcast_module_state
 from zeroshard.zero.strategy import ModelParallelNorm
 
-_RECORDED: "weakref.WeakKeyDictionary[nn.Module, tuple[int, torch.dtype | None]]" = weakref.WeakKeyDictionary()
+_RECORDED: weakref.WeakKeyDictionary[nn.Module, tuple[int, torch.dtype | None]] = weakref.WeakKeyDictionary()
 
 
 def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None,
