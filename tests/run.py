@@ -50,6 +50,8 @@ STAGES: dict[str, list[str]] = {
     "dist1": [sys.executable, *PYTEST, "tests/dist"],  # world size 1: no process group at all
     "dist2": [*torchrun(2), *PYTEST, "tests/dist"],
     "dist3": [*torchrun(3), *PYTEST, "tests/dist"],
+    # Tensor parallelism at TP 2 x DP 2 (the 2- and 3-rank stages run TP2 x DP1 and TP3 x DP1).
+    "dist4": [*torchrun(4), *PYTEST, "tests/dist/test_tensor_parallel.py"],
     "launch": [sys.executable, *PYTEST, "tests/launch"],
 }
 # Opt-in: zeroshard against DeepSpeed 0.19 on the same cases (tests/differential/harness.py).

@@ -209,3 +209,45 @@ def test_tp_model_init_records_the_size(groups: ProcessGroups) -> None:
 
 def test_env_is_quiet() -> None:
     assert os.environ.get("OMP_NUM_THREADS", "1")  # tests run with OMP_NUM_THREADS=1 (shared machine)
+
+
+GLOBAL_BATCH = 12  # divisible by every data-parallel size below
+RESHARD = {2: [(2, 1), (1, 2), (2, 3)], 3: [(3, 2), (1, 1), (3, 0)], 4: [(2, 2), (1, 3), (4, 1)]}
+"""World size -> the (tp, ZeRO stage) of each leg; each leg trains 2 steps, saves, the next resumes."""
+
+
+def _reshard_model(world: int) -> torch.nn.Module:
+    return tiny_llama(heads=6, kv_heads=3, hidden=48) if world == 3 else tiny_llama(heads=4, kv_heads=4)
+
+
+def test_checkpoint_reshards_across_tp_degrees(groups: ProcessGroups, shared_dir: Path) -> None:
+    """TP 2 -> 1 -> 2 (2 ranks), 3 -> 1 -> 3 (3 ranks), 2 -> 1 -> 4 (4 ranks), changing the ZeRO stage
+    too; the weights equal one process's after all steps, and to-fp32 of the first TP checkpoint
+    equals one process's weights at that point."""
+    from zeroshard.checkpoint.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    world = groups.world_size
+    legs = RESHARD[world]
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randint(0, 96, (GLOBAL_BATCH, 8), generator=g) for _ in range(2 * len(legs))]
+    _, want_first = reference_run(_reshard_model(world), [[d] for d in data[:2]], lr=LR, clip=CLIP)
+    _, want = reference_run(_reshard_model(world), [[d] for d in data], lr=LR, clip=CLIP)
+    for i, (tp, stage) in enumerate(legs):
+        dp = world // tp
+        cfg = tp_config(tp, stage, dp, clip=CLIP, lr=LR, train_batch_size=GLOBAL_BATCH,
+                        train_micro_batch_size_per_gpu=GLOBAL_BATCH // dp)
+        engine, *_ = zeroshard.initialize(model=_reshard_model(world), config=cfg)
+        if i:
+            path, _ = engine.load_checkpoint(str(shared_dir / f"leg{i - 1}"))
+            assert path is not None and engine.global_steps == 2 * i
+        r = engine.parallel.dp.rank
+        _train(engine, [[d.chunk(dp)[r]] for d in data[2 * i : 2 * i + 2]], 0)
+        engine.save_checkpoint(str(shared_dir / f"leg{i}"))
+    whole = _whole(engine)
+    for name, value in want.items():
+        assert (whole[name] - value).abs().max().item() <= WEIGHT_TOL, name
+    if groups.rank == 0:
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(str(shared_dir / "leg0"))
+        for name, value in want_first.items():
+            assert fp32[name].shape == value.shape and (fp32[name] - value).abs().max().item() <= WEIGHT_TOL, name
+    Comm(groups).barrier()
