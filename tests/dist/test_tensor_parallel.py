@@ -82,6 +82,7 @@ def test_layers_are_split(groups: ProcessGroups) -> None:
     assert isinstance(layer.self_attn.o_proj, RowParallelLinear)
     assert isinstance(layer.mlp.down_proj, RowParallelLinear)
     assert isinstance(engine.module.lm_head, ColumnParallelLinear) and engine.module.lm_head.gather_output
+    assert engine.mp_world_size == tp
     hidden = engine.module.config.hidden_size
     assert layer.mlp.up_proj.weight.shape == (2 * hidden // tp, hidden)
     assert layer.mlp.down_proj.weight.shape == (hidden, 2 * hidden // tp)

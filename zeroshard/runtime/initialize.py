@@ -34,6 +34,7 @@ from zeroshard.runtime.optim import (
 )
 from zeroshard.tensor.setup import (
     ParallelLayout,
+    check_mpu,
     layout_for_mpu,
     layout_for_tensor_parallel,
     recorded_tp,
@@ -152,6 +153,8 @@ def initialize(
     """
     if model is None:
         raise ConfigError("initialize() needs model=")
+    if mpu is not None:
+        check_mpu(mpu)
     if mesh_param is not None:
         raise NotSupportedError(
             f"initialize(mesh_param={mesh_param!r}): device meshes (sequence / tensor parallelism) "
@@ -169,8 +172,7 @@ def initialize(
         raise NotSupportedError(
             "not supported yet: initialize(mpu=...) together with tensor_parallel (AutoTP over an mpu's "
             "groups); drop mpu= to let zeroshard build the groups, or drop the tensor_parallel section.")
-    dp_world = (int(mpu.get_data_parallel_world_size()) if mpu is not None and hasattr(
-        mpu, "get_data_parallel_world_size") else max(world.world_size // tp_size, 1))
+    dp_world = int(mpu.get_data_parallel_world_size()) if mpu is not None else max(world.world_size // tp_size, 1)
     auto = dict(client_auto_values(optimizer))
     cfg = load_config(source, dp_world_size=dp_world,
                       hidden_size=model_hidden_size(model), auto_values=auto)

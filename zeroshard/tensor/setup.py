@@ -122,11 +122,11 @@ def layout_for_tensor_parallel(world: ProcessGroups, world_comm: Comm, model: nn
                           mesh=mesh, tp=state)
 
 
-def layout_for_mpu(world: ProcessGroups, world_comm: Comm, mpu: Any) -> ParallelLayout:
-    """The groups of a Megatron-style `mpu` (get_model_parallel_* and get_data_parallel_*).
+def check_mpu(mpu: Any) -> None:
+    """Refuse an `mpu` that lacks one of the queries zeroshard reads (at initialize's start).
 
     Raises:
-        ConfigError: the object lacks a query, or its sizes do not multiply to the world size.
+        ConfigError: naming every missing method.
     """
     names = ("get_model_parallel_rank", "get_model_parallel_world_size", "get_model_parallel_group",
              "get_data_parallel_rank", "get_data_parallel_world_size", "get_data_parallel_group")
@@ -134,6 +134,15 @@ def layout_for_mpu(world: ProcessGroups, world_comm: Comm, mpu: Any) -> Parallel
     if missing:
         raise ConfigError(f"initialize(mpu=...): the object lacks {', '.join(missing)}; pass Megatron's mpu "
                           "(megatron.core.parallel_state) or an object with those methods.")
+
+
+def layout_for_mpu(world: ProcessGroups, world_comm: Comm, mpu: Any) -> ParallelLayout:
+    """The groups of a Megatron-style `mpu` (get_model_parallel_* and get_data_parallel_*).
+
+    Raises:
+        ConfigError: the object lacks a query, or its sizes do not multiply to the world size.
+    """
+    check_mpu(mpu)
     mp_size, dp_size = int(mpu.get_model_parallel_world_size()), int(mpu.get_data_parallel_world_size())
     if mp_size * dp_size != world.world_size:
         raise ConfigError(f"initialize(mpu=...): model-parallel size {mp_size} x data-parallel size {dp_size} "
