@@ -65,10 +65,13 @@ def main() -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     tp, dp = args.tp, world // args.tp
     data = batches(STEPS, dp)
-    out: dict[str, list[list[float]]] = {}
+    out: dict[str, list] = {}
     ckpt = Path(tempfile.gettempdir()) / f"autotp-{args.engine}-{os.environ.get('MASTER_PORT', '0')}"
     for stage in args.stages:
         engine = _engine(args.engine, stage, tp, dp)
+        q = engine.module.model.layers[0].self_attn.q_proj.weight  # evidence that the engine split the model
+        out[f"layout{stage}"] = [list(q.shape) if q.numel() else list(getattr(q, "ds_shape", q.shape)),
+                                 engine.dp_world_size]
         rows = []
         for step, per_dp in enumerate(data):
             if step == SAVE_AT:  # save, and resume into a fresh engine

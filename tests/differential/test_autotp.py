@@ -51,6 +51,9 @@ def records(request: pytest.FixtureRequest) -> tuple[int, dict, dict]:
 def test_losses_match_deepspeed(records: tuple[int, dict, dict], stage: int) -> None:
     world, ds, zs = records
     d, z = ds[str(stage)], zs[str(stage)]
+    # Both engines really split q_proj (32 x 32 -> 16 x 32) and see world / 2 data-parallel ranks.
+    assert ds[f"layout{stage}"] == zs[f"layout{stage}"] == [[16, 32], world // 2], (ds[f"layout{stage}"],
+                                                                                  zs[f"layout{stage}"])
     assert len(d) == len(z) > 0
     worst = max(abs(a - b) for rd, rz in zip(d, z) for a, b in zip(rd, rz))
     conftest.TABLE.append(f"AutoTP TP2 x DP{world // 2} ZeRO-{stage}: {len(d)} steps (save/resume after 3), "

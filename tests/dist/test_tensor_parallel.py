@@ -200,7 +200,9 @@ def test_mpu_drives_the_groups(groups: ProcessGroups) -> None:
 def test_tp_model_init_records_the_size(groups: ProcessGroups) -> None:
     tp = _tp(groups.world_size)
     dp = groups.world_size // tp
-    model = zeroshard.tp_model_init(_model(groups.world_size), tp_size=tp, dtype=torch.float32)
+    # As Transformers' Trainer calls it (integrations/deepspeed.py): keywords, the ds_config as a dict.
+    model = zeroshard.tp_model_init(model=_model(groups.world_size), tp_size=tp, dtype=torch.float32,
+                                    config=tp_config(tp, 0, dp))
     cfg = tp_config(tp, 0, dp)
     del cfg["tensor_parallel"]
     engine, *_ = zeroshard.initialize(model=model, config=cfg)

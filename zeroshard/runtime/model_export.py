@@ -24,7 +24,8 @@ logger = logging.getLogger("zeroshard")
 
 
 class ModelExport:
-    """`save_16bit_model` / `save_fp16_model` / `_zero3_consolidated_16bit_state_dict`."""
+    """`save_16bit_model` / `save_fp16_model` / `_zero3_consolidated_16bit_state_dict` /
+    `_consolidated_16bit_state_dict`."""
 
     # Provided by ZeroEngine and EngineQueries: `module`, `rank`, `zero_gather_16bit_weights_on_model_save()`.
     module: nn.Module
@@ -54,6 +55,12 @@ class ModelExport:
                     done[id(value)] = whole.detach().to("cpu", copy=True) if first else value
             out[name] = done[id(value)]
         return out if first else None
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Tensor] | None:
+        """DeepSpeed's name for the whole model's 16-bit state_dict under tensor parallelism
+        (Accelerate's `get_state_dict` calls it): the same as `_zero3_consolidated_16bit_state_dict`,
+        which joins tensor-parallel pieces and stage-3 shards alike."""
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

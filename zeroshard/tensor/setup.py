@@ -10,6 +10,7 @@ its own tensor-parallel layers and groups; parameters it split carry Megatron's
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,18 +38,28 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
         model: the whole model (every rank builds the same one).
         tp_size: the tensor-parallel size; the config's `tensor_parallel.autotp_size` must agree.
         dtype: the training dtype; must agree with the config's precision (fp16 / bf16 / fp32).
-        config, kwargs: DeepSpeed's extra arguments; anything given raises NotSupportedError.
+        config: the ds_config (a mapping, as Transformers' Trainer passes it) or None; its
+            `tensor_parallel.autotp_size`, when set, must equal `tp_size`.
+        kwargs: DeepSpeed's other arguments (`tp_group`, ...): anything given raises NotSupportedError.
 
     Returns:
         `model`, unchanged.
     """
     from zeroshard.errors import NotSupportedError
 
-    if config is not None or kwargs:
-        raise NotSupportedError(f"tp_model_init({', '.join(['config'] * (config is not None) + list(kwargs))}=...): "
-                                "not supported yet; put the settings in the config's tensor_parallel section.")
+    if kwargs:
+        raise NotSupportedError(f"not supported yet: tp_model_init({', '.join(kwargs)}=...); zeroshard builds the "
+                                "tensor-parallel groups itself (comm/topology.py). Drop the argument(s).")
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ConfigError(f"tp_model_init: tp_size must be an integer >= 1, got {tp_size!r}.")
+    if config is not None:
+        from zeroshard.config import read_config_file, tensor_parallel_size
+
+        raw = config if isinstance(config, Mapping) else read_config_file(config)
+        size = tensor_parallel_size(raw)
+        if size > 1 and size != tp_size:
+            raise ConfigError(f"tp_model_init(tp_size={tp_size}) and the config's tensor_parallel.autotp_size "
+                              f"({size}) disagree; make them equal.")
     _RECORDED[model] = (tp_size, dtype)
     return model
 
