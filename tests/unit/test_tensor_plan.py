@@ -131,3 +131,25 @@ def test_global_segments(dim: int, shape: tuple[int, ...], rank: int, offset: in
     piece = full.chunk(tp, dim=dim)[rank].reshape(-1)
     for g, n, local in want:  # each segment holds the same elements on both sides
         assert torch.equal(full.reshape(-1)[g : g + n], piece[offset + local : offset + local + n])
+
+
+def test_sizes_read_before_the_config_and_tp_model_init() -> None:
+    import zeroshard
+    from zeroshard.config import tensor_parallel_size
+    from zeroshard.tensor.setup import resolve_tp_size
+
+    assert tensor_parallel_size({}) == 1 and tensor_parallel_size({"tensor_parallel": {"autotp_size": 0}}) == 1
+    assert tensor_parallel_size({"tensor_parallel": {"tp": {"tp_size": 4}}}) == 4
+    with pytest.raises(ConfigError, match="expected a non-negative integer"):
+        tensor_parallel_size({"tensor_parallel": {"autotp_size": "2"}})
+    model = zeroshard.tp_model_init(model=_llama(), tp_size=2, dtype=torch.bfloat16,
+                                    config={"tensor_parallel": {"autotp_size": 2}})
+    assert resolve_tp_size(model, 1, torch.bfloat16) == 2
+    with pytest.raises(ConfigError, match=r"tp_model_init\(tp_size=2\) and tensor_parallel.autotp_size \(4\)"):
+        resolve_tp_size(model, 4, torch.bfloat16)
+    with pytest.raises(ConfigError, match="does not match the config's precision"):
+        resolve_tp_size(model, 2, torch.float32)
+    with pytest.raises(ConfigError, match="disagree"):
+        zeroshard.tp_model_init(_llama(), 2, None, config={"tensor_parallel": {"autotp_size": 4}})
+    with pytest.raises(NotSupportedError, match="tp_group"):
+        zeroshard.tp_model_init(_llama(), 2, None, tp_group=object())
