@@ -240,7 +240,7 @@ def initialize(
             rank=groups.rank, world_size=groups.world_size, collate_fn=collate_fn)
     engine = ZeroEngine(
         module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,
-        lr_scheduler=sched, loss_scaler=scaler, sinks=build_sinks(cfg, groups.rank),
+        lr_scheduler=sched, loss_scaler=scaler, sinks=build_sinks(cfg, world.rank),
         training_dataloader=loader, raw_config=raw_config)
     engine.parallel = layout
     engine.checkpointer = _checkpointer(comm, cfg.checkpoint.use_node_local_storage)
