@@ -214,6 +214,9 @@ def initialize(
     if norm is not None:
         strategy.set_model_parallel_norm(norm)
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
+    if isinstance(opt, OneBitOptimizer) and layout.mp_comm is not None:
+        raise NotSupportedError(f"not supported yet: optimizer {type(opt).__name__} with tensor parallelism or an "
+                                "mpu (its compressed stage computes the norm of local gradients only); use Adam/AdamW.")
     if isinstance(opt, OneBitOptimizer):  # it all-reduces the momentum itself, after its warm-up
         opt.attach(comm, strategy)
     wrap = getattr(strategy, "wrap_optimizer", None)  # an NVMe home swaps the optimizer's states
