@@ -33,7 +33,7 @@ def test_topology_puts_tp_ranks_next_to_each_other() -> None:
     assert t.axis_groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert t.axis_groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert t.coord(5) == {"pp": 1, "dp": 0, "tp": 1} and t.rank_at(pp=1, dp=0, tp=1) == 5
-    assert t.axes_groups("pp", "tp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert t.axis_ranks("dp", 5) == [5, 7] and t.axis_ranks("tp", 5) == [4, 5]
     with pytest.raises(ConfigError, match="not divisible"):
         Topology.for_world(6, tp=4)
 
