@@ -249,3 +249,48 @@ def test_checkpoint_reshards_across_tp_degrees(groups: ProcessGroups, shared_dir
         for name, value in want_first.items():
             assert fp32[name].shape == value.shape and (fp32[name] - value).abs().max().item() <= WEIGHT_TOL, name
     Comm(groups).barrier()
+
+
+def _saved_activation_bytes(engine: Any, ids: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward in one forward, the parameters' own storage left out."""
+    params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = lm_loss(engine, ids)
+    engine.backward(loss)
+    engine.step()
+    return sum(seen.values())
+
+
+def test_sequence_parallel_matches_one_process_and_saves_activations(groups: ProcessGroups) -> None:
+    """tp_model_init(..., sequence_parallel=True): equal to one process; the activations kept for
+    backward shrink (norms and residuals hold 1/tp of the sequence)."""
+    tp = _tp(groups.world_size)
+    dp = groups.world_size // tp
+    g = torch.Generator().manual_seed(5)
+    data = [[torch.randint(0, 96, (2, 24), generator=g) for _ in range(dp)] for _ in range(STEPS)]
+    want_losses, want = reference_run(_model(groups.world_size), data, lr=LR, clip=CLIP)
+    cfg = tp_config(tp, 2, dp, clip=CLIP, lr=LR)
+    engine, *_ = zeroshard.initialize(model=zeroshard.tp_model_init(_model(groups.world_size), tp, torch.float32,
+                                                                    sequence_parallel=True), config=cfg)
+    assert engine.parallel.tp.sequence_parallel
+    r = engine.parallel.dp.rank
+    got = _train(engine, data, r)
+    for g_, w in zip(got, want_losses):
+        assert abs(g_ - w[r]) <= LOSS_TOL, (g_, w[r])
+    whole = _whole(engine)
+    for name, value in want.items():
+        assert (whole[name] - value).abs().max().item() <= WEIGHT_TOL, name
+    plain, *_ = zeroshard.initialize(model=_model(groups.world_size), config=cfg)
+    ids = data[0][r]
+    with_sp, without = _saved_activation_bytes(engine, ids), _saved_activation_bytes(plain, ids)
+    print(f"\nsequence parallelism at TP {tp}: {with_sp} B kept for backward vs {without} B without "
+          f"({with_sp / without:.2f}x)")
+    assert with_sp < without

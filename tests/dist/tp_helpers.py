@@ -15,7 +15,7 @@ def tiny_llama(seed: int = 0, heads: int = 4, kv_heads: int = 2, hidden: int = 3
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=SEQ,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4 * SEQ,
                       tie_word_embeddings=False)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)

@@ -115,8 +115,12 @@ class ColumnParallelLinear(nn.Module):
         gather_output: all-gather the output's last dimension (a head whose output every rank needs).
     """
 
-    def __init__(self, linear: nn.Linear, comm: Comm, *, gather_output: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, comm: Comm, *, gather_output: bool = False,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        # Under sequence parallelism the block's input is gathered (and its gradient reduce-scattered)
+        # where the attention / MLP module starts (tensor/sequence.py): no collective here.
+        self.sequence_parallel = sequence_parallel
         tp, r = comm.world_size, comm.rank
         out = linear.out_features
         self.comm, self.gather_output = comm, gather_output
@@ -127,7 +131,9 @@ class ColumnParallelLinear(nn.Module):
             linear.bias.detach()[rows].clone(), requires_grad=linear.bias.requires_grad)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(copy_to_tp(x, self.comm), self.weight, self.bias)
+        if not self.sequence_parallel:
+            x = copy_to_tp(x, self.comm)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_tp(y, self.comm) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -147,8 +153,10 @@ class RowParallelLinear(nn.Module):
             False scatters a whole input first.
     """
 
-    def __init__(self, linear: nn.Linear, comm: Comm, *, input_is_parallel: bool = True) -> None:
+    def __init__(self, linear: nn.Linear, comm: Comm, *, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel  # output reduce-scattered along the sequence
         tp, r = comm.world_size, comm.rank
         inp = linear.in_features
         self.comm, self.input_is_parallel = comm, input_is_parallel
@@ -162,7 +170,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.comm)
-        y = reduce_from_tp(F.linear(x, self.weight), self.comm)
+        if self.sequence_parallel and self.comm.world_size > 1:
+            from zeroshard.tensor.sequence import reduce_scatter_seq
+
+            y = reduce_scatter_seq(F.linear(x, self.weight), self.comm)
+        else:
+            y = reduce_from_tp(F.linear(x, self.weight), self.comm)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -89,6 +89,7 @@ class TensorParallelState:
     plan: Plan
     split: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     """Parameter name -> (split dimension, global shape) for every parameter sharded over tp."""
+    sequence_parallel: bool = False
 
     @property
     def size(self) -> int:
@@ -208,10 +209,12 @@ def _tied(model: nn.Module) -> set[int]:
     return {k for k, n in seen.items() if n > 1}
 
 
-def shard_model(model: nn.Module, plan: Plan, comm: Comm) -> TensorParallelState:
+def shard_model(model: nn.Module, plan: Plan, comm: Comm, *, sequence_parallel: bool = False) -> TensorParallelState:
     """Replace the plan's linear layers of `model` by their tensor-parallel pieces, in place.
 
     Every tensor-parallel rank must hold the same whole model (initialize broadcasts it first).
+    `sequence_parallel`: keep the residual stream cut along the sequence between the split layers
+    (tensor/sequence.py; Hugging Face layouts).
 
     Raises:
         ConfigError: a split dimension the size does not divide, heads that do not divide, a
@@ -249,9 +252,12 @@ def shard_model(model: nn.Module, plan: Plan, comm: Comm) -> TensorParallelState
             raise ConfigError(f"tensor_parallel: {name}.weight has {size} {'output' if dim == 0 else 'input'} features, "
                               f"not divisible by the tensor-parallel size {tp}; choose a size dividing {size}.")
         if dim == 0:
-            new: nn.Module = ColumnParallelLinear(module, comm, gather_output=style is Style.COLUMN_GATHER)
+            gather = style is Style.COLUMN_GATHER
+            new: nn.Module = ColumnParallelLinear(module, comm, gather_output=gather,
+                                                  sequence_parallel=sequence_parallel and not gather)
         else:
-            new = RowParallelLinear(module, comm, input_is_parallel=style is Style.ROW)
+            new = RowParallelLinear(module, comm, input_is_parallel=style is Style.ROW,
+                                    sequence_parallel=sequence_parallel and style is Style.ROW)
         state.split[f"{name}.weight"] = (dim, tuple(module.weight.shape))
         if module.bias is not None and dim == 0:
             state.split[f"{name}.bias"] = (0, tuple(module.bias.shape))
@@ -260,5 +266,10 @@ def shard_model(model: nn.Module, plan: Plan, comm: Comm) -> TensorParallelState
     if not state.split:
         raise ConfigError(f"tensor_parallel: {plan.source} matches no linear layer of {type(model).__name__}; "
                           "check the patterns against model.named_modules().")
+    if sequence_parallel:
+        from zeroshard.tensor.sequence import enable_sequence_parallel
+
+        enable_sequence_parallel(model, comm, set(state.split))
+    state.sequence_parallel = sequence_parallel
     _STATES[model] = state
     return state

@@ -27,10 +27,11 @@ from zeroshard.zero.stage0 import broadcast_module_state
 from zeroshard.zero.strategy import ModelParallelNorm
 
 _RECORDED: weakref.WeakKeyDictionary[nn.Module, tuple[int, torch.dtype | None]] = weakref.WeakKeyDictionary()
+_SEQUENCE_PARALLEL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None,
-                  config: Any = None, **kwargs: Any) -> nn.Module:
+                  config: Any = None, *, sequence_parallel: bool = False, **kwargs: Any) -> nn.Module:
     """Record tensor-parallel arguments for `initialize`, as DeepSpeed 0.19.8's `tp_model_init`
     does (the model is sharded in `initialize`, where the groups exist).
 
@@ -40,6 +41,8 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
         dtype: the training dtype; must agree with the config's precision (fp16 / bf16 / fp32).
         config: the ds_config (a mapping, as Transformers' Trainer passes it) or None; its
             `tensor_parallel.autotp_size`, when set, must equal `tp_size`.
+        sequence_parallel: zeroshard's option: keep the residual stream cut along the sequence
+            between tensor-parallel regions (tensor/sequence.py; Hugging Face layouts).
         kwargs: DeepSpeed's other arguments (`tp_group`, ...): anything given raises NotSupportedError.
 
     Returns:
@@ -61,6 +64,8 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
             raise ConfigError(f"tp_model_init(tp_size={tp_size}) and the config's tensor_parallel.autotp_size "
                               f"({size}) disagree; make them equal.")
     _RECORDED[model] = (tp_size, dtype)
+    if sequence_parallel:
+        _SEQUENCE_PARALLEL.add(model)
     return model
 
 
@@ -125,7 +130,7 @@ def layout_for_tensor_parallel(world: ProcessGroups, world_comm: Comm, model: nn
     if state is None:
         plan = resolve_plan(model, config)
         broadcast_module_state(model, world_comm)  # every tp rank cuts its piece from the same weights
-        state = shard_model(model, plan, tp_comm)
+        state = shard_model(model, plan, tp_comm, sequence_parallel=model in _SEQUENCE_PARALLEL)
     elif state.size != tp_size:
         raise ConfigError(f"the model is already split over {state.size} tensor-parallel ranks; the config asks "
                           f"for {tp_size}.")
