@@ -99,10 +99,6 @@ class _JoinSeq(torch.autograd.Function):
         return _chunk(grad, ctx.comm), None
 
 
-def gather_seq(x: Tensor, comm: "Comm") -> Tensor:
-    return _GatherSeq.apply(x, comm)
-
-
 def reduce_scatter_seq(x: Tensor, comm: "Comm") -> Tensor:
     return _ReduceScatterSeq.apply(x, comm)
 
