@@ -50,9 +50,10 @@ STAGES: dict[str, list[str]] = {
     # Rank 0 prints; the others run the same tests silently (a failure on any rank fails the run).
     "dist2": torchrun(2, *PYTEST, "tests/dist", rank0_output=True),
     "dist3": torchrun(3, *PYTEST, "tests/dist", rank0_output=True),
-    # Pipeline x data parallelism needs 4 ranks (PP 2 x DP 2, and PP 4); the rest of tests/dist
-    # runs at 1-3 ranks, so this stage runs only the pipeline file.
-    "dist4": torchrun(4, *PYTEST, "tests/dist/test_pipeline.py", rank0_output=True),
+    # Pipeline x data (PP 2 x DP 2, PP 4) and tensor x data parallelism (TP 2 x DP 2) need 4 ranks;
+    # the rest of tests/dist runs at 1-3 ranks, so this stage runs only those files.
+    "dist4": torchrun(4, *PYTEST, "tests/dist/test_pipeline.py", "tests/dist/test_tensor_parallel.py",
+                      rank0_output=True),
     "launch": [sys.executable, *PYTEST, "tests/launch"],
 }
 # Opt-in: zeroshard against DeepSpeed 0.19 on the same cases (tests/differential/harness.py).

@@ -30,10 +30,11 @@ _EXPORTS = {
     "CommError": "zeroshard.errors",
     "LaunchError": "zeroshard.errors",
     "DeepSpeedEngine": "zeroshard.runtime.engine",
+    "tp_model_init": "zeroshard.tensor",
 }
 
 _SUBMODULES = ("comm", "zero", "utils", "runtime", "checkpoint", "config", "estimate", "accelerator", "moe",
-               "checkpointing")
+               "checkpointing", "tensor")
 """DeepSpeed scripts reach these as attributes (`deepspeed.zero.Init`, `deepspeed.comm.get_rank`,
 `deepspeed.accelerator.get_accelerator()`, `deepspeed.checkpointing`)."""
 
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from zeroshard.errors import CommError, ConfigError, LaunchError, NotSupportedError, ZeroshardError
     from zeroshard.runtime.engine import ZeroEngine
     from zeroshard.runtime.initialize import initialize
+    from zeroshard.tensor import tp_model_init
 
 
 def __getattr__(name: str) -> Any:

@@ -29,7 +29,7 @@ from torch import nn
 
 import zeroshard
 import zeroshard.comm as zcomm
-from zeroshard.errors import CheckpointError, NotSupportedError
+from zeroshard.errors import CheckpointError, ConfigError, NotSupportedError
 from zeroshard.utils import (
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
@@ -242,7 +242,8 @@ def test_fp16_optimizer_carries_the_loss_scale(groups: Any) -> None:
 
 
 def test_initialize_accepts_deepspeed_arguments(groups: Any, shared_dir: Path, comm: Any) -> None:
-    with pytest.raises(NotSupportedError, match="mpu"):
+    # mpu= is accepted since issue 27 (tests/dist/test_tensor_parallel.py); an object that is not one is refused.
+    with pytest.raises(ConfigError, match=r"initialize\(mpu=...\): the object lacks get_model_parallel_rank"):
         zeroshard.initialize(model=make_model(0), config=api_config(0), mpu=object())
     path = shared_dir / "ds_config.json"
     if groups.rank == 0:

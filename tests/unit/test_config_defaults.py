@@ -94,6 +94,17 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     # runtime/config.py get_torch_autocast_* (no section: disabled, dtype and modules None)
     "torch_autocast.enabled": False, "torch_autocast.dtype": None,
     "torch_autocast.lower_precision_safe_modules": None,
+    # runtime/tensor_parallel/config.py (TPTrainingConfig, TPConfig); partition_config: the keys
+    # module_inject/autotp_config.py's AutoTPConfig.from_dict reads, with its defaults
+    "tensor_parallel.autotp_size": 0, "tensor_parallel.tp_overlap_comm": False,
+    "tensor_parallel.vocab_parallel_lm_head": None, "tensor_parallel.vocab_parallel_ce_backend": "torch",
+    "tensor_parallel.tensor_parallel.tp_size": 1, "tensor_parallel.tensor_parallel.tp_grain_size": 1,
+    "tensor_parallel.preset_model": None, "tensor_parallel.keep_module_on_host": False,
+    "tensor_parallel.replace_with_kernel_inject": False, "tensor_parallel.injection_policy_tuple": None,
+    "tensor_parallel.partition_config.use_default_specs": True, "tensor_parallel.partition_config.layer_specs": (),
+    "tensor_parallel.partition_config.tp_size": 1, "tensor_parallel.partition_config.embedding_partition_dim": 1,
+    "tensor_parallel.partition_config.lm_head_patterns": ("lm_head", "embed_out"),
+    "tensor_parallel.partition_config.strict_mode": False,
     # runtime/swap_tensor/constants.py
     "aio.block_size": 1_048_576, "aio.queue_depth": 8, "aio.intra_op_parallelism": 1, "aio.single_submit": False,
     "aio.overlap_events": True, "aio.use_gds": False,
@@ -297,6 +308,20 @@ def _deepspeed_values() -> dict[str, Any]:
                 "disable_allgather", "memory_breakdown", "dataloader_drop_last"):
         got[key] = getattr(c, key.upper() + "_DEFAULT")
     got["optimizer.legacy_fusion"] = c.LEGACY_FUSION_DEFAULT
+    from deepspeed.module_inject.autotp_config import AutoTPConfig
+    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
+
+    tpc = TPTrainingConfig()
+    for key in ("autotp_size", "tp_overlap_comm", "vocab_parallel_lm_head", "vocab_parallel_ce_backend",
+                "preset_model", "keep_module_on_host", "replace_with_kernel_inject", "injection_policy_tuple"):
+        got[f"tensor_parallel.{key}"] = getattr(tpc, key)
+    for key in ("tp_size", "tp_grain_size"):
+        got[f"tensor_parallel.tensor_parallel.{key}"] = getattr(tpc.tensor_parallel, key)
+    part = AutoTPConfig.from_dict({})
+    for key in ("use_default_specs", "tp_size", "embedding_partition_dim", "strict_mode"):
+        got[f"tensor_parallel.partition_config.{key}"] = getattr(part, key)
+    got["tensor_parallel.partition_config.layer_specs"] = tuple(part.layer_specs)
+    got["tensor_parallel.partition_config.lm_head_patterns"] = tuple(part.lm_head_patterns)
     got["torch_autocast.enabled"] = c.TORCH_AUTOCAST_ENABLED_DEFAULT
     from deepspeed.runtime.config import get_lower_precision_safe_modules, get_torch_autocast_dtype
     got["torch_autocast.dtype"] = get_torch_autocast_dtype({})

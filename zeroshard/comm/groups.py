@@ -352,6 +352,24 @@ def current_groups() -> ProcessGroups | None:
     return _GROUPS
 
 
+def wrap_process_group(groups: ProcessGroups, group: dist.ProcessGroup | None, rank: int,
+                       world_size: int) -> ProcessGroups:
+    """ProcessGroups over a group the script built itself (a Megatron mpu's data- or
+    model-parallel group); `rank` / `world_size` are this rank's position in it and its size.
+
+    Raises:
+        CommError: the group's own rank or size disagrees with the given ones.
+    """
+    if world_size > 1 and group is not None and dist.is_initialized():
+        real = (dist.get_rank(group), dist.get_world_size(group))
+        if real != (rank, world_size):
+            raise CommError(f"a process group says rank {real[0]} of {real[1]}, its owner says {rank} of "
+                            f"{world_size}; pass the group that matches the reported rank and size.")
+        tracker_for(group, rank, world_size, lambda _g: None)
+    return replace(groups, rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
+                   dp_group=group if world_size > 1 else None)
+
+
 def destroy_distributed() -> None:
     """Leave the process group created by :func:`init_distributed` (not one the script made)."""
     global _GROUPS, _OWNS_GROUP

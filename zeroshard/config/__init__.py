@@ -4,7 +4,7 @@ Layer 1 of zeroshard: imports nothing of ours but `zeroshard.errors`. See docs/c
 """
 
 from zeroshard.config.batch import BatchSizes, solve_batch
-from zeroshard.config.load import load_config, read_config_file
+from zeroshard.config.load import load_config, read_config_file, tensor_parallel_size
 from zeroshard.config.schema import (
     ActivationCheckpointingConfig,
     AioConfig,
@@ -34,6 +34,7 @@ from zeroshard.config.schema_optim import (
 from zeroshard.config.schema_zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
+    "tensor_parallel_size",
     "ActivationCheckpointingConfig",
     "AdamParams",
     "AioConfig",

@@ -114,6 +114,14 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "bf16.bf16_master_weights_and_grads": ("zero/build.py::cfg.bf16.bf16_master_weights_and_grads",),
     "bf16.bf16_optimizer_states": ("zero/build.py::cfg.bf16.bf16_optimizer_states",),
     "checkpoint.use_node_local_storage": ("runtime/initialize.py::cfg.checkpoint.use_node_local_storage",),
+    "tensor_parallel.autotp_size": ("runtime/initialize.py::cfg.tensor_parallel.size",),
+    "tensor_parallel.tensor_parallel.tp_size": ("runtime/initialize.py::cfg.tensor_parallel.size",),
+    "tensor_parallel.preset_model": ("tensor/plan.py::config.preset_model",),
+    "tensor_parallel.vocab_parallel_lm_head": ("tensor/plan.py::config.vocab_parallel_lm_head",),
+    "tensor_parallel.partition_config.layer_specs": ("tensor/plan.py::part.layer_specs",),
+    "tensor_parallel.partition_config.use_default_specs": ("tensor/plan.py::part.use_default_specs",),
+    "tensor_parallel.partition_config.strict_mode": ("tensor/plan.py::part.strict_mode",),
+    "tensor_parallel.partition_config.lm_head_patterns": ("tensor/plan.py::part.lm_head_patterns",),
     "torch_autocast.enabled": ("runtime/autocast.py::section.enabled",),
     "pipeline.activation_checkpoint_interval": ("runtime/pipe_engine.py",),
     "pipeline.use_reentrant": ("runtime/pipe_engine.py",),
@@ -212,6 +220,16 @@ NO_EFFECT: dict[str, str] = {
     "zeroshard's pipelines have no tensor parallelism, so there is nothing to split.",
     "pipeline.grad_partitioned": "splits stage-to-stage gradients over tensor-parallel ranks in DeepSpeed; "
     "zeroshard's pipelines have no tensor parallelism, so there is nothing to split.",
+    "tensor_parallel.tp_overlap_comm": "the all-reduce of a row-parallel layer's output feeds the next "
+    "operation directly, so there is no computation to overlap it with (zeroshard/tensor/layers.py).",
+    "tensor_parallel.tensor_parallel.tp_grain_size": "DeepSpeed's granularity of uneven splits (inactive in its "
+    "training path too); zeroshard splits evenly and refuses a dimension the size does not divide.",
+    "tensor_parallel.partition_config.tp_size": "overwritten by autotp_size, as in DeepSpeed "
+    "(AutoTPConfig.tp_size is set from it).",
+    "tensor_parallel.partition_config.embedding_partition_dim": "embeddings stay whole on every "
+    "tensor-parallel rank (as DeepSpeed's AutoTP keeps them), so there is no dimension to choose.",
+    "tensor_parallel.keep_module_on_host": "a loading option of DeepSpeed's inference path; zeroshard "
+    "splits the model in initialize and keeps each rank's pieces where the model was placed.",
     "optimizer.params[Adam].torch_adam": "zeroshard always uses torch's Adam (its fused kernel where "
     "available), which is what true asks DeepSpeed for.",
 }

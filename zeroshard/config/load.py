@@ -21,6 +21,7 @@ from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, describe_type, hint
 from zeroshard.config.parse import Draft, FieldSpec, parse_document
 from zeroshard.config.schema import Config
 from zeroshard.config.schema_optim import LambParams, OptimizerConfig, SchedulerConfig
+from zeroshard.config.schema_tp import check_tensor_parallel
 from zeroshard.config.stages import check_stages, idle_keys
 from zeroshard.config.support import check_supported
 from zeroshard.errors import ConfigError, NotSupportedError
@@ -204,6 +205,7 @@ def _check_cross_fields(cfg: Config) -> None:
                 'directory on the NVMe drive, e.g. "/local_nvme".'
             )
     check_bf16_master(cfg)
+    check_tensor_parallel(cfg.tensor_parallel)
 
 
 def check_bf16_master(cfg: Config) -> None:
@@ -308,3 +310,20 @@ def load_config(
     notes = check_stages(cfg)
     check_supported(cfg, draft.unmodelled, draft.pending, skip=idle_keys(cfg))
     return dataclasses.replace(cfg, notes=(*draft.notes, *notes))
+
+
+def tensor_parallel_size(raw: Mapping[str, Any]) -> int:
+    """The tensor-parallel size a raw ds_config asks for (1 without the section), read before
+    `load_config` so that the data-parallel world size (world / tp) can be given to it; the full
+    section is validated by `load_config`."""
+    section = raw.get("tensor_parallel") if isinstance(raw, Mapping) else None
+    if not isinstance(section, Mapping):
+        return 1
+    sizes = [section.get("autotp_size", 0)]
+    for sub in ("tp", "tensor_parallel"):
+        if isinstance(section.get(sub), Mapping):
+            sizes.append(section[sub].get("tp_size", 1))
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ConfigError(f"tensor_parallel: got size {show(s)}, expected a non-negative integer.")
+    return max(1, *sizes)

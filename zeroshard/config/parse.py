@@ -36,6 +36,8 @@ ALIASES: dict[str, str] = {
     "bfloat16": "bf16",
     "zero_optimization.stage3_gather_fp16_weights_on_model_save":
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "tensor_parallel.tp": "tensor_parallel.tensor_parallel",
+    "tensor_parallel.kernel_inject": "tensor_parallel.replace_with_kernel_inject",
 }
 """Legacy dotted key -> current dotted key (same parent section)."""
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from zeroshard.config.describe import describe_config
 from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, spec
 from zeroshard.config.schema_optim import OptimizerConfig, SchedulerConfig
+from zeroshard.config.schema_tp import TensorParallelConfig
 from zeroshard.config.schema_zero import ZeroConfig
 
 DType = Literal["fp32", "fp16", "bf16"]
@@ -334,6 +335,8 @@ class Config:
     """Checkpoint options."""
     pipeline: PipelineConfig = spec(default_factory=PipelineConfig)
     """Pipeline parallelism (a PipelineModule given to initialize())."""
+    tensor_parallel: TensorParallelConfig = spec(default_factory=TensorParallelConfig)
+    """AutoTP tensor parallelism (zeroshard/tensor/); ZeRO partitions over the data-parallel ranks."""
     zero_allow_untested_optimizer: bool = False
     """DeepSpeed refuses client optimizers it has not tested with ZeRO unless true. zeroshard
     partitions any torch.optim optimizer, so the flag is accepted and has no effect."""

@@ -50,6 +50,14 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     *(Unsupported(key=f"checkpoint.{k}", why=f"checkpoint.{k} is not implemented (zeroshard's checkpoints "
                   "are one directory per tag, resharded on load).", fix="Remove the key.")
       for k in ("load_universal", "parallel_write", "checkpoint_serialization")),
+    Unsupported(key="tensor_parallel.vocab_parallel_lm_head", allowed=(None, False),
+                why="a vocabulary-parallel head and loss are not built (an untied head is column-parallel with "
+                "its output gathered).", fix="Set it to null or false."),
+    *(Unsupported(key=f"tensor_parallel.{k}", why=why, fix="Remove the key.") for k, why in (
+        ("vocab_parallel_ce_backend", "the vocabulary-parallel cross entropy is not built."),
+        ("replace_with_kernel_inject", "DeepSpeed's inference kernels are not provided."),
+        ("injection_policy_tuple", "legacy injection policies are not read; give partition_config layer specs."),
+    )),
     Unsupported(key="optimizer.legacy_fusion", why="DeepSpeed's legacy fused optimizers are not provided.",
                 fix="Remove the key."),
     Unsupported(key="optimizer.params.bias_correction", allowed=(True,),
@@ -96,7 +104,7 @@ UNMODELLED: dict[str, str] = {
         "amp", "flops_profiler", "autotuning", "eigenvalue", "progressive_layer_drop",
         "curriculum_learning", "data_efficiency", "sparse_attention", "compression_training",
         "hybrid_engine", "nebula", "datastates", "elasticity", "weight_quantization", "compile",
-        "tensor_parallel", "comet", "quantize_training", "graph_harvesting", "timers",
+        "comet", "quantize_training", "graph_harvesting", "timers",
         "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "vocabulary_size",
         "managed_gradient_accumulation", "disable_python_gc", "expert_parallel", "log_level",
         "zero_optimization.zenflow", "zero_optimization.zeropp_loco_param", "zero_optimization.leaf_module",
@@ -115,9 +123,6 @@ def _all_off(value: Any, gates: Mapping[str, tuple[Any, ...]]) -> bool:
 OFF_VALUES: dict[str, Callable[[Any], bool]] = {
     # DeepSpeed's `compile` options all tune DeepCompile; deepcompile false asks for nothing.
     "compile": lambda v: _all_off(v, {"deepcompile": (False,)}),
-    # autotp_size 0 (DeepSpeed's default) or 1 means no tensor parallelism.
-    "tensor_parallel": lambda v: _all_off(v, {"autotp_size": (0, 1), "tp_size": (1,)})
-    and _all_off(v.get("tp", v.get("tensor_parallel", {})) or {}, {"tp_size": (1,)}),
     # Sequence parallelism is not built; its communication dtype at DeepSpeed's default asks nothing.
     "seq_parallel_communication_data_type": lambda v: v in ("fp32", "float32", "torch.float32"),
     "managed_gradient_accumulation": lambda v: v is True,
@@ -130,7 +135,6 @@ key -> predicate that is true when the value asks for nothing."""
 
 OFF_HINTS: dict[str, str] = {
     "compile": 'Remove it, or set "deepcompile": false.',
-    "tensor_parallel": 'Remove it, or set "autotp_size": 1 (no tensor parallelism).',
     "seq_parallel_communication_data_type": 'Remove it, or set it to "fp32" (DeepSpeed\'s default).',
     "managed_gradient_accumulation": "Remove it, or set it to true (DeepSpeed's default).",
     "log_level": 'Remove it, and set the level of the "zeroshard" logger in the script '

@@ -38,6 +38,7 @@ from zeroshard.zero.units import ZeroParameter
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, ProcessGroups
     from zeroshard.config import Config
+    from zeroshard.tensor.setup import ParallelLayout
 
 logger = logging.getLogger("zeroshard")
 
@@ -436,6 +437,8 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
 
     checkpointer: Checkpointer | None = None
     """Writes and reads checkpoints; set by `zeroshard.initialize` (a ShardedCheckpointer)."""
+    parallel: "ParallelLayout | None" = None
+    """The data- and model-parallel groups (zeroshard/tensor/setup.py); set by `zeroshard.initialize`."""
 
     def state(self, *, include_frozen: bool = False) -> EngineState:
         """This rank's state for a checkpoint: views of the live tensors plus the Manifest."""

@@ -98,7 +98,9 @@ class EngineQueries:
 
     @property
     def mp_world_size(self) -> int:
-        return 1  # no model parallelism (initialize refuses mpu=)
+        """Ranks holding pieces of one model replica (the tensor-parallel size; 1 without)."""
+        parallel = getattr(self, "parallel", None)
+        return parallel.mp_comm.world_size if parallel is not None and parallel.mp_comm is not None else 1
 
     @property
     def data_parallel_group(self) -> Any:

@@ -14,8 +14,8 @@ from torch import nn
 from zeroshard.arguments import config_path_from_args
 from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
 from zeroshard.comm.groups import node_leader
-from zeroshard.comm.topology import MeshGroups, Topology, build_mesh
-from zeroshard.config import Config, load_config, read_config_file
+from zeroshard.comm.topology import Topology, build_mesh
+from zeroshard.config import Config, load_config, read_config_file, tensor_parallel_size
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.optim.factory import (
     adopt_client_optimizer,
@@ -35,6 +35,14 @@ from zeroshard.runtime.engine import ZeroEngine
 from zeroshard.runtime.loss_scaler import build_loss_scaler
 from zeroshard.runtime.monitor import build_sinks, format_bytes, setup_logging
 from zeroshard.runtime.pipe_engine import PipelineEngine, PipeParts
+from zeroshard.tensor.setup import (
+    ParallelLayout,
+    check_mpu,
+    layout_for_mpu,
+    layout_for_tensor_parallel,
+    recorded_tp,
+    resolve_tp_size,
+)
 from zeroshard.zero import ZeroStrategy, broadcast_module_state
 from zeroshard.zero.build import build_strategy
 from zeroshard.zero.init_partition import init_partitioned, move_unpartitioned
@@ -114,8 +122,10 @@ def initialize(
             the config's `scheduler`.
         distributed_port: the rendezvous port when the launcher's environment has none
             (DeepSpeed's argument; `MASTER_PORT` wins when set).
-        mpu: model-parallel unit (tensor / pipeline parallelism): not supported yet; anything
-            but None raises NotSupportedError.
+        mpu: a Megatron-style model-parallel unit (`get_model_parallel_rank/world_size/group`,
+            `get_data_parallel_rank/world_size/group`): ZeRO partitions over its data-parallel
+            group and the gradient norm spans its model-parallel group (parameters the script
+            split carry `tensor_model_parallel = True`, the others are counted once).
         dist_init_required: accepted for DeepSpeed scripts; zeroshard joins the launcher's
             process group when none exists and reuses the script's own otherwise.
         collate_fn: collate function of the returned data loader.
@@ -132,7 +142,7 @@ def initialize(
     Raises:
         ConfigError: the config is invalid, names an unsupported feature, or has an "auto"
             value nothing can resolve.
-        NotSupportedError: `mpu` or `mesh_param` was given.
+        NotSupportedError: `mesh_param` was given, or `mpu` together with `tensor_parallel`.
 
     Example::
 
@@ -147,9 +157,7 @@ def initialize(
     if model is None:
         raise ConfigError("initialize() needs model=")
     if mpu is not None:
-        raise NotSupportedError(
-            "initialize(mpu=...): model parallelism (tensor / pipeline) is not supported by "
-            "zeroshard yet; drop mpu= to train with ZeRO data parallelism only")
+        check_mpu(mpu)
     if mesh_param is not None:
         raise NotSupportedError(
             f"initialize(mesh_param={mesh_param!r}): device meshes (sequence / tensor parallelism) "
@@ -162,14 +170,24 @@ def initialize(
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
     world = init_distributed()
     setup_logging(world.rank)
-    # The one source of process groups (comm/topology.py): a PipelineModule brings its pp x dp
-    # topology; ZeRO, the data loader and the batch arithmetic see the dp axis.
     pipe_module = model if isinstance(model, PipelineModule) else None
-    topology = pipe_module.mesh_topology if pipe_module is not None else Topology.for_world(world.world_size)
-    mesh = build_mesh(world, topology)
-    groups = mesh.axis("dp")
+    tp_size = max(tensor_parallel_size(raw_config), (recorded_tp(model) or (1, None))[0])
+    if mpu is not None and tp_size > 1:
+        raise NotSupportedError(
+            "not supported yet: initialize(mpu=...) together with tensor_parallel (AutoTP over an mpu's "
+            "groups); drop mpu= to let zeroshard build the groups, or drop the tensor_parallel section.")
+    if pipe_module is not None and (tp_size > 1 or mpu is not None):
+        raise NotSupportedError(
+            "not supported yet: a PipelineModule together with tensor_parallel or mpu= (3D parallelism); "
+            "train the PipelineModule with pipeline x data parallelism, or drop the pipeline.")
+    if mpu is not None:
+        dp_world = int(mpu.get_data_parallel_world_size())
+    elif pipe_module is not None:
+        dp_world = pipe_module.mesh_topology.dp
+    else:
+        dp_world = max(world.world_size // tp_size, 1)
     auto = dict(client_auto_values(optimizer))
-    cfg = load_config(source, dp_world_size=groups.world_size,
+    cfg = load_config(source, dp_world_size=dp_world,
                       hidden_size=model_hidden_size(model), auto_values=auto)
     logger.info(
         "resolved config (values not at their DeepSpeed default, with their source; "
@@ -181,6 +199,7 @@ def initialize(
 
     configure_from_config(cfg)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
+    tp_size = resolve_tp_size(model, cfg.tensor_parallel.size, dtype or torch.float32)
     if any(init_partitioned(p) for p in model.parameters()):
         if cfg.zero_optimization.stage != 3:
             raise ConfigError(
@@ -188,25 +207,30 @@ def initialize(
                 f"which needs zero_optimization.stage 3; the config says stage "
                 f"{cfg.zero_optimization.stage}. Set stage to 3, or build the model without zero.Init."
             )
-        move_unpartitioned(model, groups.device, dtype)
+        move_unpartitioned(model, world.device, dtype)
     elif dtype:
-        model.to(device=groups.device, dtype=dtype)
+        model.to(device=world.device, dtype=dtype)
     else:
-        model.to(groups.device)
+        model.to(world.device)
     comms = cfg.comms_logger
-    comm = Comm(groups, log=CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
-                if comms.enabled else None)
-    check_same_config(cfg, _world_comm(mesh, comm))  # the first collective: before anything trains on it
+    world_comm = Comm(world, log=CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
+                      if comms.enabled else None)
+    check_same_config(cfg, world_comm)  # the first collective: before anything trains on it
+    layout = _parallel_layout(world, world_comm, model, cfg, tp_size, mpu, pipe_module)
+    groups = layout.dp  # ZeRO, the batch and the data loader run over the data-parallel ranks
+    comm = world_comm if groups is world else Comm(groups, log=world_comm.log, label="dp")
     broadcast_module_state(model, comm)
-    pipe = PipeParts(pipe_module, cfg, mesh) if pipe_module is not None else None  # before the strategy's hooks
+    pipe = PipeParts(pipe_module, cfg, layout.mesh) if pipe_module is not None else None  # before the strategy's hooks
     param_groups = _param_groups(model, model_parameters)
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
-    # The pipeline engine sums its stages' norms itself (tied weights once: Note: [pipeline
-    # gradient norm] in runtime/pipe_engine.py), so its strategies sum over tp only.
-    norm_axes = ("tp",) if pipe is not None else ("pp", "tp")
-    strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units,
-                              model_parallel=_model_parallel_comm(mesh, comm, norm_axes))
+    strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units)
+    norm = layout.norm(model)
+    if norm is not None:
+        strategy.set_model_parallel_norm(norm)
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
+    if isinstance(opt, OneBitOptimizer) and layout.mp_comm is not None:
+        raise NotSupportedError(f"not supported yet: optimizer {type(opt).__name__} with tensor parallelism or an "
+                                "mpu (its compressed stage computes the norm of local gradients only); use Adam/AdamW.")
     if isinstance(opt, OneBitOptimizer):  # it all-reduces the momentum itself, after its warm-up
         opt.attach(comm, strategy)
     if opt is not None:
@@ -233,11 +257,31 @@ def initialize(
     engine_cls, extra = (ZeroEngine, {}) if pipe is None else (PipelineEngine, {"pipe": pipe})
     engine = engine_cls(
         **extra, module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,
-        lr_scheduler=sched, loss_scaler=scaler, sinks=build_sinks(cfg, groups.rank),
+        lr_scheduler=sched, loss_scaler=scaler, sinks=build_sinks(cfg, world.rank),
         training_dataloader=loader, raw_config=raw_config)
+    engine.parallel = layout
     engine.checkpointer = _checkpointer(comm, cfg.checkpoint.use_node_local_storage)
+    if layout.tp is not None:  # files per world rank, keyed by global parameter names (tensor/checkpoint.py)
+        from zeroshard.tensor.checkpoint import TensorParallelCheckpointer
+
+        engine.checkpointer = TensorParallelCheckpointer(
+            _checkpointer(world_comm, cfg.checkpoint.use_node_local_storage), layout.tp, world.rank, world.world_size)
     _log_start(engine, groups)
     return engine, opt, loader, sched
+
+
+def _parallel_layout(world: ProcessGroups, world_comm: Comm, model: nn.Module, cfg: Config, tp_size: int,
+                     mpu: Any, pipe_module: PipelineModule | None) -> ParallelLayout:
+    """The groups this rank trains with, all from comm/topology.py's mesh (or an `mpu`): plain data
+    parallelism, pipeline x data (the PipelineModule's topology), AutoTP (the model is split over
+    the mesh's tp axis here), or a Megatron `mpu`'s groups."""
+    if mpu is not None:
+        return layout_for_mpu(world, world_comm, mpu)
+    if tp_size > 1:
+        return layout_for_tensor_parallel(world, world_comm, model, cfg.tensor_parallel, tp_size)
+    topology = pipe_module.mesh_topology if pipe_module is not None else Topology.for_world(world.world_size)
+    mesh = build_mesh(world, topology)
+    return ParallelLayout(world=world, dp=mesh.axis("dp"), mp_comm=None, mp_rank=0, mesh=mesh)
 
 
 def _check_optimizer_present(cfg: Config, optimizer: Any, model_parameters: Any,
@@ -260,18 +304,6 @@ def _check_optimizer_present(cfg: Config, optimizer: Any, model_parameters: Any,
             f"optimizer=, but {' and '.join(asks)} ask(s) for training. Add an \"optimizer\" "
             "section (e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}) or pass optimizer=; "
             "for inference only, leave out model_parameters=, training_data= and schedulers.")
-
-
-def _world_comm(mesh: MeshGroups, dp: Comm) -> Comm:
-    """A Comm over every rank (the config check): `dp` itself while dp spans the world."""
-    return dp if dp.groups is mesh.world else Comm(mesh.world, timeout_s=dp.timeout_s, log=dp.log)
-
-
-def _model_parallel_comm(mesh: MeshGroups, dp: Comm, axes: tuple[str, ...]) -> Comm | None:
-    """The group along `axes` (pp x tp by default) the gradient norm also sums over (Note: [norm
-    groups] in zero/strategy.py); None while it is this rank alone."""
-    mp = mesh.axes(*axes)
-    return Comm(mp, timeout_s=dp.timeout_s, log=dp.log, label="*".join(axes)) if mp.world_size > 1 else None
 
 
 def _checkpointer(comm: Comm, node_local: bool) -> Checkpointer:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -16,15 +17,20 @@ from torch import Tensor, nn
 from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.units import ZeroParameter
 
+if TYPE_CHECKING:
+    from zeroshard.tensor.setup import ParallelLayout
+
 logger = logging.getLogger("zeroshard")
 
 
 class ModelExport:
-    """`save_16bit_model` / `save_fp16_model` / `_zero3_consolidated_16bit_state_dict`."""
+    """`save_16bit_model` / `save_fp16_model` / `_zero3_consolidated_16bit_state_dict` /
+    `_consolidated_16bit_state_dict`."""
 
     # Provided by ZeroEngine and EngineQueries: `module`, `rank`, `zero_gather_16bit_weights_on_model_save()`.
     module: nn.Module
     rank: int
+    parallel: "ParallelLayout | None"
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Tensor] | None:
         """The whole model's state_dict in its training dtype, on CPU, on rank 0 (None on the
@@ -34,6 +40,8 @@ class ModelExport:
         Tied parameters stay one tensor under each of their names.
         """
         state = self.module.state_dict(keep_vars=True)
+        tp = self.parallel.tp if self.parallel is not None else None
+        first = self.rank == 0 and (self.parallel is None or self.parallel.mp_rank == 0)
         out: dict[str, Tensor] = {}
         done: dict[int, Tensor] = {}
         for name, value in state.items():
@@ -41,10 +49,18 @@ class ModelExport:
                 continue
             if id(value) not in done:
                 with GatheredParameters([value] if isinstance(value, ZeroParameter) else []):
-                    # Only rank 0 keeps a copy; the others take part in the gather.
-                    done[id(value)] = value.detach().to("cpu", copy=True) if self.rank == 0 else value
+                    # Tensor-parallel pieces are joined into the whole weight (DeepSpeed writes rank 0's
+                    # pieces); only the first rank keeps a copy, the others take part in the gathers.
+                    whole = tp.full(name, value) if tp is not None else value
+                    done[id(value)] = whole.detach().to("cpu", copy=True) if first else value
             out[name] = done[id(value)]
-        return out if self.rank == 0 else None
+        return out if first else None
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Tensor] | None:
+        """DeepSpeed's name for the whole model's 16-bit state_dict under tensor parallelism
+        (Accelerate's `get_state_dict` calls it): the same as `_zero3_consolidated_16bit_state_dict`,
+        which joins tensor-parallel pieces and stage-3 shards alike."""
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

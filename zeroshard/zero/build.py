@@ -68,11 +68,11 @@ def _hpz_size(size: int, groups: "ProcessGroups") -> int:
 
 def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
                    groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None = None,
-                   model_parallel: "Comm | None" = None) -> ZeroStrategy:
+                   ) -> ZeroStrategy:
     """The strategy for `cfg.zero_optimization.stage` over the trainable `params`.
 
     `comm` and `groups` are the data-parallel group (``MeshGroups.axis("dp")``, comm/topology.py);
-    `model_parallel` the pp x tp group the gradient norm also sums over (``axes("pp", "tp")``).
+    the norm's model-parallel sum is set afterwards (`set_model_parallel_norm`, Note: [norm groups]).
 
     `units` (stage 3): modules or module classes gathered as one; default: every block of a
     ModuleList, plus the root.
@@ -91,7 +91,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     if zero.stage == 0:
         return Stage0Strategy(params, comm=comm, world_size=groups.world_size, grad_dtype=grad_dtype,
                               comm_dtype=comm_dtype, reduce_bucket_numel=int(zero.reduce_bucket_size),
-                              prescale_factor=prescale, model_parallel=model_parallel)
+                              prescale_factor=prescale)
     if zero.stage in (1, 2):
         options = PartitionOptions(
             grad_dtype=grad_dtype,
@@ -104,7 +104,6 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             allgather_partitions=bool(zero.allgather_partitions),
             offload=OffloadPolicy.from_config(zero.offload_optimizer, sub_group_size=int(zero.sub_group_size),
                                               aio=cfg.aio),
-            model_parallel=model_parallel,
         )
         cls = Stage1Strategy if zero.stage == 1 else Stage2Strategy
         return cls(params, comm=comm, rank=groups.rank, world_size=groups.world_size, options=options)
@@ -127,7 +126,6 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             quantized_weights=bool(zero.zero_quantized_weights),
             node_size=node_size(groups),
             hpz_size=_hpz_size(int(zero.zero_hpz_partition_size), groups),
-            model_parallel=model_parallel,
         )
         # DeepSpeed's default leaf classes (its MoE blocks) are units; marks set by
         # set_z3_leaf_modules are kept. (`zero_optimization.leaf_module` is refused by name.)

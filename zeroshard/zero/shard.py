@@ -28,10 +28,10 @@ from zeroshard.zero.strategy import (
     BytesByHome,
     GradStats,
     MasterFragment,
+    ModelParallelNorm,
     ZeroStrategy,
     attach_grads,
     sum_of_squares,
-    sum_over_model_parallel,
     unscale_and_clip,
 )
 
@@ -60,9 +60,8 @@ class OptimizerShard:
                  trainable: Sequence[bool], lp: Tensor, lp_is_flat: bool, device: torch.device,
                  policy: OffloadPolicy, lp_policy: OffloadPolicy = OffloadPolicy(),
                  grad_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32,
-                 whole_grads: Tensor | None = None, model_parallel: "Comm | None" = None) -> None:
+                 whole_grads: Tensor | None = None) -> None:
         self._plan, self._comm, self._rank = plan, comm, comm.rank
-        self._model_parallel = model_parallel  # the norm's second sum (Note: [norm groups])
         self._params, self._policy = list(params), policy
         self._device = device  # the model's device (collectives, the norm)
         self._lp, self._lp_is_flat = lp, lp_is_flat
@@ -72,6 +71,7 @@ class OptimizerShard:
         if policy.nvme is not None:  # the master lives in swap files; fragments alias `lp`
             self._separate = False
         self._swap_optimizer: "SwapAdam | None" = None
+        self.model_parallel: ModelParallelNorm | None = None  # set by the engine's builder under TP
         self.master: Tensor | None = None  # 1D master_dtype, shard_numel, at the policy's home
         if self._separate:
             self.master = policy.allocate(plan.shard_numel, master_dtype, self._device, zero=False)
@@ -156,8 +156,12 @@ class OptimizerShard:
         and clip in place and give the fragments their gradients (Note: [norm rounding])."""
         views = self._grad_views()
         sq = sum_of_squares(views).to(self._device)
+        mp = self.model_parallel
+        if mp is not None and mp.duplicates:  # before the dp sum: each rank drops its own fragments' squares
+            sq -= sum_of_squares(self._duplicate_grads(mp.duplicates)).to(self._device)
         self._comm.all_reduce(sq)
-        sum_over_model_parallel(sq, self._model_parallel)
+        if mp is not None:  # Note: [norm groups] in zero/strategy.py
+            sq = mp.finish(sq, ())
         mult = grad_scale * prescale_factor / self._comm.world_size
         stats = unscale_and_clip(views, sq.item(), mult, max_norm)
         # The NVMe step reads the full-precision gradient shard itself (SwapAdam(grads=...)), and
@@ -166,6 +170,9 @@ class OptimizerShard:
         if not stats.overflow and self._swap_optimizer is None:
             attach_grads(self.fragment_params, self._fragment_grads)
         return stats
+
+    def _duplicate_grads(self, ids: frozenset[int]) -> list[Tensor]:
+        return [g for f, g in zip(self._fragments, self._fragment_grads) if id(self._params[f.param_index]) in ids]
 
     def fragment_grads(self, grad_scale: float, prescale_factor: float) -> list[Tensor]:
         """Each fragment's reduced gradient as a new 1-D fp32 tensor, averaged over ranks and
@@ -258,6 +265,10 @@ class ShardedStrategyBase(ZeroStrategy):
 
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
         return self._shard.prepare_step(grad_scale, max_norm, self._prescale_factor)
+
+    def set_model_parallel_norm(self, norm: ModelParallelNorm) -> None:
+        """Span the gradient norm over the model-parallel group too (zero/strategy.py)."""
+        self._shard.model_parallel = norm
 
     def checkpoint_fragments(self) -> list[MasterFragment]:
         return self._shard.checkpoint_fragments()

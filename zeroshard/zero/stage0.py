@@ -22,12 +22,12 @@ from zeroshard.zero.reduce import GradAccumulator, GradReducer, LaunchOrder, Red
 from zeroshard.zero.strategy import (
     GradStats,
     MasterFragment,
+    ModelParallelNorm,
     ModelStateBytes,
     ParamPiece,
     ZeroStrategy,
     attach_grads,
     sum_of_squares,
-    sum_over_model_parallel,
     unscale_and_clip,
 )
 
@@ -66,8 +66,6 @@ class Stage0Strategy(ZeroStrategy):
         reduce_bucket_numel: elements per all-reduce bucket (`reduce_bucket_size`).
         prescale_factor: divide gradients by this before the all-reduce
             (`gradient_predivide_factor` with `prescale_gradients`), 1.0 = reduce then average.
-        model_parallel: the pp x tp group the gradient norm also sums over (Note: [norm groups]
-            in zero/strategy.py); None or one rank: nothing to add.
     """
 
     def __init__(
@@ -80,7 +78,6 @@ class Stage0Strategy(ZeroStrategy):
         comm_dtype: torch.dtype | None,
         reduce_bucket_numel: int,
         prescale_factor: float = 1.0,
-        model_parallel: "Comm | None" = None,
     ) -> None:
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
@@ -88,7 +85,6 @@ class Stage0Strategy(ZeroStrategy):
         # is laid out reversed and buckets fill from its start during backward.
         self._params = list(reversed(params))
         self._comm = comm
-        self._model_parallel = model_parallel  # the norm's second sum (Note: [norm groups])
         self._world_size = world_size
         self._comm_dtype = comm_dtype
         self._prescale_factor = prescale_factor
@@ -106,6 +102,7 @@ class Stage0Strategy(ZeroStrategy):
         self._boundary = False
         self._reduce_grads = True  # set_grad_reduction: the 1-bit optimizers' compression stage
         self._reducing = True  # latched per micro-batch: whether this step's gradients are reduced
+        self._model_parallel: ModelParallelNorm | None = None
         for index, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(lambda t, i=index: self._on_grad_ready(i, t))
 
@@ -149,6 +146,10 @@ class Stage0Strategy(ZeroStrategy):
     def keeps_local_grads(self) -> bool:
         return True
 
+    def set_model_parallel_norm(self, norm: ModelParallelNorm) -> None:
+        """Span the gradient norm over the model-parallel group too (zero/strategy.py)."""
+        self._model_parallel = norm
+
     def set_grad_reduction(self, enabled: bool) -> None:
         """Reduce gradients across ranks (True, the default) or keep each rank's own (False).
 
@@ -189,16 +190,22 @@ class Stage0Strategy(ZeroStrategy):
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
         flat = self._grads.flat
         mult = self._grad_mult(grad_scale)
-        if self._reducing:
+        mp = self._model_parallel
+        if self._reducing and mp is not None:
+            # Identical on every dp rank; summed over the model-parallel group (zero/strategy.py).
+            dup = [self._grads.flat[o : o + n] for o, n, p in zip(self._layout.offsets, self._layout.numels,
+                                                                   self._params) if id(p) in mp.duplicates]
+            sq_sum = mp.finish(sum_of_squares([flat]), dup).item()
+        elif self._reducing:
             # The flat buffer holds the sum over ranks (identical on every rank): no collective.
-            sq_sum = sum_over_model_parallel(sum_of_squares([flat]), self._model_parallel).item()
+            sq_sum = sum_of_squares([flat]).item()
         else:
             # Local gradients (1-bit compression stage): the norm is the root mean square of the
             # ranks' local norms, sqrt(sum_r ||g_r||^2 / N), so every rank clips by the same
             # coefficient, and an inf/nan on any rank makes the sum non-finite everywhere.
             sq = sum_of_squares([flat])
             self._comm.all_reduce(sq, "sum")
-            sq_sum = sum_over_model_parallel(sq, self._model_parallel).item() / self._world_size
+            sq_sum = sq.item() / self._world_size
         stats = unscale_and_clip([flat], sq_sum, mult, max_norm)
         if not stats.overflow:
             attach_grads(self._master, self._grads.views)

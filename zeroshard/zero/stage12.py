@@ -53,8 +53,6 @@ class PartitionOptions:
     allgather_partitions: bool = True
     offload: OffloadPolicy = OffloadPolicy()
     """Home of master shard, gradient shard and optimizer state (`offload_optimizer`)."""
-    model_parallel: "Comm | None" = None
-    """The pp x tp group the gradient norm also sums over (Note: [norm groups] in zero/strategy.py)."""
 
 
 class PartitionedStrategy(ShardedStrategyBase):
@@ -85,8 +83,7 @@ class PartitionedStrategy(ShardedStrategyBase):
         self._shard = OptimizerShard(self._plan, comm, self._params, trainable=[True] * len(self._params),
                                      lp=self._flat_params, lp_is_flat=True, device=self._device,
                                      policy=options.offload, grad_dtype=options.grad_dtype,
-                                     master_dtype=options.master_dtype, whole_grads=self._whole_grads(),
-                                     model_parallel=options.model_parallel)
+                                     master_dtype=options.master_dtype, whole_grads=self._whole_grads())
         bucket_of = [b for b, (first, last) in enumerate(self._plan.buckets) for _ in range(first, last)]
         self._order = LaunchOrder(bucket_of, [last - first for first, last in self._plan.buckets], in_order=True)
         self._reducer = GradReducer(comm, ReduceOptions(

@@ -113,8 +113,6 @@ class Stage3Options:
     """hpZ (`zero_hpz_partition_size`): ranks per node holding a secondary partition that the
     gathers of forward and backward read (zero/gather.py, SecondaryPartition); 1 = off.
     zero/build.py checks it equals the node size and divides the world size."""
-    model_parallel: "Comm | None" = None
-    """The pp x tp group the gradient norm also sums over (Note: [norm groups] in zero/strategy.py)."""
 
 
 def _in_recompute() -> bool:
@@ -151,7 +149,7 @@ class Stage3Strategy(ShardedStrategyBase):
         self._shard = OptimizerShard(self._plan, comm, self._params, trainable=self._trainable, lp=self._shards.shard,
                                      lp_is_flat=False, device=self._device, policy=options.offload_optimizer,
                                      lp_policy=options.offload_param, grad_dtype=options.grad_dtype,
-                                     master_dtype=options.master_dtype, model_parallel=options.model_parallel)
+                                     master_dtype=options.master_dtype)
         self._init_reduction()
         self._exec = ExecutionOrder()
         self._prefetch = PrefetchPolicy(self._exec, [unit.full.numel() for unit in self._units],

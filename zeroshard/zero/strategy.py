@@ -28,7 +28,6 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
 
-
 _SQ_CHUNK_NUMEL = 1 << 16
 """Elements converted to float64 at a time: stays in cache, so the float64 sum costs ~2x the
 fp32 norm on CPU instead of ~40x for a float64 reduction over the whole tensor."""
@@ -55,22 +54,6 @@ def sum_of_squares(tensors: Sequence[Tensor]) -> Tensor:
     return acc.reshape(1)
 
 
-def sum_over_model_parallel(sq: Tensor, model_parallel: "Comm | None") -> Tensor:
-    """Add the other pipeline stages' and tensor-parallel shards' squares to `sq` (this rank's
-    data-parallel-reduced sum of squares), in place.
-
-    Note: [norm groups] The gradient norm is global: each stage first sums its squares over
-    its data-parallel group (the ranks holding the other parts of the same parameters), then
-    over `model_parallel`, the ranks that differ only in pipeline stage or tensor-parallel shard
-    (``MeshGroups.axes("pp", "tp")``, comm/topology.py). Two sums reach every rank of the world,
-    so an inf/nan anywhere makes every rank's norm non-finite: the overflow vote spans the world.
-    With pp = tp = 1 (today) the group is this rank alone and nothing is sent.
-    """
-    if model_parallel is not None and model_parallel.world_size > 1:
-        model_parallel.all_reduce(sq, "sum")
-    return sq
-
-
 def unscale_and_clip(grads: Sequence[Tensor], sq_sum: float, mult: float, max_norm: float) -> "GradStats":
     """The shared end of every stage's `prepare_step`.
 
@@ -85,6 +68,35 @@ def unscale_and_clip(grads: Sequence[Tensor], sq_sum: float, mult: float, max_no
     if mult * coef != 1.0:
         torch._foreach_mul_(list(grads), mult * coef)
     return GradStats(norm=norm, overflow=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelParallelNorm:
+    """How the gradient norm spans the model-parallel ranks.
+
+    Note: [norm groups] The gradient norm is global. ZeRO's strategy sums squares over its
+    data-parallel group (the ranks holding the other parts of the same parameters); then this
+    rank drops the squares of `duplicates` (parameters replicated across the model-parallel
+    group, counted by its first rank only) and the sum runs over `comm`, the tensor-parallel
+    group (``MeshGroups.axis("tp")``, comm/topology.py) or an `mpu`'s model-parallel group.
+    Pipeline stages are summed by the pipeline engine (Note: [pipeline gradient norm] in
+    runtime/pipe_engine.py), tied weights once. An inf/nan anywhere makes the sum non-finite on
+    every rank of the world, so the fp16 overflow vote spans the world too.
+    """
+
+    comm: "Comm"
+    """The model-parallel group (the ranks holding different pieces of one model replica)."""
+    duplicates: frozenset[int]
+    """ids of the parameters whose squares this rank leaves out (empty on the group's first rank)."""
+
+    def finish(self, sq: Tensor, duplicate_grads: Sequence[Tensor]) -> Tensor:
+        """`sq` (1-element float64, summed over data-parallel ranks where the caller does so)
+        minus the squares of `duplicate_grads`, summed over the model-parallel group."""
+        if duplicate_grads:
+            sq = sq - sum_of_squares(duplicate_grads).to(sq.device)
+        sq = sq.contiguous()
+        self.comm.all_reduce(sq)
+        return sq
 
 
 def attach_grads(params: Sequence[nn.Parameter], grads: Sequence[Tensor]) -> None:
@@ -197,6 +209,11 @@ class ZeroStrategy(Protocol):
     def after_backward(self) -> None: ...
 
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats: ...
+
+    def set_model_parallel_norm(self, norm: ModelParallelNorm) -> None:
+        """Under tensor (or pipeline) parallelism: sum the norm's squares over the model-parallel
+        group as `norm` says, after the data-parallel sum."""
+        ...
 
     def after_step(self, applied: bool) -> None: ...
 

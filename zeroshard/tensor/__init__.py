@@ -1,0 +1,24 @@
+"""Tensor parallelism (AutoTP): shard a model's linear layers over the `tp` axis of the device mesh.
+
+`plan.py` resolves which layers split how (a Hugging Face `tp_plan`, DeepSpeed's
+`partition_config`, a preset) and applies it; `layers.py` holds the column- and row-parallel
+layers (plain local parameters, see Note: [why not DTensor parameters]); `setup.py` builds the
+groups initialize() trains with (the `tensor_parallel` section, or a Megatron `mpu`).
+"""
+
+from zeroshard.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from zeroshard.tensor.plan import Plan, Style, TensorParallelState, resolve_plan, shard_model, tp_state_of
+from zeroshard.tensor.setup import ParallelLayout, tp_model_init
+
+__all__ = [
+    "ColumnParallelLinear",
+    "ParallelLayout",
+    "Plan",
+    "RowParallelLinear",
+    "Style",
+    "TensorParallelState",
+    "resolve_plan",
+    "shard_model",
+    "tp_model_init",
+    "tp_state_of",
+]

@@ -1,0 +1,160 @@
+"""Checkpoints of a tensor-parallel model keyed by global parameter names, so a load reshards across
+tensor-parallel degrees (TP 2 -> 1 -> 4) as it already does across data-parallel sizes and stages.
+
+`TensorParallelCheckpointer` wraps the sharded checkpointer (which then runs over the whole world):
+before a save, every range of a split parameter's local piece is rewritten as ranges of the whole
+(global) parameter (a column split is one contiguous range; a row split of a [out, in] weight is
+one range per row), the manifest lists the global shapes, and rank 0's model file gets the whole
+weights (gathered over tp). A load asks for the same global ranges and joins what comes back into
+the local pieces. Imports torch, checkpoint_format and tensor/ only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from zeroshard.checkpoint_format import EngineState, LoadedState, Range, TensorInfo
+from zeroshard.tensor.plan import TensorParallelState
+
+if TYPE_CHECKING:
+    from zeroshard.runtime.checkpoint_state import Checkpointer
+
+Segment = tuple[int, int, int]
+"""(offset in the global flattened parameter, numel, offset from the start of the local range)."""
+
+
+def global_segments(dim: int, shape: tuple[int, ...], tp: int, rank: int, offset: int, numel: int) -> list[Segment]:
+    """The global ranges holding elements [offset, offset + numel) of rank `rank`'s piece of a
+    parameter of global `shape` split along `dim` over `tp` ranks.
+
+    >>> global_segments(1, (2, 4), 2, 1, 0, 4)  # rank 1's columns 2-3 of a 2 x 4 weight
+    [(2, 2, 0), (6, 2, 2)]
+    """
+    if dim == 0:
+        local_numel = shape[0] // tp
+        for s in shape[1:]:
+            local_numel *= s
+        return [(rank * local_numel + offset, numel, 0)]
+    if dim != 1 or len(shape) != 2:
+        raise AssertionError(f"expected a column split or a row split of a matrix, got dim {dim} of {shape}")
+    width, local = shape[1], shape[1] // tp
+    out, k, end = [], offset, offset + numel
+    while k < end:
+        row, col = divmod(k, local)
+        n = min(local - col, end - k)
+        out.append((row * width + rank * local + col, n, k - offset))
+        k += n
+    return out
+
+
+class TensorParallelCheckpointer:
+    """A `Checkpointer` for a model split over tp: global names, shapes and ranges on disk.
+
+    Args:
+        inner: the sharded checkpointer over the whole world (its comm's rank is the world rank).
+        tp: the model's tensor-parallel state (`shard_model`).
+        world_rank / world_size: this rank in the world, and the world's size.
+    """
+
+    def __init__(self, inner: Checkpointer, tp: TensorParallelState, world_rank: int, world_size: int) -> None:
+        self._inner, self._tp = inner, tp
+        self._rank, self._world = world_rank, world_size
+
+    # -- local <-> global ---------------------------------------------------------------
+
+    def _split_ranges(self, ranges: list[Range], params: list[TensorInfo]) -> tuple[list[Range], list[list[Segment]]]:
+        out: list[Range] = []
+        segs: list[list[Segment]] = []
+        for param, offset, numel in ranges:
+            name = params[param].name
+            if name in self._tp.split:
+                dim, shape = self._tp.split[name]
+                s = global_segments(dim, shape, self._tp.size, self._tp.comm.rank, offset, numel)
+            else:
+                s = [(offset, numel, 0)]
+            segs.append(s)
+            out.extend((param, g, n) for g, n, _ in s)
+        return out, segs
+
+    def _to_global(self, state: EngineState) -> tuple[EngineState, list[list[Segment]], list[list[Segment]]]:
+        m = state.manifest
+        params = [dataclasses.replace(p, shape=self._tp.split[p.name][1]) if p.name in self._tp.split else p
+                  for p in m.params]
+        frags, fsegs = self._split_ranges(m.fragments[state.rank], m.params)
+        masters, states, keys = [], [], []
+        for master, st, ek, segs in zip(state.masters, state.optimizer_states, state.elementwise_keys, fsegs):
+            for _, n, local in segs:
+                masters.append(master[local : local + n])
+                states.append({k: (v[local : local + n] if k in ek else v) for k, v in st.items()})
+                keys.append(ek)
+        psegs: list[list[Segment]] = []
+        pieces: list[Tensor] = []
+        weight_pieces = None
+        if m.weight_pieces is not None:
+            pranges, psegs = self._split_ranges(m.weight_pieces[state.rank], m.params)
+            weight_pieces = [pranges if r == self._rank else [] for r in range(self._world)]
+            pieces = [data[local : local + n] for data, segs in zip(state.weight_pieces, psegs) for _, n, local in segs]
+        module = dict(state.module)
+        for name in sorted(n for n in module if n in self._tp.split):  # the same order on every tp rank
+            module[name] = self._tp.full(name, module[name])
+        manifest = dataclasses.replace(m, world_size=self._world, params=params, weight_pieces=weight_pieces,
+                                       fragments=[frags if r == self._rank else [] for r in range(self._world)])
+        out = dataclasses.replace(state, rank=self._rank, manifest=manifest, masters=masters,
+                                  optimizer_states=states, elementwise_keys=keys, module=module, weight_pieces=pieces)
+        return out, fsegs, psegs
+
+    @staticmethod
+    def _join(values: list[Any], segs: list[list[Segment]]) -> list[Any]:
+        out, i = [], 0
+        for s in segs:
+            part = values[i : i + len(s)]
+            i += len(s)
+            out.append(part[0] if len(part) == 1 else (None if any(p is None for p in part) else torch.cat(part)))
+        return out
+
+    @staticmethod
+    def _join_states(states: list[dict[str, Any]], segs: list[list[Segment]]) -> list[dict[str, Any]]:
+        out, i = [], 0
+        for s in segs:
+            part = states[i : i + len(s)]
+            i += len(s)
+            if len(part) == 1:
+                out.append(part[0])
+                continue
+            lengths = [n for _, n, _ in s]
+            merged = {}
+            for key, value in part[0].items():
+                elementwise = all(isinstance(p.get(key), Tensor) and p[key].dim() > 0 and p[key].numel() == n
+                                  for p, n in zip(part, lengths))
+                merged[key] = torch.cat([p[key].reshape(-1) for p in part]) if elementwise else value
+            out.append(merged)
+        return out
+
+    # -- Checkpointer ---------------------------------------------------------------------
+
+    def save(self, state: EngineState, save_dir: str | os.PathLike[str], tag: str,
+             client_state: Mapping[str, Any] | None, save_latest: bool, save_optimizer_states: bool = True) -> str:
+        glob, _, _ = self._to_global(state)
+        return self._inner.save(glob, str(save_dir), tag, client_state, save_latest, save_optimizer_states)
+
+    def load(self, target: EngineState, load_dir: str | os.PathLike[str], tag: str | None, *,
+             load_optimizer_states: bool, load_module_only: bool, strict: bool = True) -> LoadedState | None:
+        glob, fsegs, psegs = self._to_global(dataclasses.replace(target, module={}))
+        glob = dataclasses.replace(glob, module=target.module)
+        loaded = self._inner.load(glob, str(load_dir), tag, load_optimizer_states=load_optimizer_states,
+                                  load_module_only=load_module_only, strict=strict)
+        if loaded is None:
+            return None
+        module = {n: (self._tp.piece(n, v).contiguous() if n in self._tp.split else v)
+                  for n, v in loaded.module.items()}
+        masters = self._join(loaded.masters, fsegs) if loaded.masters is not None else None
+        states = self._join_states(loaded.optimizer_states, fsegs) if loaded.optimizer_states is not None else None
+        pieces = self._join(loaded.weight_pieces, psegs) if loaded.weight_pieces is not None else None
+        return dataclasses.replace(loaded, module=module, masters=masters, optimizer_states=states,
+                                   weight_pieces=pieces)

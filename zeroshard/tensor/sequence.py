@@ -1,0 +1,159 @@
+"""Sequence parallelism with tensor parallelism (Megatron's, torch's `SequenceParallel`): between the
+tensor-parallel regions (norms, residual adds) each rank keeps 1/tp of the sequence.
+
+A block's sub-modules holding column-parallel layers (attention, MLP) all-gather their input along
+the sequence (reduce-scatter of its gradient in backward) where they start (Hugging Face's
+attention takes its shapes from its input, so the gather cannot sit inside q/k/v), and their
+column layers do no collective; row-parallel layers reduce-scatter their output along the sequence
+instead of all-reducing it. The residual stream enters the first block cut to this
+rank's sequence chunk and leaves the final norm gathered whole. Parameters used on a sequence
+chunk (the blocks' norms, the final norm) see only their chunk's gradient: a hook sums it over the
+tp group, so their gradients stay identical on every tp rank. Activations [batch, seq, hidden].
+Imports torch, zeroshard.comm and tensor/ only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from zeroshard.errors import ConfigError, NotSupportedError
+
+if TYPE_CHECKING:
+    from zeroshard.comm import Comm
+
+SEQ_DIM = 1
+
+
+def _gather_seq(x: Tensor, comm: "Comm") -> Tensor:
+    local = x.transpose(0, SEQ_DIM).contiguous()  # [s/tp, b, h]
+    out = torch.empty((comm.world_size * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, local)
+    return out.transpose(0, SEQ_DIM).contiguous()  # one [b, s, h] buffer (the matmuls would copy a strided view)
+
+
+def _reduce_scatter_seq(x: Tensor, comm: "Comm") -> Tensor:
+    whole = x.transpose(0, SEQ_DIM).contiguous()  # [s, b, h]
+    out = torch.empty((whole.shape[0] // comm.world_size, *whole.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out, whole)
+    return out.transpose(0, SEQ_DIM).contiguous()
+
+
+def _chunk(x: Tensor, comm: "Comm") -> Tensor:
+    n = x.shape[SEQ_DIM] // comm.world_size
+    return x.narrow(SEQ_DIM, comm.rank * n, n).contiguous()
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Forward: all-gather along the sequence. Backward: reduce-scatter (a column layer's input)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, comm: "Comm") -> Tensor:
+        ctx.comm = comm
+        return _gather_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _reduce_scatter_seq(grad, ctx.comm), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Forward: reduce-scatter along the sequence (a row layer's output). Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, comm: "Comm") -> Tensor:
+        ctx.comm = comm
+        return _reduce_scatter_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _gather_seq(grad, ctx.comm), None
+
+
+class _SplitSeq(torch.autograd.Function):
+    """Forward: this rank's sequence chunk of a whole activation. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, comm: "Comm") -> Tensor:
+        ctx.comm = comm
+        return _chunk(x, comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _gather_seq(grad, ctx.comm), None
+
+
+class _JoinSeq(torch.autograd.Function):
+    """Forward: all-gather the chunks into the whole sequence. Backward: this rank's chunk (the
+    whole gradient is the same on every tp rank: the head's input gradient is summed over tp)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, comm: "Comm") -> Tensor:
+        ctx.comm = comm
+        return _gather_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _chunk(grad, ctx.comm), None
+
+
+def reduce_scatter_seq(x: Tensor, comm: "Comm") -> Tensor:
+    return _ReduceScatterSeq.apply(x, comm)
+
+
+def _first(value: Any) -> Tensor:
+    return value[0] if isinstance(value, tuple) else value
+
+
+def enable_sequence_parallel(model: nn.Module, comm: "Comm", split: set[str]) -> None:
+    """Cut the residual stream of `model`'s blocks along the sequence (after `shard_model` with
+    sequence-parallel layers). The model must have Hugging Face's layout: `base_model.layers`
+    (the blocks) and `base_model.norm` (the final norm).
+
+    Raises:
+        NotSupportedError: the model lacks that layout.
+    """
+    base = getattr(model, "base_model", model)
+    layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers) or not isinstance(norm, nn.Module):
+        raise NotSupportedError(f"not supported yet: sequence parallelism on {type(model).__name__}; it needs a "
+                                "Hugging Face layout (base_model.layers blocks and a base_model.norm).")
+
+    def cut(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            x = args[0]
+            if x.shape[SEQ_DIM] % comm.world_size:
+                raise ConfigError(f"sequence parallelism: sequence length {x.shape[SEQ_DIM]} is not divisible by "
+                                  f"the tensor-parallel size {comm.world_size}; pad the batch.")
+            return (_SplitSeq.apply(x, comm), *args[1:]), kwargs
+        x = kwargs["hidden_states"]
+        return args, {**kwargs, "hidden_states": _SplitSeq.apply(x, comm)}
+
+    layers[0].register_forward_pre_hook(cut, with_kwargs=True)
+
+    def gather(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            return (_GatherSeq.apply(args[0], comm), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": _GatherSeq.apply(kwargs["hidden_states"], comm)}
+
+    from zeroshard.tensor.layers import ColumnParallelLinear
+
+    for block in layers:
+        for child in block.children():
+            if any(isinstance(m, ColumnParallelLinear) and m.sequence_parallel for m in child.modules()):
+                child.register_forward_pre_hook(gather, with_kwargs=True)
+    norm.register_forward_hook(lambda _m, _a, out: _JoinSeq.apply(_first(out), comm))
+
+    def summed(g: Tensor) -> Tensor:
+        g = g.contiguous().clone()
+        comm.all_reduce(g)
+        return g
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    for module in [*layers, norm]:
+        for p in module.parameters():
+            full = f"{names[id(p)]}"
+            if full not in split and p.requires_grad:
+                p.register_hook(summed)  # this chunk's contribution: summed over the tp group

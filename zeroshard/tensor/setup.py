@@ -1,0 +1,169 @@
+"""How initialize() lays out a job with model parallelism: the data-parallel groups ZeRO runs on,
+the model-parallel group the gradient norm spans, and the model sharded for tensor parallelism.
+
+Two sources: the `tensor_parallel` section (AutoTP: groups from `comm/topology.py`'s (pp, dp, tp)
+mesh, the model split by `tensor/plan.py`), or a Megatron-style `mpu` object (the script built
+its own tensor-parallel layers and groups; parameters it split carry Megatron's
+`tensor_model_parallel = True`). Imports torch, comm, config, errors, zero and tensor/.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeroshard.comm import Comm, ProcessGroups
+from zeroshard.comm.groups import wrap_process_group
+from zeroshard.comm.topology import MeshGroups, Topology, build_mesh
+from zeroshard.config.schema_tp import TensorParallelConfig
+from zeroshard.errors import ConfigError
+from zeroshard.tensor.plan import TensorParallelState, resolve_plan, shard_model, tp_state_of
+from zeroshard.zero.stage0 import broadcast_module_state
+from zeroshard.zero.strategy import ModelParallelNorm
+
+_RECORDED: weakref.WeakKeyDictionary[nn.Module, tuple[int, torch.dtype | None]] = weakref.WeakKeyDictionary()
+_SEQUENCE_PARALLEL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None,
+                  config: Any = None, *, sequence_parallel: bool = False, **kwargs: Any) -> nn.Module:
+    """Record tensor-parallel arguments for `initialize`, as DeepSpeed 0.19.8's `tp_model_init`
+    does (the model is sharded in `initialize`, where the groups exist).
+
+    Args:
+        model: the whole model (every rank builds the same one).
+        tp_size: the tensor-parallel size; the config's `tensor_parallel.autotp_size` must agree.
+        dtype: the training dtype; must agree with the config's precision (fp16 / bf16 / fp32).
+        config: the ds_config (a mapping, as Transformers' Trainer passes it) or None; its
+            `tensor_parallel.autotp_size`, when set, must equal `tp_size`.
+        sequence_parallel: zeroshard's option: keep the residual stream cut along the sequence
+            between tensor-parallel regions (tensor/sequence.py; Hugging Face layouts).
+        kwargs: DeepSpeed's other arguments (`tp_group`, ...): anything given raises NotSupportedError.
+
+    Returns:
+        `model`, unchanged.
+    """
+    from zeroshard.errors import NotSupportedError
+
+    if kwargs:
+        raise NotSupportedError(f"not supported yet: tp_model_init({', '.join(kwargs)}=...); zeroshard builds the "
+                                "tensor-parallel groups itself (comm/topology.py). Drop the argument(s).")
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ConfigError(f"tp_model_init: tp_size must be an integer >= 1, got {tp_size!r}.")
+    if config is not None:
+        from zeroshard.config import read_config_file, tensor_parallel_size
+
+        raw = config if isinstance(config, Mapping) else read_config_file(config)
+        size = tensor_parallel_size(raw)
+        if size > 1 and size != tp_size:
+            raise ConfigError(f"tp_model_init(tp_size={tp_size}) and the config's tensor_parallel.autotp_size "
+                              f"({size}) disagree; make them equal.")
+    _RECORDED[model] = (tp_size, dtype)
+    if sequence_parallel:
+        _SEQUENCE_PARALLEL.add(model)
+    return model
+
+
+def recorded_tp(model: nn.Module) -> tuple[int, torch.dtype | None] | None:
+    """What `tp_model_init` recorded for `model`, if it was called."""
+    return _RECORDED.get(model)
+
+
+def resolve_tp_size(model: nn.Module, config_size: int, precision_dtype: torch.dtype) -> int:
+    """The tensor-parallel size from the config and `tp_model_init` (the config wins; they must agree).
+
+    Raises:
+        ConfigError: the two disagree, or tp_model_init's dtype is not the config's precision.
+    """
+    rec = recorded_tp(model)
+    if rec is None:
+        return config_size
+    size, dtype = rec
+    if config_size > 1 and size != config_size:
+        raise ConfigError(f"tp_model_init(tp_size={size}) and tensor_parallel.autotp_size ({config_size}) disagree; "
+                          "make them equal (or drop one).")
+    if dtype is not None and dtype != precision_dtype:
+        raise ConfigError(f"tp_model_init(dtype={dtype}) does not match the config's precision ({precision_dtype}); "
+                          "set fp16 / bf16 in the config to match, or pass that dtype.")
+    return max(size, config_size)
+
+
+@dataclass
+class ParallelLayout:
+    """The groups one rank trains with."""
+
+    world: ProcessGroups
+    dp: ProcessGroups
+    """ZeRO's data-parallel group (the batch is split over it)."""
+    mp_comm: Comm | None
+    """The model-parallel group the gradient norm spans; None without model parallelism."""
+    mp_rank: int
+    mesh: MeshGroups | None = None
+    tp: TensorParallelState | None = None
+
+    def norm(self, model: nn.Module) -> ModelParallelNorm | None:
+        """How the gradient norm spans the model-parallel group: parameters not split over it are
+        counted by its first rank only."""
+        if self.mp_comm is None:
+            return None
+        if self.mp_rank == 0:
+            return ModelParallelNorm(self.mp_comm, frozenset())
+        split = set(self.tp.split) if self.tp is not None else set()
+        dup = frozenset(id(p) for n, p in model.named_parameters()
+                        if n not in split and not getattr(p, "tensor_model_parallel", False))
+        return ModelParallelNorm(self.mp_comm, dup)
+
+
+def layout_for_tensor_parallel(world: ProcessGroups, world_comm: Comm, model: nn.Module,
+                               config: TensorParallelConfig, tp_size: int) -> ParallelLayout:
+    """Mesh (pp 1, dp, tp), the model made equal on every rank and then split over tp (collective)."""
+    topology = Topology.for_world(world.world_size, tp=tp_size)
+    mesh = build_mesh(world, topology)
+    tp_groups = mesh.axis("tp")
+    tp_comm = Comm(tp_groups, timeout_s=world_comm.timeout_s, log=world_comm.log, label="tp")
+    state = tp_state_of(model)
+    if state is None:
+        plan = resolve_plan(model, config)
+        broadcast_module_state(model, world_comm)  # every tp rank cuts its piece from the same weights
+        state = shard_model(model, plan, tp_comm, sequence_parallel=model in _SEQUENCE_PARALLEL)
+    elif state.size != tp_size:
+        raise ConfigError(f"the model is already split over {state.size} tensor-parallel ranks; the config asks "
+                          f"for {tp_size}.")
+    return ParallelLayout(world=world, dp=mesh.axis("dp"), mp_comm=tp_comm, mp_rank=tp_groups.rank,
+                          mesh=mesh, tp=state)
+
+
+def check_mpu(mpu: Any) -> None:
+    """Refuse an `mpu` that lacks one of the queries zeroshard reads (at initialize's start).
+
+    Raises:
+        ConfigError: naming every missing method.
+    """
+    names = ("get_model_parallel_rank", "get_model_parallel_world_size", "get_model_parallel_group",
+             "get_data_parallel_rank", "get_data_parallel_world_size", "get_data_parallel_group")
+    missing = [n for n in names if not callable(getattr(mpu, n, None))]
+    if missing:
+        raise ConfigError(f"initialize(mpu=...): the object lacks {', '.join(missing)}; pass Megatron's mpu "
+                          "(megatron.core.parallel_state) or an object with those methods.")
+
+
+def layout_for_mpu(world: ProcessGroups, world_comm: Comm, mpu: Any) -> ParallelLayout:
+    """The groups of a Megatron-style `mpu` (get_model_parallel_* and get_data_parallel_*).
+
+    Raises:
+        ConfigError: the object lacks a query, or its sizes do not multiply to the world size.
+    """
+    check_mpu(mpu)
+    mp_size, dp_size = int(mpu.get_model_parallel_world_size()), int(mpu.get_data_parallel_world_size())
+    if mp_size * dp_size != world.world_size:
+        raise ConfigError(f"initialize(mpu=...): model-parallel size {mp_size} x data-parallel size {dp_size} "
+                          f"!= world size {world.world_size}; the mpu's groups must cover every rank once.")
+    dp = wrap_process_group(world, mpu.get_data_parallel_group(), int(mpu.get_data_parallel_rank()), dp_size)
+    mp = wrap_process_group(world, mpu.get_model_parallel_group(), int(mpu.get_model_parallel_rank()), mp_size)
+    mp_comm = Comm(mp, timeout_s=world_comm.timeout_s, log=world_comm.log, label="mp") if mp_size > 1 else None
+    return ParallelLayout(world=world, dp=dp, mp_comm=mp_comm, mp_rank=mp.rank)
