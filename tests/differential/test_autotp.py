@@ -17,8 +17,8 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import conftest  # noqa: E402
-from harness import ROOT, job_env  # noqa: E402
+import conftest  # noqa: E402  the sibling modules load after the sys.path insert
+from harness import ROOT, job_env  # noqa: E402  the sibling modules load after the sys.path insert
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed: pip install -e '.[bench]'", allow_module_level=True)

@@ -28,6 +28,7 @@ DERIVED = "derived from the other two batch keys"
 STAGE3_ONLY_TRUE = "true at stage 3, false below"
 REMOVED = "key removed in 0.19 (DeepSpeed refuses it)"
 REQUIRED = "required"
+EXTENSION = "zeroshard's extension (DeepSpeed has no such key)"
 
 DEEPSPEED_0_19_8: dict[str, Any] = {
     # runtime/constants.py (+ runtime/config.py getters)
@@ -105,6 +106,10 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "tensor_parallel.partition_config.tp_size": 1, "tensor_parallel.partition_config.embedding_partition_dim": 1,
     "tensor_parallel.partition_config.lm_head_patterns": ("lm_head", "embed_out"),
     "tensor_parallel.partition_config.strict_mode": False,
+    # runtime/config.py get_pipeline_config; runtime/pipe/engine.py (use_reentrant: None -> True)
+    "pipeline.stages": "auto", "pipeline.partition": "best", "pipeline.seed_layers": False,
+    "pipeline.activation_checkpoint_interval": 0, "pipeline.pipe_partitioned": True,
+    "pipeline.grad_partitioned": True, "pipeline.use_reentrant": True, "pipeline.schedule": EXTENSION,
     # runtime/swap_tensor/constants.py
     "aio.block_size": 1_048_576, "aio.queue_depth": 8, "aio.intra_op_parallelism": 1, "aio.single_submit": False,
     "aio.overlap_events": True, "aio.use_gds": False,
@@ -223,6 +228,8 @@ def _same(ours: Any, theirs: Any) -> bool:
                 .zero_optimization.overlap_comm is True
                 and load_config({"train_batch_size": 2, "zero_optimization": {"stage": 2}}, dp_world_size=1)
                 .zero_optimization.overlap_comm is False)
+    if theirs == EXTENSION:
+        return False  # no DeepSpeed default to equal: documented as zeroshard's extension
     if theirs == REMOVED:
         return False  # DeepSpeed refuses the key; zeroshard keeps it as "off" (documented)
     return type(ours) is type(theirs) and ours == theirs or (
@@ -333,6 +340,8 @@ def _deepspeed_values() -> dict[str, Any]:
     got["checkpoint.use_node_local_storage"] = c.USE_NODE_LOCAL_STORAGE_CHECKPOINT_DEFAULT
     got["checkpoint.parallel_write.pipeline_stage"] = c.CHECKPOINT_PARALLEL_WRITE_PIPELINE_STAGE_DEFAULT
     got["checkpoint.checkpoint_serialization"] = mc.CHECKPOINT_SERIALIZATION_DEFAULT
+    for key, value in rc_pipeline_defaults().items():
+        got[f"pipeline.{key}"] = value
     from deepspeed.runtime import config as rc
     for key in rc._REMOVED_TOP_LEVEL_CONFIG_KEYS:
         got[key] = REMOVED
@@ -346,6 +355,13 @@ def _deepspeed_values() -> dict[str, Any]:
         for p in list(inspect.signature(getattr(lr_schedules, name).__init__).parameters.values())[2:]:
             got[f"scheduler.params[{name}].{p.name}"] = REQUIRED if p.default is inspect.Parameter.empty else p.default
     return got
+
+
+def rc_pipeline_defaults() -> dict[str, Any]:
+    """DeepSpeed's pipeline block as its config parser fills it from an empty config."""
+    from deepspeed.runtime.config import get_pipeline_config
+
+    return dict(get_pipeline_config({}))
 
 
 def test_literal_table_matches_installed_deepspeed() -> None:

@@ -11,7 +11,7 @@ from zeroshard.config import load_config
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.tensor import ColumnParallelLinear, RowParallelLinear, Style, resolve_plan, shard_model
 from zeroshard.tensor.checkpoint import global_segments
-from zeroshard.tensor.plan import hf_tp_plan, plan_from_hf
+from zeroshard.tensor.tp_plan import hf_tp_plan, plan_from_hf
 
 
 def _tp(**section: object):
@@ -34,7 +34,7 @@ def test_topology_puts_tp_ranks_next_to_each_other() -> None:
     assert t.axis_groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert t.coord(5) == {"pp": 1, "dp": 0, "tp": 1} and t.rank_at(pp=1, dp=0, tp=1) == 5
     assert t.axis_ranks("dp", 5) == [5, 7] and t.axis_ranks("tp", 5) == [4, 5]
-    with pytest.raises(ConfigError, match="not divisible"):
+    with pytest.raises(ValueError, match="must divide the world size"):
         Topology.for_world(6, tp=4)
 
 

@@ -26,6 +26,10 @@ SAME_MEANING: dict[frozenset[str], str] = {
         "load = read the package's subject from its files (a ds_config; a checkpoint), the same verb",
     frozenset({"compat/comm.py", "comm/"}):
         "process-group set-up: compat/comm.py is comm/'s init_distributed as the `deepspeed` alias serves it",
+    frozenset({"checkpoint/", "tensor/checkpoint.py"}):
+        "model-state checkpoints: tensor/checkpoint.py keys a tensor-parallel run's files by global names",
+    frozenset({"comm/topology.py", "pipe/topology.py"}):
+        "the rank layout over (pp, dp, tp): pipe/topology.py serves DeepSpeed's topology classes as views of it",
     frozenset({"moe/utils.py", "utils/"}):
         "DeepSpeed's paths deepspeed.moe.utils and deepspeed.utils: the helpers scripts import from each",
 }

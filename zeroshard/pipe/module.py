@@ -3,7 +3,8 @@
 DeepSpeed's `deepspeed.pipe` API. Each rank builds only its stage's layers, registered under
 their global layer index (`"3.weight"`), tied layers once under `tied_modules.<key>`, so names
 do not depend on the stage count. The schedule (runtime/pipe_engine.py) runs the stage through
-`chunks()`, one module per stage this rank holds. Imports comm/ and pipe/ only.
+`chunks()`, one module per stage this rank holds. Imports comm/ and pipe/ only, and
+runtime/activation_checkpointing (DeepSpeed's `activation_checkpoint_func` default).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The pipeline engine: `train_batch` / `eval_batch` over a PipelineModule, ZeRO inside each stage.
 
-DeepSpeed's `PipelineEngine` API on torch's schedules (pipe/schedule.py). ZeRO partitions over
+DeepSpeed's `PipelineEngine` API on torch's schedules (pipe/schedules.py). ZeRO partitions over
 the data-parallel group of each stage, exactly as without a pipeline: the engine's strategy is
 built on the stage's parameters and `MeshGroups.axis("dp")`. What the pipeline adds is here:
 the batch's gradients handed to the strategy once (Note: [pipeline gradient capture]), tied
@@ -26,7 +26,7 @@ from zeroshard.comm import Comm
 from zeroshard.comm.groups import subgroup
 from zeroshard.errors import CheckpointError, NotSupportedError
 from zeroshard.pipe.module import PipelineError, PipelineModule
-from zeroshard.pipe.schedule import GradCapture, build_schedule, last_outputs
+from zeroshard.pipe.schedules import GradCapture, build_schedule, last_outputs
 from zeroshard.runtime.activation_checkpointing import checkpoint, non_reentrant_checkpoint
 from zeroshard.runtime.engine import ZeroEngine
 from zeroshard.zero.strategy import GradStats
@@ -292,19 +292,18 @@ class PipelineEngine(ZeroEngine):
             grads = self._pipe.capture.collect()
             self._reduce_tied(grads)
             self._strategy.begin_micro_batch(True)
-            begin = getattr(self._strategy, "begin_delivered_backward", None)  # stage 3
-            if begin is not None:
-                begin()
+            self._strategy.begin_delivered_backward()  # stage 3: start its arrivals afresh
             self._pipe.capture.deliver(grads)
             self._strategy.after_backward()
-        self._grads_ready, self._pending_backwards = True, 1
+        self._micro.begin_backward(reduces=True)  # the delivered backward reduced the batch's gradients
+        self._micro.end_backward()
         loss = self._aggregate_loss()
         self.micro_steps += self.micro_batches - 1
-        self._boundary_override = True
+        self._micro.boundary_override = True
         try:
             ZeroEngine.step(self)
         finally:
-            self._boundary_override = None
+            self._micro.boundary_override = None
         self.agg_train_loss = loss
         return loss
 
@@ -312,15 +311,11 @@ class PipelineEngine(ZeroEngine):
     def _held(self) -> Iterator[None]:
         """Stage 3: the stage's parameters gathered for the whole batch (the strategy's hooks
         gather per root forward, which a pipeline stage never calls)."""
-        hold = getattr(self._strategy, "hold_for_batch", None)
-        if hold is None:
-            yield
-            return
-        hold()
+        self._strategy.hold_for_batch()
         try:
             yield
         finally:
-            self._strategy.release_batch()  # type: ignore[attr-defined]
+            self._strategy.release_batch()
 
     def _reduce_tied(self, grads: dict[int, Tensor]) -> None:
         """Sum tied weights' gradients over the stages holding them; note what the non-first

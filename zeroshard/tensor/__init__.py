@@ -7,8 +7,8 @@ groups initialize() trains with (the `tensor_parallel` section, or a Megatron `m
 """
 
 from zeroshard.tensor.layers import ColumnParallelLinear, RowParallelLinear
-from zeroshard.tensor.plan import Plan, Style, TensorParallelState, resolve_plan, shard_model, tp_state_of
 from zeroshard.tensor.setup import ParallelLayout, tp_model_init
+from zeroshard.tensor.tp_plan import Plan, Style, TensorParallelState, resolve_plan, shard_model, tp_state_of
 
 __all__ = [
     "ColumnParallelLinear",

@@ -6,7 +6,8 @@ before a save, every range of a split parameter's local piece is rewritten as ra
 (global) parameter (a column split is one contiguous range; a row split of a [out, in] weight is
 one range per row), the manifest lists the global shapes, and rank 0's model file gets the whole
 weights (gathered over tp). A load asks for the same global ranges and joins what comes back into
-the local pieces. Imports torch, checkpoint_format and tensor/ only.
+the local pieces. Imports torch, checkpoint_format, tensor/ and runtime/checkpoint_state (the
+Checkpointer protocol) only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from zeroshard.checkpoint_format import EngineState, LoadedState, Range, TensorInfo
-from zeroshard.tensor.plan import TensorParallelState
+from zeroshard.tensor.tp_plan import TensorParallelState
 
 if TYPE_CHECKING:
     from zeroshard.runtime.checkpoint_state import Checkpointer

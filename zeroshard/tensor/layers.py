@@ -12,7 +12,7 @@ maths is the same as torch's styles: a column-parallel layer copies its input (a
 input gradient in backward) and keeps its output sharded (or gathers it, `gather_output`); a
 row-parallel layer takes sharded input and all-reduces its output (identity in backward).
 
-Imports torch and zeroshard.comm only.
+Imports torch, zeroshard.comm (types) and tensor/sequence only.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from zeroshard.tensor.sequence import reduce_scatter_seq
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
@@ -121,6 +123,7 @@ class ColumnParallelLinear(nn.Module):
         # Under sequence parallelism the block's input is gathered (and its gradient reduce-scattered)
         # where the attention / MLP module starts (tensor/sequence.py): no collective here.
         self.sequence_parallel = sequence_parallel
+        self.gathers_sequence = sequence_parallel  # tensor/sequence.py gathers this module's input
         tp, r = comm.world_size, comm.rank
         out = linear.out_features
         self.comm, self.gather_output = comm, gather_output
@@ -171,8 +174,6 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.comm)
         if self.sequence_parallel and self.comm.world_size > 1:
-            from zeroshard.tensor.sequence import reduce_scatter_seq
-
             y = reduce_scatter_seq(F.linear(x, self.weight), self.comm)
         else:
             y = reduce_from_tp(F.linear(x, self.weight), self.comm)

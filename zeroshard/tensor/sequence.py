@@ -9,7 +9,7 @@ instead of all-reducing it. The residual stream enters the first block cut to th
 rank's sequence chunk and leaves the final norm gathered whole. Parameters used on a sequence
 chunk (the blocks' norms, the final norm) see only their chunk's gradient: a hook sums it over the
 tp group, so their gradients stay identical on every tp rank. Activations [batch, seq, hidden].
-Imports torch, zeroshard.comm and tensor/ only.
+Imports torch, errors and zeroshard.comm (types) only.
 """
 
 from __future__ import annotations
@@ -138,11 +138,10 @@ def enable_sequence_parallel(model: nn.Module, comm: "Comm", split: set[str]) ->
             return (_GatherSeq.apply(args[0], comm), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": _GatherSeq.apply(kwargs["hidden_states"], comm)}
 
-    from zeroshard.tensor.layers import ColumnParallelLinear
-
     for block in layers:
         for child in block.children():
-            if any(isinstance(m, ColumnParallelLinear) and m.sequence_parallel for m in child.modules()):
+            # a column-parallel layer under sequence parallelism (tensor/layers.py) marks itself
+            if any(getattr(m, "gathers_sequence", False) for m in child.modules()):
                 child.register_forward_pre_hook(gather, with_kwargs=True)
     norm.register_forward_hook(lambda _m, _a, out: _JoinSeq.apply(_first(out), comm))
 

@@ -2,7 +2,7 @@
 the model-parallel group the gradient norm spans, and the model sharded for tensor parallelism.
 
 Two sources: the `tensor_parallel` section (AutoTP: groups from `comm/topology.py`'s (pp, dp, tp)
-mesh, the model split by `tensor/plan.py`), or a Megatron-style `mpu` object (the script built
+mesh, the model split by `tensor/tp_plan.py`), or a Megatron-style `mpu` object (the script built
 its own tensor-parallel layers and groups; parameters it split carry Megatron's
 `tensor_model_parallel = True`). Imports torch, comm, config, errors, zero and tensor/.
 """
@@ -22,7 +22,7 @@ from zeroshard.comm.groups import wrap_process_group
 from zeroshard.comm.topology import MeshGroups, Topology, build_mesh
 from zeroshard.config.schema_tp import TensorParallelConfig
 from zeroshard.errors import ConfigError
-from zeroshard.tensor.plan import TensorParallelState, resolve_plan, shard_model, tp_state_of
+from zeroshard.tensor.tp_plan import TensorParallelState, resolve_plan, shard_model, tp_state_of
 from zeroshard.zero.stage0 import broadcast_module_state
 from zeroshard.zero.strategy import ModelParallelNorm
 

@@ -501,7 +501,7 @@ class Stage3Strategy(ShardedStrategyBase):
 
     def begin_delivered_backward(self) -> None:
         """The batch's gradients arrive in one backward no root forward started (Note: [pipeline
-        gradient capture] in pipe/schedule.py): start the arrivals and the reducer afresh."""
+        gradient capture] in pipe/schedules.py): start the arrivals and the reducer afresh."""
         self._arrivals.reset()
         self._backward_started = set()
         self._reducer.end_micro_batch()

@@ -265,6 +265,17 @@ class ZeroStrategy(Protocol):
         an NVMe optimizer home swaps its states through files (zero/offload/nvme_optim.py)."""
         return optimizer
 
+    def hold_for_batch(self) -> None:
+        """A pipeline stage's batch begins (runtime/pipe_engine.py): stage 3 gathers every unit and
+        keeps it across the batch's micro-batches. Default: nothing to hold."""
+
+    def release_batch(self) -> None:
+        """The pipeline batch ended: undo `hold_for_batch`. Default: nothing held."""
+
+    def begin_delivered_backward(self) -> None:
+        """The batch's gradients arrive in one backward that no root forward started (Note:
+        [pipeline gradient capture] in pipe/schedules.py). Default: nothing to reset."""
+
     def keeps_local_grads(self) -> bool:
         """Whether `set_grad_reduction(False)` is supported: each rank then keeps its own
         gradient (the 1-bit optimizers all-reduce their momentum themselves). Default False:

@@ -4,7 +4,7 @@
 A plan is an ordered list of rules (first match wins): a regular expression over module names
 and a `Style`. Sources, in DeepSpeed 0.19.8's order of precedence: `partition_config` and
 `preset_model` (its configurable AutoTP), else the model's HF plan (`config.base_model_tp_plan`,
-the class's and the instance's `_tp_plan`). Imports torch, zeroshard.config, errors and tensor/.
+the class's and the instance's `_tp_plan`). Imports torch, zeroshard.config, errors, tensor/ and comm (types).
 """
 
 from __future__ import annotations
