@@ -79,7 +79,7 @@ def plan(groups: list[list[tuple[str, int]]], world: int, *, round_robin: bool =
         paddings.append(pads)
         partition.append(part)
         # DeepSpeed's mapping offsets: per-parameter offsets with padding, else a running sum in group order
-        map_offs = offs if any(pads) else dict(zip(names, itertools_accumulate([numel[n] for n in names])))
+        map_offs = offs if any(pads) else dict(zip(names, itertools_accumulate([numel[n] for n in names]), strict=True))
         for r in range(world):
             lo, hi = r * part, (r + 1) * part
             if padded_numel <= lo:

@@ -265,14 +265,15 @@ def _stage12(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int) 
                     locs[r].append((g, lo - r * size))
         for r in range(world):
             saved = {n: address(a) for n, a in osds[r]["param_slice_mappings"][g].items()}
-            mine = {n: (start, numel) for (n, _, numel, gg), (_, start) in zip(rows[r], locs[r]) if gg == g}
+            mine = {n: (start, numel)
+                    for (n, _, numel, gg), (_, start) in zip(rows[r], locs[r], strict=True) if gg == g}
             if check_maps and saved != mine:
                 bad = sorted(set(saved.items()) ^ set(mine.items()))[:3]
                 raise CheckpointError(f"{files.ckpt / files.optim[r]}: param_slice_mappings of group {g} disagree "
                                       f"with DeepSpeed's flat layout rules (first differences: {bad}): not a layout "
                                       "zeroshard understands")
             lean = osds[r]["single_partition_of_fp32_groups"][g].numel()
-            beyond = [(n, start, numel) for (n, _, numel, gg), (_, start) in zip(rows[r], locs[r])
+            beyond = [(n, start, numel) for (n, _, numel, gg), (_, start) in zip(rows[r], locs[r], strict=True)
                       if gg == g and start + numel > lean]
             if beyond:
                 raise CheckpointError(f"{files.ckpt / files.optim[r]}: group {g}'s partition holds {lean} elements, "

@@ -107,8 +107,9 @@ def check_same_target(comm: "Comm", save_dir: str | os.PathLike[str], tag: str) 
     per_rank = "; ".join(f"rank {r}: save_dir={d!r}, tag={t!r}" for r, (d, t) in enumerate(values))
     raise CheckpointError(f"rank {comm.rank}: save_checkpoint got a different {' and '.join(what)} on different ranks "
                           f"({per_rank}); nothing was written. Every rank must pass the same save_dir and tag (name "
-                          "the directory on one rank and broadcast it, e.g. with torch.distributed.broadcast_object_list, "
-                          "or derive it from the global step rather than each rank's clock)")
+                          "the directory on one rank and broadcast it, e.g. with "
+                          "torch.distributed.broadcast_object_list, or derive it from the global step rather than each "
+                          "rank's clock)")
 
 
 def gather_rows(comm: "Comm", row: list[int]) -> list[list[int]]:
