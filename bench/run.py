@@ -294,7 +294,7 @@ def _one_line(text: str) -> str:
 def _counterpart(e: EngineSpec) -> str | None:
     """The DeepSpeed row a zeroshard row is compared with (and vice versa)."""
     if e.family == "zeroshard":
-        return "ds" + e.name[2:]
+        return "ds" + e.name[2:].removesuffix("_check_off")
     if e.family == "deepspeed":
         return "zs" + e.name[2:]
     return None

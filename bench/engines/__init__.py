@@ -42,6 +42,18 @@ def _ds(stage: int, offload: bool | str) -> Callable[[RunSpec], Stepper]:
     return build
 
 
+def _zs_check_off(stage: int) -> Callable[[RunSpec], Stepper]:
+    """zeroshard with the collective signature check off (ZEROSHARD_COMM_VERIFY=0), to measure
+    what the check costs against the ordinary zs<stage> row of the same run."""
+    def build(spec: RunSpec) -> Stepper:
+        import os
+
+        os.environ["ZEROSHARD_COMM_VERIFY"] = "0"  # read when the engine's Comm is built
+        return _zs(stage, False)(spec)
+
+    return build
+
+
 def _torch(kind: str) -> Callable[[RunSpec], Stepper]:
     def build(spec: RunSpec) -> Stepper:
         from engines import torch_engines
@@ -67,6 +79,9 @@ def _rows() -> list[EngineSpec]:
         if (stage, offload) != (2, "nvme"):  # DeepSpeed swaps optimizer states to NVMe at stage 3 only
             rows.append(EngineSpec(f"ds{suffix}", "deepspeed", stage, offload, f"DeepSpeed {text}",
                                    _ds(stage, offload)))
+    for stage in (1, 2, 3):
+        rows.append(EngineSpec(f"zs{stage}_check_off", "zeroshard", stage, False,
+                               f"zeroshard stage {stage}, collective check off", _zs_check_off(stage)))
     rows.append(EngineSpec("ddp", "torch", None, False, "torch DDP", _torch("ddp")))
     rows.append(EngineSpec("ddp_zero", "torch", None, False, "torch DDP + ZeroRedundancyOptimizer",
                            _torch("ddp_zero")))
@@ -80,6 +95,7 @@ def _rows() -> list[EngineSpec]:
 ENGINES: dict[str, EngineSpec] = {e.name: e for e in _rows()}
 """In table order: zeroshard and DeepSpeed interleaved per stage, then the torch baselines."""
 
-DEFAULT_ENGINES = [name for name in ENGINES if "nvme" not in name and "offload_opt" not in name]
+DEFAULT_ENGINES = [name for name in ENGINES
+                   if "nvme" not in name and "offload_opt" not in name and "check_off" not in name]
 """What `bench/run.py` runs by default: the NVMe rows (they need a scratch disk) and the stage-3
 optimizer-only CPU offload row they are compared with are run by name (bench/nvme.md)."""

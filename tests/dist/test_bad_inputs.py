@@ -58,3 +58,20 @@ def test_no_optimizer_and_no_training_arguments_is_an_inference_engine(groups) -
         engine.eval()
         x = torch.randint(0, 256, (2, 16))
         assert torch.isfinite(engine(x, x)).all()
+
+
+def test_config_mismatch_names_the_keys_on_the_first_line(groups) -> None:
+    # torchrun's error summary shows only the first line of a rank's exception.
+    rank, world = groups.rank, groups.world_size
+    cfg = make_config(zero_optimization={"stage": 1 if rank == 0 else 2}, gradient_clipping=0.5 + rank,
+                      steps_per_print=10 + rank, wall_clock_breakdown=rank == 0)
+    if world == 1:
+        init_engine(make_model(), cfg)
+        return
+    with pytest.raises(ConfigError) as err:
+        init_engine(make_model(), cfg)
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("the ranks resolved different configs in 4 key(s): "), first
+    assert "gradient_clipping: rank 0 = 0.5, rank 1 = 1.5" in first, first
+    assert "(and 1 more keys, below)" in first and "same ds_config" in first, first
+    assert "zero_optimization.stage: rank 0 = 1" in str(err.value)

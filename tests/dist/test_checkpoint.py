@@ -396,3 +396,34 @@ def test_stage3_save_and_load_across_stages(groups: Any, shared_dir: Path, saved
     _, got = train_engine(other, data[STEPS_BEFORE:], rank, world)
     for step in range(STEPS_AFTER):
         assert_params_close(got[step], want[step], 1e-6, f"stage {saved} -> stage {loaded}, step {step}")
+
+
+@pytest.mark.parametrize("differ", ["save_dir", "tag"])
+@pytest.mark.parametrize("tag_validation", ["Ignore", "Fail"])
+def test_save_dir_or_tag_differing_across_ranks_is_refused_before_writing(
+        shared_dir: Path, comm: Any, differ: str, tag_validation: str) -> None:
+    # DeepSpeedExamples' HelloDeepSpeed names its directory from each rank's clock: at 2+ ranks the
+    # names may differ. Every rank refuses at the call, with each rank's value, and writes nothing;
+    # checkpoint.tag_validation (about tags alone, in DeepSpeed) does not relax it.
+    if comm.world_size == 1:
+        pytest.skip("needs 2 or more ranks: one rank cannot disagree with itself")
+    engine = init_engine(make_model(), config(1, checkpoint={"tag_validation": tag_validation}))
+    train_engine(engine, batches(comm.world_size, 1), comm.rank, comm.world_size)
+    save_dir, tag = shared_dir / "ckpt", "step1"
+    if differ == "save_dir":
+        save_dir = shared_dir / f"ckpt-{comm.rank}"
+    else:
+        tag = f"step1-rank{comm.rank}"
+    with pytest.raises(CheckpointError) as info:
+        engine.save_checkpoint(save_dir, tag=tag)
+    first = str(info.value).splitlines()[0]
+    assert f"different {differ} on different ranks" in first, first
+    for r in range(comm.world_size):
+        shown = repr(str(shared_dir / f"ckpt-{r}")) if differ == "save_dir" else repr(f"step1-rank{r}")
+        assert f"rank {r}: save_dir=" in first and shown in first, first
+    assert "nothing was written" in first and "broadcast" in first, first
+    comm.barrier()
+    assert not shared_dir.exists() or not any(shared_dir.iterdir()), sorted(shared_dir.rglob("*"))
+    # The engine is unharmed: the same save with agreeing arguments goes through.
+    path = engine.save_checkpoint(shared_dir / "ckpt", tag="step1")
+    assert (Path(path) / MANIFEST).is_file()

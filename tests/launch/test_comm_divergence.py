@@ -31,6 +31,7 @@ def fails_fast(output: str) -> bool:
     waited = [float(x) for x in re.findall(r"failed after ([0-9.]+) s \(timeout 3 s\)", output)]
     return bool(waited) and max(waited) < 30
 MISMATCH_MODES = ("size", "extra")
+DSCOMM_MODES = ("dscomm",)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def jobs() -> dict[str, tuple[int, str, float]]:
     procs = {mode: subprocess.Popen(
         torchrun(2, str(SCRIPT), mode),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-        for mode in MODES + MISMATCH_MODES}
+        for mode in MODES + MISMATCH_MODES + DSCOMM_MODES}
     results = {}
     for mode, proc in procs.items():
         try:
@@ -115,4 +116,23 @@ def test_collective_mismatch_is_reported_by_every_rank(
         reduce_at = f"comm_diverge.py:{line_of('seq 2 on rank 1, seq 3 on rank 0')}"
         assert f"rank 0: seq 2 all_gather(numel=3, float32) at {gather_at}" in output, output
         assert f"rank 1: seq 2 all_reduce(numel=100, float32) at {reduce_at}" in output, output
+    assert "Ranks disagree on seq 2" in output, output
+
+
+def test_extra_collective_through_deepspeed_comm_is_reported_by_every_rank(
+        jobs: dict[str, tuple[int, str, float]]) -> None:
+    # An extra deepspeed.comm collective on one rank (issue 24 item 4): it met the other rank's
+    # next collective in gloo, which said "op.preamble.length <= op.nbytes" (or aborted). It is now
+    # sequenced and signature-checked like zeroshard's own: both ranks raise zeroshard's report.
+    code, output, elapsed = jobs["dscomm"]
+    assert code != 0 and elapsed < KILL_AFTER_S and fails_fast(output), output
+    assert "terminate called" not in output and "preamble" not in output, output
+    for rank in (0, 1):
+        # rank 0's check ran in deepspeed.comm, under the group's timeout (60 s), not the Comm's 3 s
+        assert re.search(rf"CommError: rank {rank}: all_reduce \(seq 2\) failed after [0-9.]+ s \(timeout "
+                         r"[0-9.]+ s\): collective mismatch", output), output
+    extra_at = f"comm_diverge.py:{line_of('seq 2: rank 0 only, through deepspeed.comm')}"
+    both_at = f"comm_diverge.py:{line_of('seq 2 on rank 1 (dscomm)')}"
+    assert f"rank 0: seq 2 all_reduce(numel=1, float32) at {extra_at}" in output, output
+    assert f"rank 1: seq 2 all_reduce(numel=100, float32) at {both_at}" in output, output
     assert "Ranks disagree on seq 2" in output, output

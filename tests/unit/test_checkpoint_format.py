@@ -252,3 +252,20 @@ def test_to_fp32_cli_reports_a_missing_checkpoint(tmp_path: Path, capsys: pytest
     assert cli(["to-fp32", str(tmp_path), str(tmp_path / "out.pt")]) == 1
     assert "no 'latest' file" in capsys.readouterr().err
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("content", [bytes(range(256)) * 3, b"", b"\x00\x01", "global_step1\nglobal_step2".encode()])
+def test_garbage_in_latest_is_named(tmp_path: Path, content: bytes) -> None:
+    # A `latest` holding garbage (binary, empty, two lines) names the file, what it holds (cut to
+    # 60 bytes, repr) and what a tag looks like -- on zeroshard's and DeepSpeed's loading paths.
+    from zeroshard.checkpoint.ds_files import resolve_ds
+
+    (tmp_path / files.LATEST).write_bytes(content)
+    for read in (lambda: resolve(tmp_path, None), lambda: resolve_ds(tmp_path, None)):
+        with pytest.raises(CheckpointError) as info:
+            read()
+        first = str(info.value).splitlines()[0]
+        assert first.startswith(f"{tmp_path / files.LATEST}: does not hold a tag name (it holds "), first
+        assert repr(content[:60]) in first and "'global_step1000'" in first and "tag=" in first, first
+        if len(content) > 60:
+            assert f"... ({len(content)} bytes)" in first, first

@@ -222,3 +222,16 @@ def test_initialize_logs_the_stage_note_once(caplog: pytest.LogCaptureFixture) -
     assert notes == ["zero_optimization: set for another ZeRO stage, no effect at stage 1: sub_group_size "
                      "(stage 3), stage3_prefetch_bucket_size (stage 3). Accepted so one config serves every stage."]
     assert all(r.levelno == logging.WARNING for r in caplog.records if r.getMessage() in notes)
+
+
+@pytest.mark.parametrize("content, what", [("", "0 bytes"), ("\n  \n", "4 characters of whitespace only"),
+                                           ("\ufeff", "0 bytes")])
+def test_empty_config_file_says_it_is_empty(tmp_path: Path, content: str, what: str) -> None:
+    # An empty file used to report both batch keys missing, as if the keys were the problem.
+    path = tmp_path / "ds_config.json"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, dp_world_size=1)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith(f"{path}: the config file is empty ({what})"), first
+    assert "train_batch_size" not in first and "JSON object" in first, first

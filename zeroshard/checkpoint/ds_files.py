@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.checkpoint.files import LATEST, MANIFEST
+from zeroshard.checkpoint.files import LATEST, MANIFEST, read_latest_tag
 from zeroshard.errors import CheckpointError
 
 DS_MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -133,9 +133,7 @@ def resolve_ds(load_dir: Path, tag: str | None) -> Path | None:
         latest = load_dir / LATEST
         if not latest.is_file():
             return None
-        tag = latest.read_text(encoding="utf-8").strip()
-        if not tag or "/" in tag or tag in (".", ".."):
-            return None
+        tag = read_latest_tag(latest)
     ckpt = load_dir / str(tag)
     return ckpt if is_deepspeed_dir(ckpt) else None
 

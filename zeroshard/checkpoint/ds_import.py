@@ -89,6 +89,9 @@ class DsLayout:
     """Stage 3: per rank, the frozen parameters' pieces in `frozen_param_fragments`."""
     model: dict[str, Any] = field(default_factory=dict)
     """The (rank 0) model file."""
+    partition_numel: list[int] = field(default_factory=list)
+    """Stages 1/2: per group, the elements of one padded partition (the moments DeepSpeed saves
+    may hold it whole while the fp32 partition is cut at the parameters' end)."""
 
 
 # -- building the layout ------------------------------------------------------------------------
@@ -192,40 +195,100 @@ def _stage0(files: DsFiles, model: dict[str, Any], hint: Manifest) -> DsLayout:
     return DsLayout(files=files, stage=0, manifest=m, locs=[[(k, 0) for k in range(len(frags))]], model=model)
 
 
+def _group_layout(names: list[str], shapes: dict[str, tuple[int, ...]], param_pads: list[int], world: int,
+                  partition_numel: int, path: Path, g: int) -> list[tuple[str, int, int]]:
+    """(name, flat offset, numel) of group `g`'s parameters in DeepSpeed's flat buffer: the
+    parameters of `param_shapes[g]` in order (DeepSpeed writes them in flat order, round-robin
+    reordering included), each followed by its `param_alignment_paddings` zeros; the buffer is
+    then zero-padded to a multiple of 2 * world (`nccl_start_alignment_factor` * dp) and cut into
+    `world` equal partitions (their size comes from the files, so other paddings read too)."""
+    out, pos = [], 0
+    for k, n in enumerate(names):
+        numel = math.prod(shapes[n])
+        out.append((n, pos, numel))
+        pos += numel + (param_pads[k] if k < len(param_pads) else 0)
+    if pos > partition_numel * world:
+        raise CheckpointError(f"{path}: group {g}'s {world} partitions hold {partition_numel} elements each, its "
+                              f"parameters need {pos} (with alignment padding): not a ZeRO-1/2 layout zeroshard "
+                              "understands (files from different saves?)")
+    return out
+
+
+def _partition_numel(osds: list[dict[str, Any]], g: int, padded_files: bool, path: Path) -> int:
+    """The elements of one (padded) partition of group `g`. ZeRO-1/2 saves each rank's partition
+    without its alignment padding (`group_paddings[g]` elements cut off its end: the last rank's
+    tail, or all of a partition past the parameters); BF16_Optimizer saves it padded."""
+    sizes = set()
+    for osd in osds:
+        numel = osd["single_partition_of_fp32_groups"][g].numel()
+        pads = osd.get("group_paddings") or []
+        sizes.add(numel if padded_files else numel + int(pads[g] if g < len(pads) else 0))
+    if len(sizes) != 1:
+        raise CheckpointError(f"{path}: group {g}'s partitions differ in size across ranks ({sorted(sizes)} with "
+                              "their group_paddings): files from different saves?")
+    return sizes.pop()
+
+
 def _stage12(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int) -> DsLayout:
     world = len(files.optim)
     module = model.get("module") or {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for group in model.get("param_shapes") or []:
-        shapes.update({n: tuple(s) for n, s in group.items()})
-    first: dict[str, int] = {}  # name -> flat offset of its first element (per group)
-    order: list[tuple[int, str]] = []  # (group, name) in flat order
-    per_rank: list[list[tuple[str, int, int, int, int]]] = []  # name, group, flat pos, start, numel
-    groups_n = 0
-    for r, name in enumerate(files.optim):
+    path0 = files.ckpt / files.optim[0]
+    osds = []
+    for name in files.optim:
         osd = load_ds(files.ckpt / name).get("optimizer_state_dict") or {}
-        parts, maps = osd.get("single_partition_of_fp32_groups"), osd.get("param_slice_mappings")
-        if parts is None or maps is None:
+        if osd.get("single_partition_of_fp32_groups") is None or osd.get("param_slice_mappings") is None:
             raise CheckpointError(f"{files.ckpt / name}: no single_partition_of_fp32_groups / param_slice_mappings "
                                   "(not a ZeRO-1/2 optimizer file of DeepSpeed 0.19)")
-        groups_n = len(parts)
-        rows = []
-        for g, mapping in enumerate(maps):
-            size = parts[g].numel()
-            for pname, addr in mapping.items():
-                start, numel = address(addr)
-                pos = r * size + start
-                if (g, pname) not in first:
-                    first[(g, pname)] = pos  # type: ignore[index]
-                    order.append((g, pname))
-                rows.append((pname, g, pos, start, numel))
-        per_rank.append(rows)
-    trainable = [n for _, n in order]
+        osds.append(osd)
+    group_shapes = model.get("param_shapes") or []
+    groups_n = len(osds[0]["single_partition_of_fp32_groups"])
+    if len(group_shapes) != groups_n:
+        raise CheckpointError(f"{files.ckpt / DS_MODEL_FILE}: param_shapes lists {len(group_shapes)} groups, "
+                              f"{path0} holds {groups_n} (files from different saves?)")
+    shapes = {n: tuple(s) for group in group_shapes for n, s in group.items()}
+    # ZeRO-1/2 (DeepSpeedZeroOptimizer, which records `zero_stage`) cuts its padding off; the
+    # BF16_Optimizer does not. Both name their files bf16_... with bf16.
+    padded_files = "zero_stage" not in osds[0]
+    # With round_robin_gradients (and no per-parameter padding) DeepSpeed 0.19 computes its
+    # param_slice_mappings in the unreordered order while the data is laid out reordered: the
+    # addresses are then not where the data is, so they are only checked without it.
+    zero_cfg = (model.get("ds_config") or {}).get("zero_optimization") or {}
+    check_maps = not zero_cfg.get("round_robin_gradients", False)
+    trainable: list[str] = []
+    fragments: list[list[Range]] = [[] for _ in range(world)]
+    rows: list[list[tuple[str, int, int, int]]] = [[] for _ in range(world)]  # name, param offset, numel, loc start
+    locs: list[list[Loc]] = [[] for _ in range(world)]
+    partition_numel = []
+    for g, group in enumerate(group_shapes):
+        names = list(group)
+        trainable += names
+        size = _partition_numel(osds, g, padded_files, path0)
+        partition_numel.append(size)
+        pads = list((osds[0].get("param_alignment_paddings") or [[]] * groups_n)[g] or [])
+        for n, off, numel in _group_layout(names, shapes, pads, world, size, path0, g):
+            for r in range(world):
+                lo, hi = max(off, r * size), min(off + numel, (r + 1) * size)
+                if lo < hi:
+                    rows[r].append((n, lo - off, hi - lo, g))
+                    locs[r].append((g, lo - r * size))
+        for r in range(world):
+            saved = {n: address(a) for n, a in osds[r]["param_slice_mappings"][g].items()}
+            mine = {n: (start, numel)
+                    for (n, _, numel, gg), (_, start) in zip(rows[r], locs[r], strict=True) if gg == g}
+            if check_maps and saved != mine:
+                bad = sorted(set(saved.items()) ^ set(mine.items()))[:3]
+                raise CheckpointError(f"{files.ckpt / files.optim[r]}: param_slice_mappings of group {g} disagree "
+                                      f"with DeepSpeed's flat layout rules (first differences: {bad}): not a layout "
+                                      "zeroshard understands")
+            lean = osds[r]["single_partition_of_fp32_groups"][g].numel()
+            beyond = [(n, start, numel) for (n, _, numel, gg), (_, start) in zip(rows[r], locs[r], strict=True)
+                      if gg == g and start + numel > lean]
+            if beyond:
+                raise CheckpointError(f"{files.ckpt / files.optim[r]}: group {g}'s partition holds {lean} elements, "
+                                      f"parameter {beyond[0][0]!r} needs [{beyond[0][1]}, {sum(beyond[0][1:])})")
     for n in trainable:
         if n not in shapes:
-            if n not in module:
-                raise CheckpointError(f"{files.ckpt / DS_MODEL_FILE}: no shape for parameter {n!r}")
-            shapes[n] = tuple(module[n].shape)
+            raise CheckpointError(f"{files.ckpt / DS_MODEL_FILE}: no shape for parameter {n!r}")
     aliases = dict(model.get("shared_params") or {}) or {a: c for a, c in hint.aliases.items() if a in module}
     # frozen_param_shapes is not always written (None with fp32 ZeRO-1): the module has them all.
     buffers = set(model.get("buffer_names") or [])
@@ -236,12 +299,10 @@ def _stage12(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int) 
     params += [TensorInfo(n, s, _dtype_name(module[n].dtype) if n in module else "float32", False)
                for n, s in frozen.items() if n in module]
     index = {p.name: i for i, p in enumerate(params)}
-    fragments = [[(index[n], pos - first[(g, n)], numel) for n, g, pos, _, numel in rows]  # type: ignore[index]
-                 for rows in per_rank]
-    locs = [[(g, start) for _, g, _, start, _ in rows] for rows in per_rank]
+    fragments = [[(index[n], off, numel) for n, off, numel, _ in rank_rows] for rank_rows in rows]
     m = _new_manifest(world, stage, _precision(model), params, aliases, _buffers(model), groups_n, fragments, True,
                       model, files.ckpt.name)
-    return DsLayout(files=files, stage=stage, manifest=m, locs=locs, model=model)
+    return DsLayout(files=files, stage=stage, manifest=m, locs=locs, model=model, partition_numel=partition_numel)
 
 
 def _stage3(files: DsFiles, model: dict[str, Any]) -> DsLayout:
@@ -407,19 +468,30 @@ class DeepSpeedReader(CheckpointReader):
             inner = osd.get("optimizer_state_dict") or {}
             return list(osd["fp32_flat_groups"]), inner.get("state", {}), inner.get("param_groups", [])
         base = osd.get("base_optimizer_state") or {}
+        if isinstance(base, list):  # zero_optimization.elastic_checkpoint: per group, its state cut at the end
+            step = osd.get("base_optimizer_state_step")
+            states = {k: ({"step": torch.tensor(float(step))} if step is not None else {}) | dict(g)
+                      for k, g in enumerate(base)}
+            return list(osd["single_partition_of_fp32_groups"]), states, [{} for _ in base]
         return list(osd["single_partition_of_fp32_groups"]), base.get("state", {}), base.get("param_groups", [])
 
     def optim(self, rank: int) -> dict[str, Any]:
         if rank in self._optim:
             return self._optim[rank]
         flats, states, groups = self._optimizer_parts(rank)
+
+        def sizes(k: int) -> tuple[int, ...]:
+            padded = self.layout.partition_numel
+            return (flats[k].numel(), padded[k]) if k < len(padded) else (flats[k].numel(),)
+
         masters, frag_states, elementwise = [], [], []
         for (_, _, numel), (k, start) in zip(self.manifest.fragments[rank], self.layout.locs[rank], strict=True):
             # A view; `_assemble` copies it into an fp32 tensor (fp32 stage 0: the module's weight).
             masters.append(flats[k].reshape(-1)[start : start + numel])
             state, keys = {}, []
             for key, value in (states.get(k) or {}).items():
-                if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == flats[k].numel():
+                # The moments run over the whole partition (ZeRO-1/2 saves them padded, the fp32 one cut).
+                if isinstance(value, Tensor) and value.dim() > 0 and value.numel() in sizes(k):
                     state[key] = value.reshape(-1)[start : start + numel]
                     keys.append(key)
                 else:

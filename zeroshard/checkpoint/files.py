@@ -29,6 +29,32 @@ shared file system from node-local disks by it; removed before the manifest is w
 FAULT_ENV = "ZEROSHARD_CHECKPOINT_FAULT_AT"
 
 
+_TAG_SHOWN = 60
+"""How many bytes of a bad `latest` file its error shows."""
+
+
+def read_latest_tag(path: Path) -> str:
+    """The tag `latest` file `path` names (DeepSpeed's and zeroshard's: the tag, UTF-8, one line).
+
+    Raises:
+        CheckpointError: the file does not hold a tag (garbage, binary, empty, a path), naming
+            the file, what it holds (truncated, repr) and what a tag looks like.
+    """
+    raw = path.read_bytes()
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = None
+    if (tag is None or not tag or "/" in tag or tag in (".", "..") or len(tag) > 255
+            or any(not c.isprintable() for c in tag)):
+        shown = repr(raw[:_TAG_SHOWN]) + (f"... ({len(raw)} bytes)" if len(raw) > _TAG_SHOWN else "")
+        raise CheckpointError(
+            f"{path}: does not hold a tag name (it holds {shown}); `latest` must hold one checkpoint "
+            f"directory name of {path.parent}, such as 'global_step1000', as save_checkpoint writes it. "
+            "Write the tag to load into it, or pass tag= to load_checkpoint")
+    return tag
+
+
 def optim_file(rank: int) -> str:
     return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from zeroshard.checkpoint.files import LATEST, MANIFEST, retired_dir
+from zeroshard.checkpoint.files import LATEST, MANIFEST, read_latest_tag, retired_dir
 from zeroshard.checkpoint_format import FORMAT_VERSION, Manifest, TensorInfo
 from zeroshard.errors import CheckpointError
 
@@ -84,10 +84,7 @@ def read_latest(load_dir: Path) -> str | None:
     path = load_dir / LATEST
     if not path.is_file():
         return None
-    tag = path.read_text(encoding="utf-8").strip()
-    if not tag or "/" in tag or tag in (".", ".."):
-        raise CheckpointError(f"{path}: does not hold a tag name (got {tag!r})")
-    return tag
+    return read_latest_tag(path)
 
 
 def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, Manifest] | None:

@@ -24,6 +24,8 @@ on one directory).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -80,6 +82,46 @@ def agree(comm: "Comm", error: str | None, what: str) -> None:
         raise CheckpointError(f"rank {comm.rank}: {what} failed: {error}")
     causes = "\n".join(f"  rank {r}: {messages[r]}" for r in failed)
     raise CheckpointError(f"rank {comm.rank}: {what} failed on rank(s) {failed}:\n{causes}")
+
+
+_TARGET_BYTES = 1024
+"""A rank's (save_dir, tag) is compared in full; this many bytes of it are shown in the error."""
+
+
+def check_same_target(comm: "Comm", save_dir: str | os.PathLike[str], tag: str) -> None:
+    """Refuse, on every rank and before anything is written, a save whose `save_dir` or `tag`
+    differs across ranks (e.g. a directory named from each rank's clock): one checkpoint is one
+    directory all ranks write into. One all_gather of a fixed-size row: a digest of the whole
+    value, then its first bytes for the message. Independent of checkpoint.tag_validation
+    (docs/deepspeed-differences.md)."""
+    directory = os.path.normpath(os.fspath(save_dir))
+    value = json.dumps([directory, tag]).encode("utf-8", "replace")
+    shown = value[:_TARGET_BYTES]
+    row = torch.zeros(32 + 8 + _TARGET_BYTES, dtype=torch.uint8)
+    row[:32] = torch.frombuffer(bytearray(hashlib.sha256(value).digest()), dtype=torch.uint8)
+    row[32:40] = torch.frombuffer(bytearray(len(shown).to_bytes(8, "little")), dtype=torch.uint8)
+    row[40 : 40 + len(shown)] = torch.frombuffer(bytearray(shown), dtype=torch.uint8)
+    device = comm.groups.device
+    out = torch.zeros(comm.world_size * row.numel(), dtype=torch.uint8, device=device)
+    comm.all_gather(out, row.to(device))
+    rows = out.cpu().view(comm.world_size, -1)
+    if all(torch.equal(rows[r, :32], rows[0, :32]) for r in range(comm.world_size)):
+        return
+    values = []
+    for r in range(comm.world_size):
+        n = int.from_bytes(bytes(rows[r, 32:40].tolist()), "little")
+        text = bytes(rows[r, 40 : 40 + n].tolist()).decode("utf-8", "replace")
+        try:
+            values.append(tuple(json.loads(text)))
+        except ValueError:
+            values.append((text, "?"))
+    what = [w for k, w in enumerate(("save_dir", "tag")) if len({v[k] for v in values}) > 1]
+    per_rank = "; ".join(f"rank {r}: save_dir={d!r}, tag={t!r}" for r, (d, t) in enumerate(values))
+    raise CheckpointError(f"rank {comm.rank}: save_checkpoint got a different {' and '.join(what)} on different ranks "
+                          f"({per_rank}); nothing was written. Every rank must pass the same save_dir and tag (name "
+                          "the directory on one rank and broadcast it, e.g. with "
+                          "torch.distributed.broadcast_object_list, or derive it from the global step rather than each "
+                          "rank's clock)")
 
 
 def gather_rows(comm: "Comm", row: list[int]) -> list[list[int]]:
@@ -210,6 +252,7 @@ def save_state(state: EngineState, comm: "Comm", save_dir: str | os.PathLike[str
         Whether this rank published a directory (rank 0; with node-local storage, also the
         first rank of each node whose disk rank 0 does not share).
     """
+    check_same_target(comm, save_dir, tag)  # first: the checks below then fail alike on every rank
     if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(f"tag {tag!r}: use a plain directory name (no '/', not starting with '.', "
                               f"not {LATEST!r})")

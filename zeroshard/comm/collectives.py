@@ -8,7 +8,6 @@ timeout, and waited with that timeout (plus a grace), so a rank that diverges fa
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -75,12 +74,6 @@ def _mixed(out: torch.Tensor, in_: torch.Tensor, comm_dtype: torch.dtype | None)
     return out.dtype != in_.dtype and comm_dtype is None
 
 
-def _signature(op: str, numel: int, dtype: torch.dtype | None) -> int:
-    """A 62-bit fingerprint of one collective: what every rank must agree on."""
-    digest = hashlib.blake2b(f"{op}|{numel}|{dtype}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -133,13 +126,7 @@ class Comm:
             tracker=self._tracker, timeout_s=self.timeout_s,
             wait_timeout=timedelta(seconds=self.timeout_s + _WAIT_GRACE_S) if on_cpu else None,
             log=log, sync_device=None if on_cpu else groups.device, group=label)
-        # Note: [collective signature check]. On CPU backends each collective is preceded by a
-        # 16-byte MAX all-reduce of (fingerprint, -fingerprint): equal on every rank exactly
-        # when max == -max(-x) == min. gloo aborts the whole process (C++ terminate, SIGABRT)
-        # when a peer sends a different size, before Python can say anything; the check finds
-        # the mismatch first, on every rank, and raises the divergence report instead. The
-        # checks always pair (same size and op), even when a rank issued an extra collective.
-        # Stream backends (NCCL) skip it: it would sync the host. ZEROSHARD_COMM_VERIFY=0 off.
+        # Note: [collective signature check] in divergence.py. ZEROSHARD_COMM_VERIFY=0 turns it off.
         self._verify = (pg is not None and on_cpu
                         and os.environ.get("ZEROSHARD_COMM_VERIFY", "1") != "0")
         self._caps: dict[str, bool] = {}
@@ -198,26 +185,7 @@ class Comm:
 
     def _verify_signature(self, tracker: CollectiveTracker, rec: CallRecord) -> None:
         """Raise CommError on every rank if the ranks are not issuing the same collective."""
-        sig = _signature(rec.op, rec.numel, rec.dtype)
-        pair = torch.tensor([sig, -sig], dtype=torch.int64)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp, opts.timeout = _REDUCE_OPS["max"], self._timeout
-        tracker.begin_wait(rec)
-        try:
-            work = self._pg.allreduce([pair], opts)  # type: ignore[union-attr]
-            if work.wait(self._policy.wait_timeout) is False:
-                raise TimeoutError(f"Work.wait returned False after {self.timeout_s:g} s")
-        except Exception as e:
-            error = tracker.fail(rec, e, self.timeout_s)
-            tracker.end_wait(rec, done=False)
-            raise error from e
-        if int(pair[0]) != -int(pair[1]):
-            error = tracker.fail(rec, RuntimeError(
-                f"collective mismatch: the ranks' collective seq {rec.seq} differ in operation, "
-                "size or dtype (found before any data moved)"), self.timeout_s)
-            tracker.end_wait(rec, done=False)
-            raise error
-        tracker.end_wait(rec, done=False)
+        tracker.verify(rec, self._timeout, self._policy.wait_timeout, self.timeout_s)
 
     def _native(self, cap: str, native: Callable[[], dist.Work],
                 fallback: Callable[[], dist.Work]) -> dist.Work:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import groups as _groups
+from zeroshard.comm.divergence import tracker_of
 from zeroshard.errors import NotSupportedError
 
 ReduceOp = dist.ReduceOp
@@ -127,33 +128,58 @@ class _Done:
         return True
 
 
-def _run(call: Any, async_op: bool) -> Any:
-    work = call()
+def _run(call: Any, async_op: bool, op: str = "", tensor: torch.Tensor | None = None, group: Any = None) -> Any:
+    """Issue `call`. On a group zeroshard tracks (its data-parallel group) and a CPU backend, the
+    call is first sequenced and signature-checked like zeroshard's own collectives (Note:
+    [collective signature check] in divergence.py): a collective one rank issues through
+    `deepspeed.comm` and the others do not is reported by every rank, not by gloo."""
+    pg = _group(group)
+    tracker = tracker_of(pg) if op else None
+    on_cpu = tensor is None or tensor.device.type == "cpu"
+    if tracker is None or not on_cpu or os.environ.get("ZEROSHARD_COMM_VERIFY", "1") == "0":
+        work = call()
+        return work if async_op else None
+    current = _groups._GROUPS
+    timeout_s = current.timeout_s if current is not None else 1800.0
+    numel, dtype = (0, None) if tensor is None else (tensor.numel(), tensor.dtype)
+    rec = tracker.issue(op, numel, dtype)
+    tracker.verify(rec, timedelta(seconds=timeout_s), timedelta(seconds=timeout_s + 5.0), timeout_s)
+    try:
+        work = call()
+    except Exception as e:
+        raise tracker.fail(rec, e, timeout_s) from e
+    # The caller waits an async work itself: counted as done once issued (the report then names
+    # it as this rank's last collective, not as one in flight).
+    tracker.end_wait(rec, done=True)
     return work if async_op else None
 
 
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
     if not is_initialized():
         return _Done() if async_op else None
-    return _run(lambda: dist.barrier(group=_group(group), async_op=async_op, device_ids=device_ids), async_op)
+    return _run(lambda: dist.barrier(group=_group(group), async_op=async_op, device_ids=device_ids), async_op,
+                "barrier", None, group)
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
     if not is_initialized():
         return _Done() if async_op else None
-    return _run(lambda: dist.all_reduce(tensor, op=op, group=_group(group), async_op=async_op), async_op)
+    return _run(lambda: dist.all_reduce(tensor, op=op, group=_group(group), async_op=async_op), async_op,
+                "all_reduce", tensor, group)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
     if not is_initialized():
         return _Done() if async_op else None
-    return _run(lambda: dist.reduce(tensor, dst, op=op, group=_group(group), async_op=async_op), async_op)
+    return _run(lambda: dist.reduce(tensor, dst, op=op, group=_group(group), async_op=async_op), async_op,
+                "reduce", tensor, group)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
     if not is_initialized():
         return _Done() if async_op else None
-    return _run(lambda: dist.broadcast(tensor, src, group=_group(group), async_op=async_op), async_op)
+    return _run(lambda: dist.broadcast(tensor, src, group=_group(group), async_op=async_op), async_op,
+                "broadcast", tensor, group)
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
@@ -161,7 +187,8 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
     if not is_initialized():
         tensor_list[0].copy_(tensor)
         return _Done() if async_op else None
-    return _run(lambda: dist.all_gather(tensor_list, tensor, group=_group(group), async_op=async_op), async_op)
+    return _run(lambda: dist.all_gather(tensor_list, tensor, group=_group(group), async_op=async_op), async_op,
+                "all_gather", tensor, group)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
@@ -170,7 +197,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
         output_tensor.copy_(input_tensor.reshape(output_tensor.shape))
         return _Done() if async_op else None
     return _run(lambda: dist.all_gather_into_tensor(output_tensor, input_tensor, group=_group(group),
-                                                    async_op=async_op), async_op)
+                                                    async_op=async_op), async_op, "all_gather", input_tensor, group)
 
 
 def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: Any = ReduceOp.SUM,
@@ -179,19 +206,22 @@ def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tenso
         output_tensor.copy_(input_tensor.reshape(output_tensor.shape))
         return _Done() if async_op else None
     return _run(lambda: dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=_group(group),
-                                                   async_op=async_op), async_op)
+                                                   async_op=async_op), async_op, "reduce_scatter", input_tensor,
+                group)
 
 
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
     if not is_initialized():
         object_list[0] = obj
         return
-    dist.all_gather_object(object_list, obj, group=_group(group))
+    _run(lambda: dist.all_gather_object(object_list, obj, group=_group(group)), False, "all_gather_object", None,
+         group)
 
 
 def broadcast_object_list(object_list: list[Any], src: int, group: Any = None, device: Any = None) -> None:
     if is_initialized():
-        dist.broadcast_object_list(object_list, src, group=_group(group), device=device)
+        _run(lambda: dist.broadcast_object_list(object_list, src, group=_group(group), device=device), False,
+             "broadcast_object_list", None, group)
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes: Any = None,
@@ -200,7 +230,8 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_s
         output.copy_(tensor)
         return _Done() if async_op else None
     return _run(lambda: dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes,
-                                               group=_group(group), async_op=async_op), async_op)
+                                               group=_group(group), async_op=async_op), async_op,
+                "all_to_all", None, group)  # split sizes may differ per rank: checked as an op only
 
 
 __all__ = [

@@ -198,8 +198,9 @@ NO_EFFECT: dict[str, str] = {
     "list of tested optimizers to bypass.",
     "zero_force_ds_cpu_optimizer": "zeroshard steps any torch optimizer on the CPU shard; there is no "
     "DeepSpeed CPU optimizer to force.",
-    "checkpoint.tag_validation": "zeroshard does not compare checkpoint tags across ranks yet; "
-    "accepted so DeepSpeed configs load.",
+    "checkpoint.tag_validation": "zeroshard always compares save_dir and tag across ranks at the save call "
+    "and refuses a difference on every rank (one checkpoint is one directory), so Ignore and Warn do not relax "
+    "it; accepted so DeepSpeed configs load.",
     "optimizer.params[OneBitAdam].max_grad_norm": "DeepSpeed's OnebitAdam stores it and never reads it; "
     "the top-level gradient_clipping clips.",
     "optimizer.params[ZeroOneAdam].max_grad_norm": "DeepSpeed's ZeroOneAdam stores it and never reads it; "

@@ -91,8 +91,8 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     DeepSpeed accepts it. A UTF-8 byte-order mark is skipped.
 
     Raises:
-        ConfigError: missing file, unreadable file, invalid JSON/hjson, a key given twice in one
-            object, or not a JSON object.
+        ConfigError: missing, unreadable or empty file, invalid JSON/hjson, a key given twice in
+            one object, or not a JSON object.
     """
     p = Path(path)
     try:
@@ -103,6 +103,10 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"{p}: not UTF-8 text (byte {err.start}); save the config as UTF-8.") from None
     except OSError as err:
         raise ConfigError(f"{p}: cannot read the config file ({err.strerror}).") from None
+    if not text.strip():
+        what = "0 bytes" if not text else f"{len(text)} characters of whitespace only"
+        raise ConfigError(f"{p}: the config file is empty ({what}); write a JSON object into it, at least "
+                          '{"train_micro_batch_size_per_gpu": 1} (or pass the config as a dict).')
     raw = _parse_text(text, p)
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: the top level must be a JSON object, got {type(raw).__name__}.")

@@ -226,7 +226,8 @@ class CheckpointConfig:
 
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
     """DeepSpeed: check that every rank saves with the same tag (ignore, warn or fail on a
-    mismatch). Accepted without effect: zeroshard does not compare tags across ranks yet."""
+    mismatch). Accepted without effect: zeroshard always refuses a save_dir or tag that differs
+    across ranks, whatever this says."""
     load_universal: bool = False
     """Load a DeepSpeed universal checkpoint."""
     use_node_local_storage: bool = False

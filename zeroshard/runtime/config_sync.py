@@ -60,6 +60,14 @@ def _all_gather_bytes(comm: Comm, payload: bytes) -> list[bytes]:
     return [bytes(rows[r, : int(lengths[r])].tolist()) for r in range(world)]
 
 
+_FIRST_LINE_KEYS = 3
+"""Differing keys (with each rank's value) shown on the error's first line; all are listed below it."""
+
+
+def _cut(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
@@ -93,8 +101,11 @@ def check_same_config(cfg: Config, comm: Comm) -> None:
     groups: dict[bytes, list[int]] = {}
     for r, d in enumerate(digests):
         groups.setdefault(d, []).append(r)
+    # The keys go on the first line: torchrun's error summary shows only that one.
+    head = [_cut(line.strip()) for line in lines[:_FIRST_LINE_KEYS]]
+    more = f" (and {len(lines) - len(head)} more keys, below)" if len(lines) > len(head) else ""
     raise ConfigError(
-        f"the ranks resolved different configs ({len(groups)} distinct: "
-        + "; ".join(_ranks(rs) for rs in groups.values()) + "); they differ in "
-        f"{len(lines)} key(s):\n" + "\n".join(shown) + "\nEvery rank must be given the same "
-        "ds_config (the same file, or the same dict built the same way on every rank).")
+        f"the ranks resolved different configs in {len(lines)} key(s): " + "; ".join(head) + more
+        + " -- every rank must be given the same ds_config (the same file, or the same dict built the same way "
+        "on every rank).\n" + f"{len(groups)} distinct configs: " + "; ".join(_ranks(rs) for rs in groups.values())
+        + "; they differ in:\n" + "\n".join(shown))

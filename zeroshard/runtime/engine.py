@@ -477,7 +477,9 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
             The checkpoint's directory.
 
         Raises:
-            CheckpointError: `save_dir` is None or empty, the call is in the middle of gradient
+            CheckpointError: `save_dir` is None or empty, `save_dir` or `tag` differs across
+                ranks (refused on every rank before anything is written, whatever
+                checkpoint.tag_validation says), the call is in the middle of gradient
                 accumulation, or a rank could not write (every rank raises; the previous
                 checkpoint and `latest` are untouched).
 

@@ -8,7 +8,9 @@ MODE "mismatch": rank 1 issues a broadcast where rank 0 issues the all_reduce.
 Rank 0 must fail within the 3 s timeout with a CommError naming both ranks' last collectives.
 MODE "size": both issue an all_reduce, of different sizes (gloo alone aborts the process).
 MODE "extra": rank 0 issues an extra all_gather before the all_reduce both issue.
-In "size" and "extra" every rank must raise zeroshard's report at once, without SIGABRT.
+MODE "dscomm": rank 0 issues an extra all_reduce through deepspeed.comm (zeroshard.comm.functional),
+as a script averaging its loss on one rank does, before the all_reduce both issue.
+In "size", "extra" and "dscomm" every rank must raise zeroshard's report at once, without SIGABRT.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ def main(mode: str) -> None:
         if groups.rank == 0:
             comm.all_gather(torch.empty(2 * 3), torch.ones(3))  # seq 2: rank 0 only
         comm.all_reduce(torch.ones(100))  # seq 2 on rank 1, seq 3 on rank 0
+    if mode == "dscomm":
+        from zeroshard.comm import functional as dscomm
+
+        if groups.rank == 0:
+            dscomm.all_reduce(torch.ones(1))  # seq 2: rank 0 only, through deepspeed.comm
+        comm.all_reduce(torch.ones(100))  # seq 2 on rank 1 (dscomm), seq 3 on rank 0
     if mode == "mismatch" and groups.rank == 1:
         comm.broadcast(torch.ones(8), 0)  # seq 2 on rank 1: not what rank 0 issued
     if groups.rank == 0:
