@@ -1,1 +1,5 @@
+from zeroshard.compat.ds_utils import COMPATIBLE_OPS as _OPS
+
 from deepspeed.ops import adagrad, adam, lion  # noqa: F401
+
+__compatible_ops__ = dict(_OPS)  # which compiled ops' features zeroshard provides (compat/ds_utils.py)
