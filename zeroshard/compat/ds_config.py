@@ -170,6 +170,13 @@ def get_gradient_clipping(param_dict: Mapping[str, Any]) -> float:
     return float(param_dict.get("gradient_clipping", default))
 
 
+def _as_dict(params: Any) -> dict[str, Any]:
+    """An optimizer's / scheduler's params (a schema dataclass or a mapping) as a plain dict."""
+    if dataclasses.is_dataclass(params):
+        return {f.name: getattr(params, f.name) for f in json_fields(type(params))}
+    return dict(params)
+
+
 def _dp_world_size() -> int:
     from zeroshard.comm import get_world_size
 
@@ -206,9 +213,9 @@ class DeepSpeedConfig:
         self.fp16_enabled = cfg.fp16.enabled
         self.bfloat16_enabled = cfg.bf16.enabled
         self.optimizer_name = cfg.optimizer.type.lower() if cfg.optimizer is not None else None
-        self.optimizer_params = dict(cfg.optimizer.params) if cfg.optimizer is not None else None
+        self.optimizer_params = _as_dict(cfg.optimizer.params) if cfg.optimizer is not None else None
         self.scheduler_name = cfg.scheduler.type if cfg.scheduler is not None else None
-        self.scheduler_params = dict(cfg.scheduler.params) if cfg.scheduler is not None else None
+        self.scheduler_params = _as_dict(cfg.scheduler.params) if cfg.scheduler is not None else None
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "_config":

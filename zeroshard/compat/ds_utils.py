@@ -102,13 +102,13 @@ def set_log_level_from_string(log_level_str: str, custom_logger: logging.Logger 
 
 @contextmanager
 def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
-    """Gather every stage-3 parameter of an engine (or module) whole for the block, e.g. for
-    `generate()`, and yield it unchanged. Below stage 3 nothing is gathered. zeroshard's
-    forward hooks stay installed; they find the parameters already whole and leave them so."""
-    from zeroshard.zero import GatheredParameters
+    """`deepspeed.runtime.zero.unwrap_model_for_generation`: gather every stage-3 parameter of an
+    engine (or module) whole for the block and yield `model` itself, as DeepSpeed does (TRL's
+    helper of the same name, zeroshard.utils', yields the inner module). Below stage 3 nothing is
+    gathered. zeroshard's forward hooks stay installed and find the parameters already whole."""
+    from zeroshard.runtime.inference import unwrap_model_for_generation as gathered
 
-    module = getattr(model, "module", model)
-    with GatheredParameters(list(module.parameters())):
+    with gathered(model):
         yield model
 
 
