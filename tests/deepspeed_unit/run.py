@@ -3,17 +3,19 @@
     python tests/deepspeed_unit/run.py PATH_TO_DEEPSPEED [--files unit/...py ...] [--out DIR]
     python tests/deepspeed_unit/run.py PATH --only zs --passed-from DIR/ds.xml   # zeroshard pass only
 
-PATH is a checkout of github.com/deepspeedai/DeepSpeed; only its `tests/` folder is used (the
-installed deepspeed 0.19.x package is what runs: do not put the checkout's own `deepspeed/`
-source on the path). Nothing of DeepSpeed's tests is copied into this repository.
+PATH holds DeepSpeed's `tests/` folder (a checkout, or `git archive HEAD tests` of one); only that
+folder is used. The installed deepspeed 0.19.x package is what runs in pass 1: do not put a
+checkout's own `deepspeed/` source on the path. Nothing of DeepSpeed's is copied into this repo.
 
-Two passes, both on CPU (DS_ACCELERATOR=cpu, DeepSpeed's DistributedTest harness over gloo):
-1. DeepSpeed itself runs the selected test files; the tests that pass are the baseline.
-2. The same tests run again with `shim/` on PYTHONPATH and ZEROSHARD_AS_DEEPSPEED=1: every
-   process then points DeepSpeed's public names (initialize, zero.Init, safe_get_*,
-   zero_to_fp32, ...) at zeroshard (shim/zs_as_deepspeed.py). DeepSpeed's accelerator, comm
-   and test harness stay, since they only set up devices and the process group.
-The report: how many pass under each, and the zeroshard failures grouped by their error.
+Two passes, each ONE pytest process over the whole list (about 2 s per test once DeepSpeed's CPU
+ops are compiled; the first pass compiles them into DIR/torch_extensions_ds), both on CPU:
+DS_ACCELERATOR=cpu, DeepSpeed's DistributedTest harness over gloo, DS_DISABLE_REUSE_DIST_ENV=1
+(fresh ranks per test), LOCAL_SIZE=2, one thread per rank.
+1. DeepSpeed itself runs the selected files; the tests that pass are the baseline.
+2. The same tests run again with ZEROSHARD_AS_DEEPSPEED=1 and nothing else in between: every
+   `import deepspeed` (the test modules, DeepSpeed's harness, its `init_distributed`,
+   accelerator and comm) is zeroshard's alias package, as a user gets it.
+The report: how many pass under each, per file, and the zeroshard failures grouped by error.
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def main(argv: list[str]) -> int:
     t = run_pytest(checkout, "zs", passed, zs_xml, args.timeout)
     zs = outcomes(zs_xml)
     ok = [n for n in passed if zs.get(n, ("missing", ""))[0] == "passed"]
-    print(f"zeroshard (shim) pass: {t:.0f} s; {len(ok)} of DeepSpeed's {len(passed)} passing tests pass")
+    print(f"zeroshard pass: {t:.0f} s; {len(ok)} of DeepSpeed's {len(passed)} passing tests pass")
     per_file: dict[str, Counter[str]] = defaultdict(Counter)
     groups: dict[str, list[str]] = defaultdict(list)
     for n in passed:

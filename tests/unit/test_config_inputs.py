@@ -220,3 +220,15 @@ def test_initialize_logs_the_stage_note_once(caplog: pytest.LogCaptureFixture) -
     assert notes == ["zero_optimization: set for another ZeRO stage, no effect at stage 1: sub_group_size "
                      "(stage 3), stage3_prefetch_bucket_size (stage 3). Accepted so one config serves every stage."]
     assert all(r.levelno == logging.WARNING for r in caplog.records if r.getMessage() in notes)
+
+
+def test_zero_allow_untested_optimizer_reads_an_integer_as_its_truth_value() -> None:
+    """DeepSpeed tests the key by truthiness (its own tests write `1`); other bools stay strict."""
+    assert load_config({"train_batch_size": 1, "zero_allow_untested_optimizer": 1}, dp_world_size=1) \
+        .zero_allow_untested_optimizer is True
+    assert load_config({"train_batch_size": 1, "zero_allow_untested_optimizer": 0}, dp_world_size=1) \
+        .zero_allow_untested_optimizer is False
+    with pytest.raises(ConfigError, match="zero_allow_untested_optimizer"):
+        load_config({"train_batch_size": 1, "zero_allow_untested_optimizer": "yes"}, dp_world_size=1)
+    with pytest.raises(ConfigError, match="fp16.enabled"):
+        load_config({"train_batch_size": 1, "fp16": {"enabled": 1}}, dp_world_size=1)
