@@ -62,7 +62,9 @@ def env_for(engine: str, ext_dir: Path) -> dict[str, str]:
     # A private extensions dir: DeepSpeed's CPU op builders JIT-compile there, and a shared one
     # makes concurrent runs wait on each other's build locks.
     env["TORCH_EXTENSIONS_DIR"] = str(ext_dir)
-    env.setdefault("DS_UNITTEST_TIMEOUT", "300")
+    # DeepSpeed's harness ends the whole pytest session (pytest.exit) when one test outlives
+    # this; a loaded 2-core machine needs minutes for a test's first JIT-compiled op.
+    env.setdefault("DS_UNITTEST_TIMEOUT", "1200")
     # Fresh processes per test instead of DeepSpeed's reused pool: a reused pool keeps one
     # test's process group and module state for the next, and its teardown can hang.
     env["DS_DISABLE_REUSE_DIST_ENV"] = "1"
@@ -70,7 +72,8 @@ def env_for(engine: str, ext_dir: Path) -> dict[str, str]:
     # skips every test of world size 2 "for lack of GPUs"; LOCAL_SIZE is its override.
     env.setdefault("LOCAL_SIZE", "2")
     env["OMP_NUM_THREADS"] = "1"   # one thread per rank
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    # HERE holds zs_select.py, a pytest plugin that only deselects (see --select).
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), *filter(None, [env.get("PYTHONPATH")])])
     if engine == "zs":
         # Nothing in between: `import deepspeed` is zeroshard's alias package, as a user gets it.
         env["ZEROSHARD_AS_DEEPSPEED"] = "1"
@@ -85,7 +88,7 @@ def run_pytest(checkout: Path, engine: str, targets: list[str], xml: Path, timeo
     DeepSpeed's import and its op-builder checks again each time)."""
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--color=no", "-q",
            f"--junitxml={xml}", "-o", "junit_family=xunit1",
-           "--continue-on-collection-errors", *targets]
+           "--continue-on-collection-errors", "-p", "zs_select", *targets]
     env = env_for(engine, xml.parent / f"torch_extensions_{engine}")
     start = time.perf_counter()
     with open(xml.with_suffix(".log"), "w") as log:
@@ -138,11 +141,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--only", choices=["ds", "zs"], help="run one pass only")
     ap.add_argument("--passed-from", type=Path, help="DeepSpeed junit XML: run zeroshard on its passes")
     ap.add_argument("--timeout", type=int, default=7200, help="per pass, seconds")
+    ap.add_argument("--select", choices=["all", "local", "dist"], default="all",
+                    help="local: only the tests that run in the pytest process (milliseconds each); "
+                         "dist: only those DeepSpeed's DistributedTest runs in fresh ranks")
     args = ap.parse_args(argv)
     checkout = args.checkout.resolve()
     if not (checkout / "tests" / "unit" / "common.py").exists():
         ap.error(f"{checkout} is not a DeepSpeed checkout: tests/unit/common.py is missing")
     args.out = args.out.resolve()
+    os.environ["ZS_DSUNIT_SELECT"] = args.select
     args.out.mkdir(parents=True, exist_ok=True)
     ds_xml, zs_xml = args.out / "ds.xml", args.out / "zs.xml"
     if args.only != "zs":

@@ -1,0 +1,33 @@
+"""A pytest plugin for run.py: split DeepSpeed's tests into in-process ones and the ones its
+`DistributedTest` harness runs in freshly started ranks (`ZS_DSUNIT_SELECT=local|dist`).
+
+In-process tests cost milliseconds; each distributed one starts 1-4 interpreters that import
+torch and deepspeed (seconds on a quiet machine, minutes on a loaded 2-core one), so a run can
+measure every in-process test of the list and the distributed ones as time allows. It only
+deselects: it imports nothing of DeepSpeed's or zeroshard's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def _is_distributed(item: Any) -> bool:
+    cls = getattr(item, "cls", None)
+    if cls is not None and getattr(cls, "is_dist_test", False):
+        return True
+    info = getattr(item, "_fixtureinfo", None)  # a DistributedFixture also starts fresh ranks
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(getattr(d.func, "is_dist_fixture", False) for group in defs for d in group)
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    mode = os.environ.get("ZS_DSUNIT_SELECT", "").strip()
+    if mode not in ("local", "dist"):
+        return
+    keep = [i for i in items if _is_distributed(i) == (mode == "dist")]
+    dropped = [i for i in items if i not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep
