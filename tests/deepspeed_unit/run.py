@@ -8,7 +8,8 @@ folder is used. The installed deepspeed 0.19.x package is what runs in pass 1: d
 checkout's own `deepspeed/` source on the path. Nothing of DeepSpeed's is copied into this repo.
 
 Two passes, each ONE pytest process over the whole list (about 2 s per test once DeepSpeed's CPU
-ops are compiled; the first pass compiles them into DIR/torch_extensions_ds), both on CPU:
+ops are compiled; the first pass compiles them into runs/torch_extensions/ds, kept for later
+runs: minutes each on a loaded 2-core machine), both on CPU:
 DS_ACCELERATOR=cpu, DeepSpeed's DistributedTest harness over gloo, DS_DISABLE_REUSE_DIST_ENV=1
 (fresh ranks per test), LOCAL_SIZE=2, one thread per rank.
 1. DeepSpeed itself runs the selected files; the tests that pass are the baseline.
@@ -89,7 +90,7 @@ def run_pytest(checkout: Path, engine: str, targets: list[str], xml: Path, timeo
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--color=no", "-q",
            f"--junitxml={xml}", "-o", "junit_family=xunit1",
            "--continue-on-collection-errors", "-p", "zs_select", *targets]
-    env = env_for(engine, xml.parent / f"torch_extensions_{engine}")
+    env = env_for(engine, ROOT / "runs" / "torch_extensions" / engine)
     start = time.perf_counter()
     with open(xml.with_suffix(".log"), "w") as log:
         try:
