@@ -51,6 +51,8 @@ SERVED = [
     ("deepspeed.runtime.lr_schedules", "CYCLE_MIN_MOM"),
     ("deepspeed.runtime.lr_schedules", "TOTAL_NUM_STEPS"),
     ("deepspeed.ops", "__compatible_ops__"),
+    ("deepspeed.runtime.zero.leaf_module_config", "DEFAULT_LEAF_MODULE_CLASSES"),
+    ("deepspeed.runtime.zero.leaf_module_config", "DEFAULT_LEAF_MODULE_NAMES"),
 ]
 # Internals importable by name only: building / calling them raises NotSupportedError naming them.
 REFUSED = [
@@ -94,6 +96,8 @@ from zeroshard.errors import ZeroshardError
 out["file"] = deepspeed.__file__
 out["cpu_adam"] = deepspeed.ops.__compatible_ops__[CPUAdamBuilder.NAME]
 out["zre"] = ZeRORuntimeException is ZeroshardError
+from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
+out["leaf"] = DEFAULT_LEAF_MODULE_CLASSES
 print("PROBE" + json.dumps(out))
 """
 
@@ -111,6 +115,9 @@ def test_alias_serves_the_names_and_refuses_the_internals_by_name() -> None:
         got = out["refusals"][name]
         assert got.startswith("NotSupportedError:") and name in got, f"{mod}.{name}: {got}"
     assert out["cpu_adam"] is True and out["zre"] is True
+    from zeroshard.zero.leaf import DEFAULT_LEAF_CLASSES
+
+    assert out["leaf"] == list(DEFAULT_LEAF_CLASSES)
 
 
 # -- config classes: pydantic models over zeroshard's section reader ---------------------------
