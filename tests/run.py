@@ -1,4 +1,5 @@
-"""Run the whole test suite: unit tests, distributed tests at 2 and 3 ranks, launcher tests.
+"""Run the whole test suite: unit tests, distributed tests at 2 and 3 ranks (the pipeline tests also
+at 4), launcher tests.
 
     python tests/run.py            # everything (README's test command)
     python tests/run.py unit dist2 # some stages
@@ -50,6 +51,9 @@ STAGES: dict[str, list[str]] = {
     "dist1": [sys.executable, *PYTEST, "tests/dist"],  # world size 1: no process group at all
     "dist2": [*torchrun(2), *PYTEST, "tests/dist"],
     "dist3": [*torchrun(3), *PYTEST, "tests/dist"],
+    # Pipeline x data parallelism needs 4 ranks (PP 2 x DP 2, and PP 4); the rest of tests/dist
+    # runs at 1-3 ranks, so this stage runs only the pipeline file.
+    "dist4": [*torchrun(4), *PYTEST, "tests/dist/test_pipeline.py"],
     "launch": [sys.executable, *PYTEST, "tests/launch"],
 }
 # Opt-in: zeroshard against DeepSpeed 0.19 on the same cases (tests/differential/harness.py).

@@ -110,6 +110,9 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "bf16.bf16_optimizer_states": ("zero/build.py::cfg.bf16.bf16_optimizer_states",),
     "checkpoint.use_node_local_storage": ("runtime/initialize.py::cfg.checkpoint.use_node_local_storage",),
     "torch_autocast.enabled": ("runtime/autocast.py::section.enabled",),
+    "pipeline.activation_checkpoint_interval": ("runtime/pipe_engine.py",),
+    "pipeline.use_reentrant": ("runtime/pipe_engine.py",),
+    "pipeline.schedule": ("pipe/schedule.py",),
     "torch_autocast.dtype": ("runtime/autocast.py::section.precision",),
     # scheduler parameters: the schedule classes take them by name
     **{f"scheduler.params[{cls}].{k}": _SCHED for cls, keys in (
@@ -194,6 +197,16 @@ NO_EFFECT: dict[str, str] = {
     "outside the square root; so does zeroshard's.",
     "optimizer.params[ZeroOneAdam].eps_inside_sqrt": "DeepSpeed's ZeroOneAdam stores it and always adds eps "
     "outside the square root; so does zeroshard's.",
+    "pipeline.stages": "DeepSpeed carries it in its default pipeline block and never reads it; the "
+    "PipelineModule's num_stages / topology sets the stages.",
+    "pipeline.partition": "DeepSpeed carries it in its default pipeline block and never reads it; the "
+    "PipelineModule's partition_method cuts the layers.",
+    "pipeline.seed_layers": "DeepSpeed carries it in its default pipeline block and never reads it; "
+    "PipelineModule(seed_layers=) seeds the layers.",
+    "pipeline.pipe_partitioned": "splits stage-to-stage activations over tensor-parallel ranks in DeepSpeed; "
+    "zeroshard's pipelines have no tensor parallelism, so there is nothing to split.",
+    "pipeline.grad_partitioned": "splits stage-to-stage gradients over tensor-parallel ranks in DeepSpeed; "
+    "zeroshard's pipelines have no tensor parallelism, so there is nothing to split.",
     "optimizer.params[Adam].torch_adam": "zeroshard always uses torch's Adam (its fused kernel where "
     "available), which is what true asks DeepSpeed for.",
 }

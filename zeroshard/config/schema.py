@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from zeroshard.config.describe import describe_config
 from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, spec
@@ -238,6 +238,38 @@ class CheckpointConfig:
     """Use torch.save's serialization format."""
 
 
+PipeSchedule = Literal["1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineConfig:
+    """`pipeline`: the pipeline engine (used when initialize() is given a PipelineModule)."""
+
+    stages: Any = "auto"
+    """DeepSpeed's default block carries it and nothing reads it (the stage count is the
+    PipelineModule's num_stages / topology). Accepted without effect, as in DeepSpeed."""
+    partition: Any = "best"
+    """DeepSpeed's default block carries it and nothing reads it (the PipelineModule's
+    partition_method cuts the layers). Accepted without effect, as in DeepSpeed."""
+    seed_layers: bool = False
+    """DeepSpeed's default block carries it and nothing reads it (PipelineModule(seed_layers=)
+    does). Accepted without effect, as in DeepSpeed."""
+    activation_checkpoint_interval: int = spec(0, ge=0)
+    """Recompute activations every this many layers; 0 keeps the PipelineModule's own interval."""
+    use_reentrant: bool = True
+    """Activation checkpointing with the reentrant implementation (true, DeepSpeed's default) or
+    torch's non-reentrant one (false)."""
+    pipe_partitioned: bool = True
+    """DeepSpeed splits the activations sent between stages over the tensor-parallel ranks. zeroshard's
+    pipelines have no tensor parallelism, so there is nothing to split: accepted without effect."""
+    grad_partitioned: bool = True
+    """As pipe_partitioned, for the gradients sent back between stages: accepted without effect."""
+    schedule: PipeSchedule = "1f1b"
+    """zeroshard's extension: the pipeline schedule (torch.distributed.pipelining). "1f1b" (the
+    default; DeepSpeed's numbers), "gpipe", "interleaved_1f1b" and "interleaved_zero_bubble" (several
+    stages per rank: PipelineModule(virtual_stages=v)). Every schedule trains the same numbers."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
     """A validated ds_config: every value typed, "auto" resolved, the batch triad solved.
@@ -300,6 +332,8 @@ class Config:
     """Activation checkpointing."""
     checkpoint: CheckpointConfig = spec(default_factory=CheckpointConfig)
     """Checkpoint options."""
+    pipeline: PipelineConfig = spec(default_factory=PipelineConfig)
+    """Pipeline parallelism (a PipelineModule given to initialize())."""
     zero_allow_untested_optimizer: bool = spec(False, int_as_bool=True)
     """DeepSpeed refuses client optimizers it has not tested with ZeRO unless true. zeroshard
     partitions any torch.optim optimizer, so the flag is accepted and has no effect. An integer

@@ -94,7 +94,7 @@ UNSUPPORTED_OPTIMIZERS: dict[str, str] = {
 UNMODELLED: dict[str, str] = {
     name: f"DeepSpeed's {name} feature is not implemented." for name in (
         "amp", "flops_profiler", "autotuning", "eigenvalue", "progressive_layer_drop",
-        "curriculum_learning", "data_efficiency", "sparse_attention", "pipeline", "compression_training",
+        "curriculum_learning", "data_efficiency", "sparse_attention", "compression_training",
         "hybrid_engine", "nebula", "datastates", "elasticity", "weight_quantization", "compile",
         "tensor_parallel", "comet", "quantize_training", "graph_harvesting", "timers",
         "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "vocabulary_size",

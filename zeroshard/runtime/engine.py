@@ -348,7 +348,7 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
         self.timers.start("step")
         self._grads_ready = False
         self._pending_backwards = 0
-        stats = self._strategy.prepare_step(1.0 / self.get_loss_scale(), self._config.gradient_clipping)
+        stats = self._prepare_step()
         if not stats.overflow:
             self.optimizer.step()
         self._strategy.after_step(applied=not stats.overflow)
@@ -373,6 +373,11 @@ class ZeroEngine(EngineQueries, EngineProgress, ModelExport, nn.Module):
         every = self._config.steps_per_print  # None: never print progress
         if every is not None and self.global_steps % every == 0:
             self._report()
+
+    def _prepare_step(self) -> GradStats:
+        """Reduced gradients -> unscaled, clipped, with the global norm (the pipeline engine
+        sums the norm over its stages)."""
+        return self._strategy.prepare_step(1.0 / self.get_loss_scale(), self._config.gradient_clipping)
 
     # -- inference ------------------------------------------------------------------------
 

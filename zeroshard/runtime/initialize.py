@@ -14,14 +14,17 @@ from torch import nn
 from zeroshard.arguments import config_path_from_args
 from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
 from zeroshard.comm.groups import node_leader
+from zeroshard.comm.topology import build_mesh
 from zeroshard.config import Config, load_config, read_config_file
 from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.pipe.module import PipelineModule
 from zeroshard.runtime.activation_checkpointing import configure_from_config
 from zeroshard.runtime.autocast import autocast_dtype, safe_module_classes
 from zeroshard.runtime.checkpointing import Checkpointer
 from zeroshard.runtime.config_sync import check_same_config
 from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
+from zeroshard.runtime.pipe_engine import PipeParts, PipelineEngine
 from zeroshard.runtime.loss_scaler import build_loss_scaler
 from zeroshard.runtime.lr_schedules import build_scheduler
 from zeroshard.runtime.onebit import OneBitOptimizer
@@ -157,8 +160,12 @@ def initialize(
     raw_config = source if isinstance(source, Mapping) else read_config_file(source)
     if distributed_port is not None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    groups = init_distributed()
+    groups = world = init_distributed()
     setup_logging(groups.rank)
+    pipe_module = model if isinstance(model, PipelineModule) else None
+    if pipe_module is not None:  # ZeRO runs over the data-parallel group of each stage
+        mesh = build_mesh(world, pipe_module.mesh_topology)
+        groups = mesh.axis("dp")
     auto = dict(client_auto_values(optimizer))
     cfg = load_config(source, dp_world_size=groups.world_size,
                       hidden_size=model_hidden_size(model), auto_values=auto)
@@ -189,6 +196,7 @@ def initialize(
                 if comms.enabled else None)
     check_same_config(cfg, comm)  # the first collective: before anything trains on it
     broadcast_module_state(model, comm)
+    pipe = PipeParts(pipe_module, cfg, mesh) if pipe_module is not None else None  # before the strategy's hooks
     param_groups = _param_groups(model, model_parameters)
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
     strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units)
@@ -217,8 +225,9 @@ def initialize(
         loader = DistributedDataLoader(
             training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
             rank=groups.rank, world_size=groups.world_size, collate_fn=collate_fn)
-    engine = ZeroEngine(
-        module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,
+    engine_cls, extra = (ZeroEngine, {}) if pipe is None else (PipelineEngine, {"pipe": pipe})
+    engine = engine_cls(
+        **extra, module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,
         lr_scheduler=sched, loss_scaler=scaler, sinks=build_sinks(cfg, groups.rank),
         training_dataloader=loader, raw_config=raw_config)
     engine.checkpointer = _checkpointer(comm, cfg.checkpoint.use_node_local_storage)

@@ -531,6 +531,25 @@ class Stage3Strategy(ShardedStrategyBase):
                 del self._user_pins[u]
                 self._release(u)
 
+    # -- pipelines (runtime/pipe_engine.py) ----------------------------------------------------
+
+    def hold_for_batch(self) -> None:
+        """Gather every unit and keep it until `release_batch`: a pipeline stage runs its layers
+        outside the root module's forward (no unit hook fires), and keeping the units gathered
+        across a batch's micro-batches is the point (one gather per batch, torchtitan's choice)."""
+        self.gather_params(self._params)
+
+    def release_batch(self) -> None:
+        self.release_params(self._params, None)
+
+    def begin_delivered_backward(self) -> None:
+        """The batch's gradients arrive in one backward no root forward started (Note: [pipeline
+        gradient capture] in pipe/schedule.py): start the arrivals and the reducer afresh."""
+        self._arrivals.reset()
+        self._backward_started = set()
+        self._reducer.end_micro_batch()
+        self._training = True
+
     def unit_of(self, param: ZeroParameter) -> int:
         return param._zs.unit
 

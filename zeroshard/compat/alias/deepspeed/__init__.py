@@ -26,6 +26,7 @@ __getattr__, __dir__ = _reexport(__name__, {
 })
 
 from deepspeed import accelerator, checkpoint, checkpointing, comm, launcher, moe, ops, runtime, utils, zero  # noqa: E402,F401
+from deepspeed import pipe  # noqa: E402,F401
 
 if _os.environ.get("RANK", "0") == "0" and not _os.environ.get("ZEROSHARD_ALIAS_QUIET"):
     import zeroshard as _zs

@@ -1,0 +1,149 @@
+"""One torchrun job running pipeline cases under DeepSpeed 0.19 (`--engine ds`) or zeroshard (`zs`).
+
+Every rank writes nothing; the last stage's dp-rank-0 process of each case records the per-step
+losses `train_batch` returned into OUT (JSON: case -> list of floats). Same PipelineModule specs,
+data and config on both sides; a client torch AdamW (no JIT-built DeepSpeed op).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+VOCAB, DIM, SEQ, MICRO, GAS, STEPS = 16, 8, 6, 2, 4, 4
+
+CASES: dict[str, dict[str, Any]] = {
+    # name: stages, zero stage, tied, partition method, activation checkpoint interval, clip; world = runner's
+    "pp2-z0-untied-parameters": {"stages": 2, "zero": 0, "tied": False, "method": "parameters"},
+    "pp2-z1-tied-parameters": {"stages": 2, "zero": 1, "tied": True, "method": "parameters"},
+    "pp2-z0-tied-uniform": {"stages": 2, "zero": 0, "tied": True, "method": "uniform"},
+    "pp2-z1-untied-type:block": {"stages": 2, "zero": 1, "tied": False, "method": "type:block"},
+    "pp2-z0-tied-ckpt1-nonreentrant": {"stages": 2, "zero": 0, "tied": True, "method": "parameters", "ckpt": 1},
+    "pp2-z0-tied-clip0.05": {"stages": 2, "zero": 0, "tied": True, "method": "parameters", "clip": 0.05},
+    "pp2xdp2-z0-tied": {"stages": 2, "zero": 0, "tied": True, "method": "parameters"},
+    "pp2xdp2-z1-tied": {"stages": 2, "zero": 1, "tied": True, "method": "parameters"},
+    "pp4-z0-tied": {"stages": 4, "zero": 0, "tied": True, "method": "parameters"},
+    "pp4-z1-untied-uniform": {"stages": 4, "zero": 1, "tied": False, "method": "uniform"},
+}
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, dim) * 0.5)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.proj(F.gelu(self.fc(self.norm(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, dim: int, vocab: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.norm(x))
+
+
+def tied_head(embed: Embed, x: Tensor) -> Tensor:
+    return F.layer_norm(x, (DIM,)) @ embed.weight.t()
+
+
+def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def seed_fn(seed: Any) -> None:
+    # DeepSpeed's own seeding (set_random_seed) raises on the numpy integers its "parameters" and
+    # "type:" partitions produce (random.seed refuses numpy.int64 on Python 3.11): both sides seed so.
+    torch.manual_seed(int(seed))
+
+
+def run_case(engine: str, name: str, world: int, rank: int) -> list[float] | None:
+    case = CASES[name]
+    if engine == "ds":
+        import deepspeed
+        from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+        from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+        init = deepspeed.initialize
+    else:
+        import zeroshard
+        from zeroshard.checkpointing import non_reentrant_checkpoint
+        from zeroshard.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+        init = zeroshard.initialize
+    blocks = 2 * case["stages"]
+    tied = case["tied"]
+    first = TiedLayerSpec("embed", Embed, VOCAB, DIM) if tied else LayerSpec(Embed, VOCAB, DIM)
+    last = TiedLayerSpec("embed", Embed, VOCAB, DIM, forward_fn=tied_head) if tied else LayerSpec(Head, DIM, VOCAB)
+    extra: dict[str, Any] = {}
+    if case.get("ckpt"):
+        extra = {"activation_checkpoint_interval": case["ckpt"], "activation_checkpoint_func": non_reentrant_checkpoint}
+    net = PipelineModule([first, *[LayerSpec(Block, DIM) for _ in range(blocks)], last], num_stages=case["stages"],
+                         loss_fn=loss_fn, seed_layers=True, seed_fn=seed_fn, base_seed=1234, partition_method=case["method"], **extra)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+           "gradient_clipping": case.get("clip", 0.0), "steps_per_print": 1000,
+           "zero_optimization": {"stage": case["zero"]}, "zero_allow_untested_optimizer": True}
+    if case.get("ckpt"):
+        cfg["pipeline"] = {"use_reentrant": False}
+    eng, *_ = init(model=net, optimizer=opt, config=cfg)
+    dp = world // case["stages"]
+    dp_rank = rank % dp
+    g = torch.Generator().manual_seed(7)
+    losses = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (dp, GAS, MICRO, SEQ + 1), generator=g)
+        batches = [(tokens[dp_rank, m, :, :-1], tokens[dp_rank, m, :, 1:]) for m in range(GAS)]
+        losses.append(float(eng.train_batch(iter(batches))))
+    return losses
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", choices=["ds", "zs"], required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", nargs="+", required=True)
+    args = ap.parse_args()
+    if args.engine == "ds":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        from zeroshard.comm import init_distributed
+
+        init_distributed()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out: dict[str, Any] = {}
+    for name in args.cases:
+        try:
+            out[name] = run_case(args.engine, name, world, rank)
+        except Exception as e:  # noqa: BLE001 (recorded, so one failing case does not hide the others)
+            out[name] = f"{type(e).__name__}: {e}"[:500]
+            print(f"rank {rank} case {name}: {out[name]}", file=sys.stderr, flush=True)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The schedules (torch.distributed.pipelining) and the gradients they leave behind.
+
+torch's `PipelineStage` runs each local stage; its schedules decide the order of forwards and
+backwards. Two things of torch's do not fit ZeRO, and this module supplies them:
+
+- Note: [pipeline gradient capture]. A ZeRO strategy folds each gradient into its buffers from a
+  post-accumulate-grad hook, and reduces at the accumulation boundary. In a pipeline schedule the
+  boundary is not a backward call (1F1B interleaves the last backwards with nothing; the
+  zero-bubble schedules compute weight gradients with `autograd.grad` and add them into
+  `param.grad` themselves, so no hook fires). So every micro-batch's gradient is kept in
+  `param.grad`-like accumulators here (`GradCapture`), and after the schedule the engine hands the
+  batch's gradient to the strategy in one boundary backward: one reduction per batch, after the
+  last micro-batch, at every ZeRO stage and for every schedule.
+- The loss: torch's `scale_grads` divides by the micro-batch count after the schedule; the engine
+  divides the loss instead (DeepSpeed's gradient-accumulation scaling) and keeps the unscaled
+  per-micro-batch losses for DeepSpeed's reported mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from zeroshard.errors import ConfigError
+
+SINGLE_STAGE = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
+MULTI_STAGE = {"interleaved_1f1b": "ScheduleInterleaved1F1B",
+               "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble"}
+
+
+class GradCapture:
+    """Keeps each parameter's gradient out of the ZeRO strategy until the batch's schedule ends.
+
+    Its hooks must be registered before the strategy's (hooks on a tensor run in registration
+    order): it takes `param.grad` first and leaves None, which the strategies skip.
+    See Note: [pipeline gradient capture].
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], accum_dtype: torch.dtype | None = None) -> None:
+        self._params = list(params)
+        self._accum_dtype = accum_dtype
+        self._grads: dict[int, Tensor] = {}
+        self.passing = False  # True while the boundary backward delivers to the strategy
+        for p in self._params:
+            p.register_post_accumulate_grad_hook(self._take)
+
+    def _take(self, param: Tensor) -> None:
+        if self.passing or param.grad is None:
+            return
+        grad = param.grad if self._accum_dtype is None else param.grad.to(self._accum_dtype)
+        held = self._grads.get(id(param))
+        self._grads[id(param)] = grad if held is None else held.add_(grad)
+        param.grad = None
+
+    def collect(self) -> dict[int, Tensor]:
+        """id(param) -> this batch's summed gradient (captured plus what torch added to .grad)."""
+        out = self._grads
+        self._grads = {}
+        for p in self._params:
+            if p.grad is not None:  # the zero-bubble weight pass writes .grad directly
+                held = out.get(id(p))
+                g = p.grad if self._accum_dtype is None else p.grad.to(self._accum_dtype)
+                out[id(p)] = g if held is None else held.add_(g)
+                p.grad = None
+        return out
+
+    def deliver(self, grads: dict[int, Tensor]) -> None:
+        """One backward that accumulates `grads` into the parameters, firing the strategy's hooks."""
+        params = [p for p in self._params if id(p) in grads]
+        if not params:
+            return
+        self.passing = True
+        try:
+            torch.autograd.backward(params, [grads[id(p)].to(p.dtype) for p in params])
+        finally:
+            self.passing = False
+
+
+def build_schedule(name: str, chunks: Sequence[nn.Module], stage_ids: Sequence[int], num_stages: int,
+                   device: torch.device, group: Any, n_microbatches: int,
+                   loss_fn: Callable[[Any, Tensor], Tensor]) -> Any:
+    """torch's PipelineStages for this rank's chunks and the schedule `name` running them.
+
+    Raises:
+        ConfigError: the schedule does not fit the stages (e.g. "1f1b" with several stages per
+            rank) or torch refuses the micro-batch count.
+    """
+    from torch.distributed import pipelining
+
+    stages = [pipelining.PipelineStage(chunk, stage_index=s, num_stages=num_stages, device=device, group=group)
+              for chunk, s in zip(chunks, stage_ids)]
+    try:
+        if name in SINGLE_STAGE:
+            if len(stages) != 1:
+                raise ConfigError(
+                    f'pipeline.schedule: "{name}" runs one stage per rank, but the PipelineModule has '
+                    f"virtual_stages={len(stages)}. Use \"interleaved_1f1b\" or \"interleaved_zero_bubble\", "
+                    "or build the module with virtual_stages=1")
+            cls = getattr(pipelining, SINGLE_STAGE[name])
+            return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        cls = getattr(pipelining, MULTI_STAGE[name])
+        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    except (ValueError, AssertionError) as e:
+        raise ConfigError(f'pipeline.schedule: "{name}" with {len(stages)} stage(s) per rank and '
+                          f"{n_microbatches} micro-batches (gradient_accumulation_steps) is refused by "
+                          f"torch: {e}") from e
+
+
+def last_outputs(schedule: Any) -> list[Any]:
+    """The last stage's per-micro-batch outputs of the schedule's latest step (empty elsewhere)."""
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage in stages:
+        if stage.is_last:
+            return list(stage.output_chunks)
+    return []

@@ -1,0 +1,434 @@
+"""The pipeline engine: `train_batch` / `eval_batch` over a PipelineModule, ZeRO inside each stage.
+
+DeepSpeed's `PipelineEngine` API on torch's schedules (pipe/schedule.py). ZeRO partitions over
+the data-parallel group of each stage, exactly as without a pipeline: the engine's strategy is
+built on the stage's parameters and `MeshGroups.axis("dp")`. What the pipeline adds is here:
+the batch's gradients handed to the strategy once (Note: [pipeline gradient capture]), tied
+weights summed over the stages that hold them, and one global gradient norm over all stages
+(Note: [pipeline gradient norm]).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from zeroshard.comm import Comm
+from zeroshard.comm.groups import subgroup
+from zeroshard.errors import CheckpointError, NotSupportedError
+from zeroshard.pipe.module import PipelineError, PipelineModule
+from zeroshard.pipe.schedule import GradCapture, build_schedule, last_outputs
+from zeroshard.runtime.activation_checkpointing import checkpoint, non_reentrant_checkpoint
+from zeroshard.runtime.engine import ZeroEngine
+from zeroshard.zero.strategy import GradStats
+
+if TYPE_CHECKING:
+    from zeroshard.comm.topology import MeshGroups
+    from zeroshard.config import Config
+
+logger = logging.getLogger("zeroshard")
+
+
+class PipeParts:
+    """What initialize() prepares for a pipeline before the strategy exists (the capture hooks
+    must come first), handed to the PipelineEngine."""
+
+    def __init__(self, module: PipelineModule, cfg: Config, mesh: MeshGroups) -> None:
+        self.module, self.mesh = module, mesh
+        self.pp_comm = Comm(mesh.axis("pp"), label="pp")
+        self.world_comm = Comm(mesh.world, label="world")
+        self.tied = self._tie_comms(module, mesh)
+        for key, comm in self.tied.items():  # equal at start: the first stage's values
+            for p in module.tied_parameters(key):
+                with torch.no_grad():
+                    comm.broadcast(p.data, src=0)
+        pipe = cfg.pipeline
+        if pipe.activation_checkpoint_interval > 0:
+            module.activation_checkpoint_interval = pipe.activation_checkpoint_interval
+        if module.activation_checkpoint_func is checkpoint and (not pipe.use_reentrant or module.num_stages > 1):
+            # Note: [reentrant recompute in a pipeline]. torch's PipelineStage computes a stage's
+            # input gradients with autograd.grad(inputs=...), which reentrant checkpointing refuses;
+            # with more than one stage the recompute runs in torch's non-reentrant form instead:
+            # the same regions recomputed from the same saved inputs and RNG states, the same numbers.
+            module.activation_checkpoint_func = non_reentrant_checkpoint
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.capture = GradCapture(params)
+
+    @staticmethod
+    def _tie_comms(module: PipelineModule, mesh: MeshGroups) -> dict[str, Comm]:
+        """key -> a Comm over the ranks holding `key` at this rank's (dp, tp) coordinate; built on
+        every rank for every key in the same order (group creation is collective)."""
+        topo, out = mesh.topology, {}
+        for key, stages in module.tied_stage_ranks().items():
+            lists, used = [], set()
+            for dp in range(topo.dp):
+                for tp in range(topo.tp):
+                    ranks = [topo.rank_at(pp=s, dp=dp, tp=tp) for s in stages]
+                    lists.append(ranks)
+                    used.update(ranks)
+            lists += [[r] for r in range(topo.world_size) if r not in used]
+            groups = subgroup(mesh.world, lists)
+            if mesh.coord["pp"] in stages:
+                out[key] = Comm(groups, label=f"tie:{key}")
+        return out
+
+
+class PipelineEngine(ZeroEngine):
+    """Trains a PipelineModule: `loss = engine.train_batch(data_iter)`, as DeepSpeed's.
+
+    `forward`, `backward` and `step` are not for scripts (PipelineError, as DeepSpeed): a batch is
+    `gradient_accumulation_steps` micro-batches run by the schedule, then one optimizer step.
+    """
+
+    def __init__(self, *, pipe: PipeParts, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._pipe = pipe
+        module = pipe.module
+        self.num_stages = module.num_stages
+        self.stage_id = module.stage_id
+        self.micro_batches = self._config.gradient_accumulation_steps
+        self.data_iterator: Iterator[Any] | None = None
+        self._micro_losses: list[Tensor] = []
+        self._tied_dup_sq = 0.0
+        self.agg_train_loss: Tensor | None = None
+        self._schedule: Any = None
+        if self.num_stages > 1:
+            pp = pipe.mesh.axis("pp")
+            self._schedule = build_schedule(
+                self._config.pipeline.schedule, module.chunks(), module.local_chunks,
+                len(module.parts) - 1, self.device, pp.dp_group, self.micro_batches, self._loss_for_backward)
+        if self.training_dataloader is not None:
+            self.set_dataloader(self.training_dataloader)
+        if self.global_rank_is_zero():
+            logger.info(f"pipeline: {self.num_stages} stages x dp {self.world_size}, schedule "
+                        f"{self._config.pipeline.schedule}, {self.micro_batches} micro-batches\n"
+                        + module.describe_partition())
+
+    def global_rank_is_zero(self) -> bool:
+        return self._pipe.mesh.world.rank == 0
+
+    # -- DeepSpeed's queries ----------------------------------------------------------------
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def get_pipeline_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def schedule_parts(self) -> tuple[Any, list[Any]]:
+        """torch's schedule object and this rank's PipelineStages (None, [] on a single stage),
+        for profiling (bench/pipeline.py times their ops)."""
+        if self._schedule is None:
+            return None, []
+        return self._schedule, list(getattr(self._schedule, "_stages", None) or [self._schedule._stage])
+
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        """The iterator `train_batch()` draws micro-batches `(inputs, labels)` from."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.data_iterator = iterator
+
+    def set_dataloader(self, loader: Any) -> None:
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    # -- checkpoints (Note: [pipeline checkpoint layout]) -----------------------------------
+    #
+    # save_dir/tag/pipe_stage_SS/   each stage's engine state in zeroshard's sharded format and
+    #                               manifest (its data-parallel ranks' shards; a load reshards
+    #                               over another DP degree or ZeRO stage as without a pipeline)
+    # save_dir/tag/layer_XX-model_states.pt   DeepSpeed's per-layer weight files
+    # save_dir/tag/pipeline.json    the layer partition; a load with another one is refused
+    # save_dir/latest               the tag, written last, after every stage finished
+
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+                        client_state: Mapping[str, Any] | None = {},
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False, *,
+                        save_optimizer_states: bool = True) -> str:
+        """Save every stage's state (every rank calls it); see Note: [pipeline checkpoint layout]."""
+        if save_dir is None or str(save_dir) == "":
+            raise CheckpointError(f"save_checkpoint: save_dir must name a directory, got {save_dir!r}")
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        root = Path(save_dir) / tag
+        ZeroEngine.save_checkpoint(self, root, tag=self._stage_dir(), client_state=client_state, save_latest=False,
+                                   exclude_frozen_parameters=exclude_frozen_parameters,
+                                   save_optimizer_states=save_optimizer_states)
+        module = self._pipe.module
+        if self.rank == 0:  # the stage's first data-parallel rank writes its layers
+            for idx, layer in module.local_layers():
+                _atomic_save(layer.state_dict(), root / f"layer_{idx:02d}-model_states.pt")
+        self._pipe.world_comm.barrier()
+        if self._pipe.mesh.world.rank == 0:
+            layout = {"num_stages": self.num_stages, "parts": module.parts, "virtual_stages": module.virtual_stages}
+            (root / "pipeline.json").write_text(json.dumps(layout))
+            if save_latest:
+                tmp = Path(save_dir) / "latest.tmp"
+                tmp.write_text(tag)
+                os.replace(tmp, Path(save_dir) / "latest")
+        self._pipe.world_comm.barrier()
+        return str(root)
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Callable[..., Any] | None = None, *,
+                        load_rng_state: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+        """Load a checkpoint `save_checkpoint` wrote with the same stage layout (any DP degree or
+        ZeRO stage); every rank calls it.
+
+        Raises:
+            CheckpointError: the checkpoint was cut into other stages, or is not a pipeline checkpoint.
+            NotSupportedError: custom_load_fn with a pipeline.
+        """
+        if custom_load_fn is not None:
+            raise NotSupportedError("load_checkpoint(custom_load_fn=...) with a pipeline is not supported yet")
+        if tag is None:
+            latest = Path(load_dir) / "latest"
+            if not latest.exists():
+                logger.warning(f"{load_dir} has no 'latest' file: no checkpoint loaded")
+                return None, None
+            tag = latest.read_text().strip()
+        root = Path(load_dir) / str(tag)
+        layout_file = root / "pipeline.json"
+        if not layout_file.exists():
+            raise CheckpointError(f"{root} is not a zeroshard pipeline checkpoint (no pipeline.json); pipeline engines "
+                                  "load only checkpoints a pipeline engine saved")
+        saved = json.loads(layout_file.read_text())
+        module = self._pipe.module
+        if saved["parts"] != module.parts:
+            raise CheckpointError(
+                f"{root} was saved with {saved['num_stages']} stages x {saved['virtual_stages']} (layer boundaries "
+                f"{saved['parts']}); this engine has {self.num_stages} x {module.virtual_stages} ({module.parts}). "
+                "Loading into another pipeline layout is not supported yet: use the same num_stages and "
+                "partition_method (the data-parallel degree and ZeRO stage may differ)")
+        path, client = ZeroEngine.load_checkpoint(
+            self, root, tag=self._stage_dir(), load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only, load_rng_state=load_rng_state)
+        return (str(root) if path is not None else None), client
+
+    def _stage_dir(self) -> str:
+        return f"pipe_stage_{self.stage_id:02d}"
+
+    # -- training ---------------------------------------------------------------------------
+
+    def _loss_for_backward(self, output: Any, target: Any) -> Tensor:
+        loss = self._pipe.module.loss_fn(output, target)
+        self._micro_losses.append(loss.detach())
+        scale = self.get_loss_scale() / self.micro_batches  # DeepSpeed divides by the micro-batch count
+        return loss.float() * scale
+
+    def _next_batches(self, count: int) -> tuple[tuple[Tensor, ...] | None, Any]:
+        """`count` micro-batches from the iterator, joined along dim 0 (torch splits them back
+        into the same micro-batches): the first stage's inputs, the last stage's labels."""
+        if not (self.is_first_stage() or self.is_last_stage()):
+            return None, None
+        if self.data_iterator is None:
+            raise PipelineError("train_batch() needs data: pass data_iter=, call set_dataiterator(), or give "
+                                "initialize() training_data=")
+        batches = [next(self.data_iterator) for _ in range(count)]
+        for b in batches:
+            if not (isinstance(b, (tuple, list)) and len(b) == 2):
+                raise PipelineError(f"each micro-batch must be a pair (inputs, labels), got {type(b).__name__}")
+        inputs = [b[0] if isinstance(b[0], (tuple, list)) else (b[0],) for b in batches]
+        joined = tuple(torch.cat([x[i] for x in inputs]).to(self.device) for i in range(len(inputs[0])))
+        labels = torch.cat([b[1] for b in batches]).to(self.device) if torch.is_tensor(batches[0][1]) else None
+        if labels is None and self.is_last_stage():
+            raise PipelineError("the labels of a micro-batch must be one tensor (batch dimension first)")
+        return joined, labels
+
+    def _run_local(self, inputs: tuple[Tensor, ...], labels: Tensor, train: bool) -> list[Any]:
+        """One stage: the micro-batches one after another (no schedule needed)."""
+        outs = []
+        for x, y in zip(zip(*(t.chunk(self.micro_batches) for t in inputs)), labels.chunk(self.micro_batches)):
+            out = self._pipe.module(x[0] if len(x) == 1 else x)
+            outs.append(out)
+            if train:
+                self._loss_for_backward(out, y).backward()
+        return outs
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> Tensor:
+        """Train on one batch: `gradient_accumulation_steps` micro-batches through the schedule,
+        gradients reduced once, one optimizer step. Every rank calls it.
+
+        Returns:
+            The mean loss over the micro-batches and data-parallel ranks, on every stage.
+        """
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        self._micro_losses = []
+        inputs, labels = self._next_batches(self.micro_batches)
+        self._strategy.begin_micro_batch(False)
+        with self._held():
+            if self._schedule is None:
+                self._run_local(inputs, labels, train=True)  # type: ignore[arg-type]
+            else:
+                args = inputs if self.is_first_stage() else ()
+                self._schedule.step(*args, target=labels if self.is_last_stage() else None, return_outputs=False)
+            grads = self._pipe.capture.collect()
+            self._reduce_tied(grads)
+            self._strategy.begin_micro_batch(True)
+            begin = getattr(self._strategy, "begin_delivered_backward", None)  # stage 3
+            if begin is not None:
+                begin()
+            self._pipe.capture.deliver(grads)
+            self._strategy.after_backward()
+        self._grads_ready, self._pending_backwards = True, 1
+        loss = self._aggregate_loss()
+        self.micro_steps += self.micro_batches - 1
+        self._boundary_override = True
+        try:
+            ZeroEngine.step(self)
+        finally:
+            self._boundary_override = None
+        self.agg_train_loss = loss
+        return loss
+
+    @contextmanager
+    def _held(self) -> Iterator[None]:
+        """Stage 3: the stage's parameters gathered for the whole batch (the strategy's hooks
+        gather per root forward, which a pipeline stage never calls)."""
+        hold = getattr(self._strategy, "hold_for_batch", None)
+        if hold is None:
+            yield
+            return
+        hold()
+        try:
+            yield
+        finally:
+            self._strategy.release_batch()  # type: ignore[attr-defined]
+
+    def _reduce_tied(self, grads: dict[int, Tensor]) -> None:
+        """Sum tied weights' gradients over the stages holding them; note what the non-first
+        holders would count twice in the norm (Note: [pipeline gradient norm])."""
+        self._tied_dup_sq = 0.0
+        scale = 1.0 / (self.get_loss_scale() * self.world_size)
+        for key, comm in self._pipe.tied.items():
+            for p in self._pipe.module.tied_parameters(key):
+                g = grads.get(id(p))
+                if g is None:
+                    g = grads[id(p)] = torch.zeros_like(p, dtype=torch.float32 if p.dtype != torch.float64 else p.dtype)
+                comm.all_reduce(g)
+                if comm.rank != 0:
+                    full = g.detach().float().clone()
+                    self._comm.all_reduce(full)  # the data-parallel sum, as the strategy will have it
+                    self._tied_dup_sq += float(full.double().pow(2).sum()) * scale * scale
+
+    def _prepare_step(self) -> GradStats:
+        """Note: [pipeline gradient norm]. The strategy returns its stage's norm (every data-parallel
+        shard counted); the squares are summed over the stages, tied weights once (their first
+        holder), and the clip coefficient is applied to what the optimizer steps on. An overflow on
+        any stage skips the step on every rank."""
+        stats = self._strategy.prepare_step(1.0 / self.get_loss_scale(), 0.0)
+        sq = stats.norm ** 2 - self._tied_dup_sq if math.isfinite(stats.norm) else math.inf
+        vote = torch.tensor([0.0 if math.isinf(sq) else sq, 1.0 if math.isinf(sq) else 0.0], dtype=torch.float64,
+                            device=self.device)
+        self._pipe.pp_comm.all_reduce(vote)
+        if vote[1].item() > 0 or not math.isfinite(vote[0].item()):
+            return GradStats(norm=math.inf, overflow=True)
+        norm = math.sqrt(max(vote[0].item(), 0.0))
+        max_norm = self._config.gradient_clipping
+        coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+        if coef < 1.0 and self.optimizer is not None:
+            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, coef)
+        return GradStats(norm=norm, overflow=False)
+
+    def _aggregate_loss(self) -> Tensor:
+        """DeepSpeed's reported loss: the mean over micro-batches, averaged over data-parallel
+        ranks, sent from the last stage to every stage."""
+        value = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if self.is_last_stage() and self._micro_losses:
+            # The last `micro_batches` are the batch's: torch's first step also runs the loss once
+            # on placeholder data to infer the backward's shapes.
+            value[0] = torch.stack([x.float() for x in self._micro_losses[-self.micro_batches:]]).mean()
+            self._comm.all_reduce(value)
+            value /= self.world_size
+        self._pipe.pp_comm.broadcast(value, src=self.num_stages - 1)
+        return value[0].clone()
+
+    # -- evaluation -------------------------------------------------------------------------
+
+    def eval_batch(self, data_iter: Iterator[Any], return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None) -> Any:
+        """Forward only over `gradient_accumulation_steps` micro-batches (or `num_micro_batches`).
+
+        Returns:
+            The mean loss (every stage when `bcast_loss`), or with `return_logits` the pair
+            (loss, the last micro-batch's outputs on the last stage, else None).
+        """
+        if num_micro_batches not in (None, self.micro_batches):
+            raise PipelineError("eval_batch(num_micro_batches=...) other than gradient_accumulation_steps is not "
+                                "supported: torch's schedule is built for that micro-batch count")
+        if reduce_output not in ("avg", None):
+            raise PipelineError(f"eval_batch(reduce_output={reduce_output!r}): expected 'avg' or None")
+        saved = self.data_iterator
+        self.set_dataiterator(data_iter)
+        self.module.eval()
+        try:
+            inputs, labels = self._next_batches(self.micro_batches)
+            with torch.no_grad(), self._held():
+                if self._schedule is None:
+                    outs = self._run_local(inputs, labels, train=False)  # type: ignore[arg-type]
+                else:
+                    # torch's 1F1B computes the loss even forward-only, so the last stage passes
+                    # its labels; the losses returned below are computed from the outputs here.
+                    self._schedule.eval(*(inputs if self.is_first_stage() else ()),
+                                        target=labels if self.is_last_stage() else None)
+                    outs = last_outputs(self._schedule)
+                    self._micro_losses = []
+        finally:
+            self.data_iterator = saved
+            self.module.train()
+        result: Any = None
+        if self.is_last_stage():
+            per_mb = outs
+            if compute_loss:
+                per_mb = [self._pipe.module.loss_fn(o, y) for o, y in zip(outs, labels.chunk(self.micro_batches))]
+            result = per_mb if reduce_output is None else self._average(per_mb)
+        if compute_loss and bcast_loss:
+            value = torch.zeros(1, dtype=torch.float32, device=self.device)
+            if self.is_last_stage():
+                value[0] = result
+            self._pipe.pp_comm.broadcast(value, src=self.num_stages - 1)
+            result = value[0].clone()
+        if return_logits:
+            return result, (outs[-1] if self.is_last_stage() and outs else None)
+        return result
+
+    def _average(self, values: list[Tensor]) -> Tensor:
+        mean = torch.stack([v.float() for v in values]).sum(0) / self.micro_batches
+        self._comm.all_reduce(mean)
+        return mean / self.world_size
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
