@@ -23,10 +23,15 @@ def _is_distributed(item: Any) -> bool:
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """Keep the items of the selected kind (`ZS_DSUNIT_SELECT`) and, when `ZS_DSUNIT_ONLY` names a
+    file of node ids (one a line: the baseline's passes), only those. Selecting by file and then
+    by node id here, rather than naming node ids on the command line, keeps one module that fails
+    to import from ending the whole run ("found no collectors")."""
     mode = os.environ.get("ZS_DSUNIT_SELECT", "").strip()
-    if mode not in ("local", "dist"):
-        return
-    keep = [i for i in items if _is_distributed(i) == (mode == "dist")]
+    only_file = os.environ.get("ZS_DSUNIT_ONLY", "").strip()
+    only = set(open(only_file).read().split()) if only_file else None
+    keep = [i for i in items if (mode not in ("local", "dist") or _is_distributed(i) == (mode == "dist"))
+            and (only is None or i.nodeid in only)]
     dropped = [i for i in items if i not in keep]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
