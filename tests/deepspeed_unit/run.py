@@ -121,7 +121,8 @@ def outcomes(xml: Path) -> dict[str, tuple[str, str]]:
             el = case.find(tag)
             if el is not None:
                 outcome = "skipped" if tag == "skipped" else "failed"
-                msg = (el.get("message") or el.text or "").strip().splitlines()[0][:200] if (el.get("message") or el.text) else ""
+                text = (el.get("message") or el.text or "").strip()
+                msg = text.splitlines()[0][:200] if text else ""
                 break
         out[node] = (outcome, msg)
     return out

@@ -29,7 +29,10 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     to import from ending the whole run ("found no collectors")."""
     mode = os.environ.get("ZS_DSUNIT_SELECT", "").strip()
     only_file = os.environ.get("ZS_DSUNIT_ONLY", "").strip()
-    only = set(open(only_file).read().split()) if only_file else None
+    only = None
+    if only_file:
+        with open(only_file) as f:
+            only = set(f.read().split())
     keep = [i for i in items if (mode not in ("local", "dist") or _is_distributed(i) == (mode == "dist"))
             and (only is None or i.nodeid in only)]
     dropped = [i for i in items if i not in keep]

@@ -258,7 +258,8 @@ def test_refused_class_is_never_built_and_never_matches() -> None:
 
 SIGNATURES = [
     ("zeroshard.compat.ds_utils:get_optim_files", "deepspeed.utils.zero_to_fp32:get_optim_files"),
-    ("zeroshard.compat.ds_utils:get_model_ckpt_name_for_rank", "deepspeed.checkpoint.utils:get_model_ckpt_name_for_rank"),
+    ("zeroshard.compat.ds_utils:get_model_ckpt_name_for_rank",
+     "deepspeed.checkpoint.utils:get_model_ckpt_name_for_rank"),
     ("zeroshard.compat.ds_utils:required_torch_version", "deepspeed.utils.torch:required_torch_version"),
     ("zeroshard.compat.ds_utils:set_log_level_from_string", "deepspeed.utils:set_log_level_from_string"),
     ("zeroshard.compat.ds_utils:is_current_accelerator_supported",

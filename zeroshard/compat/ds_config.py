@@ -138,7 +138,8 @@ class DeepSpeedZeroOffloadOptimizerConfig(_ZeroshardSection):
 
     @property
     def pipeline(self) -> bool:
-        return bool(getattr(self, "pipeline_read") or getattr(self, "pipeline_write"))
+        values = self.model_dump()
+        return bool(values["pipeline_read"] or values["pipeline_write"])
 
 
 _STAGE3_SHORT = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",

@@ -49,7 +49,7 @@ def torch_info() -> dict[str, str]:
     if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
         try:
             nccl = ".".join(str(v) for v in torch.cuda.nccl.version()[:2])
-        except Exception:  # NCCL not built in
+        except (AttributeError, RuntimeError):  # NCCL not built in
             nccl = "0.0"
     major_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     return {"version": major_minor, "bf16_support": "True", "cuda_version": ".".join(cuda.split(".")[:2]),
