@@ -269,3 +269,32 @@ def test_garbage_in_latest_is_named(tmp_path: Path, content: bytes) -> None:
         assert repr(content[:60]) in first and "'global_step1000'" in first and "tag=" in first, first
         if len(content) > 60:
             assert f"... ({len(content)} bytes)" in first, first
+
+
+def _write_same_file(path: str, value: float) -> None:
+    import torch as _t
+
+    from zeroshard.checkpoint.files import write_atomic
+
+    for _ in range(30):
+        write_atomic(Path(path), lambda f: _t.save({"w": _t.full((256,), value)}, f), per_process_tmp=True)
+
+
+def test_write_atomic_per_process_tmp_lets_ranks_write_one_file(tmp_path) -> None:
+    """Every rank of a script converting a checkpoint writes the same output file: with a
+    per-process temporary name no rank renames another's half-written file away."""
+    import multiprocessing as mp
+
+    import torch as _t
+
+    out = tmp_path / "pytorch_model.bin"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_write_same_file, args=(str(out), float(r))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    w = _t.load(out)["w"]
+    assert w.eq(w[0]).all() and w[0].item() in (0.0, 1.0)
+    assert not list(tmp_path.glob("*.tmp"))

@@ -306,3 +306,61 @@ def test_stream_work_still_pending_past_the_timeout_is_reported_once(
     err = capsys.readouterr().err
     assert err.count("rank 1: all_reduce (seq 1) failed") == 1, err
     assert "seq 1 all_reduce(numel=8, bfloat16)" in err
+
+
+# ---- an explicit rendezvous (DeepSpeed's init_method=, rank=, world_size=) ----------------
+def test_explicit_rendezvous_without_a_launcher() -> None:
+    from zeroshard.comm.groups import Rendezvous, _launch_from
+
+    assert _launch_from(Rendezvous(), None) is None
+    launch = _launch_from(Rendezvous(init_method="file:///tmp/x", rank=1, world_size=3), None)
+    assert launch is not None and (launch.launcher, launch.rank, launch.world_size) == ("init_method", 1, 3)
+    with pytest.raises(CommError, match="needs both rank= and world_size="):
+        _launch_from(Rendezvous(init_method="file:///tmp/x", rank=1), None)
+
+
+def test_launcher_environment_wins_over_an_explicit_rendezvous() -> None:
+    """Both given: the launcher's rendezvous is used; agreeing arguments pass, contradicting
+    ones are refused with both values on the first line."""
+    from zeroshard.comm.groups import Rendezvous, _launch_from
+
+    env = parse_launch_env(TORCHRUN)
+    assert env is not None
+    assert _launch_from(Rendezvous(init_method="file:///tmp/x", rank=3, world_size=4), env) is env
+    with pytest.raises(CommError, match=r"^init_distributed\(rank=0\) contradicts .*torchrun: rank 3"):
+        _launch_from(Rendezvous(rank=0, world_size=4), env)
+    with pytest.raises(CommError, match=r"^init_distributed\(world_size=2\) contradicts .*world_size 4"):
+        _launch_from(Rendezvous(rank=3, world_size=2), env)
+
+
+def _rendezvous_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import zeroshard.comm as comm
+
+    groups = comm.init_distributed(dist_backend="gloo", init_method=f"file://{init_file}",
+                                   rank=rank, world_size=world)
+    t = torch.tensor([float(rank + 1)])
+    comm.all_reduce(t)
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(f"{groups.launcher} {groups.rank} {groups.world_size} {comm.get_rank()} {t.item():g}")
+    comm.destroy_process_group()
+
+
+def test_init_distributed_file_rendezvous_in_processes_started_by_multiprocessing(tmp_path) -> None:
+    """Processes a script starts itself (no launcher variables) join through init_method="file://"."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rendezvous_worker, args=(r, 2, str(tmp_path / "store"), str(tmp_path / "out")))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert [(tmp_path / f"out.{r}").read_text() for r in range(2)] == [
+        "init_method 0 2 0 3", "init_method 1 2 1 3"]

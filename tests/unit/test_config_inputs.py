@@ -235,3 +235,15 @@ def test_empty_config_file_says_it_is_empty(tmp_path: Path, content: str, what: 
     first = str(info.value).splitlines()[0]
     assert first.startswith(f"{path}: the config file is empty ({what})"), first
     assert "train_batch_size" not in first and "JSON object" in first, first
+
+
+def test_zero_allow_untested_optimizer_reads_an_integer_as_its_truth_value() -> None:
+    """DeepSpeed tests the key by truthiness (its own tests write `1`); other bools stay strict."""
+    assert load_config({"train_batch_size": 1, "zero_allow_untested_optimizer": 1}, dp_world_size=1) \
+        .zero_allow_untested_optimizer is True
+    assert load_config({"train_batch_size": 1, "zero_allow_untested_optimizer": 0}, dp_world_size=1) \
+        .zero_allow_untested_optimizer is False
+    with pytest.raises(ConfigError, match="zero_allow_untested_optimizer"):
+        load_config({"train_batch_size": 1, "zero_allow_untested_optimizer": "yes"}, dp_world_size=1)
+    with pytest.raises(ConfigError, match="fp16.enabled"):
+        load_config({"train_batch_size": 1, "fp16": {"enabled": 1}}, dp_world_size=1)

@@ -164,12 +164,16 @@ def test_comm_functions_without_a_process_group() -> None:
     comm.barrier()
 
 
-def test_init_distributed_refuses_an_explicit_rendezvous() -> None:
-    from zeroshard.errors import NotSupportedError
+def test_init_distributed_explicit_rendezvous_needs_rank_and_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's init_method/rank/world_size are taken (tests/unit/test_comm_env.py starts
+    processes with them); without a launcher, rank= and world_size= must come together."""
+    from zeroshard.errors import CommError
 
-    with pytest.raises(NotSupportedError, match="init_method"):
+    for key in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(CommError, match="needs both rank= and world_size="):
         zeroshard.init_distributed(init_method="tcp://localhost:1")
-    with pytest.raises(NotSupportedError, match="world_size"):
+    with pytest.raises(CommError, match="needs both rank= and world_size="):
         zeroshard.init_distributed(world_size=4)
 
 

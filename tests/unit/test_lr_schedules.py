@@ -343,3 +343,36 @@ def test_build_errors_name_the_key() -> None:
         build_scheduler("WarmupCosineLR", make_opt(), {})
     with pytest.raises(ConfigError, match="scheduler.params.warmup_type"):
         build_scheduler("WarmupLR", make_opt(), {"warmup_type": "cosine"})
+
+
+# --- OneCycle: DeepSpeed's per-group lists and a zero second half ----------------------------
+
+
+def test_one_cycle_per_group_momentum_lists() -> None:
+    """cycle_min_mom / cycle_max_mom may be one value per group (as cycle_min_lr); each group's
+    betas[0] follows its own pair and get_mom() gives DeepSpeed's per-group (momentum, 0.99)."""
+    opt = torch.optim.Adam([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.1},
+                            {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.2}], betas=(0.9, 0.999))
+    sched = OneCycle(opt, cycle_min_lr=[0.001, 0.002], cycle_max_lr=[0.01, 0.02], cycle_min_mom=[0.8, 0.85],
+                     cycle_max_mom=[0.9, 0.95], cycle_first_step_size=5, cycle_second_step_size=5)
+    assert [g["betas"] for g in opt.param_groups] == [(0.8, 0.99), (0.85, 0.99)]
+    sched.step(4)  # the peak: lr at max, momentum at min
+    assert lrs_of(opt) == pytest.approx([0.01, 0.02])
+    assert [b[0] for b in sched.get_mom()] == pytest.approx([0.8, 0.85])
+    sched.step(9)  # back at the bottom: momentum at each group's max
+    assert [g["betas"][0] for g in opt.param_groups] == pytest.approx([0.9, 0.95])
+    with pytest.raises(ConfigError, match="cycle_min_mom: got 3 values"):
+        OneCycle(opt, 0.001, 0.01, cycle_min_mom=[0.8, 0.85, 0.9], cycle_first_step_size=5)
+
+
+def test_one_cycle_zero_second_half_rises_over_the_whole_cycle() -> None:
+    opt = make_opt(lrs=(0.1,))
+    sched = OneCycle(opt, 0.001, 0.1, cycle_first_step_size=100, cycle_second_step_size=0, cycle_momentum=False)
+    assert sched.step_ratio == 1.0 and lrs_of(opt) == pytest.approx([0.001])
+    for _ in range(3):
+        sched.step()
+    assert lrs_of(opt)[0] == pytest.approx(0.001 + (0.1 - 0.001) * 3 / 100)
+    with pytest.raises(ConfigError, match="second half >= 0"):
+        OneCycle(opt, 0.001, 0.1, cycle_first_step_size=100, cycle_second_step_size=-1)
+    with pytest.raises(ConfigError, match="expected a positive first half"):
+        OneCycle(opt, 0.001, 0.1, cycle_first_step_size=0, cycle_second_step_size=0)

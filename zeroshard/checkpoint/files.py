@@ -142,10 +142,13 @@ def fsync_dir(path: Path) -> None:
     fault_point("fsync dir")
 
 
-def write_atomic(path: Path, write: Callable[[Any], None]) -> int:
+def write_atomic(path: Path, write: Callable[[Any], None], *, per_process_tmp: bool = False) -> int:
     """`write(file)` to `path + .tmp`, fsync, rename to `path`; returns the size in bytes.
-    The caller fsyncs the directory once after its renames."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
+    The caller fsyncs the directory once after its renames. `per_process_tmp`: the temporary
+    name carries the process id (`path.<pid>.tmp`), for files several ranks may write at once
+    (each rename then publishes a whole file; the last one stays)."""
+    suffix = f".{os.getpid()}{TMP_SUFFIX}" if per_process_tmp else TMP_SUFFIX
+    tmp = path.with_name(path.name + suffix)
     with open(tmp, "wb") as f:
         fault_point("open")
         write(_CountingWriter(f))

@@ -248,7 +248,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
         tensors = dict(iter_fp32_tensors(ckpt, manifest, chunk_bytes=chunk_bytes, progress=bar,
                                          open_reader=open_reader))
         sd = {key: tensors[src] for key, src in _output_names(manifest, list(tensors)).items()}
-        write_atomic(out, lambda f: torch.save(sd, f))
+        # Scripts (and DeepSpeed's tests) call this on every rank with the same output path.
+        write_atomic(out, lambda f: torch.save(sd, f), per_process_tmp=True)
         count = len(sd)
     bar.close()
     return ConversionStats(tensors=count, output_bytes=out.stat().st_size, seconds=time.perf_counter() - start)

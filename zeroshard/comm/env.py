@@ -14,7 +14,7 @@ from typing import Literal
 
 from zeroshard.errors import CommError
 
-Launcher = Literal["torchrun", "openmpi", "slurm"]
+Launcher = Literal["torchrun", "openmpi", "slurm", "init_method"]
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_TIMEOUT_S = 1800.0

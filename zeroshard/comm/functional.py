@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from zeroshard.comm import groups as _groups
 from zeroshard.comm.divergence import tracker_of
-from zeroshard.errors import NotSupportedError
 
 ReduceOp = dist.ReduceOp
 
@@ -43,19 +42,22 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         verbose, config: accepted; zeroshard logs through the "zeroshard" logger.
         timeout: collective timeout (a timedelta); zeroshard's `timeout_s=` in seconds.
         dist_init_required: False with no process group: stay a single process.
-        init_method, rank, world_size: an explicit rendezvous is not supported (the launcher's
-            environment is read); anything but the defaults raises NotSupportedError.
+        init_method, rank, world_size: an explicit rendezvous, handed to torch as DeepSpeed does
+            (`init_method` defaults to "env://"; without a launcher, `rank` and `world_size`
+            are required). Difference from DeepSpeed: where a launcher's environment is set
+            (RANK/WORLD_SIZE, OpenMPI's or SLURM's variables) it wins; zeroshard joins through
+            the launcher's rendezvous, and a `rank=`/`world_size=` that contradicts it raises
+            CommError (DeepSpeed hands the arguments to torch, which prefers them).
 
     Returns:
         The process's ProcessGroups (DeepSpeed returns None).
+
+    Raises:
+        CommError: an explicit rank/world_size contradicts the launcher, is incomplete, or the
+            group cannot be joined.
     """
-    for name, value, default in (("init_method", init_method, None), ("rank", rank, -1),
-                                 ("world_size", world_size, -1)):
-        if value != default:
-            raise NotSupportedError(
-                f"init_distributed({name}={value!r}): zeroshard reads the rendezvous from the "
-                "launcher's environment (torchrun, OpenMPI, SLURM: RANK, WORLD_SIZE, MASTER_ADDR, "
-                f"MASTER_PORT); drop {name}= and start the script with a launcher")
+    explicit = _groups.Rendezvous(init_method=init_method, rank=None if rank == -1 else rank,
+                                  world_size=None if world_size == -1 else world_size)
     if backend is not None and dist_backend is not None and backend != dist_backend:
         raise ValueError(f"init_distributed: backend={backend!r} and dist_backend={dist_backend!r} disagree")
     if timeout is not None and timeout_s is None:
@@ -64,7 +66,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
     if dist_init_required is False and not dist.is_initialized():
         return _groups.ProcessGroups.single()
-    return _groups.init_distributed(backend=backend or dist_backend, timeout_s=timeout_s)
+    return _groups.init_distributed(backend=backend or dist_backend, timeout_s=timeout_s, rendezvous=explicit)
 
 
 def is_initialized() -> bool:

@@ -18,7 +18,13 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm.divergence import forget_tracker, tracker_for, tracker_is_idle
-from zeroshard.comm.env import DEFAULT_TIMEOUT_S, LaunchEnv, parse_launch_env, resolve_timeout_s
+from zeroshard.comm.env import (
+    DEFAULT_MASTER_PORT,
+    DEFAULT_TIMEOUT_S,
+    LaunchEnv,
+    parse_launch_env,
+    resolve_timeout_s,
+)
 from zeroshard.errors import CommError
 
 if TYPE_CHECKING:
@@ -50,7 +56,8 @@ class ProcessGroups:
     """Default collective timeout, seconds (``Comm`` uses it unless given its own)."""
     launcher: str = "none"
     """Whose environment was read: "torchrun", "openmpi", "slurm", "user" (a group the
-    script created itself) or "none"."""
+    script created itself), "init_method" (an explicit rendezvous passed to init_distributed)
+    or "none"."""
     siblings: tuple[tuple[int, ...], ...] = ()
     """For a group along some axes of the world (comm/topology.py, :func:`subgroup`): the
     partition of the world's ranks it is one part of, in global ranks, each part in position
@@ -130,12 +137,21 @@ def _from_existing(timeout_s: float) -> ProcessGroups:
         launcher="user")
 
 
-def _create(launch: LaunchEnv, backend: str | None, timeout_s: float) -> ProcessGroups:
+def _where(launch: LaunchEnv, init_method: str) -> str:
+    if launch.launcher == "init_method" and not init_method.startswith("env://"):
+        return init_method
+    return f"{launch.master_addr}:{launch.master_port}"
+
+
+def _create(launch: LaunchEnv, backend: str | None, timeout_s: float,
+            explicit_init: str | None = None) -> ProcessGroups:
     device = _accelerator(launch.local_rank, backend)
     backend = backend or _default_backend(device)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
-    if launch.launcher == "torchrun":
+    if launch.launcher == "init_method":
+        init_method = explicit_init or "env://"
+    elif launch.launcher == "torchrun":
         # env:// picks up torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE).
         init_method = "env://"
     else:
@@ -149,7 +165,7 @@ def _create(launch: LaunchEnv, backend: str | None, timeout_s: float) -> Process
     except Exception as e:
         raise CommError(
             f"rank {launch.rank}/{launch.world_size} ({launch.launcher}): could not join the "
-            f"process group at {launch.master_addr}:{launch.master_port} with {backend} within "
+            f"process group at {_where(launch, init_method)} with {backend} within "
             f"{timeout_s:g} s: {e}. Check that every rank started, that MASTER_ADDR/"
             "MASTER_PORT reach rank 0, and that the port is free.") from e
     return ProcessGroups(
@@ -158,8 +174,51 @@ def _create(launch: LaunchEnv, backend: str | None, timeout_s: float) -> Process
         dp_group=dist.group.WORLD, timeout_s=timeout_s, launcher=launch.launcher)
 
 
-def init_distributed(*, backend: str | None = None,
-                     timeout_s: float | None = None) -> ProcessGroups:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rendezvous:
+    """An explicit rendezvous a script passes itself (DeepSpeed's and torch's ``init_method``,
+    ``rank``, ``world_size``), for processes no launcher started (multiprocessing, notebooks,
+    test harnesses). ``None`` fields are not given."""
+
+    init_method: str | None = None
+    rank: int | None = None
+    world_size: int | None = None
+
+
+def _launch_from(rendezvous: Rendezvous, launch: LaunchEnv | None) -> LaunchEnv | None:
+    """Reconcile an explicit rendezvous with the launcher's environment.
+
+    The launcher's environment wins: with a launcher's variables set, the group is joined through
+    the launcher's rendezvous and ``init_method`` is not used; a ``rank=`` / ``world_size=`` that
+    contradicts the launcher's is an error (a silent choice would hang the job or double a rank).
+    Without a launcher, ``rank`` and ``world_size`` are required alongside ``init_method``.
+    """
+    if launch is not None:
+        for name, given, env_value in (("rank", rendezvous.rank, launch.rank),
+                                       ("world_size", rendezvous.world_size, launch.world_size)):
+            if given is not None and given != env_value:
+                raise CommError(
+                    f"init_distributed({name}={given}) contradicts the launcher's environment "
+                    f"({launch.launcher}: {name} {env_value}); the launcher's environment wins in zeroshard, "
+                    f"so drop {name}= or make it agree (or unset the launcher's RANK/WORLD_SIZE).")
+        return launch
+    if rendezvous.init_method is None and rendezvous.rank is None and rendezvous.world_size is None:
+        return None
+    if rendezvous.rank is None or rendezvous.world_size is None:
+        raise CommError(
+            f"init_distributed(init_method={rendezvous.init_method!r}, rank={rendezvous.rank}, "
+            f"world_size={rendezvous.world_size}): without a launcher's environment an explicit "
+            "rendezvous needs both rank= and world_size= (or start the script with torchrun).")
+    local_rank = int(os.environ.get("LOCAL_RANK", rendezvous.rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", rendezvous.world_size))
+    return LaunchEnv(launcher="init_method", rank=rendezvous.rank, world_size=rendezvous.world_size,
+                     local_rank=local_rank, local_world_size=max(local_world, local_rank + 1),
+                     master_addr=os.environ.get("MASTER_ADDR") or "127.0.0.1",
+                     master_port=int(os.environ.get("MASTER_PORT") or DEFAULT_MASTER_PORT))
+
+
+def init_distributed(*, backend: str | None = None, timeout_s: float | None = None,
+                     rendezvous: Rendezvous | None = None) -> ProcessGroups:
     """Join the job's process group once, from the launcher's environment.
 
     torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
@@ -174,6 +233,12 @@ def init_distributed(*, backend: str | None = None,
         backend: torch.distributed backend; default: nccl for CUDA, gloo on CPU.
         timeout_s: collective timeout in seconds; default ``ZEROSHARD_COMM_TIMEOUT_S`` or
             1800. A collective that does not complete in time raises ``CommError``.
+        rendezvous: an explicit ``init_method`` / ``rank`` / ``world_size`` (DeepSpeed's and
+            torch's arguments), used when no launcher's variables are set; ``rank`` and
+            ``world_size`` are then required and ``init_method`` defaults to ``env://``
+            (``MASTER_ADDR``/``MASTER_PORT``). When a launcher's variables are set they win:
+            its rendezvous is used and a contradicting ``rank``/``world_size`` is a CommError.
+            ``LOCAL_RANK`` (else ``rank``) selects the accelerator.
 
     Returns:
         The process's :class:`ProcessGroups`.
@@ -194,14 +259,15 @@ def init_distributed(*, backend: str | None = None,
     if dist.is_initialized():
         groups, owns = _from_existing(seconds), False
     else:
-        launch = parse_launch_env(os.environ)
+        launch = _launch_from(rendezvous or Rendezvous(), parse_launch_env(os.environ))
         if launch is None:
             device = _accelerator(0, backend)
             groups, owns = ProcessGroups.single(device, seconds), False
             if device.type != "cpu":
                 torch.accelerator.set_device_index(device.index)
         else:
-            groups, owns = _create(launch, backend, seconds), True
+            init_method = rendezvous.init_method if rendezvous is not None else None
+            groups, owns = _create(launch, backend, seconds, init_method), True
     if groups.dp_group is not None:
         # Start the divergence watcher now, on every rank, so that a peer's report can name
         # this rank's state even before it issues its first collective.

@@ -26,14 +26,20 @@ def _free_port() -> int:
 
 def init_distributed(*args: Any, **kwargs: Any) -> Any:
     """DeepSpeed's signature (see zeroshard.comm.init_distributed); a lone process joins a
-    one-rank group instead of staying group-free."""
+    one-rank group instead of staying group-free. An explicit `init_method`/`rank`/`world_size`
+    goes to torch as in DeepSpeed (a launcher's environment wins where it is set)."""
+    import inspect
+
     import torch.distributed as dist
 
     from zeroshard.comm import destroy_distributed
     from zeroshard.comm import init_distributed as zs_init
 
-    if not dist.is_initialized() and parse_launch_env(os.environ) is None \
-            and kwargs.get("dist_init_required", True) is not False:
+    bound = inspect.signature(zs_init).bind_partial(*args, **kwargs).arguments
+    explicit = bound.get("init_method") is not None or bound.get("rank", -1) != -1 \
+        or bound.get("world_size", -1) != -1
+    if not dist.is_initialized() and parse_launch_env(os.environ) is None and not explicit \
+            and bound.get("dist_init_required", True) is not False:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))

@@ -43,6 +43,7 @@ def spec(
     lt: float | None = None,
     inf_is_none: bool = False,
     json_key: bool = True,
+    int_as_bool: bool = False,
 ) -> Any:
     """A dataclass field with range limits for the loader.
 
@@ -51,8 +52,11 @@ def spec(
         ge / gt / le / lt: inclusive / exclusive bounds checked after coercion.
         inf_is_none: JSON `Infinity` (or `null`) reads as None ("never").
         json_key: False for fields that are not ds_config keys (set by the loader itself).
+        int_as_bool: a bool key DeepSpeed reads by truthiness, so an integer is read as its
+            truth value (0 false, any other true).
     """
-    meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "inf_is_none": inf_is_none, "json_key": json_key}
+    meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "inf_is_none": inf_is_none, "json_key": json_key,
+            "int_as_bool": int_as_bool}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
 
 
@@ -192,6 +196,8 @@ def coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any] | None = None
     if typing.get_origin(tp) is Literal:
         return _coerce_literal(value, tp, path, default)
     if tp is bool:
+        if meta.get("int_as_bool") and isinstance(value, int) and not isinstance(value, bool):
+            return value != 0
         if not isinstance(value, bool):
             raise _fail(path, value, tp, meta, default)
         return value

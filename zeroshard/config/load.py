@@ -18,7 +18,7 @@ from typing import Any
 from zeroshard.config.auto import resolve_autos
 from zeroshard.config.batch import GAS, MICRO, TBS, solve_batch
 from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, describe_type, hints, is_section, json_fields, show
-from zeroshard.config.parse import Draft, FieldSpec, parse_document
+from zeroshard.config.parse import Draft, FieldSpec, parse_document, parse_section
 from zeroshard.config.schema import Config
 from zeroshard.config.schema_optim import LambParams, OptimizerConfig, SchedulerConfig
 from zeroshard.config.schema_tp import check_tensor_parallel
@@ -248,6 +248,29 @@ def check_bf16_master(cfg: Config) -> None:
     if accum not in (None, "bf16"):
         raise ConfigError(f"data_types.grad_accum_dtype: got {accum!r}, but bf16.bf16_master_weights_and_grads "
                           "keeps gradients in bf16; set it to \"bf16\" or remove it.")
+
+
+def load_section(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
+    """Parse and build one schema section alone (e.g. `ZeroConfig` from the object under
+    "zero_optimization"), with the same key, type, range and alias checks as `load_config`; the
+    whole-config checks (batch triad, stages, cross-field rules) are not run.
+
+    Args:
+        cls: the schema class of the section.
+        raw: the section's object as the file gives it.
+        prefix: its dotted path with a trailing dot ("zero_optimization."), for messages and aliases.
+
+    Raises:
+        ConfigError: an unknown key, a wrong type or range, or "auto" (resolved only by initialize()).
+    """
+    draft = Draft()
+    parse_section(draft, cls, raw, prefix)
+    if draft.autos:
+        raise ConfigError(f"{next(iter(draft.autos))}: \"auto\" is resolved by initialize(), not in a "
+                          "section read alone; give a value.")
+    if prefix == "zero_optimization.":
+        _apply_stage_defaults(draft)
+    return _build(cls, prefix, draft)
 
 
 def load_config(

@@ -338,9 +338,10 @@ class Config:
     """Pipeline parallelism (a PipelineModule given to initialize())."""
     tensor_parallel: TensorParallelConfig = spec(default_factory=TensorParallelConfig)
     """AutoTP tensor parallelism (zeroshard/tensor/); ZeRO partitions over the data-parallel ranks."""
-    zero_allow_untested_optimizer: bool = False
+    zero_allow_untested_optimizer: bool = spec(False, int_as_bool=True)
     """DeepSpeed refuses client optimizers it has not tested with ZeRO unless true. zeroshard
-    partitions any torch.optim optimizer, so the flag is accepted and has no effect."""
+    partitions any torch.optim optimizer, so the flag is accepted and has no effect. An integer
+    is read as its truth value, as DeepSpeed does (`1` is true)."""
     zero_force_ds_cpu_optimizer: bool = True
     """DeepSpeed: refuse a client optimizer that is not its CPU Adam when offloading. Accepted
     without effect: zeroshard steps any torch optimizer on the CPU shard (a client torch

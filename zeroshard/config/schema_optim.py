@@ -264,8 +264,9 @@ class OneCycleParams:
     """lr decay rate after the cycle."""
     cycle_first_step_size: int = spec(2000, ge=1)
     """Steps of the increasing half of the cycle."""
-    cycle_second_step_size: int | None = spec(None, ge=1)
-    """Steps of the decreasing half; null = same as cycle_first_step_size."""
+    cycle_second_step_size: int | None = spec(None, ge=0)
+    """Steps of the decreasing half; null = same as cycle_first_step_size; 0 = no decreasing half
+    (the lr rises over the whole cycle, as in DeepSpeed)."""
     cycle_first_stair_count: int = spec(0, ge=0)
     """Stairs in the first half; 0 = continuous."""
     cycle_second_stair_count: int | None = spec(None, ge=0)

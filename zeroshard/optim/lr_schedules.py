@@ -255,15 +255,17 @@ class OneCycle(LRSchedule):
         cycle_max_lr: float | Sequence[float], decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
         cycle_second_step_size: int | None = None, cycle_first_stair_count: int = 0,
         cycle_second_stair_count: int | None = None, decay_step_size: int = 0, cycle_momentum: bool = True,
-        cycle_min_mom: float = 0.8, cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0,
+        cycle_min_mom: float | Sequence[float] = 0.8, cycle_max_mom: float | Sequence[float] = 0.9,
+        decay_mom_rate: float = 0.0,
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         n = len(optimizer.param_groups)
         second = cycle_first_step_size if cycle_second_step_size is None else cycle_second_step_size
-        if cycle_first_step_size <= 0 or second <= 0:
+        if cycle_first_step_size <= 0 or second < 0:
             raise ConfigError(f"cycle_first_step_size, cycle_second_step_size: got {cycle_first_step_size}, "
-                              f"{second}; expected positive step counts")
+                              f"{second}; expected a positive first half and a second half >= 0 (0: the lr "
+                              "rises over the whole cycle)")
         self.first_step_size = float(cycle_first_step_size)
         self.second_step_size = float(second)
         self.total_size = self.first_step_size + self.second_step_size
@@ -274,7 +276,8 @@ class OneCycle(LRSchedule):
         self.min_lrs = _per_group(cycle_min_lr, n, "cycle_min_lr")
         self.max_lrs = _per_group(cycle_max_lr, n, "cycle_max_lr")
         self.decay_lr_rate = float(decay_lr_rate)
-        self.min_mom, self.max_mom = float(cycle_min_mom), float(cycle_max_mom)
+        self.min_moms = _per_group(cycle_min_mom, n, "cycle_min_mom")
+        self.max_moms = _per_group(cycle_max_mom, n, "cycle_max_mom")
         self.decay_mom_rate = float(decay_mom_rate)
         self._momentum_key = self._find_momentum_key(optimizer) if cycle_momentum else None
         self.cycle_momentum = self._momentum_key is not None
@@ -319,25 +322,36 @@ class OneCycle(LRSchedule):
         factor = 1.0 + self.decay_lr_rate * self._decay_interval()
         return [lo / factor for lo in self.min_lrs]
 
-    def get_mom(self) -> float | None:
-        """The momentum (``betas[0]`` or ``momentum``) for the current position; None if not cycled."""
+    @property
+    def step_ratio(self) -> float:
+        """The rising half's share of the cycle (1.0 with a zero second half)."""
+        return self.first_step_size / self.total_size
+
+    def _moms(self) -> list[float]:
+        if self.last_batch_iteration < 0:
+            return list(self.min_moms)
+        if self.last_batch_iteration < self.total_size:
+            scale = self._scale()
+            return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
+        if math.isclose(self.decay_step_size, 0) or math.isclose(self.decay_mom_rate, 0):
+            return list(self.max_moms)
+        factor = 1.0 + self.decay_mom_rate * self._decay_interval()
+        return [hi * factor for hi in self.max_moms]
+
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """Each group's ``betas`` for the current position, ``(momentum, 0.99)`` (DeepSpeed's
+        shape); None if momentum is not cycled."""
         if not self.cycle_momentum:
             return None
-        if self.last_batch_iteration < 0:
-            return self.min_mom
-        if self.last_batch_iteration < self.total_size:
-            return self.max_mom - (self.max_mom - self.min_mom) * self._scale()
-        if math.isclose(self.decay_step_size, 0) or math.isclose(self.decay_mom_rate, 0):
-            return self.max_mom
-        return self.max_mom * (1.0 + self.decay_mom_rate * self._decay_interval())
+        return [(m, self.BETA2) for m in self._moms()]
 
     def _apply(self) -> None:
         super()._apply()
-        mom, key = self.get_mom(), self._momentum_key
-        if mom is None or key is None:
+        moms, key = self.get_mom(), self._momentum_key
+        if moms is None or key is None:
             return
-        for group in self.optimizer.param_groups:
-            group[key] = (mom, self.BETA2)
+        for group, betas in zip(self.optimizer.param_groups, moms):
+            group[key] = betas
 
 
 class LRRangeTest(LRSchedule):

@@ -5,4 +5,6 @@ from zeroshard.compat._names import reexport as _reexport
 
 __getattr__, __dir__ = _reexport(__name__, {
     "GatheredParameters": "zeroshard.zero:GatheredParameters", "Init": "zeroshard.compat.comm:Init",
-    "register_external_parameter": "zeroshard.zero:register_external_parameter"})
+    "register_external_parameter": "zeroshard.zero:register_external_parameter",
+    "ZeroParamStatus": "zeroshard.zero.units:ZeroParamStatus",
+    "unwrap_model_for_generation": "zeroshard.compat.ds_utils:unwrap_model_for_generation"})

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from zeroshard.compat._names import reexport as _reexport
+from zeroshard.compat.refused import refused_class as _refused
 
 __getattr__, __dir__ = _reexport(__name__, {
     **{n: f"zeroshard.zero:{n}" for n in ["GatheredParameters", "register_external_parameter"]},
@@ -33,3 +34,13 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], target_fp_dty
 
 def get_all_parameters(sub_module: torch.nn.Module, recurse: bool = False) -> list[torch.nn.Parameter]:
     return list(sub_module.parameters(recurse=recurse))
+
+
+# DeepSpeed's Init machinery: zeroshard's Init partitions parameters as modules register them
+# (no subclass-patching of every nn.Module, no all-gather handle objects); refused by name.
+InsertPostInitMethodToModuleSubClasses = _refused(
+    "deepspeed.runtime.zero.partition_parameters.InsertPostInitMethodToModuleSubClasses",
+    "zeroshard.zero.Init partitions parameters without patching nn.Module subclasses")
+MultipleAllGatherHandles = _refused(
+    "deepspeed.runtime.zero.partition_parameters.MultipleAllGatherHandles",
+    "zeroshard's stage-3 gathers return ordinary pending handles inside the engine")

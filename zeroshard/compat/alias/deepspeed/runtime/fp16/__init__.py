@@ -1,0 +1,1 @@
+"""deepspeed.runtime.fp16: DeepSpeed's fp16 optimizer wrappers, by name only."""
