@@ -28,7 +28,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
-from ds_matrix_common import WORLDS, all_cases, make_model, model_parameters, parse  # noqa: E402
+from ds_matrix_common import WORLDS, all_cases, make_model, model_parameters, parse  # noqa: E402  after the sys.path insert
 
 pytestmark = [pytest.mark.deepspeed,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,

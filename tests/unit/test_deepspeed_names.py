@@ -167,10 +167,12 @@ def test_comm_functions_without_a_process_group() -> None:
 def test_init_distributed_explicit_rendezvous_needs_rank_and_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """DeepSpeed's init_method/rank/world_size are taken (tests/unit/test_comm_env.py starts
     processes with them); without a launcher, rank= and world_size= must come together."""
+    import zeroshard.comm.groups as groups_module
     from zeroshard.errors import CommError
 
     for key in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(groups_module, "_GROUPS", None)  # an earlier test's single-process groups are cached
     with pytest.raises(CommError, match="needs both rank= and world_size="):
         zeroshard.init_distributed(init_method="tcp://localhost:1")
     with pytest.raises(CommError, match="needs both rank= and world_size="):

@@ -88,38 +88,48 @@ _TARGET_BYTES = 1024
 """A rank's (save_dir, tag) is compared in full; this many bytes of it are shown in the error."""
 
 
-def check_same_target(comm: "Comm", save_dir: str | os.PathLike[str], tag: str) -> None:
+def check_same_target(comm: "Comm", save_dir: str | os.PathLike[str], tag: str,
+                      node_leader: int | None = None) -> None:
     """Refuse, on every rank and before anything is written, a save whose `save_dir` or `tag`
     differs across ranks (e.g. a directory named from each rank's clock): one checkpoint is one
-    directory all ranks write into. One all_gather of a fixed-size row: a digest of the whole
-    value, then its first bytes for the message. Independent of checkpoint.tag_validation
+    directory all ranks write into. With node-local storage (`node_leader` given) each node
+    writes its own directory, so `save_dir` must agree within a node and the tag everywhere.
+    One all_gather of a fixed-size row: digests of the directory and of the tag, the node,
+    then the value's first bytes for the message. Independent of checkpoint.tag_validation
     (docs/deepspeed-differences.md)."""
     directory = os.path.normpath(os.fspath(save_dir))
     value = json.dumps([directory, tag]).encode("utf-8", "replace")
     shown = value[:_TARGET_BYTES]
-    row = torch.zeros(32 + 8 + _TARGET_BYTES, dtype=torch.uint8)
-    row[:32] = torch.frombuffer(bytearray(hashlib.sha256(value).digest()), dtype=torch.uint8)
-    row[32:40] = torch.frombuffer(bytearray(len(shown).to_bytes(8, "little")), dtype=torch.uint8)
-    row[40 : 40 + len(shown)] = torch.frombuffer(bytearray(shown), dtype=torch.uint8)
+    node = 0 if node_leader is None else node_leader + 1
+    head = hashlib.sha256(directory.encode("utf-8", "replace")).digest()
+    head += hashlib.sha256(tag.encode("utf-8", "replace")).digest()
+    head += node.to_bytes(8, "little") + len(shown).to_bytes(8, "little")
+    row = torch.zeros(len(head) + _TARGET_BYTES, dtype=torch.uint8)
+    row[: len(head) + len(shown)] = torch.frombuffer(bytearray(head + shown), dtype=torch.uint8)
     device = comm.groups.device
     out = torch.zeros(comm.world_size * row.numel(), dtype=torch.uint8, device=device)
     comm.all_gather(out, row.to(device))
     rows = out.cpu().view(comm.world_size, -1)
-    if all(torch.equal(rows[r, :32], rows[0, :32]) for r in range(comm.world_size)):
+    nodes = [int.from_bytes(bytes(rows[r, 64:72].tolist()), "little") for r in range(comm.world_size)]
+    same_tag = all(torch.equal(rows[r, 32:64], rows[0, 32:64]) for r in range(comm.world_size))
+    same_dir = all(torch.equal(rows[r, :32], rows[q, :32]) for r in range(comm.world_size)
+                   for q in range(comm.world_size) if nodes[r] == nodes[q])
+    if same_tag and same_dir:
         return
     values = []
     for r in range(comm.world_size):
-        n = int.from_bytes(bytes(rows[r, 32:40].tolist()), "little")
-        text = bytes(rows[r, 40 : 40 + n].tolist()).decode("utf-8", "replace")
+        n = int.from_bytes(bytes(rows[r, 72:80].tolist()), "little")
+        text = bytes(rows[r, 80 : 80 + n].tolist()).decode("utf-8", "replace")
         try:
             values.append(tuple(json.loads(text)))
         except ValueError:
             values.append((text, "?"))
-    what = [w for k, w in enumerate(("save_dir", "tag")) if len({v[k] for v in values}) > 1]
+    what = [w for w, same in (("save_dir", same_dir), ("tag", same_tag)) if not same]
     per_rank = "; ".join(f"rank {r}: save_dir={d!r}, tag={t!r}" for r, (d, t) in enumerate(values))
-    raise CheckpointError(f"rank {comm.rank}: save_checkpoint got a different {' and '.join(what)} on different ranks "
-                          f"({per_rank}); nothing was written. Every rank must pass the same save_dir and tag (name "
-                          "the directory on one rank and broadcast it, e.g. with "
+    scope = " within a node" if node_leader is not None and not same_dir else ""
+    raise CheckpointError(f"rank {comm.rank}: save_checkpoint got a different {' and '.join(what)} on different ranks"
+                          f"{scope} ({per_rank}); nothing was written. Every rank must pass the same save_dir and tag "
+                          "(name the directory on one rank and broadcast it, e.g. with "
                           "torch.distributed.broadcast_object_list, or derive it from the global step rather than each "
                           "rank's clock)")
 
@@ -252,7 +262,7 @@ def save_state(state: EngineState, comm: "Comm", save_dir: str | os.PathLike[str
         Whether this rank published a directory (rank 0; with node-local storage, also the
         first rank of each node whose disk rank 0 does not share).
     """
-    check_same_target(comm, save_dir, tag)  # first: the checks below then fail alike on every rank
+    check_same_target(comm, save_dir, tag, node_leader)  # first: the checks below then fail alike everywhere
     if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(f"tag {tag!r}: use a plain directory name (no '/', not starting with '.', "
                               f"not {LATEST!r})")
