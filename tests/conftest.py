@@ -30,7 +30,8 @@ def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when == "call" or report.outcome != "passed":
-        _write({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome})
+        _write({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                "seconds": round(report.duration, 2)})
 
 
 # Note: [DeepSpeed comparison tests are opt-in] Tests that run a real DeepSpeed 0.19 next to

@@ -85,6 +85,20 @@ def counts(output: str) -> dict[str, int]:
     return found
 
 
+def slowest(path: Path, count: int = 5) -> list[tuple[float, str]]:
+    """The `count` slowest tests (call phase) of one round's log: where a stage's time goes."""
+    times: list[tuple[float, str]] = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("when") == "call" and "seconds" in record:
+                times.append((float(record["seconds"]), record["nodeid"]))
+    return sorted(times, reverse=True)[:count]
+
+
 def read_log(path: Path) -> dict[str, str]:
     """nodeid -> outcome ("passed", "failed", "skipped") for every test that started."""
     result: dict[str, str | None] = {}
@@ -121,6 +135,8 @@ def run_stage(name: str) -> tuple[dict[str, int], bool]:
             out = proc.stdout
             print(out if proc.returncode or name in OPT_IN else "\n".join(out.splitlines()[-3:]), flush=True)
             this_round = read_log(log)
+            for seconds, nodeid in slowest(log):
+                print(f"    {seconds:7.1f} s  {nodeid}", flush=True)
             ran.update(this_round)
             if rounds > 1 and not this_round and re.search(r"no tests ran|\d+ deselected in", out):
                 break  # the failing test was the stage's last one
