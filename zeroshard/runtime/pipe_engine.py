@@ -109,7 +109,8 @@ class PipelineEngine(ZeroEngine):
         if self.training_dataloader is not None:
             self.set_dataloader(self.training_dataloader)
         if self.global_rank_is_zero():
-            logger.info(f"pipeline: {self.num_stages} stages x dp {self.world_size}, schedule "
+            logger.info(f"pipeline: {self.num_stages} stages x dp {self.world_size} x tp {pipe.mesh.topology.tp}, "
+                        f"schedule "
                         f"{self._config.pipeline.schedule}, {self.micro_batches} micro-batches\n"
                         + module.describe_partition())
 
@@ -177,7 +178,7 @@ class PipelineEngine(ZeroEngine):
         module = self._pipe.module
         if self.rank == 0:  # the stage's first data-parallel rank writes its layers
             for idx, layer in module.local_layers():
-                _atomic_save(layer.state_dict(), root / f"layer_{idx:02d}-model_states.pt")
+                _atomic_save(layer.state_dict(), root / _layer_file(idx, self._pipe.mesh))
         self._pipe.world_comm.barrier()
         if self._pipe.mesh.world.rank == 0:
             layout = {"num_stages": self.num_stages, "parts": module.parts, "virtual_stages": module.virtual_stages}
@@ -421,6 +422,15 @@ class PipelineEngine(ZeroEngine):
         mean = torch.stack([v.float() for v in values]).sum(0) / self.micro_batches
         self._comm.all_reduce(mean)
         return mean / self.world_size
+
+
+def _layer_file(idx: int, mesh: MeshGroups) -> str:
+    """DeepSpeed's per-layer file name; with tensor parallelism one file per tp rank holding its
+    pieces (`layer_03-model_01-model_states.pt`, DeepSpeed's name under a model axis). The pieces
+    are for DeepSpeed's tools; a load reads the stage directories, keyed by global names."""
+    if mesh.topology.tp == 1:
+        return f"layer_{idx:02d}-model_states.pt"
+    return f"layer_{idx:02d}-model_{mesh.coord['tp']:02d}-model_states.pt"
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
