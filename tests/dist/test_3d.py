@@ -21,7 +21,7 @@ from torch import Tensor, nn
 import zeroshard
 from zeroshard.comm import Comm, ProcessGroups
 from zeroshard.errors import ConfigError, NotSupportedError
-from zeroshard.pipe import LayerSpec, PipeModelDataParallelTopology, PipelineModule, TiedLayerSpec
+from zeroshard.pipe import LayerSpec, PipelineModule, PipeModelDataParallelTopology, TiedLayerSpec
 from zeroshard.tensor import ColumnParallelLinear, RowParallelLinear
 
 VOCAB, DIM, HEADS, SEQ = 16, 16, 4, 6
@@ -217,7 +217,7 @@ def test_stages_are_split_over_tp(groups: ProcessGroups) -> None:
     assert engine.dp_world_size == topo.dp and engine.mp_world_size == TP
     module = engine.module
     local = dict(module.local_layers())
-    for idx, layer in local.items():
+    for layer in local.values():
         if isinstance(layer, Block):
             assert isinstance(layer.attn.q, ColumnParallelLinear) and isinstance(layer.attn.o, RowParallelLinear)
             assert layer.mlp.fc.weight.shape == (2 * DIM // TP, DIM)
