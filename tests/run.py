@@ -1,5 +1,5 @@
-"""Run the whole test suite: unit tests, distributed tests at 2 and 3 ranks (the pipeline tests also
-at 4), launcher tests.
+"""Run the whole test suite: unit tests, distributed tests at 2 and 3 ranks (the pipeline, tensor-parallel
+and 3D tests also at 4, the 3D tests at 8), launcher tests.
 
     python tests/run.py            # everything (README's test command)
     python tests/run.py unit dist2 # some stages
@@ -50,10 +50,13 @@ STAGES: dict[str, list[str]] = {
     # Rank 0 prints; the others run the same tests silently (a failure on any rank fails the run).
     "dist2": torchrun(2, *PYTEST, "tests/dist", rank0_output=True),
     "dist3": torchrun(3, *PYTEST, "tests/dist", rank0_output=True),
-    # Pipeline x data (PP 2 x DP 2, PP 4) and tensor x data parallelism (TP 2 x DP 2) need 4 ranks;
-    # the rest of tests/dist runs at 1-3 ranks, so this stage runs only those files.
+    # Pipeline x data (PP 2 x DP 2, PP 4), tensor x data parallelism (TP 2 x DP 2) and 3D (PP 2 x TP 2)
+    # need 4 ranks; the rest of tests/dist runs at 1-3 ranks, so this stage runs only those files.
     "dist4": torchrun(4, *PYTEST, "tests/dist/test_pipeline.py", "tests/dist/test_tensor_parallel.py",
-                      rank0_output=True),
+                      "tests/dist/test_3d.py", rank0_output=True),
+    # 3D at PP 2 x DP 2 x TP 2: the only file that needs 8 ranks (about 2 minutes on 2 cores, most of
+    # it starting 8 interpreters).
+    "dist8": torchrun(8, *PYTEST, "tests/dist/test_3d.py", rank0_output=True),
     "launch": [sys.executable, *PYTEST, "tests/launch"],
 }
 # Opt-in: zeroshard against DeepSpeed 0.19 on the same cases (tests/differential/harness.py).
