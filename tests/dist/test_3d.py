@@ -279,20 +279,73 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(groups: ProcessGroups) -> No
 
 
 def test_refusals_name_what_is_missing(groups: ProcessGroups) -> None:
-    dp = groups.world_size // (PP * TP)
-    with pytest.raises(ConfigError, match="model .tensor-parallel. axis of 2"):
+    with pytest.raises(ConfigError, match="model .tensor-parallel. axis of 2, but the tensor-parallel size is 4"):
         net = PipelineModule(specs(), loss_fn=loss_fn, partition_method="uniform",
-                             topology=PipeModelDataParallelTopology(num_pp=PP, num_mp=TP, num_dp=dp))
-        cfg = config(1)
-        del cfg["tensor_parallel"]
-        zeroshard.initialize(model=net, model_parameters=list(net.parameters()), config=cfg)
+                             topology=PipeModelDataParallelTopology(1, TP, groups.world_size // TP))
+        zeroshard.initialize(model=net, model_parameters=list(net.parameters()),
+                             config=config(1, tensor_parallel={"autotp_size": 4}))
 
     class Mpu:
         def __getattr__(self, name: str) -> Any:
             return lambda: 1
 
-    with pytest.raises(NotSupportedError, match="PipelineModule together with mpu="):
+    with pytest.raises(NotSupportedError, match="PipelineModule together with mpu=.*PipeModelDataParallelTopology"):
         net = PipelineModule(specs(), loss_fn=loss_fn, num_stages=PP, partition_method="uniform")
         cfg = config(1)
         del cfg["tensor_parallel"]
         zeroshard.initialize(model=net, model_parameters=list(net.parameters()), config=cfg, mpu=Mpu())
+
+
+def _split_by_hand(groups: ProcessGroups, seed: int) -> tuple[PipelineModule, Any]:
+    """DeepSpeed's own 3D: a PipeModelDataParallelTopology with a model axis and layers the script
+    split itself over its own tensor-parallel groups (Megatron's layers, here cut with the same plan),
+    split parameters marked `tensor_model_parallel`; no tensor_parallel section."""
+    from zeroshard.comm.groups import subgroup
+    from zeroshard.comm.topology import Topology
+    from zeroshard.config import load_config
+    from zeroshard.tensor import resolve_plan, shard_model
+
+    dp = groups.world_size // (PP * TP)
+    tp_groups = subgroup(groups, Topology(pp=PP, dp=dp, tp=TP).axis_groups("tp"))
+    net = PipelineModule(specs(), loss_fn=loss_fn, seed_layers=True, base_seed=seed, partition_method="uniform",
+                         topology=PipeModelDataParallelTopology(num_pp=PP, num_mp=TP, num_dp=dp))
+    section = config(0)["tensor_parallel"]
+    plan = resolve_plan(net, load_config({"train_batch_size": 1, "tensor_parallel": section},
+                                         dp_world_size=1).tensor_parallel)
+    state = shard_model(net, plan, Comm(tp_groups), keep_whole=frozenset(map(id, net.tied_modules.parameters())))
+    net.adopt_replaced_layers()
+    for name, p in net.named_parameters():
+        p.tensor_model_parallel = name in state.split
+    return net, state
+
+
+def test_layers_split_by_the_script(groups: ProcessGroups, shared_dir: Path) -> None:
+    """A model axis in the PipelineModule's topology and no tensor_parallel section: ZeRO over dp, the
+    norm over tp by the `tensor_model_parallel` marks; each TP rank's pieces checkpointed on their own."""
+    dp = groups.world_size // (PP * TP)
+    want_losses, want_norms, want = reference(dp)
+    batches = data(dp)
+    cfg = config(2)
+    del cfg["tensor_parallel"]
+    net, state = _split_by_hand(groups, BASE_SEED)
+    engine = zeroshard.initialize(model=net, model_parameters=list(net.parameters()), config=cfg)[0]
+    assert engine.dp_world_size == dp and engine.mp_world_size == TP
+    losses, norms = train(engine, batches[:2])
+    engine.save_checkpoint(shared_dir, tag="mid")
+    more, more_norms = train(engine, batches[2:])
+    for a, b in zip(losses + more, want_losses, strict=True):
+        assert math.isclose(a, b, rel_tol=LOSS_RTOL), f"loss {a} != one process {b}"
+    for a, b in zip(norms + more_norms, want_norms, strict=True):
+        assert math.isclose(a, b, rel_tol=LOSS_RTOL), f"global norm {a} != one process {b}"
+    whole = {name: state.full(name, p.detach()) for name, p in engine.module.named_parameters()}
+    check_weights(whole, want, 20 * LOSS_RTOL)
+    stage = f"pipe_stage_{engine.stage_id:02d}-model_{engine.parallel.mesh.coord['tp']:02d}"
+    assert (shared_dir / "mid" / stage).is_dir()
+
+    net2, _ = _split_by_hand(groups, BASE_SEED + 99)
+    resumed = zeroshard.initialize(model=net2, model_parameters=list(net2.parameters()), config=cfg)[0]
+    loaded, _ = resumed.load_checkpoint(shared_dir, tag="mid")
+    assert loaded is not None and resumed.global_steps == 2
+    after, _ = train(resumed, batches[2:])
+    for a, b in zip(after, more, strict=True):
+        assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-7), f"resumed loss {a} != uninterrupted {b}"

@@ -348,12 +348,15 @@ class PipelineModule(nn.Module):
         Returns:
             The (pp, dp, tp) Topology, also kept as `mesh_topology`.
 
+        A topology with a model axis and `tp` 1 is kept as it is: the script's own tensor-parallel
+        layers split the stages (DeepSpeed's 3D with Megatron's layers; runtime/initialize.py).
+
         Raises:
-            ConfigError: the topology's model axis disagrees with `tp`, or pp * tp does not divide
-                the world size.
+            ConfigError: the topology's model axis disagrees with a `tp` > 1, or pp * tp does not
+                divide the world size.
         """
         t = self.mesh_topology
-        if t.tp == tp:
+        if t.tp == tp or tp == 1:  # tp 1 with a model axis: the script split its layers itself (Megatron's)
             return t
         if t.tp > 1:
             raise ConfigError(

@@ -38,6 +38,7 @@ from zeroshard.runtime.pipe_engine import PipelineEngine, PipeParts
 from zeroshard.tensor.setup import (
     ParallelLayout,
     check_mpu,
+    layout_for_model_axis,
     layout_for_mpu,
     layout_for_tensor_parallel,
     recorded_tp,
@@ -179,9 +180,10 @@ def initialize(
             "groups); drop mpu= to let zeroshard build the groups, or drop the tensor_parallel section.")
     if pipe_module is not None and mpu is not None:
         raise NotSupportedError(
-            "not supported yet: a PipelineModule together with mpu= (Megatron's hand-written tensor-parallel "
-            "layers in a pipeline); drop mpu= and let AutoTP split the stages (tensor_parallel.autotp_size with "
-            "a preset_model or partition_config), or drop the pipeline.")
+            "not supported: a PipelineModule together with mpu= (DeepSpeed refuses it too); drop mpu= and give "
+            "the PipelineModule topology=PipeModelDataParallelTopology(num_pp, num_mp, num_dp) for Megatron-style "
+            "layers (split parameters marked tensor_model_parallel = True), or let AutoTP split the stages "
+            "(tensor_parallel.autotp_size with a preset_model or partition_config).")
     if mpu is not None:
         dp_world = int(mpu.get_data_parallel_world_size())
     elif pipe_module is not None:  # 3D when tp_size > 1 (Note: [3D layout] in docs/tensor-parallel.md)
@@ -296,6 +298,8 @@ def _parallel_layout(world: ProcessGroups, world_comm: Comm, model: nn.Module, c
         return layout
     topology = pipe_module.mesh_topology if pipe_module is not None else Topology.for_world(world.world_size)
     mesh = build_mesh(world, topology)
+    if topology.tp > 1:  # a PipelineModule with a model axis: its layers are split by the script (Megatron's)
+        return layout_for_model_axis(world, world_comm, mesh, model)
     return ParallelLayout(world=world, dp=mesh.axis("dp"), mp_comm=None, mp_rank=0, mesh=mesh)
 
 

@@ -230,7 +230,12 @@ class PipelineEngine(ZeroEngine):
         return (str(root) if path is not None else None), client
 
     def _stage_dir(self) -> str:
-        return f"pipe_stage_{self.stage_id:02d}"
+        name = f"pipe_stage_{self.stage_id:02d}"
+        # 3D with layers the script split itself (no AutoTP state to map pieces to global names): each
+        # tensor-parallel rank's pieces are a state of their own, in a directory of their own.
+        if self._pipe.mesh.topology.tp > 1 and (self.parallel is None or self.parallel.tp is None):
+            name += f"-model_{self._pipe.mesh.coord['tp']:02d}"
+        return name
 
     # -- training ---------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ its own tensor-parallel layers and groups; parameters it split carry Megatron's
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.tensor.tp_plan import TensorParallelState, resolve_plan, shard_model, tp_state_of
 from zeroshard.zero.stage0 import broadcast_module_state
 from zeroshard.zero.strategy import ModelParallelNorm
+
+logger = logging.getLogger("zeroshard")
 
 _RECORDED: weakref.WeakKeyDictionary[nn.Module, tuple[int, torch.dtype | None]] = weakref.WeakKeyDictionary()
 _SEQUENCE_PARALLEL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -149,6 +152,19 @@ def layout_for_tensor_parallel(world: ProcessGroups, world_comm: Comm, model: nn
                           f"for {tp_size}.")
     return ParallelLayout(world=world, dp=mesh.axis("dp"), mp_comm=tp_comm, mp_rank=tp_groups.rank,
                           mesh=mesh, tp=state)
+
+
+def layout_for_model_axis(world: ProcessGroups, world_comm: Comm, mesh: MeshGroups, model: nn.Module) -> ParallelLayout:
+    """A PipelineModule whose topology has a model axis and whose layers the script split itself
+    (Megatron's layers in DeepSpeed's 3D): ZeRO over `dp`, the norm over `tp`; parameters the script
+    split carry Megatron's `tensor_model_parallel = True`, the others are counted once."""
+    tp = mesh.axis("tp")
+    if not any(getattr(p, "tensor_model_parallel", False) for p in model.parameters()):
+        logger.warning(f"the PipelineModule's topology has a model (tensor-parallel) axis of {tp.world_size}, but no "
+                       "parameter of this stage is marked tensor_model_parallel = True: the tensor-parallel ranks "
+                       "hold replicas. Split the layers (Megatron's) or set tensor_parallel.autotp_size.")
+    tp_comm = Comm(tp, timeout_s=world_comm.timeout_s, log=world_comm.log, label="tp")
+    return ParallelLayout(world=world, dp=mesh.axis("dp"), mp_comm=tp_comm, mp_rank=tp.rank, mesh=mesh)
 
 
 def check_mpu(mpu: Any) -> None:
