@@ -1,7 +1,8 @@
 """One torchrun job (4 ranks): AutoTP (`tensor_parallel.autotp_size` 2) on a 2-stage PipelineModule under
 DeepSpeed 0.19 (`--engine ds`) or zeroshard (`zs`), the same script on both sides.
 
-Rank 0 writes OUT (JSON): {"losses": [...]} when `train_batch` ran, else {"error": "<type>: <message>"}.
+Rank 0 writes OUT (JSON): {"losses": [...]} when `train_batch` ran, else {"error": "<type>: <message>",
+"phase": "initialize" | "train_batch"}.
 DeepSpeed's AutoTP rebuilds its groups as a (dp, tp) mesh over the whole world and ignores the
 pipeline axis, so its initialize fails (issue 27); zeroshard trains PP 2 x TP 2.
 """
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 VOCAB, DIM, SEQ, MICRO, GAS, STEPS = 16, 8, 6, 2, 2, 3
+PHASE = ["start"]  # where the job was when it failed: "initialize" or "train_batch"
 
 
 class Embed(nn.Module):
@@ -77,7 +79,9 @@ def run(engine: str, world: int, rank: int) -> list[float]:
            "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": [
                {"patterns": [r".*\.fc\.weight$"], "partition_type": "column"},
                {"patterns": [r".*\.proj\.weight$"], "partition_type": "row"}]}}}
+    PHASE[0] = "initialize"
     eng, *_ = init(model=net, model_parameters=[p for p in net.parameters()], config=cfg)
+    PHASE[0] = "train_batch"
     dp = world // 4
     dp_rank = (rank // 2) % dp
     g = torch.Generator().manual_seed(7)
@@ -106,7 +110,7 @@ def main() -> int:
     try:
         result: dict[str, Any] = {"losses": run(args.engine, world, rank)}
     except Exception as e:  # the outcome under test: recorded, not raised
-        result = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        result = {"error": f"{type(e).__name__}: {e}"[:2000], "phase": PHASE[0]}
         print(f"rank {rank}: {result['error']}", file=sys.stderr, flush=True)
     if rank == 0:
         with open(args.out, "w") as f:
