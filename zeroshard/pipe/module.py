@@ -343,13 +343,12 @@ class PipelineModule(nn.Module):
     def set_tensor_parallel(self, tp: int) -> Topology:
         """Lay the job out as pipeline x data x tensor parallelism with `tp` tensor-parallel ranks
         (Note: [3D layout] in docs/tensor-parallel.md): the stages stay where they are (a stage is a
-        contiguous block of ranks either way), the data-parallel size becomes what is left.
+        contiguous block of ranks either way), the data-parallel size becomes what is left. A
+        topology with a model axis and `tp` 1 is kept as it is: the script's own tensor-parallel
+        layers split the stages (DeepSpeed's 3D with Megatron's layers; runtime/initialize.py).
 
         Returns:
             The (pp, dp, tp) Topology, also kept as `mesh_topology`.
-
-        A topology with a model axis and `tp` 1 is kept as it is: the script's own tensor-parallel
-        layers split the stages (DeepSpeed's 3D with Megatron's layers; runtime/initialize.py).
 
         Raises:
             ConfigError: the topology's model axis disagrees with a `tp` > 1, or pp * tp does not

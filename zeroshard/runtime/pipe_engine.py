@@ -110,8 +110,7 @@ class PipelineEngine(ZeroEngine):
             self.set_dataloader(self.training_dataloader)
         if self.global_rank_is_zero():
             logger.info(f"pipeline: {self.num_stages} stages x dp {self.world_size} x tp {pipe.mesh.topology.tp}, "
-                        f"schedule "
-                        f"{self._config.pipeline.schedule}, {self.micro_batches} micro-batches\n"
+                        f"schedule {self._config.pipeline.schedule}, {self.micro_batches} micro-batches\n"
                         + module.describe_partition())
 
     def global_rank_is_zero(self) -> bool:
