@@ -48,6 +48,10 @@ def test_deepspeed_fails_where_zeroshard_trains() -> None:
     ds, ds_log = _run("ds")
     # DeepSpeed fails: an exception in initialize/train_batch, or a job that dies or hangs before a loss.
     assert ds is None or "error" in ds, f"DeepSpeed trained AutoTP on a PipelineModule: {ds}"
+    # Measured with 0.19.8: ranks of the second stage abort in initialize on gloo's "collective
+    # mismatch" check, the first stage's ranks then lose their peers.
+    assert ds is None or ds.get("phase") == "initialize", ds
+    assert "collective mismatch" in ds_log, ds_log[-3000:]
     print(f"\nDeepSpeed 0.19 with AutoTP on a PipelineModule: {ds if ds else ds_log[-1500:]}")
     zs, zs_log = _run("zs")
     assert zs is not None and "losses" in zs, f"zeroshard failed: {zs}\n{zs_log[-3000:]}"
