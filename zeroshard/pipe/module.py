@@ -23,7 +23,7 @@ from zeroshard.comm.groups import init_distributed
 from zeroshard.comm.topology import Topology
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.pipe.partition import partition_min_max, partition_spread, partition_uniform
-from zeroshard.pipe.topology import PipeDataParallelTopology, ProcessTopology
+from zeroshard.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 from zeroshard.runtime.activation_checkpointing import checkpoint as _default_checkpoint
 from zeroshard.runtime.activation_checkpointing import non_reentrant_checkpoint
 
@@ -337,6 +337,50 @@ class PipelineModule(nn.Module):
 
     def topology(self) -> ProcessTopology:
         return self._topo
+
+    # -- 3D parallelism (runtime/initialize.py) ---------------------------------------------
+
+    def set_tensor_parallel(self, tp: int) -> Topology:
+        """Lay the job out as pipeline x data x tensor parallelism with `tp` tensor-parallel ranks
+        (Note: [3D layout] in docs/tensor-parallel.md): the stages stay where they are (a stage is a
+        contiguous block of ranks either way), the data-parallel size becomes what is left. A
+        topology with a model axis and `tp` 1 is kept as it is: the script's own tensor-parallel
+        layers split the stages (DeepSpeed's 3D with Megatron's layers; runtime/initialize.py).
+
+        Returns:
+            The (pp, dp, tp) Topology, also kept as `mesh_topology`.
+
+        Raises:
+            ConfigError: the topology's model axis disagrees with a `tp` > 1, or pp * tp does not
+                divide the world size.
+        """
+        t = self.mesh_topology
+        if t.tp == tp or tp == 1:  # tp 1 with a model axis: the script split its layers itself (Megatron's)
+            return t
+        if t.tp > 1:
+            raise ConfigError(
+                f"the PipelineModule's topology has a model (tensor-parallel) axis of {t.tp}, but the "
+                f"tensor-parallel size is {tp}; make tensor_parallel.autotp_size equal num_mp, or build the "
+                "PipelineModule with num_stages= / a PipeDataParallelTopology.")
+        try:
+            new = Topology.for_world(self.world_size, pp=t.pp, tp=tp)
+        except ValueError as e:
+            raise ConfigError(f"tensor_parallel.autotp_size {tp} with a {t.pp}-stage PipelineModule: {e}") from e
+        self.mesh_topology = new
+        self._topo = PipeModelDataParallelTopology(num_pp=new.pp, num_mp=new.tp, num_dp=new.dp)
+        return new
+
+    def adopt_replaced_layers(self) -> None:
+        """Run the modules now registered under each local layer's index: tensor parallelism
+        replaces a layer that is itself an `nn.Linear` in place (`setattr(self, "3", ...)`)."""
+        for chunk in self.local_chunks:
+            start = self.parts[chunk]
+            funcs = self._funcs[chunk]
+            for offset, f in enumerate(funcs):
+                current = self._modules.get(str(start + offset))
+                if isinstance(f, nn.Module) and current is not None and current is not f:
+                    funcs[offset] = current
+        self._chunk_modules = [_Chunk(self, k, self._chunk_layer_modules(c)) for k, c in enumerate(self.local_chunks)]
 
     def num_pipeline_stages(self) -> int:
         return self.num_stages

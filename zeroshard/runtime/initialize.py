@@ -38,6 +38,7 @@ from zeroshard.runtime.pipe_engine import PipelineEngine, PipeParts
 from zeroshard.tensor.setup import (
     ParallelLayout,
     check_mpu,
+    layout_for_model_axis,
     layout_for_mpu,
     layout_for_tensor_parallel,
     recorded_tp,
@@ -142,7 +143,8 @@ def initialize(
     Raises:
         ConfigError: the config is invalid, names an unsupported feature, or has an "auto"
             value nothing can resolve.
-        NotSupportedError: `mesh_param` was given, or `mpu` together with `tensor_parallel`.
+        NotSupportedError: `mesh_param` was given, or `mpu` together with `tensor_parallel` or a
+            PipelineModule.
 
     Example::
 
@@ -176,14 +178,16 @@ def initialize(
         raise NotSupportedError(
             "not supported yet: initialize(mpu=...) together with tensor_parallel (AutoTP over an mpu's "
             "groups); drop mpu= to let zeroshard build the groups, or drop the tensor_parallel section.")
-    if pipe_module is not None and (tp_size > 1 or mpu is not None):
+    if pipe_module is not None and mpu is not None:
         raise NotSupportedError(
-            "not supported yet: a PipelineModule together with tensor_parallel or mpu= (3D parallelism); "
-            "train the PipelineModule with pipeline x data parallelism, or drop the pipeline.")
+            "not supported: a PipelineModule together with mpu= (DeepSpeed refuses it too); drop mpu= and give "
+            "the PipelineModule topology=PipeModelDataParallelTopology(num_pp, num_mp, num_dp) for Megatron-style "
+            "layers (split parameters marked tensor_model_parallel = True), or let AutoTP split the stages "
+            "(tensor_parallel.autotp_size with a preset_model or partition_config).")
     if mpu is not None:
         dp_world = int(mpu.get_data_parallel_world_size())
-    elif pipe_module is not None:
-        dp_world = pipe_module.mesh_topology.dp
+    elif pipe_module is not None:  # 3D when tp_size > 1 (Note: [3D layout] in docs/tensor-parallel.md)
+        dp_world = pipe_module.set_tensor_parallel(tp_size).dp
     else:
         dp_world = max(world.world_size // tp_size, 1)
     auto = dict(client_auto_values(optimizer))
@@ -222,6 +226,9 @@ def initialize(
     broadcast_module_state(model, comm)
     pipe = PipeParts(pipe_module, cfg, layout.mesh) if pipe_module is not None else None  # before the strategy's hooks
     param_groups = _param_groups(model, model_parameters)
+    if layout.tp is not None and layout.tp.replaced:  # parameters listed before AutoTP split their layers
+        swap, layout.tp.replaced = layout.tp.replaced, {}
+        param_groups = [{**g, "params": [swap.get(id(p), p) for p in g["params"]]} for g in param_groups]
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
     strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units)
     norm = layout.norm(model)
@@ -264,8 +271,11 @@ def initialize(
     if layout.tp is not None:  # files per world rank, keyed by global parameter names (tensor/checkpoint.py)
         from zeroshard.tensor.checkpoint import TensorParallelCheckpointer
 
+        # With a pipeline, "world" is the stage's ranks (dp x tp): each stage writes its own directory.
+        stage = world_comm if layout.mesh is None or layout.mesh.topology.pp == 1 else Comm(
+            layout.mesh.axes("dp", "tp"), log=world_comm.log, label="stage")
         engine.checkpointer = TensorParallelCheckpointer(
-            _checkpointer(world_comm, cfg.checkpoint.use_node_local_storage), layout.tp, world.rank, world.world_size)
+            _checkpointer(stage, cfg.checkpoint.use_node_local_storage), layout.tp, stage.rank, stage.world_size)
     _log_start(engine, groups)
     return engine, opt, loader, sched
 
@@ -274,13 +284,22 @@ def _parallel_layout(world: ProcessGroups, world_comm: Comm, model: nn.Module, c
                      mpu: Any, pipe_module: PipelineModule | None) -> ParallelLayout:
     """The groups this rank trains with, all from comm/topology.py's mesh (or an `mpu`): plain data
     parallelism, pipeline x data (the PipelineModule's topology), AutoTP (the model is split over
-    the mesh's tp axis here), or a Megatron `mpu`'s groups."""
+    the mesh's tp axis here), pipeline x data x AutoTP (each stage split), or a Megatron `mpu`'s groups."""
     if mpu is not None:
         return layout_for_mpu(world, world_comm, mpu)
     if tp_size > 1:
-        return layout_for_tensor_parallel(world, world_comm, model, cfg.tensor_parallel, tp_size)
+        if pipe_module is None:
+            return layout_for_tensor_parallel(world, world_comm, model, cfg.tensor_parallel, tp_size)
+        # 3D: AutoTP splits this rank's stage; a tied weight (held by several stages) stays whole.
+        layout = layout_for_tensor_parallel(
+            world, world_comm, model, cfg.tensor_parallel, tp_size, topology=pipe_module.set_tensor_parallel(tp_size),
+            keep_whole=frozenset(id(p) for p in pipe_module.tied_modules.parameters()))
+        pipe_module.adopt_replaced_layers()
+        return layout
     topology = pipe_module.mesh_topology if pipe_module is not None else Topology.for_world(world.world_size)
     mesh = build_mesh(world, topology)
+    if topology.tp > 1:  # a PipelineModule with a model axis: its layers are split by the script (Megatron's)
+        return layout_for_model_axis(world, world_comm, mesh, model)
     return ParallelLayout(world=world, dp=mesh.axis("dp"), mp_comm=None, mp_rank=0, mesh=mesh)
 
 

@@ -109,8 +109,8 @@ class PipelineEngine(ZeroEngine):
         if self.training_dataloader is not None:
             self.set_dataloader(self.training_dataloader)
         if self.global_rank_is_zero():
-            logger.info(f"pipeline: {self.num_stages} stages x dp {self.world_size}, schedule "
-                        f"{self._config.pipeline.schedule}, {self.micro_batches} micro-batches\n"
+            logger.info(f"pipeline: {self.num_stages} stages x dp {self.world_size} x tp {pipe.mesh.topology.tp}, "
+                        f"schedule {self._config.pipeline.schedule}, {self.micro_batches} micro-batches\n"
                         + module.describe_partition())
 
     def global_rank_is_zero(self) -> bool:
@@ -177,7 +177,7 @@ class PipelineEngine(ZeroEngine):
         module = self._pipe.module
         if self.rank == 0:  # the stage's first data-parallel rank writes its layers
             for idx, layer in module.local_layers():
-                _atomic_save(layer.state_dict(), root / f"layer_{idx:02d}-model_states.pt")
+                _atomic_save(layer.state_dict(), root / _layer_file(idx, self._pipe.mesh))
         self._pipe.world_comm.barrier()
         if self._pipe.mesh.world.rank == 0:
             layout = {"num_stages": self.num_stages, "parts": module.parts, "virtual_stages": module.virtual_stages}
@@ -229,7 +229,12 @@ class PipelineEngine(ZeroEngine):
         return (str(root) if path is not None else None), client
 
     def _stage_dir(self) -> str:
-        return f"pipe_stage_{self.stage_id:02d}"
+        name = f"pipe_stage_{self.stage_id:02d}"
+        # 3D with layers the script split itself (no AutoTP state to map pieces to global names): each
+        # tensor-parallel rank's pieces are a state of their own, in a directory of their own.
+        if self._pipe.mesh.topology.tp > 1 and (self.parallel is None or self.parallel.tp is None):
+            name += f"-model_{self._pipe.mesh.coord['tp']:02d}"
+        return name
 
     # -- training ---------------------------------------------------------------------------
 
@@ -421,6 +426,15 @@ class PipelineEngine(ZeroEngine):
         mean = torch.stack([v.float() for v in values]).sum(0) / self.micro_batches
         self._comm.all_reduce(mean)
         return mean / self.world_size
+
+
+def _layer_file(idx: int, mesh: MeshGroups) -> str:
+    """DeepSpeed's per-layer file name; with tensor parallelism one file per tp rank holding its
+    pieces (`layer_03-model_01-model_states.pt`, DeepSpeed's name under a model axis). The pieces
+    are for DeepSpeed's tools; a load reads the stage directories, keyed by global names."""
+    if mesh.topology.tp == 1:
+        return f"layer_{idx:02d}-model_states.pt"
+    return f"layer_{idx:02d}-model_{mesh.coord['tp']:02d}-model_states.pt"
 
 
 def _atomic_save(obj: Any, path: Path) -> None:

@@ -9,6 +9,7 @@ its own tensor-parallel layers and groups; parameters it split carry Megatron's
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,10 +22,12 @@ from zeroshard.comm import Comm, ProcessGroups
 from zeroshard.comm.groups import wrap_process_group
 from zeroshard.comm.topology import MeshGroups, Topology, build_mesh
 from zeroshard.config.schema_tp import TensorParallelConfig
-from zeroshard.errors import ConfigError
+from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.tensor.tp_plan import TensorParallelState, resolve_plan, shard_model, tp_state_of
 from zeroshard.zero.stage0 import broadcast_module_state
 from zeroshard.zero.strategy import ModelParallelNorm
+
+logger = logging.getLogger("zeroshard")
 
 _RECORDED: weakref.WeakKeyDictionary[nn.Module, tuple[int, torch.dtype | None]] = weakref.WeakKeyDictionary()
 _SEQUENCE_PARALLEL: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -48,8 +51,6 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
     Returns:
         `model`, unchanged.
     """
-    from zeroshard.errors import NotSupportedError
-
     if kwargs:
         raise NotSupportedError(f"not supported yet: tp_model_init({', '.join(kwargs)}=...); zeroshard builds the "
                                 "tensor-parallel groups itself (comm/topology.py). Drop the argument(s).")
@@ -120,22 +121,50 @@ class ParallelLayout:
 
 
 def layout_for_tensor_parallel(world: ProcessGroups, world_comm: Comm, model: nn.Module,
-                               config: TensorParallelConfig, tp_size: int) -> ParallelLayout:
-    """Mesh (pp 1, dp, tp), the model made equal on every rank and then split over tp (collective)."""
-    topology = Topology.for_world(world.world_size, tp=tp_size)
+                               config: TensorParallelConfig, tp_size: int, *, topology: Topology | None = None,
+                               keep_whole: frozenset[int] = frozenset()) -> ParallelLayout:
+    """Mesh (pp, dp, tp), the model made equal on every rank of its stage and then split over tp
+    (collective).
+
+    Args:
+        topology: the (pp, dp, tp) layout; default: (1, world / tp_size, tp_size). With a pipeline
+            (pp > 1) `model` is this rank's stage (Note: [3D layout] in docs/tensor-parallel.md):
+            its weights are made equal over the stage's ranks only.
+        keep_whole: ids of parameters that must not be split (a pipeline's tied weights, which
+            several stages hold).
+    """
+    topology = topology or Topology.for_world(world.world_size, tp=tp_size)
     mesh = build_mesh(world, topology)
     tp_groups = mesh.axis("tp")
     tp_comm = Comm(tp_groups, timeout_s=world_comm.timeout_s, log=world_comm.log, label="tp")
     state = tp_state_of(model)
     if state is None:
+        if topology.pp > 1 and model in _SEQUENCE_PARALLEL:
+            raise NotSupportedError("not supported yet: sequence parallelism with a PipelineModule (3D); drop "
+                                    "tp_model_init(..., sequence_parallel=True).")
         plan = resolve_plan(model, config)
-        broadcast_module_state(model, world_comm)  # every tp rank cuts its piece from the same weights
-        state = shard_model(model, plan, tp_comm, sequence_parallel=model in _SEQUENCE_PARALLEL)
+        stage = world_comm if topology.pp == 1 else Comm(mesh.axes("dp", "tp"), timeout_s=world_comm.timeout_s,
+                                                          log=world_comm.log, label="stage")
+        broadcast_module_state(model, stage)  # every tp rank cuts its piece from the same weights
+        state = shard_model(model, plan, tp_comm, sequence_parallel=model in _SEQUENCE_PARALLEL, keep_whole=keep_whole)
     elif state.size != tp_size:
         raise ConfigError(f"the model is already split over {state.size} tensor-parallel ranks; the config asks "
                           f"for {tp_size}.")
     return ParallelLayout(world=world, dp=mesh.axis("dp"), mp_comm=tp_comm, mp_rank=tp_groups.rank,
                           mesh=mesh, tp=state)
+
+
+def layout_for_model_axis(world: ProcessGroups, world_comm: Comm, mesh: MeshGroups, model: nn.Module) -> ParallelLayout:
+    """A PipelineModule whose topology has a model axis and whose layers the script split itself
+    (Megatron's layers in DeepSpeed's 3D): ZeRO over `dp`, the norm over `tp`; parameters the script
+    split carry Megatron's `tensor_model_parallel = True`, the others are counted once."""
+    tp = mesh.axis("tp")
+    if not any(getattr(p, "tensor_model_parallel", False) for p in model.parameters()):
+        logger.warning(f"the PipelineModule's topology has a model (tensor-parallel) axis of {tp.world_size}, but no "
+                       "parameter of this stage is marked tensor_model_parallel = True: the tensor-parallel ranks "
+                       "hold replicas. Split the layers (Megatron's) or set tensor_parallel.autotp_size.")
+    tp_comm = Comm(tp, timeout_s=world_comm.timeout_s, log=world_comm.log, label="tp")
+    return ParallelLayout(world=world, dp=mesh.axis("dp"), mp_comm=tp_comm, mp_rank=tp.rank, mesh=mesh)
 
 
 def check_mpu(mpu: Any) -> None:

@@ -90,6 +90,10 @@ class TensorParallelState:
     split: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     """Parameter name -> (split dimension, global shape) for every parameter sharded over tp."""
     sequence_parallel: bool = False
+    replaced: dict[int, nn.Parameter] = field(default_factory=dict)
+    """id of a parameter `shard_model` replaced -> its replacement (the local piece), so that
+    `initialize(model_parameters=...)` given a list made before the split still names the model's
+    parameters; initialize empties it (ids of dead tensors are reused)."""
 
     @property
     def size(self) -> int:
@@ -209,12 +213,14 @@ def _tied(model: nn.Module) -> set[int]:
     return {k for k, n in seen.items() if n > 1}
 
 
-def shard_model(model: nn.Module, plan: Plan, comm: Comm, *, sequence_parallel: bool = False) -> TensorParallelState:
+def shard_model(model: nn.Module, plan: Plan, comm: Comm, *, sequence_parallel: bool = False,
+                keep_whole: frozenset[int] = frozenset()) -> TensorParallelState:
     """Replace the plan's linear layers of `model` by their tensor-parallel pieces, in place.
 
     Every tensor-parallel rank must hold the same whole model (initialize broadcasts it first).
     `sequence_parallel`: keep the residual stream cut along the sequence between the split layers
-    (tensor/sequence.py; Hugging Face layouts).
+    (tensor/sequence.py; Hugging Face layouts). `keep_whole`: ids of parameters shared beyond
+    `model` (a pipeline's tied weights, held by several stages), treated as tied.
 
     Raises:
         ConfigError: a split dimension the size does not divide, heads that do not divide, a
@@ -224,7 +230,7 @@ def shard_model(model: nn.Module, plan: Plan, comm: Comm, *, sequence_parallel: 
     tp = comm.world_size
     _check_heads(model, tp)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    tied = _tied(model)
+    tied = _tied(model) | set(keep_whole)
     state = TensorParallelState(comm=comm, plan=plan)
     for name, module in list(model.named_modules()):
         if not name:
@@ -262,6 +268,9 @@ def shard_model(model: nn.Module, plan: Plan, comm: Comm, *, sequence_parallel: 
         state.split[f"{name}.weight"] = (dim, tuple(module.weight.shape))
         if module.bias is not None and dim == 0:
             state.split[f"{name}.bias"] = (0, tuple(module.bias.shape))
+        for attr in ("weight", "bias"):
+            if getattr(module, attr) is not None:
+                state.replaced[id(getattr(module, attr))] = getattr(new, attr)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     if not state.split:
