@@ -261,6 +261,8 @@ def initialize(
         training_dataloader=loader, raw_config=raw_config)
     engine.parallel = layout
     engine.checkpointer = _checkpointer(comm, cfg.checkpoint.use_node_local_storage)
+    if pipe is not None:  # stage directories, layer files, pipeline.json (checkpoint/pipe_files.py)
+        engine.checkpointer = _pipe_checkpointer(engine.checkpointer, world_comm, pipe_module, groups.rank)
     if layout.tp is not None:  # files per world rank, keyed by global parameter names (tensor/checkpoint.py)
         from zeroshard.tensor.checkpoint import TensorParallelCheckpointer
 
@@ -314,6 +316,15 @@ def _checkpointer(comm: Comm, node_local: bool) -> Checkpointer:
     # checkpoint.use_node_local_storage (Trainer's save_on_each_node): each node's first rank
     # writes its node's directory (Note: [node-local storage] in checkpoint/save.py).
     return ShardedCheckpointer(comm, node_leader(comm.groups) if node_local else None)
+
+
+def _pipe_checkpointer(inner: Checkpointer, world_comm: Comm, module: PipelineModule, dp_rank: int) -> Checkpointer:
+    from zeroshard.checkpoint.pipe_files import PipeLayout, PipelineCheckpointer
+
+    layout = PipeLayout(num_stages=module.num_stages, parts=list(module.parts), virtual_stages=module.virtual_stages,
+                        tied=module.tie_map(), num_layers=module.num_layers)
+    return PipelineCheckpointer(inner, world_comm, layout, module.stage_id, dp_rank,
+                                lambda: [(i, layer.state_dict()) for i, layer in module.local_layers()])
 
 
 def _make_optimizer(cfg: Config, client: Any, param_groups: list[dict[str, Any]],
