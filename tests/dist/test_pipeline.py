@@ -8,6 +8,7 @@ agree within ~1e-6 relative at every ZeRO stage and schedule.
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import zeroshard
+from zeroshard.checkpoint.manifest import read_manifest
+from zeroshard.checkpoint.pipe_files import MultiReader, pipeline_sources, read_pipe_layout, stage_dir
 from zeroshard.comm import ProcessGroups
 from zeroshard.errors import CheckpointError
 from zeroshard.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from zeroshard.pipe.module import PipelineError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ds_pipe_writer import write_ds_pipeline
 
 VOCAB, DIM, SEQ = 16, 8, 6
 MICRO, GAS = 2, 4
@@ -345,6 +351,55 @@ def test_checkpoint_reshards_across_pipeline_dp_and_stage(groups: ProcessGroups,
     name = lambda n, z: f"{'plain' if n == PLAIN else f'pp{n}'}xdp{groups.world_size // max(n, 1)}-z{z}"  # noqa: E731
     print(f"\nreshard {name(a, za)} -> {name(b, zb)}: max |dloss| {worst:.2e}")
     assert worst <= 1e-6, f"resumed losses {resumed} != uninterrupted {whole[2:]}"
+
+
+def _to_deepspeed(zs_ckpt: Path, ds_ckpt: Path, zero: int, dp: int, param_group: dict[str, Any]) -> None:
+    """Rewrite zeroshard pipeline checkpoint `zs_ckpt` in DeepSpeed's pipeline layout (ds_pipe_writer.py)."""
+    layout = read_pipe_layout(zs_ckpt)
+    assert layout is not None
+    multi = MultiReader(pipeline_sources(zs_ckpt, layout, lambda n: n), 0, zs_ckpt)
+    index = multi.master_index()
+    params = {}
+    for p in multi.manifest.params:
+        master, state = multi.masters(index, p.name, 0, p.numel)
+        params[p.name] = (master.view(p.shape), {"step": state["step"], "exp_avg": state["exp_avg"].view(p.shape),
+                                                 "exp_avg_sq": state["exp_avg_sq"].view(p.shape)})
+    stages = [[p.name for p in read_manifest(zs_ckpt / stage_dir(s)).params] for s in range(layout.num_stages)]
+    layers = {int(f.name[6:8]): torch.load(f) for f in zs_ckpt.glob("layer_*-model_states.pt")}
+    write_ds_pipeline(ds_ckpt, stages, params, layers, zero=zero, dp=dp, global_steps=2, param_group=param_group)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_deepspeed_pipeline_checkpoint_loads_at_another_layout(groups: ProcessGroups, shared_dir: Any,
+                                                               zero: int) -> None:
+    """DeepSpeed's pipeline file layout (2 stages, written by ds_pipe_writer.py from a zeroshard run)
+    loads at 2 stages and at another stage count and continues with the uninterrupted run's losses."""
+    world = groups.world_size
+    if world % 2:
+        pytest.skip("the DeepSpeed checkpoint here has 2 stages")
+    batches = _global_batches(4, world)
+    first = _Run(groups, 2, 1, BASE_SEED)
+    whole = [first.step(batches[s]) for s in range(2)]
+    first.engine.save_checkpoint(shared_dir / "zs", tag="r")
+    whole += [first.step(batches[s]) for s in range(2, 4)]
+    if groups.rank == 0:
+        group = {k: v for k, v in first.engine.optimizer.param_groups[0].items() if k != "params"}
+        _to_deepspeed(shared_dir / "zs" / "r", shared_dir / "ds" / "global_step2", zero, world // 2, group)
+    if world > 1:
+        torch.distributed.barrier()
+    assert sorted(p.name for p in (shared_dir / "ds" / "global_step2").iterdir() if "mp_rank" in p.name) == sorted(
+        [f"mp_rank_{s:02d}_model_states.pt" for s in range(2)]
+        + ([f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for s in range(2) for d in range(world // 2)]
+           if zero else []))
+    for stages in (2, 1 if world == 2 else 4):
+        second = _Run(groups, stages, zero, BASE_SEED + 99)
+        path, _ = second.engine.load_checkpoint(shared_dir / "ds")
+        assert path is not None and second.engine.global_steps == 2
+        resumed = [second.step(batches[s]) for s in range(2, 4)]
+        worst = max(abs(x - y) for x, y in zip(resumed, whole[2:], strict=True))
+        print(f"\nDeepSpeed-layout pp2xdp{world // 2}-z{zero} -> pp{stages}xdp{world // stages}-z{zero}: "
+              f"max |dloss| {worst:.2e}")
+        assert worst <= 1e-6, f"resumed losses {resumed} != uninterrupted {whole[2:]}"
 
 
 def test_tied_weights_stay_equal_across_stages(groups: ProcessGroups) -> None:

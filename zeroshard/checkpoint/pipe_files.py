@@ -69,6 +69,9 @@ class PipeLayout:
     tied: dict[str, list[int]] = field(default_factory=dict)
     """Tie key -> the global layer indices built from it."""
     num_layers: int = 0
+    partition: Callable[[int], list[int]] | None = field(default=None, compare=False, repr=False)
+    """The loading model's layer boundaries at a given stage count (reads DeepSpeed's checkpoints,
+    which record none); not saved."""
 
     def to_json(self) -> str:
         return json.dumps({"format": "zeroshard-pipeline", "num_stages": self.num_stages, "parts": self.parts,

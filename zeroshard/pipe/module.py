@@ -371,6 +371,11 @@ class PipelineModule(nn.Module):
                 out.setdefault(layer.key, []).append(idx)
         return out
 
+    def partition_for(self, num_stages: int) -> list[int]:
+        """The layer boundaries this module's partition method gives at `num_stages` stages
+        (DeepSpeed's, for reading its checkpoints saved at another stage count)."""
+        return self._partition(self.partition_method, num_stages)
+
     def to_sequential(self) -> SequentialLayers:
         """Every layer of the model (not only this stage's) in one module without a pipeline, named
         as a `torch.nn.Sequential` of the layers: layer i's parameters are `"i.<name>"`, a tied

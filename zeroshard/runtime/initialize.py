@@ -322,7 +322,8 @@ def _pipe_checkpointer(inner: Checkpointer, world_comm: Comm, module: PipelineMo
     from zeroshard.checkpoint.pipe_files import PipeLayout, PipelineCheckpointer
 
     layout = PipeLayout(num_stages=module.num_stages, parts=list(module.parts), virtual_stages=module.virtual_stages,
-                        tied=module.tie_map(), num_layers=module.num_layers)
+                        tied=module.tie_map(), num_layers=module.num_layers,
+                        partition=module.partition_for)
     return PipelineCheckpointer(inner, world_comm, layout, module.stage_id, dp_rank,
                                 lambda: [(i, layer.state_dict()) for i, layer in module.local_layers()])
 
