@@ -18,12 +18,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import zeroshard
+from zeroshard.checkpoint import get_fp32_state_dict_from_zero_checkpoint
 from zeroshard.checkpoint.manifest import read_manifest
 from zeroshard.checkpoint.pipe_files import MultiReader, pipeline_sources, read_pipe_layout, stage_dir
 from zeroshard.comm import ProcessGroups
 from zeroshard.errors import CheckpointError
 from zeroshard.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from zeroshard.pipe.module import PipelineError
+from zeroshard.pipe.module import PipelineError, SequentialLayers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ds_pipe_writer import write_ds_pipeline
@@ -385,6 +386,14 @@ def test_deepspeed_pipeline_checkpoint_loads_at_another_layout(groups: ProcessGr
     if groups.rank == 0:
         group = {k: v for k, v in first.engine.optimizer.param_groups[0].items() if k != "params"}
         _to_deepspeed(shared_dir / "zs" / "r", shared_dir / "ds" / "global_step2", zero, world // 2, group)
+        # to-fp32 of both: the model without a pipeline's names (to_sequential), the same values
+        plain = SequentialLayers(specs(RESHARD_BLOCKS, True))  # what PipelineModule.to_sequential() builds
+        want = {n for n, _ in plain.named_parameters()}
+        zs = get_fp32_state_dict_from_zero_checkpoint(shared_dir / "zs", tag="r")
+        ds = get_fp32_state_dict_from_zero_checkpoint(shared_dir / "ds")
+        assert set(zs) == want and set(ds) == want, (sorted(zs), sorted(ds), sorted(want))
+        for n in want:
+            assert torch.equal(zs[n], ds[n]), n
     if world > 1:
         torch.distributed.barrier()
     assert sorted(p.name for p in (shared_dir / "ds" / "global_step2").iterdir() if "mp_rank" in p.name) == sorted(

@@ -19,14 +19,17 @@ Imports checkpoint/ and checkpoint_format only.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from zeroshard.checkpoint.ds_files import DsFiles, load_ds
-from zeroshard.checkpoint.ds_import import DeepSpeedReader, _hint_from_module, _stage0, _stage12
-from zeroshard.checkpoint.pipe_files import TIED_PREFIX, PipeLayout, Source, layer_file, pipeline_to_plain
+from zeroshard.checkpoint.ds_import import DeepSpeedReader, _hint_from_module, _precision, _stage0, _stage12
+from zeroshard.checkpoint.pipe_files import TIED_PREFIX, PipeLayout, Source, layer_file
+from zeroshard.checkpoint_format import Manifest, TensorInfo
 from zeroshard.errors import CheckpointError
 
 _LAYER = re.compile(r"^layer_(\d+)-model_states\.pt$")
@@ -111,12 +114,45 @@ def deepspeed_pipeline_sources(ckpt: Path, target: PipeLayout) -> list[Source]:
     return [Source(_stage_source(ckpt, s, parts[s], parts[s + 1], target.tied), lambda n: n) for s in range(pp)]
 
 
-def deepspeed_pipeline_weights(ckpt: Path) -> dict[str, Tensor]:
-    """Offline (to-fp32): every layer file's tensors as the model without a pipeline names them
-    (`"<layer>.<name>"`; a tied module at the layer that saved it, its first without a forward_fn)."""
-    out: dict[str, Tensor] = {}
-    files = sorted((int(m.group(1)), p) for p in ckpt.iterdir() if (m := _LAYER.match(p.name)))
-    for idx, path in files:
+class WeightsReader:
+    """The reader interface (checkpoint/load.py) over whole tensors in memory: to-fp32 of DeepSpeed's
+    pipeline layer files. fp32 training: the weights are the fp32 masters."""
+
+    def __init__(self, ckpt: Path, tensors: dict[str, Tensor], manifest: Manifest) -> None:
+        self.ckpt, self._tensors, self.manifest = ckpt, tensors, manifest
+
+    def master_index(self, prefer: int | None = None) -> None:
+        return None
+
+    def masters(self, index: None, name: str, offset: int, numel: int,
+                with_state: bool = True) -> tuple[Tensor, dict[str, Any]]:
+        return self.weights(name, offset, numel, torch.float32), {}
+
+    def weights(self, name: str, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
+        return self._tensors[name].reshape(-1)[offset : offset + numel].to(dtype, copy=True)
+
+    def module(self) -> dict[str, Tensor]:
+        return self._tensors
+
+    def close(self) -> None:
+        pass
+
+
+def offline_deepspeed_pipeline(ckpt: Path) -> tuple[Path, Manifest, Callable[[], WeightsReader]]:
+    """DeepSpeed pipeline tag directory `ckpt` for to-fp32: every layer file's tensors named as the
+    model without a pipeline names them (`"<layer>.<name>"`: a tied module at the layer that saved
+    it, the first of its key without a forward_fn). Under fp32 these are the fp32 weights; under
+    fp16/bf16 they are the 16-bit weights, cast (the fp32 masters are not consolidated: a warning)."""
+    tensors: dict[str, Tensor] = {}
+    for idx, path in sorted((int(m.group(1)), p) for p in ckpt.iterdir() if (m := _LAYER.match(p.name))):
         for n, t in load_ds(path).items():
-            out[pipeline_to_plain(f"{idx}.{n}", {})] = t
-    return out
+            tensors[f"{idx}.{n}"] = t
+    first = load_ds(ckpt / ds_model_file(0))
+    fp32 = _precision(first) == "fp32"
+    buffers = set(first.get("buffer_names") or [])
+    params = [TensorInfo(n, tuple(t.shape), str(t.dtype).removeprefix("torch."), True)
+              for n, t in tensors.items() if n.partition(".")[2] not in buffers]
+    manifest = Manifest(world_size=1, stage=0, precision=_precision(first), params=params, aliases={}, buffers=[],
+                        optimizer="deepspeed", param_groups=1, fragments=[[]], weight_pieces=None,
+                        has_optimizer_states=fp32, global_steps=int(first.get("global_steps", 0)), tag=ckpt.name)
+    return ckpt, manifest, lambda: WeightsReader(ckpt, tensors, manifest)

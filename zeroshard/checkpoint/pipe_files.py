@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from zeroshard.checkpoint.files import LATEST, MANIFEST, read_latest_tag, save_torch, write_text_atomic
+from zeroshard.checkpoint.files import LATEST, read_latest_tag
 from zeroshard.checkpoint.load import CheckpointReader, _read_files
 from zeroshard.checkpoint.manifest import check_compatible, read_manifest
 from zeroshard.checkpoint.save import agree
@@ -44,7 +44,6 @@ from zeroshard.errors import CheckpointError
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
-    from zeroshard.runtime.checkpoint_state import Checkpointer
 
 PIPELINE_FILE = "pipeline.json"
 TIED_PREFIX = "tied_modules."
@@ -262,88 +261,3 @@ def load_pipeline_into_plain(target: EngineState, comm: Comm, ckpt: Path, layout
     if loaded is None:
         raise AssertionError("expected a loaded state after every rank agreed")
     return loaded
-
-
-class PipelineCheckpointer:
-    """The `Checkpointer` of a pipeline engine (Note: [pipeline checkpoint layout]).
-
-    Args:
-        inner: the sharded checkpointer over this stage's data-parallel group.
-        world_comm: collectives over every rank (the stages agree on success).
-        layout: this engine's stage layout and ties.
-        stage_id / dp_rank: this rank's pipeline and data-parallel coordinates.
-        layer_states: (global layer index, state dict) of each layer this rank holds with a state,
-            written as DeepSpeed's `layer_XX-model_states.pt` by each stage's first data-parallel rank.
-    """
-
-    def __init__(self, inner: Checkpointer, world_comm: Comm, layout: PipeLayout, stage_id: int, dp_rank: int,
-                 layer_states: Callable[[], list[tuple[int, dict[str, Tensor]]]]) -> None:
-        self._inner, self._world = inner, world_comm
-        self.layout, self._stage, self._dp_rank = layout, stage_id, dp_rank
-        self._layer_states = layer_states
-
-    def save(self, state: EngineState, save_dir: str, tag: str, client_state: Mapping[str, Any] | None,
-             save_latest: bool, save_optimizer_states: bool = True) -> str:
-        root = Path(save_dir) / tag
-        self._inner.save(state, str(root), stage_dir(self._stage), client_state, False, save_optimizer_states)
-        error = None
-        try:
-            if self._dp_rank == 0:
-                for idx, sd in self._layer_states():
-                    save_torch(root / layer_file(idx), sd)
-        except (OSError, RuntimeError) as e:
-            error = f"writing the layer files into {root}: {e}"
-        agree(self._world, error, "writing the pipeline's layer files")
-        if self._world.rank == 0:
-            try:
-                write_text_atomic(root / PIPELINE_FILE, self.layout.to_json())
-                if save_latest:
-                    write_text_atomic(Path(save_dir) / LATEST, tag)
-            except OSError as e:
-                error = f"{root / PIPELINE_FILE}: {e}"
-        agree(self._world, error, "publishing the pipeline checkpoint")
-        return str(root)
-
-    def load(self, target: EngineState, load_dir: str, tag: str | None, *, load_optimizer_states: bool,
-             load_module_only: bool, strict: bool = True) -> LoadedState | None:
-        error, loaded, found = None, None, True
-        try:
-            ckpt = resolve_tag(load_dir, tag)
-            if ckpt is None:
-                found = False
-            else:
-                multi = self._reader(ckpt, {p.name for p in target.manifest.params}
-                                     | {b.name for b in target.manifest.buffers})
-                loaded = read_through(multi, target, load_optimizer_states=load_optimizer_states,
-                                      load_module_only=load_module_only, strict=strict)
-        except CheckpointError as e:
-            error = str(e)
-        except (OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-            error = f"{load_dir}: {type(e).__name__}: {e}"
-        agree(self._world, error, "loading the pipeline checkpoint")
-        flags = torch.tensor([0.0 if found else 1.0], device=self._world.groups.device)
-        self._world.all_reduce(flags)
-        if 0 < flags.item() < self._world.world_size:
-            raise CheckpointError(f"{load_dir}: some ranks see a `latest` file and others do not; "
-                                  "checkpoints must be on a file system every rank sees the same")
-        return loaded
-
-    def _reader(self, ckpt: Path, want: set[str]) -> MultiReader:
-        """The saved directories of `ckpt`, whatever wrote it, as one reader in this layout's names."""
-        saved = read_pipe_layout(ckpt)
-        if saved is not None:  # zeroshard, any pipeline layout
-            if saved.num_layers != self.layout.num_layers:
-                raise CheckpointError(f"{ckpt}: saved from a model of {saved.num_layers} layers, this PipelineModule "
-                                      f"has {self.layout.num_layers}; a pipeline checkpoint loads into the same layers")
-            if saved.tied != self.layout.tied:
-                raise CheckpointError(f"{ckpt}: tied layers {saved.tied} when saved, {self.layout.tied} now")
-            sources = pipeline_sources(ckpt, saved, lambda n: n)
-            return MultiReader(sources, min(self._stage, len(sources) - 1), ckpt, want)
-        if (ckpt / MANIFEST).is_file():  # zeroshard, no pipeline (Note: [plain names of a pipeline])
-            reader = CheckpointReader(ckpt, read_manifest(ckpt))
-            return MultiReader([Source(reader, lambda n: plain_to_pipeline(n, self.layout.tied))], 0, ckpt, want)
-        from zeroshard.checkpoint.ds_pipe import deepspeed_pipeline_sources  # DeepSpeed's files
-
-        sources = deepspeed_pipeline_sources(ckpt, self.layout)
-        return MultiReader(sources, min(self._stage, len(sources) - 1), ckpt, want)
-

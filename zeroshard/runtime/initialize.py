@@ -319,7 +319,8 @@ def _checkpointer(comm: Comm, node_local: bool) -> Checkpointer:
 
 
 def _pipe_checkpointer(inner: Checkpointer, world_comm: Comm, module: PipelineModule, dp_rank: int) -> Checkpointer:
-    from zeroshard.checkpoint.pipe_files import PipeLayout, PipelineCheckpointer
+    from zeroshard.checkpoint.pipe_checkpointer import PipelineCheckpointer
+    from zeroshard.checkpoint.pipe_files import PipeLayout
 
     layout = PipeLayout(num_stages=module.num_stages, parts=list(module.parts), virtual_stages=module.virtual_stages,
                         tied=module.tie_map(), num_layers=module.num_layers,
