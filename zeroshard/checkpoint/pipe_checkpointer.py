@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -39,7 +39,13 @@ from zeroshard.errors import CheckpointError
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
-    from zeroshard.runtime.checkpoint_state import Checkpointer
+
+
+class StageCheckpointer(Protocol):
+    """What saves one stage's ZeRO state (a ShardedCheckpointer over the stage's data-parallel group)."""
+
+    def save(self, state: EngineState, save_dir: str, tag: str, client_state: Mapping[str, Any] | None,
+             save_latest: bool, save_optimizer_states: bool) -> str: ...
 
 
 class PipelineCheckpointer:
@@ -54,7 +60,7 @@ class PipelineCheckpointer:
             written as DeepSpeed's `layer_XX-model_states.pt` by each stage's first data-parallel rank.
     """
 
-    def __init__(self, inner: Checkpointer, world_comm: Comm, layout: PipeLayout, stage_id: int, dp_rank: int,
+    def __init__(self, inner: StageCheckpointer, world_comm: Comm, layout: PipeLayout, stage_id: int, dp_rank: int,
                  layer_states: Callable[[], list[tuple[int, dict[str, Tensor]]]]) -> None:
         self._inner, self._world = inner, world_comm
         self.layout, self._stage, self._dp_rank = layout, stage_id, dp_rank
