@@ -331,6 +331,10 @@ class _Run:
         return float(total[0]) / self.world
 
 
+def _name(stages: int, zero: int, world: int) -> str:
+    return f"{'plain' if stages == PLAIN else f'pp{stages}'}xdp{world // max(stages, 1)}-z{zero}"
+
+
 @pytest.mark.parametrize("case", range(4))
 def test_checkpoint_reshards_across_pipeline_dp_and_stage(groups: ProcessGroups, shared_dir: Any, case: int) -> None:
     """Save at one layout after 2 steps, load into another (stage count, data-parallel degree, ZeRO
@@ -349,8 +353,7 @@ def test_checkpoint_reshards_across_pipeline_dp_and_stage(groups: ProcessGroups,
     assert path is not None and second.engine.global_steps == 2
     resumed = [second.step(batches[s]) for s in range(2, 4)]
     worst = max(abs(x - y) for x, y in zip(resumed, whole[2:], strict=True))
-    name = lambda n, z: f"{'plain' if n == PLAIN else f'pp{n}'}xdp{groups.world_size // max(n, 1)}-z{z}"  # noqa: E731
-    print(f"\nreshard {name(a, za)} -> {name(b, zb)}: max |dloss| {worst:.2e}")
+    print(f"\nreshard {_name(a, za, groups.world_size)} -> {_name(b, zb, groups.world_size)}: max |dloss| {worst:.2e}")
     assert worst <= 1e-6, f"resumed losses {resumed} != uninterrupted {whole[2:]}"
 
 

@@ -2,8 +2,8 @@
 
 Writes Note: [pipeline checkpoint layout] (checkpoint/pipe_files.py) and reads any checkpoint of the
 same layers into this engine's stage: zeroshard's pipeline format at any stage count, zeroshard's
-format without a pipeline, DeepSpeed's pipeline files (checkpoint/ds_pipe.py). Imports checkpoint/
-and checkpoint_format only.
+format without a pipeline, DeepSpeed's pipeline files (checkpoint/ds_pipe.py). Imports checkpoint/,
+checkpoint_format, errors and comm (a type), never runtime/.
 """
 
 from __future__ import annotations

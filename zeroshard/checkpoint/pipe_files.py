@@ -19,8 +19,8 @@ layer of its key (`tied_modules.embed.weight` <-> `0.weight`). `PipelineModule.t
 builds that model. DeepSpeed offers no such mapping (its pipeline checkpoints load only into the
 same PipelineModule layout, or weights only with `load_module_only=True`).
 
-Imports checkpoint/ and checkpoint_format only (never pipe/ or runtime/: the layout comes in as
-a `PipeLayout`).
+Imports checkpoint/, checkpoint_format and comm (a type) only. The stage layout comes in as a
+`PipeLayout`, not as the PipelineModule.
 """
 
 from __future__ import annotations
