@@ -5,7 +5,7 @@ DeepSpeed trains a tied 6-layer model at 2 stages (ZeRO-0 and ZeRO-1; x DP 1 at 
 4) and saves after 2 steps; DeepSpeed then loads its own checkpoint and continues (its
 continuation), and zeroshard loads the same files at 2 stages and at another stage count (1 at 2
 ranks, i.e. DP 2; 4 at 4 ranks) and continues. zeroshard's continued losses equal DeepSpeed's
-within 1e-5 relative. DeepSpeed itself refuses a load at another stage or DP degree.
+within 1e-5 relative (DeepSpeed itself refuses a load at another stage or DP degree, as issue 26 measured).
 """
 
 from __future__ import annotations
