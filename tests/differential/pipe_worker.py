@@ -32,6 +32,13 @@ CASES: dict[str, dict[str, Any]] = {
     "pp4-z0-tied": {"stages": 4, "zero": 0, "tied": True, "method": "parameters"},
     "pp4-z1-untied-uniform": {"stages": 4, "zero": 1, "tied": False, "method": "uniform"},
 }
+RESUME_CASES: dict[str, dict[str, Any]] = {
+    # saved by DeepSpeed after SAVE_AT steps (`--save`), loaded by either engine (`--load`, at `--stages`)
+    "resume-pp2-z0": {"stages": 2, "zero": 0, "tied": True, "method": "parameters"},
+    "resume-pp2-z1": {"stages": 2, "zero": 1, "tied": True, "method": "parameters"},
+}
+SAVE_AT, TOTAL_MICRO = 2, 4
+"""Resume cases: the save's step, and micro-batches per global batch (the same at every DP degree)."""
 
 
 class Embed(nn.Module):
@@ -78,8 +85,12 @@ def seed_fn(seed: Any) -> None:
     torch.manual_seed(int(seed))
 
 
-def run_case(engine: str, name: str, world: int, rank: int) -> list[float] | None:
-    case = CASES[name]
+def run_case(engine: str, name: str, world: int, rank: int, save: str | None = None, load: str | None = None,
+             stages: int | None = None) -> list[float] | None:
+    case = dict({**CASES, **RESUME_CASES}[name])
+    resume = name in RESUME_CASES
+    if stages is not None:
+        case["stages"] = stages
     if engine == "ds":
         import deepspeed
         from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -97,24 +108,37 @@ def run_case(engine: str, name: str, world: int, rank: int) -> list[float] | Non
     extra: dict[str, Any] = {}
     if case.get("ckpt"):
         extra = {"activation_checkpoint_interval": case["ckpt"], "activation_checkpoint_func": non_reentrant_checkpoint}
+    if resume:
+        blocks = 4  # the same layers whatever the stage count of the load
     net = PipelineModule([first, *[LayerSpec(Block, DIM) for _ in range(blocks)], last], num_stages=case["stages"],
                          loss_fn=loss_fn, seed_layers=True, seed_fn=seed_fn, base_seed=1234,
                          partition_method=case["method"], **extra)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+    dp = world // case["stages"]
+    gas = TOTAL_MICRO // dp if resume else GAS
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
            "gradient_clipping": case.get("clip", 0.0), "steps_per_print": 1000,
            "zero_optimization": {"stage": case["zero"]}, "zero_allow_untested_optimizer": True}
     if case.get("ckpt"):
         cfg["pipeline"] = {"use_reentrant": False}
     eng, *_ = init(model=net, optimizer=opt, config=cfg)
-    dp = world // case["stages"]
     dp_rank = rank % dp
     g = torch.Generator().manual_seed(7)
     losses = []
-    for _ in range(STEPS):
-        tokens = torch.randint(0, VOCAB, (dp, GAS, MICRO, SEQ + 1), generator=g)
-        batches = [(tokens[dp_rank, m, :, :-1], tokens[dp_rank, m, :, 1:]) for m in range(GAS)]
+    if load is not None:
+        eng.load_checkpoint(os.path.join(load, name))
+    for step in range(STEPS):
+        if resume:  # one global batch per step, dp rank d its micro-batches [d * gas, (d + 1) * gas)
+            tokens = torch.randint(0, VOCAB, (TOTAL_MICRO, MICRO, SEQ + 1), generator=g)
+            batches = [(t[:, :-1], t[:, 1:]) for t in tokens[dp_rank * gas : (dp_rank + 1) * gas]]
+            if load is not None and step < SAVE_AT:
+                continue
+        else:
+            tokens = torch.randint(0, VOCAB, (dp, GAS, MICRO, SEQ + 1), generator=g)
+            batches = [(tokens[dp_rank, m, :, :-1], tokens[dp_rank, m, :, 1:]) for m in range(GAS)]
         losses.append(float(eng.train_batch(iter(batches))))
+        if save is not None and step + 1 == SAVE_AT:
+            eng.save_checkpoint(os.path.join(save, name))
     return losses
 
 
@@ -123,6 +147,9 @@ def main() -> int:
     ap.add_argument("--engine", choices=["ds", "zs"], required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", nargs="+", required=True)
+    ap.add_argument("--save", help=f"resume cases: save into SAVE/<case> after {SAVE_AT} steps")
+    ap.add_argument("--load", help="resume cases: load LOAD/<case>, then train the remaining steps")
+    ap.add_argument("--stages", type=int, help="resume cases: the pipeline stages of this run")
     args = ap.parse_args()
     if args.engine == "ds":
         import deepspeed
@@ -136,7 +163,7 @@ def main() -> int:
     out: dict[str, Any] = {}
     for name in args.cases:
         try:
-            out[name] = run_case(args.engine, name, world, rank)
+            out[name] = run_case(args.engine, name, world, rank, args.save, args.load, args.stages)
         except Exception as e:
             out[name] = f"{type(e).__name__}: {e}"[:500]
             print(f"rank {rank} case {name}: {out[name]}", file=sys.stderr, flush=True)

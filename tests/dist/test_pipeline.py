@@ -8,6 +8,7 @@ agree within ~1e-6 relative at every ZeRO stage and schedule.
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import zeroshard
+from zeroshard.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+from zeroshard.checkpoint.manifest import read_manifest
+from zeroshard.checkpoint.pipe_files import MultiReader, pipeline_sources, read_pipe_layout, stage_dir
 from zeroshard.comm import ProcessGroups
 from zeroshard.errors import CheckpointError
 from zeroshard.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from zeroshard.pipe.module import PipelineError
+from zeroshard.pipe.module import PipelineError, SequentialLayers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ds_pipe_writer import write_ds_pipeline
 
 VOCAB, DIM, SEQ = 16, 8, 6
 MICRO, GAS = 2, 4
@@ -256,16 +263,155 @@ def test_checkpoint_save_fresh_engine_load_continue(groups: ProcessGroups, share
         assert torch.allclose(p.detach().float(), want[name].detach().float(), rtol=1e-5, atol=1e-7), name
 
 
-def test_checkpoint_into_another_stage_layout_is_refused(groups: ProcessGroups, shared_dir: Any) -> None:
+def test_checkpoint_of_other_layers_is_refused(groups: ProcessGroups, shared_dir: Any) -> None:
     stages = stage_layouts(groups.world_size)[0]
     engine, _ = train_pipeline(groups, stages, 2 * stages, False, 1, pipe_config(0, clip=0.0))
     engine.save_checkpoint(shared_dir, tag="t")
-    other, _ = train_pipeline(groups, stages, 2 * stages, False, 0, pipe_config(0, clip=0.0),
-                              partition_method="uniform")
-    if other.module.parts == engine.module.parts:
-        other.module.parts = [*engine.module.parts[:-1], engine.module.parts[-1] + 1]  # a layout that differs
-    with pytest.raises(CheckpointError, match="another pipeline layout"):
+    other, _ = train_pipeline(groups, stages, 2 * stages + 1, False, 0, pipe_config(0, clip=0.0))
+    with pytest.raises(CheckpointError, match="layers"):
         other.load_checkpoint(shared_dir, tag="t")
+
+
+# -- resharding: another pipeline degree, data-parallel degree, ZeRO stage, or no pipeline --------
+
+PLAIN = 0
+"""A layout's stage count 0: the same layers without a pipeline (`PipelineModule.to_sequential()`)."""
+
+RESHARD = {  # world -> ((stages, zero) saved, (stages, zero) loaded)
+    1: [((1, 1), (PLAIN, 0)), ((PLAIN, 1), (1, 2))],
+    2: [((2, 1), (1, 2)), ((2, 0), (PLAIN, 1)), ((PLAIN, 3), (2, 1))],
+    3: [((3, 1), (PLAIN, 2)), ((1, 0), (3, 1))],
+    4: [((2, 1), (4, 0)), ((4, 1), (1, 3)), ((2, 2), (PLAIN, 1)), ((PLAIN, 1), (2, 3))],
+}
+RESHARD_BLOCKS = 6
+
+
+def _total_micro(world: int) -> int:
+    return 4 if world <= 2 else world
+
+
+def _global_batches(steps: int, world: int) -> list[list[tuple[Tensor, Tensor]]]:
+    """[step][micro-batch] of one global batch per step, the same whatever the layout."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (_total_micro(world), MICRO, SEQ + 1), generator=g)
+        out.append([(t[:, :-1], t[:, 1:]) for t in tokens])
+    return out
+
+
+class _Run:
+    """One layout's engine over the global batches: its data-parallel share of each step."""
+
+    def __init__(self, groups: ProcessGroups, stages: int, zero: int, seed: int) -> None:
+        world = groups.world_size
+        dp = world // max(stages, 1)
+        self.gas = _total_micro(world) // dp
+        cfg = pipe_config(zero, clip=0.5)
+        cfg["gradient_accumulation_steps"] = self.gas
+        net = PipelineModule(specs(RESHARD_BLOCKS, True), num_stages=max(stages, 1), loss_fn=loss_fn,
+                             seed_layers=True, base_seed=seed)
+        self.plain = stages == PLAIN
+        model = net.to_sequential() if self.plain else net
+        self.engine = zeroshard.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)[0]
+        self.dp_rank, self.world = groups.rank % dp, world
+
+    def step(self, batch: list[tuple[Tensor, Tensor]]) -> float:
+        mine = batch[self.dp_rank * self.gas : (self.dp_rank + 1) * self.gas]
+        if not self.plain:
+            return float(self.engine.train_batch(iter(mine)))
+        total = torch.zeros(1)
+        for ids, labels in mine:
+            loss = loss_fn(self.engine(ids), labels)
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.detach() / self.gas
+        if self.world > 1:
+            torch.distributed.all_reduce(total)
+        return float(total[0]) / self.world
+
+
+def _name(stages: int, zero: int, world: int) -> str:
+    return f"{'plain' if stages == PLAIN else f'pp{stages}'}xdp{world // max(stages, 1)}-z{zero}"
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_checkpoint_reshards_across_pipeline_dp_and_stage(groups: ProcessGroups, shared_dir: Any, case: int) -> None:
+    """Save at one layout after 2 steps, load into another (stage count, data-parallel degree, ZeRO
+    stage, or no pipeline) with its optimizer state, train 2 more: the uninterrupted run's losses."""
+    cases = RESHARD.get(groups.world_size, [])
+    if case >= len(cases):
+        pytest.skip(f"{len(cases)} reshard cases at world size {groups.world_size}")
+    (a, za), (b, zb) = cases[case]
+    batches = _global_batches(4, groups.world_size)
+    first = _Run(groups, a, za, BASE_SEED)
+    whole = [first.step(batches[s]) for s in range(2)]
+    first.engine.save_checkpoint(shared_dir, tag="r")
+    whole += [first.step(batches[s]) for s in range(2, 4)]
+    second = _Run(groups, b, zb, BASE_SEED + 99)  # other initial values: the load must replace them
+    path, _ = second.engine.load_checkpoint(shared_dir, tag="r")
+    assert path is not None and second.engine.global_steps == 2
+    resumed = [second.step(batches[s]) for s in range(2, 4)]
+    worst = max(abs(x - y) for x, y in zip(resumed, whole[2:], strict=True))
+    print(f"\nreshard {_name(a, za, groups.world_size)} -> {_name(b, zb, groups.world_size)}: max |dloss| {worst:.2e}")
+    assert worst <= 1e-6, f"resumed losses {resumed} != uninterrupted {whole[2:]}"
+
+
+def _to_deepspeed(zs_ckpt: Path, ds_ckpt: Path, zero: int, dp: int, param_group: dict[str, Any]) -> None:
+    """Rewrite zeroshard pipeline checkpoint `zs_ckpt` in DeepSpeed's pipeline layout (ds_pipe_writer.py)."""
+    layout = read_pipe_layout(zs_ckpt)
+    assert layout is not None
+    multi = MultiReader(pipeline_sources(zs_ckpt, layout, lambda n: n), 0, zs_ckpt)
+    index = multi.master_index()
+    params = {}
+    for p in multi.manifest.params:
+        master, state = multi.masters(index, p.name, 0, p.numel)
+        params[p.name] = (master.view(p.shape), {"step": state["step"], "exp_avg": state["exp_avg"].view(p.shape),
+                                                 "exp_avg_sq": state["exp_avg_sq"].view(p.shape)})
+    stages = [[p.name for p in read_manifest(zs_ckpt / stage_dir(s)).params] for s in range(layout.num_stages)]
+    layers = {int(f.name[6:8]): torch.load(f) for f in zs_ckpt.glob("layer_*-model_states.pt")}
+    write_ds_pipeline(ds_ckpt, stages, params, layers, zero=zero, dp=dp, global_steps=2, param_group=param_group)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_deepspeed_pipeline_checkpoint_loads_at_another_layout(groups: ProcessGroups, shared_dir: Any,
+                                                               zero: int) -> None:
+    """DeepSpeed's pipeline file layout (2 stages, written by ds_pipe_writer.py from a zeroshard run)
+    loads at 2 stages and at another stage count and continues with the uninterrupted run's losses."""
+    world = groups.world_size
+    if world % 2:
+        pytest.skip("the DeepSpeed checkpoint here has 2 stages")
+    batches = _global_batches(4, world)
+    first = _Run(groups, 2, 1, BASE_SEED)
+    whole = [first.step(batches[s]) for s in range(2)]
+    first.engine.save_checkpoint(shared_dir / "zs", tag="r")
+    whole += [first.step(batches[s]) for s in range(2, 4)]
+    if groups.rank == 0:
+        group = {k: v for k, v in first.engine.optimizer.param_groups[0].items() if k != "params"}
+        _to_deepspeed(shared_dir / "zs" / "r", shared_dir / "ds" / "global_step2", zero, world // 2, group)
+        # to-fp32 of both: the model without a pipeline's names (to_sequential), the same values
+        plain = SequentialLayers(specs(RESHARD_BLOCKS, True))  # what PipelineModule.to_sequential() builds
+        want = {n for n, _ in plain.named_parameters()}
+        zs = get_fp32_state_dict_from_zero_checkpoint(shared_dir / "zs", tag="r")
+        ds = get_fp32_state_dict_from_zero_checkpoint(shared_dir / "ds")
+        assert set(zs) == want and set(ds) == want, (sorted(zs), sorted(ds), sorted(want))
+        for n in want:
+            assert torch.equal(zs[n], ds[n]), n
+    if world > 1:
+        torch.distributed.barrier()
+    assert sorted(p.name for p in (shared_dir / "ds" / "global_step2").iterdir() if "mp_rank" in p.name) == sorted(
+        [f"mp_rank_{s:02d}_model_states.pt" for s in range(2)]
+        + ([f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for s in range(2) for d in range(world // 2)]
+           if zero else []))
+    for stages in (2, 1 if world == 2 else 4):
+        second = _Run(groups, stages, zero, BASE_SEED + 99)
+        path, _ = second.engine.load_checkpoint(shared_dir / "ds")
+        assert path is not None and second.engine.global_steps == 2
+        resumed = [second.step(batches[s]) for s in range(2, 4)]
+        worst = max(abs(x - y) for x, y in zip(resumed, whole[2:], strict=True))
+        print(f"\nDeepSpeed-layout pp2xdp{world // 2}-z{zero} -> pp{stages}xdp{world // stages}-z{zero}: "
+              f"max |dloss| {worst:.2e}")
+        assert worst <= 1e-6, f"resumed losses {resumed} != uninterrupted {whole[2:]}"
 
 
 def test_tied_weights_stay_equal_across_stages(groups: ProcessGroups) -> None:

@@ -1,6 +1,7 @@
 """`ShardedCheckpointer`: the `Checkpointer` (runtime/checkpoint_state.py) initialize() gives the engine.
 
-Saves zeroshard's format; loads zeroshard's and DeepSpeed 0.19's (checkpoint/ds_import.py)."""
+Saves zeroshard's format; loads zeroshard's (a pipeline's too: checkpoint/pipe_files.py) and DeepSpeed
+0.19's (checkpoint/ds_import.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from zeroshard.checkpoint.ds_import import find_deepspeed, load_deepspeed
 from zeroshard.checkpoint.load import load_state
+from zeroshard.checkpoint.pipe_files import find_pipeline, load_pipeline_into_plain
 from zeroshard.checkpoint.recovery import write_recovery_script
 from zeroshard.checkpoint.save import save_state
 from zeroshard.checkpoint_format import EngineState, LoadedState
@@ -43,6 +45,10 @@ class ShardedCheckpointer:
 
     def load(self, target: EngineState, load_dir: str | os.PathLike[str], tag: str | None, *,
              load_optimizer_states: bool, load_module_only: bool, strict: bool = True) -> LoadedState | None:
+        pipe = find_pipeline(load_dir, tag)
+        if pipe is not None:  # a pipeline's checkpoint into this model without a pipeline (pipe_files.py)
+            return load_pipeline_into_plain(target, self._comm, *pipe, load_optimizer_states=load_optimizer_states,
+                                            load_module_only=load_module_only, strict=strict)
         # A tag directory DeepSpeed wrote (no zeroshard manifest) is read in place (ds_import.py).
         ds_ckpt = find_deepspeed(load_dir, tag)
         if ds_ckpt is not None:

@@ -111,7 +111,8 @@ class DsFiles:
 
 _UNMAPPABLE = [
     (re.compile(r"^layer_\d+-model_\d+-model_states\.pt$|^layer_\d+-model_states\.pt$"),
-     "a pipeline-parallel layer file: zeroshard has no pipeline parallelism"),
+     ("a pipeline-parallel layer file (DeepSpeed's pipeline checkpoint): load it with a zeroshard.pipe."
+     "PipelineModule of the same layers, whose engine reads it at any stage count (docs/checkpoints.md)")),
     (re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_(0[1-9]|[1-9]\d)_.*\.pt$"
                 r"|^mp_rank_(0[1-9]|[1-9]\d)_model_states\.pt$"),
      "a tensor/model-parallel rank's file (mp_rank > 0): zeroshard has no tensor parallelism"),

@@ -28,6 +28,7 @@ from zeroshard.checkpoint.ds_import import DeepSpeedReader, read_layout
 from zeroshard.checkpoint.files import MANIFEST, write_atomic
 from zeroshard.checkpoint.load import CheckpointReader
 from zeroshard.checkpoint.manifest import read_manifest, resolve
+from zeroshard.checkpoint.pipe_checkpointer import open_pipeline
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter
 from zeroshard.checkpoint_format import Manifest, TensorInfo
 from zeroshard.errors import CheckpointError
@@ -65,6 +66,9 @@ def _open_checkpoint(checkpoint_dir: str | os.PathLike[str],
     """The tag directory, its manifest, and how to open a reader on it (zeroshard's format, or
     DeepSpeed's read in place through the same reader interface: checkpoint/ds_import.py)."""
     root = Path(checkpoint_dir)
+    pipe = open_pipeline(root, tag)  # a pipeline's, zeroshard's or DeepSpeed's (checkpoint/pipe_checkpointer.py)
+    if pipe is not None:
+        return pipe
     ds = root if tag is None and is_deepspeed_dir(root) else resolve_ds(root, tag)
     if ds is not None:
         layout = read_layout(ds, None)

@@ -403,6 +403,32 @@ class PipelineModule(nn.Module):
             out.append(obj)
         return out
 
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    def tie_map(self) -> dict[str, list[int]]:
+        """Tie key -> the global layer indices built from it (every key, held here or not)."""
+        out: dict[str, list[int]] = {}
+        for idx, layer in enumerate(self._layer_specs):
+            if isinstance(layer, TiedLayerSpec):
+                out.setdefault(layer.key, []).append(idx)
+        return out
+
+    def partition_for(self, num_stages: int) -> list[int]:
+        """The layer boundaries this module's partition method gives at `num_stages` stages
+        (DeepSpeed's, for reading its checkpoints saved at another stage count)."""
+        return self._partition(self.partition_method, num_stages)
+
+    def to_sequential(self) -> SequentialLayers:
+        """Every layer of the model (not only this stage's) in one module without a pipeline, named
+        as a `torch.nn.Sequential` of the layers: layer i's parameters are `"i.<name>"`, a tied
+        module's at the first layer of its key. Built with this module's seeding, so with
+        `seed_layers=True` the values equal the pipeline's. A pipeline checkpoint loads into an
+        engine on it and back (Note: [plain names of a pipeline] in checkpoint/pipe_files.py)."""
+        return SequentialLayers(self._layer_specs, seed_fn=(self.seed_fn or _set_random_seed)
+                                if self.seed_layers else None, base_seed=self.base_seed)
+
     def local_layers(self) -> list[tuple[int, nn.Module]]:
         """(global layer index, module) for each layer this rank holds that has a state (DeepSpeed
         writes one `layer_XX-model_states.pt` per such layer; a tied module is in each of its layers)."""
@@ -424,6 +450,38 @@ class PipelineModule(nn.Module):
             lines.append(f"stage {s} (rank pp={s % self.num_stages}): layers [{lo}, {hi}) "
                          f"{sum(counts[lo:hi])} params ({100 * sum(counts[lo:hi]) / total:.0f}%): {names}")
         return "\n".join(lines)
+
+
+class SequentialLayers(nn.Module):
+    """A PipelineModule's layers run in order in one module (`PipelineModule.to_sequential()`):
+    children named by global layer index, a tied module registered at the first layer of its key
+    (and at its later layers without a `forward_fn`, as aliases)."""
+
+    def __init__(self, layers: Sequence[Any], seed_fn: Callable[[int], None] | None = None,
+                 base_seed: int = 1234) -> None:
+        super().__init__()
+        self._funcs: list[Any] = []
+        tied: dict[str, nn.Module] = {}
+        for idx, layer in enumerate(layers):
+            if seed_fn is not None:
+                seed_fn(base_seed + idx)
+            if isinstance(layer, TiedLayerSpec):
+                first = layer.key not in tied
+                module = tied.setdefault(layer.key, layer.build() if first else tied.get(layer.key))
+                if first or layer.forward_fn is None:
+                    self.add_module(str(idx), module)
+                self._funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
+            elif isinstance(layer, (LayerSpec, nn.Module)):
+                module = layer.build() if isinstance(layer, LayerSpec) else layer
+                self.add_module(str(idx), module)
+                self._funcs.append(module)
+            else:
+                self._funcs.append(layer)
+
+    def forward(self, x: Any) -> Any:
+        for f in self._funcs:
+            x = f(x)
+        return x
 
 
 class DualPipeVModule(nn.Module):

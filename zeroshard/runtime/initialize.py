@@ -267,15 +267,7 @@ def initialize(
         lr_scheduler=sched, loss_scaler=scaler, sinks=build_sinks(cfg, world.rank),
         training_dataloader=loader, raw_config=raw_config)
     engine.parallel = layout
-    engine.checkpointer = _checkpointer(comm, cfg.checkpoint.use_node_local_storage)
-    if layout.tp is not None:  # files per world rank, keyed by global parameter names (tensor/checkpoint.py)
-        from zeroshard.tensor.checkpoint import TensorParallelCheckpointer
-
-        # With a pipeline, "world" is the stage's ranks (dp x tp): each stage writes its own directory.
-        stage = world_comm if layout.mesh is None or layout.mesh.topology.pp == 1 else Comm(
-            layout.mesh.axes("dp", "tp"), log=world_comm.log, label="stage")
-        engine.checkpointer = TensorParallelCheckpointer(
-            _checkpointer(stage, cfg.checkpoint.use_node_local_storage), layout.tp, stage.rank, stage.world_size)
+    engine.checkpointer = _engine_checkpointer(cfg, layout, world_comm, comm, pipe_module)
     _log_start(engine, groups)
     return engine, opt, loader, sched
 
@@ -333,6 +325,44 @@ def _checkpointer(comm: Comm, node_local: bool) -> Checkpointer:
     # checkpoint.use_node_local_storage (Trainer's save_on_each_node): each node's first rank
     # writes its node's directory (Note: [node-local storage] in checkpoint/save.py).
     return ShardedCheckpointer(comm, node_leader(comm.groups) if node_local else None)
+
+
+def _engine_checkpointer(cfg: Config, layout: ParallelLayout, world_comm: Comm, comm: Comm,
+                         pipe_module: PipelineModule | None) -> Checkpointer:
+    """The engine's checkpointer, composed outside in: tensor/checkpoint.py's (AutoTP pieces as ranges
+    of global parameters) around checkpoint/pipe_checkpointer.py's (a directory per stage, layer
+    files, pipeline.json) around the sharded one over the ranks that hold pieces of the same layers
+    (the data-parallel group; with AutoTP the dp x tp ranks of the world or of the stage). Every
+    layer speaks global names, so a load reshards across DP, PP and TP degrees and ZeRO stage."""
+    node_local = cfg.checkpoint.use_node_local_storage
+    mesh = layout.mesh
+    tp_size = mesh.topology.tp if mesh is not None else 1
+    tp_rank = mesh.coord["tp"] if mesh is not None and tp_size > 1 else None
+    if layout.tp is None:  # no AutoTP: whole layers, or Megatron-style pieces the script split itself
+        inner = _checkpointer(comm, node_local)
+        if pipe_module is None:
+            return inner
+        return _pipe_checkpointer(inner, world_comm, pipe_module, comm.rank, tp_rank, model_parallel=tp_size)
+    from zeroshard.tensor.checkpoint import TensorParallelCheckpointer
+
+    pieces = world_comm if pipe_module is None or mesh is None or mesh.topology.pp == 1 else Comm(
+        mesh.axes("dp", "tp"), log=world_comm.log, label="stage")
+    inner = _checkpointer(pieces, node_local)
+    if pipe_module is not None:
+        inner = _pipe_checkpointer(inner, world_comm, pipe_module, comm.rank, tp_rank, model_parallel=1)
+    return TensorParallelCheckpointer(inner, layout.tp, pieces.rank, pieces.world_size)
+
+
+def _pipe_checkpointer(inner: Checkpointer, world_comm: Comm, module: PipelineModule, dp_rank: int,
+                       tp_rank: int | None, model_parallel: int) -> Checkpointer:
+    from zeroshard.checkpoint.pipe_checkpointer import PipelineCheckpointer
+    from zeroshard.checkpoint.pipe_files import PipeLayout
+
+    layout = PipeLayout(num_stages=module.num_stages, parts=list(module.parts), virtual_stages=module.virtual_stages,
+                        tied=module.tie_map(), num_layers=module.num_layers, model_parallel=model_parallel,
+                        partition=module.partition_for)
+    return PipelineCheckpointer(inner, world_comm, layout, module.stage_id, dp_rank,
+                                lambda: [(i, layer.state_dict()) for i, layer in module.local_layers()], tp_rank)
 
 
 def _make_optimizer(cfg: Config, client: Any, param_groups: list[dict[str, Any]],

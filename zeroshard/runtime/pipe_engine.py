@@ -10,13 +10,11 @@ weights summed over the stages that hold them, and one global gradient norm over
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +22,7 @@ from torch import Tensor
 
 from zeroshard.comm import Comm
 from zeroshard.comm.groups import subgroup
-from zeroshard.errors import CheckpointError, NotSupportedError
+from zeroshard.errors import NotSupportedError
 from zeroshard.pipe.module import PipelineError, PipelineModule
 from zeroshard.pipe.schedules import GradCapture, build_schedule, last_outputs
 from zeroshard.runtime.activation_checkpointing import checkpoint, non_reentrant_checkpoint
@@ -153,88 +151,40 @@ class PipelineEngine(ZeroEngine):
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise PipelineError("Only train_batch() is accessible in pipeline mode.")
 
-    # -- checkpoints (Note: [pipeline checkpoint layout]) -----------------------------------
+    # -- checkpoints ----------------------------------------------------------------------
     #
-    # save_dir/tag/pipe_stage_SS/   each stage's engine state in zeroshard's sharded format and
-    #                               manifest (its data-parallel ranks' shards; a load reshards
-    #                               over another DP degree or ZeRO stage as without a pipeline)
-    # save_dir/tag/layer_XX-model_states.pt   DeepSpeed's per-layer weight files
-    # save_dir/tag/pipeline.json    the layer partition; a load with another one is refused
-    # save_dir/latest               the tag, written last, after every stage finished
+    # initialize() gives a pipeline engine checkpoint/pipe_files.py's PipelineCheckpointer: each
+    # stage's ZeRO checkpoint in its own directory, DeepSpeed's layer files, a pipeline.json, all
+    # keyed by global parameter names, so a load reshards over another pipeline degree, data-parallel
+    # degree or ZeRO stage (Note: [pipeline checkpoint layout] there).
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: Mapping[str, Any] | None = {},
                         save_latest: bool = True, exclude_frozen_parameters: bool = False, *,
                         save_optimizer_states: bool = True) -> str:
         """Save every stage's state (every rank calls it); see Note: [pipeline checkpoint layout]."""
-        if save_dir is None or str(save_dir) == "":
-            raise CheckpointError(f"save_checkpoint: save_dir must name a directory, got {save_dir!r}")
-        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        root = Path(save_dir) / tag
-        ZeroEngine.save_checkpoint(self, root, tag=self._stage_dir(), client_state=client_state, save_latest=False,
-                                   exclude_frozen_parameters=exclude_frozen_parameters,
-                                   save_optimizer_states=save_optimizer_states)
-        module = self._pipe.module
-        if self.rank == 0:  # the stage's first data-parallel rank writes its layers
-            for idx, layer in module.local_layers():
-                _atomic_save(layer.state_dict(), root / _layer_file(idx, self._pipe.mesh))
-        self._pipe.world_comm.barrier()
-        if self._pipe.mesh.world.rank == 0:
-            layout = {"num_stages": self.num_stages, "parts": module.parts, "virtual_stages": module.virtual_stages}
-            (root / "pipeline.json").write_text(json.dumps(layout))
-            if save_latest:
-                tmp = Path(save_dir) / "latest.tmp"
-                tmp.write_text(tag)
-                os.replace(tmp, Path(save_dir) / "latest")
-        self._pipe.world_comm.barrier()
-        return str(root)
+        return ZeroEngine.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
+                                          save_optimizer_states=save_optimizer_states)
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         custom_load_fn: Callable[..., Any] | None = None, *,
                         load_rng_state: bool = False) -> tuple[str | None, dict[str, Any] | None]:
-        """Load a checkpoint `save_checkpoint` wrote with the same stage layout (any DP degree or
-        ZeRO stage); every rank calls it.
+        """Load a pipeline checkpoint saved with any stage count, data-parallel degree and ZeRO stage,
+        a checkpoint of the same layers saved without a pipeline, or DeepSpeed 0.19's pipeline
+        checkpoint (ZeRO-0/1); every rank calls it. Optimizer state included.
 
         Raises:
-            CheckpointError: the checkpoint was cut into other stages, or is not a pipeline checkpoint.
+            CheckpointError: the checkpoint holds other layers, or misses a parameter of this stage.
             NotSupportedError: custom_load_fn with a pipeline.
         """
         if custom_load_fn is not None:
             raise NotSupportedError("load_checkpoint(custom_load_fn=...) with a pipeline is not supported yet")
-        if tag is None:
-            latest = Path(load_dir) / "latest"
-            if not latest.exists():
-                logger.warning(f"{load_dir} has no 'latest' file: no checkpoint loaded")
-                return None, None
-            tag = latest.read_text().strip()
-        root = Path(load_dir) / str(tag)
-        layout_file = root / "pipeline.json"
-        if not layout_file.exists():
-            raise CheckpointError(f"{root} is not a zeroshard pipeline checkpoint (no pipeline.json); pipeline engines "
-                                  "load only checkpoints a pipeline engine saved")
-        saved = json.loads(layout_file.read_text())
-        module = self._pipe.module
-        if saved["parts"] != module.parts:
-            raise CheckpointError(
-                f"{root} was saved with {saved['num_stages']} stages x {saved['virtual_stages']} (layer boundaries "
-                f"{saved['parts']}); this engine has {self.num_stages} x {module.virtual_stages} ({module.parts}). "
-                "Loading into another pipeline layout is not supported yet: use the same num_stages and "
-                "partition_method (the data-parallel degree and ZeRO stage may differ)")
-        path, client = ZeroEngine.load_checkpoint(
-            self, root, tag=self._stage_dir(), load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only, load_rng_state=load_rng_state)
-        return (str(root) if path is not None else None), client
-
-    def _stage_dir(self) -> str:
-        name = f"pipe_stage_{self.stage_id:02d}"
-        # 3D with layers the script split itself (no AutoTP state to map pieces to global names): each
-        # tensor-parallel rank's pieces are a state of their own, in a directory of their own.
-        if self._pipe.mesh.topology.tp > 1 and (self.parallel is None or self.parallel.tp is None):
-            name += f"-model_{self._pipe.mesh.coord['tp']:02d}"
-        return name
+        return ZeroEngine.load_checkpoint(
+            self, load_dir, tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            load_rng_state=load_rng_state)
 
     # -- training ---------------------------------------------------------------------------
 
@@ -427,17 +377,3 @@ class PipelineEngine(ZeroEngine):
         self._comm.all_reduce(mean)
         return mean / self.world_size
 
-
-def _layer_file(idx: int, mesh: MeshGroups) -> str:
-    """DeepSpeed's per-layer file name; with tensor parallelism one file per tp rank holding its
-    pieces (`layer_03-model_01-model_states.pt`, DeepSpeed's name under a model axis). The pieces
-    are for DeepSpeed's tools; a load reads the stage directories, keyed by global names."""
-    if mesh.topology.tp == 1:
-        return f"layer_{idx:02d}-model_states.pt"
-    return f"layer_{idx:02d}-model_{mesh.coord['tp']:02d}-model_states.pt"
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
