@@ -352,3 +352,92 @@ def test_layers_split_by_the_script(groups: ProcessGroups, shared_dir: Path) -> 
     after, _ = train(resumed, batches[2:])
     for a, b in zip(after, more, strict=True):
         assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-7), f"resumed loss {a} != uninterrupted {b}"
+
+
+# -- checkpoints across layouts (issue 27 item 5) ----------------------------------------------------
+#
+# Every layer of a 3D checkpoint speaks global names (AutoTP pieces as ranges of whole parameters,
+# stages as global layer indices), so one saved at PP 2 x TP 2 loads, with its optimizer state, into
+# other pipeline and tensor-parallel degrees, ZeRO stages, and a run without a pipeline, and back.
+# The global batch is the same in every layout (the same token draws regrouped), so each continuation
+# must equal the one-process run's steps 3-4.
+
+
+def regrouped(dp: int, gas: int, micro: int) -> list[list[list[tuple[Tensor, Tensor]]]]:
+    """data()'s token draws split as [step][dp rank][micro-batch] for another (dp, gas, micro) with the
+    same global batch (the generator fills the same values whatever the shape)."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (dp, gas, micro, SEQ + 1), generator=g)
+        out.append([[(tokens[d, m, :, :-1], tokens[d, m, :, 1:]) for m in range(gas)] for d in range(dp)])
+    return out
+
+
+def build_layout(groups: ProcessGroups, pp: int, tp: int, zero: int, gas: int, micro: int) -> Any:
+    """A PipelineModule of the same layers at `pp` stages with AutoTP over `tp` (tp 1: no section),
+    other initial values (a load must replace them all)."""
+    cfg = config(zero, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
+    if tp == 1:
+        del cfg["tensor_parallel"]
+    else:
+        cfg["tensor_parallel"] = {"autotp_size": tp, "partition_config": {"layer_specs": LAYER_SPECS}}
+    net = PipelineModule(specs(), loss_fn=loss_fn, seed_layers=True, base_seed=BASE_SEED + 7,
+                         partition_method="uniform", num_stages=pp)
+    return zeroshard.initialize(model=net, model_parameters=list(net.parameters()), config=cfg)[0]
+
+
+def build_plain(groups: ProcessGroups, zero: int) -> Any:
+    """The same layers without a pipeline (PipelineModule.to_sequential()), data parallel over the world."""
+    net = PipelineModule(specs(), loss_fn=loss_fn, seed_layers=True, base_seed=BASE_SEED + 11,
+                         partition_method="uniform", num_stages=1).to_sequential()
+    cfg = config(zero, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+    del cfg["tensor_parallel"]
+    return zeroshard.initialize(model=net, model_parameters=list(net.parameters()), config=cfg)[0]
+
+
+def train_plain(engine: Any, groups: ProcessGroups, steps: list[Any]) -> list[float]:
+    comm, losses = Comm(groups), []
+    for batch in steps:
+        (ids, labels), = batch[groups.rank]
+        loss = loss_fn(engine(ids), labels)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().reshape(1).clone()
+        comm.all_reduce(mean)
+        losses.append(float(mean) / groups.world_size)
+    return losses
+
+
+def assert_continues(got: list[float], want: list[float], case: str) -> float:
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+    assert worst <= LOSS_RTOL, f"{case}: continued losses {got} != one process {want}"
+    return worst
+
+
+def test_checkpoint_reshards_across_layouts(groups: ProcessGroups, shared_dir: Path) -> None:
+    """3D PP 2 x TP 2 (ZeRO-1) -> PP 1 x TP 4 (ZeRO-2), PP 4 x TP 1 (ZeRO-3), no pipeline (ZeRO-1); and
+    the run without a pipeline -> back into 3D (ZeRO-2): each continues as the one-process run."""
+    world = groups.world_size
+    dp = world // (PP * TP)
+    want_losses, _, _ = reference(dp)
+    engine = build(groups, config(1))
+    train(engine, data(dp)[:2])
+    engine.save_checkpoint(shared_dir, tag="3d")
+    rows = []
+    for pp, tp, zero, gas, micro in ((1, 4, 2, GAS, MICRO), (4, 1, 3, GAS * MICRO, 1)):  # 1F1B: micro-batches >= pp
+        target = build_layout(groups, pp, tp, zero, gas, micro)
+        assert target.load_checkpoint(shared_dir, tag="3d")[0] is not None and target.global_steps == 2
+        got, _ = train(target, regrouped(world // (pp * tp), gas, micro)[2:])
+        rows.append((f"PP2xTP2 z1 -> PP{pp}xTP{tp} z{zero}", assert_continues(got, want_losses[2:], f"pp{pp} tp{tp}")))
+    plain = build_plain(groups, 1)
+    assert plain.load_checkpoint(shared_dir, tag="3d")[0] is not None and plain.global_steps == 2
+    plain.save_checkpoint(shared_dir, tag="plain")  # the same state in the format without a pipeline
+    plain_batches = regrouped(world, 1, 1)
+    got = train_plain(plain, groups, plain_batches[2:])
+    rows.append((f"PP2xTP2 z1 -> plain DP{world} z1", assert_continues(got, want_losses[2:], "plain")))
+    back = build(groups, config(2), seed=BASE_SEED + 5)
+    assert back.load_checkpoint(shared_dir, tag="plain")[0] is not None and back.global_steps == 2
+    got, _ = train(back, data(dp)[2:])
+    rows.append((f"plain DP{world} z1 -> PP2xTP2 z2", assert_continues(got, want_losses[2:], "back into 3D")))
+    print("\n" + "\n".join(f"{case}: max |dloss|/loss vs one process {dev:.1e}" for case, dev in rows))
