@@ -21,10 +21,11 @@ import zeroshard
 from zeroshard.checkpoint import get_fp32_state_dict_from_zero_checkpoint
 from zeroshard.checkpoint.manifest import read_manifest
 from zeroshard.checkpoint.pipe_files import MultiReader, pipeline_sources, read_pipe_layout, stage_dir
-from zeroshard.comm import ProcessGroups
+from zeroshard.comm import Comm, ProcessGroups
 from zeroshard.errors import CheckpointError
 from zeroshard.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from zeroshard.pipe.module import PipelineError, SequentialLayers
+from zeroshard.runtime.engine import ZeroEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ds_pipe_writer import write_ds_pipeline
@@ -412,6 +413,24 @@ def test_deepspeed_pipeline_checkpoint_loads_at_another_layout(groups: ProcessGr
         print(f"\nDeepSpeed-layout pp2xdp{world // 2}-z{zero} -> pp{stages}xdp{world // stages}-z{zero}: "
               f"max |dloss| {worst:.2e}")
         assert worst <= 1e-6, f"resumed losses {resumed} != uninterrupted {whole[2:]}"
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_save_16bit_model_writes_every_stage_once(groups: ProcessGroups, shared_dir: Any, zero: int) -> None:
+    """save_16bit_model of a pipeline: one file on rank 0 with every stage's weights (the tied module
+    once), equal to the stages' own values (DeepSpeed's pipeline engine cannot export at all)."""
+    stages = stage_layouts(groups.world_size)[-1]
+    cfg = pipe_config(zero, 0.0)
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine, _ = train_pipeline(groups, stages, 3, True, 1, cfg)
+    assert engine.save_16bit_model(shared_dir, "whole.bin")
+    mine = ZeroEngine._zero3_consolidated_16bit_state_dict(engine)  # this stage's own, on its first rank
+    Comm(groups).barrier()
+    saved = torch.load(shared_dir / "whole.bin", weights_only=True)
+    want_names = set(reference_model(3, True).state_dict())
+    assert set(saved) == want_names, f"saved {sorted(saved)} != the whole model's {sorted(want_names)}"
+    for name, value in (mine or {}).items():
+        assert torch.equal(saved[name], value), f"{name} differs from stage {engine.stage_id}'s own"
 
 
 def test_tied_weights_stay_equal_across_stages(groups: ProcessGroups) -> None:

@@ -10,6 +10,7 @@ weights summed over the stages that hold them, and one global gradient norm over
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -185,6 +186,31 @@ class PipelineEngine(ZeroEngine):
             self, load_dir, tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             load_rng_state=load_rng_state)
+
+    # -- whole-model export -------------------------------------------------------------------
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Tensor] | None:
+        """Every stage's whole weights (tensor-parallel pieces joined, stage-3 shards gathered) in one
+        state_dict on world rank 0, None elsewhere; every rank calls it. Keys are the PipelineModule's
+        own (global layer index, `tied_modules.<key>` once), so `save_16bit_model` writes one file of
+        the whole model, where each stage's first rank would otherwise write its own stage over the
+        same path. Each stage's dict goes to the first stage one stage at a time over the pp axis."""
+        mine = ZeroEngine._zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+        pp = self._pipe.pp_comm
+        if pp.world_size == 1:
+            return mine
+        out = dict(mine) if mine is not None and pp.rank == 0 else None
+        for stage in range(1, pp.world_size):
+            payload = _serialize(mine) if pp.rank == stage and mine is not None else torch.empty(0, dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+            pp.broadcast(size, src=stage)
+            if int(size) == 0:  # this (dp, tp) coordinate's stages hold no whole copy
+                continue
+            buf = payload if pp.rank == stage else torch.empty(int(size), dtype=torch.uint8)
+            pp.broadcast(buf, src=stage)
+            if out is not None:
+                out.update(torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True))
+        return out
 
     # -- training ---------------------------------------------------------------------------
 
@@ -377,3 +403,8 @@ class PipelineEngine(ZeroEngine):
         self._comm.all_reduce(mean)
         return mean / self.world_size
 
+
+def _serialize(state: Mapping[str, Tensor]) -> Tensor:
+    buf = io.BytesIO()
+    torch.save(dict(state), buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
