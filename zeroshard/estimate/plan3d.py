@@ -29,6 +29,7 @@ Imports `zeroshard.estimate` (and `zeroshard.errors`); never a process group.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -45,16 +46,16 @@ GiB = 2**30
 class Cluster:
     """The machines: nodes of identical devices, two link classes.
 
-    Bandwidths are bytes per second per device in one direction: `intra_bandwidth` over the
-    node's fabric (NVLink), `inter_bandwidth` the device's share of the node's network (a DGX
-    has one 200 Gbit/s NIC per GPU: 25 GB/s).
+    Bandwidths are bytes per second per device in one direction (GB = 2^30 bytes, as the CLI):
+    `intra_bandwidth` over the node's fabric (NVLink), `inter_bandwidth` the device's share of the node's network (a DGX
+    has one 200 Gbit/s NIC per GPU: 25 GB/s; an A100 has 300 GB/s of NVLink each way).
     """
 
     nodes: int
     devices_per_node: int
     device_memory: int
-    intra_bandwidth: float = 150e9
-    inter_bandwidth: float = 25e9
+    intra_bandwidth: float = 300 * GiB
+    inter_bandwidth: float = 25 * GiB
     device_flops: float = 150e12
     """Achieved FLOP/s per device (about half an A100's 312 TFLOPS bf16 peak)."""
     reserve: float = 0.10
@@ -261,3 +262,106 @@ def _candidate(spec: ModelSpec, train: Training, cluster: Cluster, layout: Layou
     time = step_time(spec, train, cluster, layout, setup, worst, micro, ckpt)
     return Candidate(layout=layout, stage=setup.stage, micro_batch=micro, checkpointing=ckpt,
                      memory=peaks[i], worst=worst, time=time, fits=peaks[i] <= cluster.device_budget)
+
+
+def _gb(n: float) -> str:
+    return f"{n / GiB:.1f} GB"
+
+
+_TERMS = (("compute", "compute"), ("bubble", "pipeline bubble"), ("tp", "TP all-reduces"), ("pp", "PP p2p"),
+          ("dp", "DP/ZeRO collectives"))
+
+
+def _why_slower(c: Candidate, best: Candidate) -> str:
+    """The term that costs `c` most against `best`."""
+    if float(f"{c.time.total:.3g}") == float(f"{best.time.total:.3g}"):
+        return (f"{c.time.total:.2f} s, a tie: the choice has the lower ZeRO stage (less traffic to go wrong, "
+                f"DeepSpeed's pipelines run ZeRO-1) or, at the same stage, less memory ({_gb(c.memory)} here)")
+    name, label = max(_TERMS, key=lambda t: getattr(c.time, t[0]) - getattr(best.time, t[0]))
+    return (f"{c.time.total:.2f} s (+{c.time.total / best.time.total - 1:.1%}): {label} "
+            f"{getattr(c.time, name):.2f} s vs {getattr(best.time, name):.2f} s")
+
+
+def _alternative(plan: Plan3D, label: str, keep: Callable[[Candidate], bool]) -> str | None:
+    """One "why" line: the best candidate of a class that excludes the choice."""
+    best = plan.chosen
+    assert best is not None
+    group = [c for c in plan.candidates if keep(c)]
+    if not group:
+        return None
+    fit = [c for c in group if c.fits]
+    if fit:
+        return f"- {label}: best is {fit[0].label()}, {_why_slower(fit[0], best)}"
+    small = min(group, key=lambda c: c.memory)
+    return (f"- {label}: nothing fits; the most frugal, {small.label()}, needs {_gb(small.memory)} per device "
+            f"> {_gb(plan.cluster.device_budget)} usable")
+
+
+def placement_lines(layout: Layout, devices_per_node: int) -> list[str]:
+    """Where the groups of a layout sit (comm/topology.py's rank order, node-major launch numbering)."""
+    g = devices_per_node
+    stage_ranks = layout.tp * layout.dp
+    lines = [f"- TP groups: {layout.tp} consecutive ranks, inside one node of {g}"
+             + ("" if layout.tp > 1 else " (no TP)")]
+    if layout.dp > 1:
+        where = (f"one rank every {layout.tp}, across {-(-layout.dp * layout.tp // g)} nodes (inter-node links)"
+                 if dp_spans_nodes(layout, g) else "inside one node")
+        lines.append(f"- DP groups: {layout.dp} ranks, {where}; {layout.pp * layout.tp} such groups communicate "
+                     "at once, each over its own ranks")
+    if layout.pp > 1:
+        where = (f"each stage {stage_ranks // g} node(s), neighbours on different nodes (p2p on inter-node links)"
+                 if pp_spans_nodes(layout, g) else "stages share nodes (p2p inside the node)")
+        lines.append(f"- PP: {layout.pp} stages of {stage_ranks} ranks: {where}")
+    return lines
+
+
+def report_3d(plan: Plan3D, top: int = 5) -> str:
+    """The search's table, why the choice beats the best of each other class, and its placement."""
+    cl, tr, spec = plan.cluster, plan.training, plan.spec
+    lines = [
+        f"3D plan for {spec.name} ({spec.total_params / 1e9:.2f}B params) on {cl.nodes} node(s) x "
+        f"{cl.devices_per_node} device(s) of {_gb(cl.device_memory)} ({_gb(cl.device_budget)} usable); {tr.precision}, "
+        f"sequence {tr.seq_len}, global batch {tr.global_batch} ({tr.global_batch * tr.seq_len / 1e6:.2f}M tokens)",
+        f"links per device: {cl.intra_bandwidth / GiB:g} GB/s inside a node, {cl.inter_bandwidth / GiB:g} GB/s across "
+        f"nodes; {cl.device_flops / 1e12:g} TFLOP/s achieved per device; communication not overlapped (upper bound)",
+        f"searched {len(plan.candidates)} layouts (TP inside a node x PP x DP, ZeRO 0-3, micro batch, schedule, "
+        f"sequence parallel, recompute): {len(plan.fitting)} fit",
+    ]
+    best = plan.chosen
+    if best is None:
+        small = min(plan.candidates, key=lambda c: c.memory)
+        lines.append(f"no layout fits: the most frugal, {small.label()}, needs {_gb(small.memory)} per device; "
+                     "add devices, shorten the sequence or offload (the plan without --3d walks the offloads)")
+        return "\n".join(lines)
+    lines += ["", "  step s | compute  bubble  TP      PP      DP     | memory/rank | layout",
+              *(f"  {c.time.total:6.2f} | {c.time.compute:6.2f} {c.time.bubble:6.2f} {c.time.tp:6.2f} {c.time.pp:6.2f} "
+                f"{c.time.dp:6.2f} | {_gb(c.memory):>11} | {c.label()}" for c in plan.fitting[:top]), "", "why:"]
+    lay = best.layout
+    checks = [
+        (f"TP other than {lay.tp}", lambda c: c.layout.tp != lay.tp),
+        ("no pipeline (PP 1)" if lay.pp > 1 else "a pipeline (PP > 1)", lambda c: (c.layout.pp > 1) != (lay.pp > 1)),
+        (f"PP other than {lay.pp}", lambda c: c.layout.pp not in (1, lay.pp) if lay.pp > 1 else False),
+        (f"ZeRO stage other than {best.stage}", lambda c: c.stage != best.stage),
+        ("no recompute" if best.checkpointing else "activation checkpointing",
+         lambda c: c.checkpointing != best.checkpointing),
+    ]
+    if lay.tp > 1:
+        checks.append(("without sequence parallelism" if lay.sequence_parallel else "with sequence parallelism",
+                       lambda c: c.layout.tp > 1 and c.layout.sequence_parallel != lay.sequence_parallel))
+    if lay.pp > 1:
+        checks.append((f"schedule other than {lay.schedule}",
+                       lambda c: c.layout.pp > 1 and c.layout.schedule != lay.schedule))
+    for label, keep in checks:
+        line = _alternative(plan, label, keep)
+        if line:
+            lines.append(line)
+    t = best.time
+    worst = best.worst
+    lines += ["", "placement (rank = (pp * dp + d) * tp + t; nodes hold consecutive ranks):",
+              *placement_lines(lay, cl.devices_per_node), "",
+              f"choice: {best.label()}: {t.total:.2f} s per step (compute {t.compute:.2f} + bubble {t.bubble:.2f} + "
+              f"TP {t.tp:.2f} + PP {t.pp:.2f} + DP {t.dp:.2f}); fullest rank (stage {worst.stage}) "
+              f"{_gb(best.memory)} = states {_gb(worst.rank.device.total)} + ZeRO buffers "
+              f"{_gb(worst.rank.device_buffers)} + pipeline batch buffers {_gb(worst.pipeline_buffers)} + activations "
+              f"{_gb(worst.activations)}, margin {_gb(cl.device_budget - best.memory)}"]
+    return "\n".join(lines)
