@@ -150,8 +150,9 @@ def dp_spans_nodes(layout: Layout, devices_per_node: int) -> bool:
 
 
 def pp_spans_nodes(layout: Layout, devices_per_node: int) -> bool:
-    """Whether neighbouring pipeline stages sit on different nodes (a stage is dp * tp ranks)."""
-    return layout.pp > 1 and layout.dp * layout.tp >= devices_per_node
+    """Whether some pair of neighbouring stages sits on different nodes (a stage is dp * tp
+    consecutive ranks): then that boundary's link paces the pipeline."""
+    return layout.pp > 1 and layout.world_size > devices_per_node
 
 
 def flops_per_step(spec: ModelSpec, train: Training, checkpointing: bool) -> float:
@@ -275,8 +276,8 @@ _TERMS = (("compute", "compute"), ("bubble", "pipeline bubble"), ("tp", "TP all-
 def _why_slower(c: Candidate, best: Candidate) -> str:
     """The term that costs `c` most against `best`."""
     if float(f"{c.time.total:.3g}") == float(f"{best.time.total:.3g}"):
-        return (f"{c.time.total:.2f} s, a tie: the choice has the lower ZeRO stage (less traffic to go wrong, "
-                f"DeepSpeed's pipelines run ZeRO-1) or, at the same stage, less memory ({_gb(c.memory)} here)")
+        return (f"{c.time.total:.2f} s, a tie in the model (within 0.1%): the choice wins the tie-break, the lower "
+                f"ZeRO stage (DeepSpeed's pipelines run ZeRO-1), then less memory ({_gb(c.memory)} here)")
     name, label = max(_TERMS, key=lambda t: getattr(c.time, t[0]) - getattr(best.time, t[0]))
     return (f"{c.time.total:.2f} s (+{c.time.total / best.time.total - 1:.1%}): {label} "
             f"{getattr(c.time, name):.2f} s vs {getattr(best.time, name):.2f} s")
@@ -309,8 +310,12 @@ def placement_lines(layout: Layout, devices_per_node: int) -> list[str]:
         lines.append(f"- DP groups: {layout.dp} ranks, {where}; {layout.pp * layout.tp} such groups communicate "
                      "at once, each over its own ranks")
     if layout.pp > 1:
-        where = (f"each stage {stage_ranks // g} node(s), neighbours on different nodes (p2p on inter-node links)"
-                 if pp_spans_nodes(layout, g) else "stages share nodes (p2p inside the node)")
+        if not pp_spans_nodes(layout, g):
+            where = "all in one node (p2p inside the node)"
+        elif stage_ranks >= g:
+            where = f"each stage {stage_ranks // g} node(s), neighbours on different nodes (p2p on inter-node links)"
+        else:
+            where = f"{g // stage_ranks} stages per node, every {g // stage_ranks}th boundary on an inter-node link"
         lines.append(f"- PP: {layout.pp} stages of {stage_ranks} ranks: {where}")
     return lines
 
