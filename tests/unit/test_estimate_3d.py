@@ -43,8 +43,9 @@ def test_stage_shares_add_up_to_the_model() -> None:
     h = 256
     for pp in (1, 2, 4, 8):
         assert sum(stage_spec(spec, pp, 1, s).total_params for s in range(pp)) == spec.total_params
-    # TP 2: every weight halved, the norms (2 per layer + the final one) on both TP ranks.
-    replicated = (2 * 8 + 1) * h
+    # TP 2: every weight halved, the norms (2 per layer + the final one) and the input embedding
+    # on both TP ranks.
+    replicated = (2 * 8 + 1) * h + 1000 * h
     for pp in (1, 2, 4):
         per_tp_rank = sum(stage_spec(spec, pp, 2, s).total_params for s in range(pp))
         assert 2 * per_tp_rank == spec.total_params + replicated

@@ -11,13 +11,15 @@ model. So `stage_spec` builds the per-rank `ModelSpec` and `estimate_stage` hand
   the token embedding on stage 0, the output head and the final norm on the last stage (a tied
   head keeps a copy there, as DeepSpeed's `TiedLayerSpec` does), other root parameters (position
   embeddings) on stage 0.
-- tensor parallelism: every parameter larger than the hidden size is split over `tp` (the
-  column / row weights, column biases, the vocabulary-parallel embedding and head); the rest is
-  replicated on every TP rank (norms, row-parallel biases), so a TP rank holds more than 1 / tp.
+- tensor parallelism: every block parameter larger than the hidden size is split over `tp` (the
+  column / row weights, column biases) and so is an untied output head (vocabulary-parallel); the
+  rest is replicated on every TP rank (norms, row-parallel biases, the input embedding, which
+  zeroshard's AutoTP leaves whole as the Hugging Face plans do), so a TP rank holds more than 1 / tp.
 - the pipeline engine (runtime/pipe_engine.py) keeps each micro-batch's gradient aside until the
   batch ends (Note: [pipeline gradient capture]): a whole local gradient per stage in the
-  accumulation dtype, on top of the strategy's buffers, at every ZeRO stage; at stage 3 the
-  stage's parameters stay gathered for the whole batch.
+  accumulation dtype, on top of the strategy's buffers, at every ZeRO stage; at stages 2 and 3
+  the reducer's staging pool then grows towards a whole gradient too (the batch's gradient
+  arrives in one burst), and at stage 3 the stage's parameters stay gathered for the batch.
 - activations: `stage_activation_bytes` with the schedule's micro-batches in flight and the
   TP (and sequence-parallel) split.
 
@@ -134,12 +136,15 @@ def stage_spec(spec: ModelSpec, pp: int, tp: int, stage: int) -> ModelSpec:
     norms = [n for n in root if n <= hidden]
     others = [n for n in root if n != vocab_numel and n > hidden]
     first, last = stage == 0, stage == pp - 1
+    # The input embedding stays whole on every TP rank (zeroshard's AutoTP follows the Hugging Face
+    # plans, which leave embed_tokens replicated), as do position embeddings and norms; an untied
+    # output head is split over the vocabulary; a tied one is the embedding's copy, whole.
     own_root: list[int] = []
     if first:
         own_root += embeddings[:1] + others
     if last:
-        own_root += norms + (embeddings[1:] if len(embeddings) > 1 else embeddings[:1] if pp > 1 else [])
-    own_root = [_tp_numel(n, hidden, tp) for n in own_root]
+        own_root += norms + [_tp_numel(n, hidden, tp) for n in embeddings[1:2]]
+        own_root += embeddings[:1] if len(embeddings) == 1 and pp > 1 else []
     units = [tuple(_tp_numel(n, hidden, tp) for n in blocks[i]) for i in _split_units(len(blocks), pp)[stage]]
     numels = tuple(own_root) + tuple(n for u in units for n in u)
     largest = max([max(u, default=0) for u in units] + [max(own_root, default=0)])
@@ -191,6 +196,11 @@ def estimate_stage(spec: ModelSpec, setup: Setup, layout: Layout, stage: int,
     pipe = 0
     if layout.pp > 1:
         pipe = setup.grad_bytes * share.total_params
+        if setup.stage >= 2:
+            # The batch's gradient reaches the reducer in one burst, so its staging pool holds
+            # up to every bucket at once, not the plain engine's window (measured at PP 2 x DP 2:
+            # 6 of 8 blocks, tests/dist/test_memory_census_3d.py): bounded by a whole gradient.
+            pipe += max(0, setup.grad_bytes * share.total_params - rank.staging_pool)
         if setup.stage == 3 and setup.offload_param == "none":
             pipe += setup.param_bytes * share.total_params
     layers = _layers_on(spec, layout.pp, stage)
