@@ -177,3 +177,24 @@ def test_plan_cli_3d(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # t
     assert plan_main(["--model", str(cfg), "--devices", "4", "--device-memory", "1GB", "--cpu-memory", "8GB",
                       "--3d"]) == 2
     assert "--3d needs --global-batch" in capsys.readouterr().err
+
+
+def test_estimate_cli_per_stage_table(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from zeroshard.cli.estimate import main as estimate_main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(SMALL_LLAMA))
+    assert estimate_main(["--model", str(cfg), "--hf-class", "AutoModelForCausalLM", "--devices", "4", "--nodes", "2",
+                          "--tp", "2", "--pp", "2", "--micro-batches", "4", "--seq-len", "128",
+                          "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "TP 2 x PP 2 x DP 2, 1f1b, 4 micro-batches" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [(str(z), str(s)) for z in range(4) for s in range(2)]
+    # ZeRO-1 holds less than ZeRO-0 on every stage; the first stage keeps more activations (1F1B).
+    assert all(float(rows[2 + s][-1]) < float(rows[s][-1]) for s in range(2))
+    assert float(rows[0][-2]) > float(rows[1][-2])
+    assert estimate_main(["--model", str(cfg), "--devices", "3", "--tp", "2"]) == 2
+    assert "does not divide the 3 devices" in capsys.readouterr().err
