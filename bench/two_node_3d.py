@@ -163,7 +163,9 @@ def worker(case: str, steps: int, gas: int) -> None:
 
 def predicted_inter_bytes(case: str, params_llama: int, params_pipe: int, gas: int) -> float:
     """Inter-node bytes per step (both directions) from the estimator's traffic volumes."""
-    p, g = 2, 4  # bf16 parameters, fp32 gradient reduction
+    # bf16 parameters; fp32 gradients, reduce-scattered through gloo's all-reduce (gloo has no
+    # single-tensor reduce-scatter: comm/collectives.py falls back, twice the bytes)
+    p, g = 2, 2 * 4
     if case in ("zero3_llama", "zero3_pipe"):
         n = params_llama if case == "zero3_llama" else params_pipe
         # per micro-batch: all-gather forward + backward, reduce-scatter; ring of 4 ranks over 2 nodes:
