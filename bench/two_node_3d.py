@@ -184,8 +184,14 @@ def predicted_inter_bytes(case: str, params_llama: int, params_pipe: int, gas: i
         return 4 * 0.5 * share * (g + p)
     if case == "pp2_dp2":
         # each of the 2 pipelines sends one activation forward and one gradient back per micro-batch
-        # (fp32 over the wire here: the pipeline's p2p keeps the stage output's dtype)
-        return 2 * gas * 2 * MICRO * SEQ * DIM * 4
+        # (bf16: the stage output's dtype); ZeRO-1 over dp stays inside the node
+        return 2 * gas * 2 * MICRO * SEQ * DIM * 2
+    if case == "tp4_across":
+        # the control: a TP ring of 4 over both nodes (2 of 4 hops cross, each 2 * 3/4 of an
+        # all-reduce): 4 all-reduces of b*s*h bf16 per layer and micro-batch (2 forward, 2
+        # backward), and the head's logits all-gathered (gather_output) once per micro-batch
+        sbh = MICRO * SEQ * DIM * 2
+        return gas * (4 * 4 * 2 * 2 * 3 / 4 * sbh + 2 * 3 / 4 * MICRO * SEQ * VOCAB * 2)
     return float("nan")
 
 
