@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-memory", type=parse_bytes, required=True, help="CPU memory per node, e.g. 512GB")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the model's longest, else 512)")
     p.add_argument("--global-batch", type=int, help="samples per optimizer step over all devices")
-    p.add_argument("--max-micro-batch", type=int, default=64, help="largest micro batch tried (default 64)")
+    p.add_argument("--max-micro-batch", type=int, default=None,
+                   help="largest micro batch tried (default 64; 8 with --3d, where layouts multiply)")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
                    help="training precision (default: the --config's, else bf16)")
     p.add_argument("--config", help="base ds_config.json: its optimizer, scheduler, etc. are kept")
@@ -118,7 +119,7 @@ def _workload(args: argparse.Namespace, spec: ModelSpec) -> Workload:
     if seq is None and spec.shape is not None:
         seq = 512
     return Workload(precision=precision, seq_len=seq, global_batch=args.global_batch,
-                    max_micro_batch=args.max_micro_batch,
+                    max_micro_batch=args.max_micro_batch or 64,
                     checkpointing={"on": True, "off": False, "auto": "auto"}[args.activation_checkpointing],
                     base_config=base)
 
@@ -166,7 +167,7 @@ def run_3d(args: argparse.Namespace, spec: ModelSpec, work: Workload) -> int:
             raise ZeroshardError(f"--{flag.replace('_', '-')} does not go with --3d yet; drop it (the 3D search prints "
                                  "the layout; offload and NVMe are the plan without --3d)")
     train = Training(seq_len=work.seq_len, global_batch=args.global_batch, precision=work.precision,
-                     max_micro_batch=min(args.max_micro_batch, 64),
+                     max_micro_batch=args.max_micro_batch or 8,
                      checkpointing=work.checkpointing, tp_sizes=tuple(args.tp) if args.tp else None,
                      pp_sizes=tuple(args.pp) if args.pp else None)
     cluster = Cluster(nodes=args.nodes, devices_per_node=args.devices, device_memory=args.device_memory,

@@ -248,9 +248,8 @@ def make_3d_plan(spec: ModelSpec, train: Training, cluster: Cluster) -> Plan3D:
     if not out:
         raise ZeroshardError(f"global batch {train.global_batch} divides over no layout of {world} devices: "
                              "give a multiple of the data-parallel sizes (e.g. of the device count)")
-    # Times within 0.1% are a tie: the lower ZeRO stage (less traffic per step, DeepSpeed's
-    # pipelines run ZeRO-1), then the smaller memory.
-    out.sort(key=lambda c: (not c.fits, float(f"{c.time.total:.3g}"), c.stage, c.memory))
+    # Times within 0.1% are a tie: the larger memory margin wins, then the lower ZeRO stage.
+    out.sort(key=lambda c: (not c.fits, float(f"{c.time.total:.3g}"), c.memory, c.stage))
     return Plan3D(candidates=out, cluster=cluster, training=train, spec=spec)
 
 
@@ -276,8 +275,8 @@ _TERMS = (("compute", "compute"), ("bubble", "pipeline bubble"), ("tp", "TP all-
 def _why_slower(c: Candidate, best: Candidate) -> str:
     """The term that costs `c` most against `best`."""
     if float(f"{c.time.total:.3g}") == float(f"{best.time.total:.3g}"):
-        return (f"{c.time.total:.2f} s, a tie in the model (within 0.1%): the choice wins the tie-break, the lower "
-                f"ZeRO stage (DeepSpeed's pipelines run ZeRO-1), then less memory ({_gb(c.memory)} here)")
+        return (f"{c.time.total:.2f} s, a tie in the model (within 0.1%): the choice needs less memory "
+                f"({_gb(c.memory)} there)")
     name, label = max(_TERMS, key=lambda t: getattr(c.time, t[0]) - getattr(best.time, t[0]))
     return (f"{c.time.total:.2f} s (+{c.time.total / best.time.total - 1:.1%}): {label} "
             f"{getattr(c.time, name):.2f} s vs {getattr(best.time, name):.2f} s")
