@@ -30,7 +30,7 @@ Imports `zeroshard.estimate` (and `zeroshard.errors`); never a process group.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from zeroshard.errors import ZeroshardError
@@ -128,7 +128,6 @@ class Plan3D:
     cluster: Cluster
     training: Training
     spec: ModelSpec
-    notes: list[str] = field(default_factory=list)
 
     @property
     def fitting(self) -> list[Candidate]:
