@@ -13,9 +13,10 @@ from typing import cast
 
 from zeroshard.config import load_config
 from zeroshard.errors import ConfigError, ZeroshardError
-from zeroshard.estimate.activations import ActivationOptions, activation_bytes
+from zeroshard.estimate.activations import SCHEDULES, ActivationOptions, activation_bytes
 from zeroshard.estimate.deepspeed_compat import format_rows, zero2_rows, zero3_rows
 from zeroshard.estimate.model_source import load_model_spec
+from zeroshard.estimate.parallel import Layout, estimate_layout
 from zeroshard.estimate.spec import ModelSpec, parse_count, spec_from_counts
 from zeroshard.estimate.states import Precision, Setup
 from zeroshard.estimate.table import format_table, table_rows
@@ -57,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also print DeepSpeed's own estimator tables (its formulas), for comparison")
     p.add_argument("--seq-len", type=int, help="sequence length, for the activation estimate")
     p.add_argument("--micro-batch", type=int, default=1, help="micro batch per device (activations)")
+    g = p.add_argument_group("tensor and pipeline parallelism (a per-stage table per ZeRO stage)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (data-parallel size: the rest)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    g.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="pipeline schedule (default 1f1b)")
+    g.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches per step (gradient accumulation; default: the stage count)")
+    g.add_argument("--virtual-stages", type=int, default=None, help="stages per rank (interleaved; default 2 there)")
+    g.add_argument("--sequence-parallel", action="store_true", help="TP's sequence parallelism")
     return p
 
 
@@ -88,10 +97,40 @@ def _activation_lines(spec: ModelSpec, args: argparse.Namespace, precision: Prec
     return lines
 
 
+def _parallel_lines(spec: ModelSpec, args: argparse.Namespace, base: Setup) -> list[str]:
+    """Per-stage memory of one rank for ZeRO 0-3 under --tp / --pp (estimate/parallel.py)."""
+    world = args.devices * args.nodes
+    if world % (args.tp * args.pp):
+        raise ZeroshardError(f"--tp {args.tp} x --pp {args.pp} does not divide the {world} devices")
+    virtual = args.virtual_stages or (2 if args.schedule.startswith("interleaved") else 1)
+    layout = Layout(tp=args.tp, pp=args.pp, dp=world // (args.tp * args.pp), schedule=args.schedule,
+                    micro_batches=args.micro_batches or args.pp, virtual=virtual,
+                    sequence_parallel=args.sequence_parallel)
+    act = None
+    if args.seq_len is not None and spec.shape is not None:
+        act = ActivationOptions(seq_len=args.seq_len, micro_batch=args.micro_batch,
+                                act_bytes=4 if base.precision == "fp32" else 2)
+    acts = f"of seq {args.seq_len}" if act else "not estimated: give --seq-len"
+    lines = [f"{layout.label()}, {layout.micro_batches} micro-batches: one rank of each pipeline stage, GB "
+             f"({base.precision}; activations {acts})",
+             "  ZeRO  stage  layers  params/rank |  states  buffers  pipeline  activations = device"]
+    for zero in (0, 1, 2, 3):
+        for e in estimate_layout(spec, replace(base, stage=zero), layout, act):
+            lines.append(f"  {zero:>4}  {e.stage:>5}  {e.layers:6.1f}  {e.spec.total_params:>11,} |"
+                         f"{e.rank.device.total / 2**30:8.2f} {e.rank.device_buffers / 2**30:8.2f} "
+                         f"{e.pipeline_buffers / 2**30:9.2f} {e.activations / 2**30:12.2f} "
+                         f"{e.device_peak / 2**30:8.2f}")
+    lines.append("pipeline: the batch's gradient kept aside until the last micro-batch (and stage 3's parameters "
+                 "gathered for the batch)")
+    return lines
+
+
 def run(args: argparse.Namespace) -> str:
     if args.devices < 1 or args.nodes < 1:
         raise ZeroshardError("--devices and --nodes must be >= 1")
     spec = model_spec(args)
+    if args.tp > 1 or args.pp > 1:
+        return "\n".join(_parallel_lines(spec, args, _base_setups(args, spec)[0]))
     out: list[str] = []
     for base in _base_setups(args, spec):
         out += [format_table(spec, base, table_rows(spec, base)), *_activation_lines(spec, args, base.precision), ""]

@@ -3,6 +3,9 @@
 Walks stage 0 -> 1 -> 2 -> 2 + optimizer offload -> 3 -> 3 + parameter offload -> + optimizer
 offload -> NVMe with one line per decision, then raises the micro batch. `--probe` runs a few
 real steps of every candidate that fits (most frugal first) and keeps the fastest that ran.
+`--3d` searches tensor x pipeline x data-parallel layouts instead (estimate/plan3d.py): TP inside
+a node, PP across nodes, ZeRO over DP, each layout's memory per rank and step time from the
+cluster's link bandwidths, and prints why the fastest that fits beats the best of each other kind.
 Exit status 0 when a configuration was chosen, 1 when none fits, 2 on bad input.
 """
 
@@ -18,6 +21,7 @@ from zeroshard.cli.estimate import add_model_arguments, model_spec
 from zeroshard.config import load_config, read_config_file
 from zeroshard.errors import ConfigError, ZeroshardError
 from zeroshard.estimate.plan import Decision, Hardware, Plan, Workload, format_gb, make_plan, raise_batch
+from zeroshard.estimate.plan3d import Cluster, Training, make_3d_plan, report_3d
 from zeroshard.estimate.spec import ModelSpec
 
 _UNITS = {"": 2**30, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
@@ -44,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-memory", type=parse_bytes, required=True, help="CPU memory per node, e.g. 512GB")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the model's longest, else 512)")
     p.add_argument("--global-batch", type=int, help="samples per optimizer step over all devices")
-    p.add_argument("--max-micro-batch", type=int, default=64, help="largest micro batch tried (default 64)")
+    p.add_argument("--max-micro-batch", type=int, default=None,
+                   help="largest micro batch tried (default 64; 8 with --3d, where layouts multiply)")
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
                    help="training precision (default: the --config's, else bf16)")
     p.add_argument("--config", help="base ds_config.json: its optimizer, scheduler, etc. are kept")
@@ -65,6 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-max", type=int, default=None,
                    help="probe at most this many candidates (the most frugal ones); default: all that fit")
     p.add_argument("--probe-timeout", type=float, default=300.0, help="seconds per probe run")
+    g = p.add_argument_group("3D layouts (--3d)")
+    g.add_argument("--3d", dest="three_d", action="store_true",
+                   help="search TP x PP x DP layouts (TP inside a node, PP across nodes, ZeRO over DP) with a "
+                        "step-time model; needs --global-batch and a --model with a transformer config")
+    g.add_argument("--intra-node-bandwidth", type=parse_bytes, default=300 * 2**30, metavar="BYTES",
+                   help="per device, each way, inside a node, e.g. 300GB (A100 NVLink; the default)")
+    g.add_argument("--inter-node-bandwidth", type=parse_bytes, default=25 * 2**30, metavar="BYTES",
+                   help="per device, each way, across nodes, e.g. 25GB (one 200 Gbit/s NIC per GPU; the default)")
+    g.add_argument("--device-tflops", type=float, default=150.0,
+                   help="achieved TFLOP/s per device (default 150: about half an A100's bf16 peak)")
+    g.add_argument("--tp", type=int, nargs="+", help="only these tensor-parallel sizes (default: every divisor of "
+                   "--devices that divides the attention heads)")
+    g.add_argument("--pp", type=int, nargs="+", help="only these pipeline sizes (default: every one)")
     return p
 
 
@@ -101,7 +119,7 @@ def _workload(args: argparse.Namespace, spec: ModelSpec) -> Workload:
     if seq is None and spec.shape is not None:
         seq = 512
     return Workload(precision=precision, seq_len=seq, global_batch=args.global_batch,
-                    max_micro_batch=args.max_micro_batch,
+                    max_micro_batch=args.max_micro_batch or 64,
                     checkpointing={"on": True, "off": False, "auto": "auto"}[args.activation_checkpointing],
                     base_config=base)
 
@@ -137,10 +155,35 @@ def _probe(args: argparse.Namespace, plan: Plan, spec: ModelSpec, work: Workload
     return best.decision
 
 
+def run_3d(args: argparse.Namespace, spec: ModelSpec, work: Workload) -> int:
+    """`--3d`: the layout search of estimate/plan3d.py, printed with its reasons."""
+    if args.global_batch is None:
+        raise ZeroshardError("--3d needs --global-batch (sequences per optimizer step): it sets the micro-batch count "
+                             "that decides the pipeline bubble")
+    if work.seq_len is None:
+        raise ZeroshardError("--3d needs a --model with a transformer config (or --seq-len and such a model)")
+    for flag in ("out", "probe", "nvme_path"):
+        if getattr(args, flag):
+            raise ZeroshardError(f"--{flag.replace('_', '-')} does not go with --3d yet; drop it (the 3D search prints "
+                                 "the layout; offload and NVMe are the plan without --3d)")
+    train = Training(seq_len=work.seq_len, global_batch=args.global_batch, precision=work.precision,
+                     max_micro_batch=args.max_micro_batch or 8,
+                     checkpointing=work.checkpointing, tp_sizes=tuple(args.tp) if args.tp else None,
+                     pp_sizes=tuple(args.pp) if args.pp else None)
+    cluster = Cluster(nodes=args.nodes, devices_per_node=args.devices, device_memory=args.device_memory,
+                      intra_bandwidth=args.intra_node_bandwidth, inter_bandwidth=args.inter_node_bandwidth,
+                      device_flops=args.device_tflops * 1e12, reserve=args.reserve)
+    plan = make_3d_plan(spec, train, cluster)
+    print(report_3d(plan), flush=True)
+    return 0 if plan.chosen is not None else 1
+
+
 def run(args: argparse.Namespace) -> int:
     if args.devices < 1 or args.nodes < 1 or not 0 <= args.reserve < 1:
         raise ZeroshardError("--devices and --nodes must be >= 1 and --reserve in [0, 1)")
     spec = model_spec(args)
+    if args.three_d:
+        return run_3d(args, spec, _workload(args, spec))
     work = _workload(args, spec)
     hw = Hardware(devices_per_node=args.devices, nodes=args.nodes, device_memory=args.device_memory,
                   cpu_memory=args.cpu_memory, reserve=args.reserve, nvme_path=args.nvme_path,

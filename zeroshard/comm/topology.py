@@ -37,6 +37,7 @@ of the world creates the same groups in the same order, as ``new_group`` require
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, replace
 
@@ -48,9 +49,12 @@ from zeroshard.comm.groups import (
     adopt_subgroup,
     current_groups,
     node_rank_lists,
+    node_size,
     subgroup,
 )
 from zeroshard.errors import CommError
+
+logger = logging.getLogger("zeroshard")
 
 AXES: tuple[str, str, str] = ("pp", "dp", "tp")
 """DeepSpeed's axis order, slowest to fastest: tensor-parallel ranks are adjacent."""
@@ -147,6 +151,22 @@ class Topology:
         return [r for r in range(self.world_size)
                 if all(self.coord(r)[a] == c[a] for a in AXES if a not in names)]
 
+    def groups_across_nodes(self, axis: str, ranks_per_node: int) -> list[list[int]]:
+        """The groups along `axis` that span more than one node, when nodes hold `ranks_per_node`
+        consecutive ranks (every launcher numbers ranks node-major: `zeroshard launch` gives node n
+        ranks [n * size, (n + 1) * size)). Tensor-parallel ranks are adjacent, so a TP group stays
+        inside a node exactly when `tp` divides the ranks per node (the seed chapter's placement:
+        the costliest traffic on the fastest links).
+
+        >>> Topology(dp=2, tp=2).groups_across_nodes("tp", 2)
+        []
+        >>> Topology(dp=2, tp=2).groups_across_nodes("dp", 2)
+        [[0, 2], [1, 3]]
+        """
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks per node must be >= 1, got {ranks_per_node}")
+        return [g for g in self.axis_groups(axis) if len({r // ranks_per_node for r in g}) > 1]
+
     def node_split(self, dp_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
         """ZeRO++'s split of every data-parallel group, in global ranks: (node groups, cross
         groups). Each dp group's positions are cut into nodes of `dp_per_node` consecutive
@@ -242,7 +262,22 @@ def build_mesh(world: ProcessGroups, topology: Topology) -> MeshGroups:
             MeshGroups(world, topology, None)  # raises the size mismatch
         mesh = init_device_mesh(world.device.type, (topology.pp, topology.dp, topology.tp), mesh_dim_names=AXES)
     _MESH = MeshGroups(world, topology, mesh)
+    _check_placement(world, topology)
     return _MESH
+
+
+def _check_placement(world: ProcessGroups, topology: Topology) -> None:
+    """Warn (once, on rank 0) when a tensor-parallel group spans nodes: it still trains the same
+    numbers, but its per-layer all-reduces then cross the inter-node link."""
+    size = node_size(world)
+    if topology.tp == 1 or world.rank != 0 or size >= world.world_size:
+        return
+    across = topology.groups_across_nodes("tp", size)
+    if across:
+        logger.warning(
+            "tensor-parallel group %s spans nodes (%d ranks per node): its all-reduces cross the inter-node link. "
+            "Choose a tensor-parallel size dividing the ranks per node (%d), or start more ranks per node.",
+            across[0], size, size)
 
 
 def current_mesh() -> MeshGroups | None:

@@ -40,6 +40,9 @@ class TransformerShape:
     attention_scores_stored: bool = False
     """The model materialises the s*s attention matrix (T5's position bias rules out fused
     attention kernels); False for models on torch's scaled_dot_product_attention."""
+    num_kv_heads: int | None = None
+    """Key/value heads under grouped-query attention (Llama-2-70B: 8 of 64); None: as many as
+    `num_heads`. K and V activations shrink by num_kv_heads / num_heads."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,7 +160,9 @@ def shape_from_config(cfg: Any) -> TransformerShape | None:
     act = str(_first(cfg, "feed_forward_proj", "hidden_act", "activation_function") or "")
     model_type = str(_first(cfg, "model_type") or "")
     gated = act.startswith("gated") or model_type in _GATED_TYPES
-    return TransformerShape(hidden_size=hidden, num_layers=layers, num_heads=heads,
+    kv = _first(cfg, "num_key_value_heads")
+    return TransformerShape(num_kv_heads=kv if isinstance(kv, int) and kv != heads else None,
+                            hidden_size=hidden, num_layers=layers, num_heads=heads,
                             vocab_size=int(_first(cfg, "vocab_size") or 0), ffn_hidden_size=int(ffn),
                             gated_mlp=gated, attention_scores_stored=model_type in ("t5", "mt5"),
                             max_seq_len=_first(cfg, "max_position_embeddings", "n_positions", "block_size"))

@@ -1,0 +1,257 @@
+"""ZeRO-3 across the link against TP inside the node and PP across the link, on the simulated
+two-node cluster (bench/two_node.py: 2 nodes x 2 ranks, a rate-limited veth between them).
+
+    python bench/two_node_3d.py [--rate 300mbit] [--steps 3] [--cases zero3_llama tp2_dp2 ...]
+
+Each case is one `zeroshard launch` per node. Inside, every node's first rank reads its veth's
+tx_bytes counter around the timed steps (after a barrier), so the bytes are those of the steps
+only: inter-node bytes per step, both directions summed. The prediction is the estimator's
+traffic model (estimate/plan3d.py's volumes, with gloo's ring: a group of g ranks over 2 nodes
+crosses the link on 2 of its g ring hops, each hop carrying (g - 1) / g of the message).
+
+Cases (the two models have ~5-6M parameters; with a per-rank budget of 64 MB of model states
+neither fits plain data parallelism, 18 bytes/param in bf16 with fp32 masters and Adam):
+- zero3_llama: a tiny Llama (HF, built from its config), ZeRO-3 over the 4 ranks (across the link).
+- tp2_dp2: the same Llama, AutoTP 2 inside each node, ZeRO-1 over DP 2 across the link.
+- tp4_across: TP 4 over both nodes (DP 1): the control, every TP all-reduce crosses the link.
+- zero3_pipe: a layer stack (embedding, 8 MLP blocks, head), ZeRO-3 over the 4 ranks.
+- pp2_dp2: the same layers as a PipelineModule, 2 stages across the link, ZeRO-1 over DP 2
+  inside each node (issue 26 item 11: pipeline stages across the link against ZeRO-3 across it).
+  With TP inside (PP across x TP inside, 3D) once a PipelineModule takes AutoTP: `--cases pp2_tp2`.
+Writes bench/out/two_node_3d.json; the table is in bench/README.md ("3D on two nodes").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB, DIM, SEQ, MICRO, BLOCKS = 4000, 256, 64, 2, 8
+CASES = ("zero3_llama", "tp2_dp2", "tp4_across", "zero3_pipe", "pp2_dp2")
+
+
+def _tx_bytes() -> int:
+    dev = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    path = Path(f"/sys/class/net/{dev}/statistics/tx_bytes")
+    return int(path.read_text()) if dev and path.exists() else 0
+
+
+def _llama() -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=688, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=SEQ,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def _pipe_layers() -> list[Any]:
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(DIM)
+            self.fc = nn.Linear(DIM, 4 * DIM)
+            self.proj = nn.Linear(4 * DIM, DIM)
+
+        def forward(self, x: Any) -> Any:
+            return x + self.proj(F.gelu(self.fc(self.norm(x))))
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(DIM)
+            self.out = nn.Linear(DIM, VOCAB, bias=False)
+
+        def forward(self, x: Any) -> Any:
+            return self.out(self.norm(x))
+
+    return [nn.Embedding(VOCAB, DIM), *[Block() for _ in range(BLOCKS)], Head()]
+
+
+def _config(stage: int, gas: int, dp: int, **extra: Any) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+            "train_batch_size": MICRO * gas * dp, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "steps_per_print": 10**6,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000,
+                                  "stage3_prefetch_bucket_size": 5_000_000}, **extra}
+
+
+def worker(case: str, steps: int, gas: int) -> None:
+    """One rank of one case (started by `zeroshard launch` inside a namespace)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+
+    import zeroshard
+
+    torch.set_num_threads(1)
+    world = zeroshard.comm.init_distributed()
+    rank, w = world.rank, world.world_size
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(gas)]
+    if case in ("zero3_llama", "tp2_dp2", "tp4_across"):
+        tp = {"zero3_llama": 1, "tp2_dp2": 2, "tp4_across": 4}[case]
+        cfg = _config(3 if tp == 1 else 1, gas, w // tp, **({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {}))
+        model = _llama()
+        params = sum(p.numel() for p in model.parameters())
+        engine, *_ = zeroshard.initialize(model=model, config=cfg)
+        dp_rank = engine.parallel.dp.rank if tp > 1 else rank
+
+        def step() -> None:
+            for ids in batches:
+                engine.backward(engine(input_ids=ids, labels=ids).loss)
+                engine.step()
+    else:
+        layers = _pipe_layers()
+        params = sum(p.numel() for m in layers for p in m.parameters())
+
+        def loss_fn(out: Any, y: Any) -> Any:
+            return F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
+
+        if case == "zero3_pipe":
+            model = nn.Sequential(*layers)
+            engine, *_ = zeroshard.initialize(model=model, config=_config(3, gas, w))
+
+            def step() -> None:
+                for ids in batches:
+                    engine.backward(loss_fn(engine(ids), ids))
+                    engine.step()
+        else:
+            from zeroshard.pipe import PipelineModule
+
+            net = PipelineModule(layers, num_stages=2, partition_method="uniform", loss_fn=loss_fn)
+            engine, *_ = zeroshard.initialize(model=net, model_parameters=list(net.parameters()),
+                                              config=_config(1, gas, w // 2))
+
+            def step() -> None:
+                engine.train_batch(iter([(ids, ids) for ids in batches]))
+        dp_rank = rank
+    del dp_rank
+    step()  # warm-up: allocation, shape inference, the first gathers
+    times = []
+    dist.barrier()
+    before = _tx_bytes()
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    after = _tx_bytes()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    out: list[Any] = [None] * w
+    dist.all_gather_object(out, {"rank": rank, "local": local, "tx": after - before, "times": times})
+    if rank == 0:
+        tx = sum(o["tx"] for o in out if o["local"] == 0)  # one reader per node: its veth's tx
+        print("RESULT " + json.dumps({"case": case, "params": params, "steps": steps, "gas": gas,
+                                      "inter_node_bytes_per_step": tx / steps,
+                                      "step_s": statistics.median(times)}), flush=True)
+
+
+def predicted_inter_bytes(case: str, params_llama: int, params_pipe: int, gas: int) -> float:
+    """Inter-node bytes per step (both directions) from the estimator's traffic volumes."""
+    # bf16 parameters; fp32 gradients, reduce-scattered through gloo's all-reduce (gloo has no
+    # single-tensor reduce-scatter: comm/collectives.py falls back, twice the bytes)
+    p, g = 2, 2 * 4
+    if case in ("zero3_llama", "zero3_pipe"):
+        n = params_llama if case == "zero3_llama" else params_pipe
+        # per micro-batch: all-gather forward + backward, reduce-scatter; ring of 4 ranks over 2 nodes:
+        # 2 of 4 hops cross, each carrying 3/4 of the message
+        return gas * 2 * 3 / 4 * n * (2 * p + g)
+    if case == "tp2_dp2":
+        # ZeRO-1 over dp 2 (pairs across the link): each rank sends 1/2 of its TP shard's gradient
+        # (reduce-scatter) and of its parameters (all-gather); TP all-reduces stay inside the node
+        from zeroshard.estimate.hf_count import count_hf_params
+        from zeroshard.estimate.parallel import stage_spec
+
+        spec = count_hf_params({"model_type": "llama", "hidden_size": DIM, "num_hidden_layers": 4,
+                                "num_attention_heads": 8, "intermediate_size": 688, "vocab_size": VOCAB,
+                                "max_position_embeddings": SEQ}, "AutoModelForCausalLM")
+        share = stage_spec(spec, 1, 2, 0).total_params
+        return 4 * 0.5 * share * (g + p)
+    if case == "pp2_dp2":
+        # each of the 2 pipelines sends one activation forward and one gradient back per micro-batch
+        # (bf16: the stage output's dtype); ZeRO-1 over dp stays inside the node
+        return 2 * gas * 2 * MICRO * SEQ * DIM * 2
+    if case == "tp4_across":
+        # the control: a TP ring of 4 over both nodes (2 of 4 hops cross, each 2 * 3/4 of an
+        # all-reduce): 4 all-reduces of b*s*h bf16 per layer and micro-batch (2 forward, 2
+        # backward), and the head's logits all-gathered (gather_output) once per micro-batch
+        sbh = MICRO * SEQ * DIM * 2
+        return gas * (4 * 4 * 2 * 2 * 3 / 4 * sbh + 2 * 3 / 4 * MICRO * SEQ * VOCAB * 2)
+    return float("nan")
+
+
+def drive(args: argparse.Namespace) -> int:
+    sys.path.insert(0, str(REPO / "bench"))
+    from two_node import TwoNodeCluster, unavailable
+
+    why = unavailable()
+    if why is not None:
+        print(f"SKIP two-node cluster: {why}", file=sys.stderr)
+        return 3
+    load = os.getloadavg()
+    rows = []
+    with TwoNodeCluster(rate=args.rate, delay_ms=0) as cluster:
+        for case in args.cases:
+            argv = [str(Path(__file__).resolve()), "--worker", case, "--steps", str(args.steps), "--gas", str(args.gas)]
+            results = cluster.run(argv, 2, timeout_s=args.timeout_s)
+            found = [line for _, out in results for line in out.splitlines() if line.startswith("RESULT ")]
+            if not found:
+                print(f"{case}: failed\n" + "\n".join(out[-3000:] for _, out in results), flush=True)
+                continue
+            row = json.loads(found[0][len("RESULT "):])
+            rows.append(row)
+            print(f"{case}: {row}", flush=True)
+    params = {r["case"]: r["params"] for r in rows}
+    for r in rows:
+        r["predicted_inter_node_bytes_per_step"] = predicted_inter_bytes(
+            r["case"], params.get("zero3_llama", r["params"]), params.get("zero3_pipe", r["params"]), args.gas)
+    out = REPO / "bench" / "out" / "two_node_3d.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rate": args.rate, "loadavg_before": load, "loadavg_after": os.getloadavg(),
+                               "rows": rows}, indent=1))
+    print(f"load average before {load[0]:.1f}, after {os.getloadavg()[0]:.1f}; link {args.rate}")
+    print("| case | params | inter-node MB/step measured | predicted | step s | step / zero3 of the same model |")
+    print("|---|---|---|---|---|---|")
+    base = {r["case"]: r["step_s"] for r in rows if r["case"].startswith("zero3")}
+    for r in rows:
+        ref = base.get("zero3_llama" if r["case"] in ("zero3_llama", "tp2_dp2", "tp4_across") else "zero3_pipe")
+        print(f"| {r['case']} | {r['params'] / 1e6:.2f}M | {r['inter_node_bytes_per_step'] / 1e6:.2f} | "
+              f"{r['predicted_inter_node_bytes_per_step'] / 1e6:.2f} | {r['step_s']:.2f} | "
+              f"{r['step_s'] / ref:.2f} |" if ref else "")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", choices=CASES + ("pp2_tp2",))
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES + ("pp2_tp2",))
+    ap.add_argument("--rate", default="300mbit")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--gas", type=int, default=2, help="micro-batches per step")
+    ap.add_argument("--timeout-s", type=float, default=280)
+    args = ap.parse_args()
+    if args.worker:
+        if args.worker == "pp2_tp2":
+            raise SystemExit("pp2_tp2 needs a PipelineModule with AutoTP (3D), not on this branch yet")
+        worker(args.worker, args.steps, args.gas)
+        return 0
+    return drive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
