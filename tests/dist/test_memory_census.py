@@ -44,6 +44,11 @@ def _config(stage: int, opt: str, param: str, precision: str) -> dict[str, Any]:
 RUNS = [(c, p) for p in ("fp32", "bf16", "bf16-master") for c in CASES if p != "bf16-master" or c[0] > 0]
 
 
+@pytest.fixture(autouse=True)
+def _census_sees_this_test_only(frozen_heap: None) -> None:
+    """conftest's frozen_heap: the census walks this test's objects, not the whole session's."""
+
+
 @pytest.mark.parametrize("case,precision", RUNS, ids=["-".join(map(str, c)) + f"-{p}" for c, p in RUNS])
 def test_census_matches_estimate(groups, case: tuple[int, str, str], precision: str) -> None:
     gc.collect()

@@ -102,6 +102,11 @@ def _census_check(groups: ProcessGroups, engine: Any, model: nn.Module, cfg: dic
     assert pool <= 1.05 * bound, (label, pipeline, groups.rank, pool, bound)
 
 
+@pytest.fixture(autouse=True)
+def _census_sees_this_test_only(frozen_heap: None) -> None:
+    """conftest's frozen_heap: the census walks this test's objects, not the whole session's."""
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_pipeline_pp2_dp2_census(groups: ProcessGroups, stage: int) -> None:
     if groups.world_size != 4:
