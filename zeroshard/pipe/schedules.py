@@ -11,6 +11,14 @@ backwards. Two things of torch's do not fit ZeRO, and this module supplies them:
   `param.grad`-like accumulators here (`GradCapture`), and after the schedule the engine hands the
   batch's gradient to the strategy in one boundary backward: one reduction per batch, after the
   last micro-batch, at every ZeRO stage and for every schedule.
+- Note: [exact gradient handover]. Under bf16/fp16 the micro-batches' gradients are summed here
+  in `data_types.grad_accum_dtype` (fp32 unless the config says otherwise), as the strategies
+  sum them without a pipeline. The handover is a backward into the (bf16/fp16) parameters, which
+  would round that sum to 8 (11) bits: instead it is split into three parameter-dtype parts,
+  hi = round(g), mid = round(g - hi), lo = round(g - hi - mid), which together hold all 24 bits,
+  and delivered as three micro-batches (lo, mid: accumulated; hi: the boundary, reduced), so the
+  strategy's fp32 accumulator holds the fp32 sum (to the last bit barring underflow of `lo`).
+  At ZeRO-3, which reduces every micro-batch, that is three reduce-scatters per batch.
 - The loss: torch's `scale_grads` divides by the micro-batch count after the schedule; the engine
   divides the loss instead (DeepSpeed's gradient-accumulation scaling) and keeps the unscaled
   per-micro-batch losses for DeepSpeed's reported mean.
@@ -68,6 +76,22 @@ class GradCapture:
                 out[id(p)] = g if held is None else held.add_(g)
                 p.grad = None
         return out
+
+    def pieces(self, grads: dict[int, Tensor]) -> list[dict[int, Tensor]]:
+        """The deliveries that hand `grads` over without rounding (Note: [exact gradient handover]):
+        one when the gradients are in their parameters' dtype, else three in the parameter dtype
+        (smallest first) whose sum, in the strategy's accumulation dtype, is the captured sum."""
+        params = {id(p): p for p in self._params}
+        if all(g.dtype == params[i].dtype for i, g in grads.items()):
+            return [grads]
+        hi, mid, lo = {}, {}, {}
+        for i, g in grads.items():
+            dtype = params[i].dtype
+            hi[i] = g.to(dtype)
+            rest = g - hi[i].to(g.dtype)
+            mid[i] = rest.to(dtype)
+            lo[i] = (rest - mid[i].to(g.dtype)).to(dtype)
+        return [lo, mid, hi]
 
     def deliver(self, grads: dict[int, Tensor]) -> None:
         """One backward that accumulates `grads` into the parameters, firing the strategy's hooks."""

@@ -62,7 +62,7 @@ class PipeParts:
             # the same regions recomputed from the same saved inputs and RNG states, the same numbers.
             module.activation_checkpoint_func = non_reentrant_checkpoint
         params = [p for p in module.parameters() if p.requires_grad]
-        self.capture = GradCapture(params)
+        self.capture = GradCapture(params, accum_dtype=_grad_accum_dtype(cfg))
 
     @staticmethod
     def _tie_comms(module: PipelineModule, mesh: MeshGroups) -> dict[str, Comm]:
@@ -326,9 +326,15 @@ class PipelineEngine(ZeroEngine):
                         self._pipe.capture.collect()  # the failed batch's gradients: dropped
             grads = self._pipe.capture.collect()
             self._reduce_tied(grads)
+            *parts, last = self._pipe.capture.pieces(grads)  # Note: [exact gradient handover]
+            for part in parts:
+                self._strategy.begin_micro_batch(False)
+                self._strategy.begin_delivered_backward()
+                self._pipe.capture.deliver(part)
+                self._strategy.after_backward()
             self._strategy.begin_micro_batch(True)
             self._strategy.begin_delivered_backward()  # stage 3: start its arrivals afresh
-            self._pipe.capture.deliver(grads)
+            self._pipe.capture.deliver(last)
             self._strategy.after_backward()
         self._micro.begin_backward(reduces=True)  # the delivered backward reduced the batch's gradients
         self._micro.end_backward()
@@ -457,6 +463,18 @@ class PipelineEngine(ZeroEngine):
         mean = torch.stack([v.float() for v in values]).sum(0) / self.micro_batches
         self._comm.all_reduce(mean)
         return mean / self.world_size
+
+
+def _grad_accum_dtype(cfg: Config) -> torch.dtype | None:
+    """The dtype micro-batch gradients are summed in under bf16/fp16 (as zero/build.py resolves it
+    for the strategies: `data_types.grad_accum_dtype`, fp32 by default, bf16 with bf16 master
+    weights and gradients); None (the parameter dtype) in fp32 training."""
+    if not (cfg.bf16.enabled or cfg.fp16.enabled):
+        return None
+    if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads and cfg.bf16.bf16_optimizer_states:
+        return torch.bfloat16
+    named = cfg.data_types.grad_accum_dtype
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[named] if named else torch.float32
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
