@@ -318,14 +318,17 @@ def train_reference_mixed(dtype: torch.dtype, steps: int, dp: int, scale: float 
     for step, batch in enumerate(data(steps, dp)):
         acc = [torch.zeros_like(m, dtype=accum) for m in master]
         total = 0.0
-        for rank_batches in batch:
+        for rank_batches in batch:  # each data-parallel rank sums its micro-batches, then the ranks' sums add
+            mine = [torch.zeros_like(m, dtype=accum) for m in master]
             for ids, labels in rank_batches:
                 loss = loss_fn(reference_forward(model, 2, False, ids), labels)
                 (loss.float() * (scale / GAS)).backward()
                 total += loss.item() / (GAS * dp)
-                for a, p in zip(acc, params):
+                for a, p in zip(mine, params):
                     a += p.grad.to(accum)
                     p.grad = None
+            for a, m in zip(acc, mine):
+                a += m
         losses.append(total)
         if step == skip:
             scale /= 2
