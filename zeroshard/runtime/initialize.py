@@ -91,6 +91,46 @@ def _param_groups(model: nn.Module, model_parameters: Iterable[Any] | None) -> l
     return [g for g in groups if g["params"]]
 
 
+
+def _after_sharding(model: nn.Module, model_parameters: Iterable[Any] | None,
+                    names_before: dict[int, str]) -> Iterable[Any] | None:
+    """`model_parameters` with each parameter tensor parallelism replaced (sharding in initialize
+    builds new ones) swapped for its shard, found by name: Hugging Face's Trainer lists the
+    parameters after `tp_model_init`, before initialize shards them, as DeepSpeed 0.19.8 allows."""
+    if model_parameters is None:
+        return None
+    now = dict(model.named_parameters())
+    current = {id(p) for p in now.values()}
+
+    def swap(p: Any) -> Any:
+        if not isinstance(p, torch.Tensor) or id(p) in current or names_before.get(id(p)) not in now:
+            return p
+        return now[names_before[id(p)]]
+
+    items = list(model_parameters)
+    if items and isinstance(items[0], Mapping):
+        return [{**g, "params": [swap(p) for p in g["params"]]} for g in items]
+    return [swap(p) for p in items]
+
+
+def _load_with_tp_batch(source: Any, dp_world: int, world: int, **kwargs: Any) -> Config:
+    """The config, its batch triad counted over the data-parallel ranks; with AutoTP (no mpu)
+    also DeepSpeed 0.19.8's count over every rank, which its config checks when it sees no
+    data-parallel group (and Hugging Face's Trainer fills "auto" with): the same batch per rank."""
+    try:
+        return load_config(source, dp_world_size=dp_world, **kwargs)
+    except ConfigError as e:
+        if world == dp_world or "train_batch_size" not in str(e):
+            raise
+        try:
+            cfg = load_config(source, dp_world_size=world, **kwargs)
+        except ConfigError:
+            raise e from None
+    logger.warning(f"train_batch_size {cfg.train_batch_size} counts all {world} ranks, as DeepSpeed's AutoTP does; "
+                   f"the {dp_world} data-parallel rank(s) x tensor_parallel.autotp_size {world // dp_world} see "
+                   f"{cfg.train_batch_size // (world // dp_world)} different samples per step")
+    return cfg
+
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -187,8 +227,8 @@ def initialize(
     else:
         dp_world = max(world.world_size // tp_size, 1)
     auto = dict(client_auto_values(optimizer))
-    cfg = load_config(source, dp_world_size=dp_world,
-                      hidden_size=model_hidden_size(model), auto_values=auto)
+    cfg = _load_with_tp_batch(source, dp_world, world.world_size if tp_size > 1 and mpu is None else dp_world,
+                              hidden_size=model_hidden_size(model), auto_values=auto)
     logger.info(
         "resolved config (values not at their DeepSpeed default, with their source; "
         "`zeroshard config check FILE` lists every key):\n" + cfg.describe(non_default_only=True)
@@ -216,7 +256,9 @@ def initialize(
     world_comm = Comm(world, log=CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
                       if comms.enabled else None)
     check_same_config(cfg, world_comm)  # the first collective: before anything trains on it
+    names_before = {id(p): n for n, p in model.named_parameters()}
     layout = _parallel_layout(world, world_comm, model, cfg, tp_size, mpu, pipe_module)
+    model_parameters = _after_sharding(model, model_parameters, names_before)
     groups = layout.dp  # ZeRO, the batch and the data loader run over the data-parallel ranks
     comm = world_comm if groups is world else Comm(groups, log=world_comm.log, label="dp")
     broadcast_module_state(model, comm)
