@@ -53,8 +53,9 @@ STAGES: dict[str, list[str]] = {
     "dist3": torchrun(3, *PYTEST, "tests/dist", rank0_output=True),
     # Pipeline x data (PP 2 x DP 2, PP 4), tensor x data parallelism (TP 2 x DP 2) and 3D (PP 2 x TP 2)
     # need 4 ranks; the rest of tests/dist runs at 1-3 ranks, so this stage runs only those files.
-    "dist4": torchrun(4, *PYTEST, "tests/dist/test_pipeline.py", "tests/dist/test_tensor_parallel.py",
-                      "tests/dist/test_3d.py", "tests/dist/test_memory_census_3d.py", rank0_output=True),
+    "dist4": torchrun(4, *PYTEST, "tests/dist/test_pipeline.py", "tests/dist/test_pipeline_failures.py",
+                      "tests/dist/test_tensor_parallel.py", "tests/dist/test_3d.py",
+                      "tests/dist/test_memory_census_3d.py", rank0_output=True),
     "launch": [sys.executable, *PYTEST, "tests/launch"],
 }
 # Opt-in: zeroshard against DeepSpeed 0.19 on the same cases (tests/differential/harness.py).

@@ -2,7 +2,8 @@
 
 World 1: one stage (no schedule). World 2: 2 stages. World 3: 3 stages. World 4 (tests/run.py's
 dist4 stage): 2 stages x data parallel 2, and 4 stages. fp32; per-step losses and final weights
-agree within ~1e-6 relative at every ZeRO stage and schedule.
+agree within ~1e-6 relative at every ZeRO stage and schedule. bf16 and fp16 (dynamic loss scale,
+an overflow in one stage skipping the step everywhere): the same losses, weights within an ulp.
 """
 
 from __future__ import annotations
@@ -465,3 +466,115 @@ def test_eval_batch_and_refused_calls(groups: ProcessGroups) -> None:
     assert engine.is_first_stage() == (engine.stage_id == 0)
     assert engine.is_last_stage() == (engine.stage_id == stages - 1)
     assert engine.micro_batches == GAS and engine.num_stages == stages
+
+
+def train_reference_mixed(dtype: torch.dtype, steps: int, dp: int, scale: float = 1.0, skip: int = -1,
+                          accum: torch.dtype = torch.float32) -> tuple[list[float], dict[str, Tensor]]:
+    """The same layers without a pipeline in zeroshard's mixed precision: `dtype` weights and
+    activations, each micro-batch's gradient summed in `accum`, fp32 master weights stepped by
+    AdamW (untied layers: autograd would sum a tied weight's two uses in the weight's dtype, the
+    pipeline sums them in fp32 across stages); `skip`: the step whose gradients overflowed (no
+    update, the scale halved after it)."""
+    model = reference_model(2, False).to(dtype)
+    params = list(model.parameters())
+    master = [p.detach().float().clone().requires_grad_() for p in params]
+    opt = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.01)
+    losses = []
+    for step, batch in enumerate(data(steps, dp)):
+        acc = [torch.zeros_like(m, dtype=accum) for m in master]
+        total = 0.0
+        for rank_batches in batch:  # each data-parallel rank sums its micro-batches, then the ranks' sums add
+            mine = [torch.zeros_like(m, dtype=accum) for m in master]
+            for ids, labels in rank_batches:
+                loss = loss_fn(reference_forward(model, 2, False, ids), labels)
+                (loss.float() * (scale / GAS)).backward()
+                total += loss.item() / (GAS * dp)
+                for a, p in zip(mine, params):
+                    a += p.grad.to(accum)
+                    p.grad = None
+            for a, m in zip(acc, mine):
+                a += m
+        losses.append(total)
+        if step == skip:
+            scale /= 2
+            continue
+        for m, a in zip(master, acc):
+            m.grad = a.float() / (scale * dp)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(params, master):
+                p.copy_(m)
+    return losses, {k: v.detach().float() for k, v in model.state_dict().items()}
+
+
+def mixed_config(precision: str, **extra: Any) -> dict[str, Any]:
+    cfg = pipe_config(1, clip=0.0)
+    cfg[precision] = {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {}), **extra}
+    return cfg
+
+
+def deviations(engine: Any, losses: list[float], want_losses: list[float], want: dict[str, Tensor]
+               ) -> tuple[float, float]:
+    """(max relative loss deviation, max weight deviation in units of the weight's dtype epsilon)."""
+    loss_dev = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses, strict=True))
+    ulps = 0.0
+    for name, p in engine.module.named_parameters():
+        eps = torch.finfo(p.dtype).eps
+        ulps = max(ulps, ((p.detach().float() - want[name]).abs() / (want[name].abs() * eps + 1e-30)).max().item())
+    return loss_dev, ulps
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_pipeline_matches_single_process(groups: ProcessGroups, precision: str) -> None:
+    """bf16 / fp16 (dynamic loss scale 2**8, no overflow): micro-batch gradients summed in fp32
+    (Note: [exact gradient handover]), the same losses and weights as without a pipeline."""
+    stages = stage_layouts(groups.world_size)[0]
+    dp = groups.world_size // stages
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    engine, losses = train_pipeline(groups, stages, 2, False, 3, mixed_config(precision))
+    assert next(engine.module.parameters()).dtype == dtype
+    want_losses, want = train_reference_mixed(dtype, 3, dp, scale=256.0 if precision == "fp16" else 1.0)
+    loss_dev, ulps = deviations(engine, losses, want_losses, want)
+    assert loss_dev < 1e-5 and ulps <= 2.0, f"{precision}: loss deviation {loss_dev:.1e}, weights {ulps:.1f} ulp"
+
+
+def test_bf16_gradients_accumulate_in_fp32_unless_configured(groups: ProcessGroups) -> None:
+    """data_types.grad_accum_dtype: "bf16" sums in bf16 (the reference doing so), the default in fp32."""
+    stages = stage_layouts(groups.world_size)[0]
+    dp = groups.world_size // stages
+    cfg = mixed_config("bf16")
+    cfg["data_types"] = {"grad_accum_dtype": "bf16"}
+    engine, losses = train_pipeline(groups, stages, 2, False, 3, cfg)
+    want_losses, want = train_reference_mixed(torch.bfloat16, 3, dp, accum=torch.bfloat16)
+    loss_dev, ulps = deviations(engine, losses, want_losses, want)
+    assert loss_dev < 1e-5 and ulps <= 2.0, f"bf16 accumulation: loss deviation {loss_dev:.1e}, {ulps:.1f} ulp"
+    fp32_ulps = deviations(engine, losses, *train_reference_mixed(torch.bfloat16, 3, dp))[1]
+    assert fp32_ulps > 4.0, f"the fp32-summing reference is {fp32_ulps:.1f} ulp away too: the test sees no difference"
+
+
+def test_fp16_overflow_in_one_stage_skips_the_step_on_every_stage(groups: ProcessGroups) -> None:
+    """An inf in one rank's last-stage gradient at step 2: every rank skips that step and halves
+    the loss scale (hysteresis 1); the run equals the same layers without a pipeline skipping step 2."""
+    stages = stage_layouts(groups.world_size)[0]
+    dp = groups.world_size // stages
+    net = PipelineModule(specs(2, False), num_stages=stages, loss_fn=loss_fn, seed_layers=True, base_seed=BASE_SEED)
+    engine, *_ = zeroshard.initialize(model=net, model_parameters=list(net.parameters()),
+                                      config=mixed_config("fp16", hysteresis=1))
+    poisoned = groups.rank == groups.world_size - 1  # the last stage of the last data-parallel replica
+    losses, scales, unchanged = [], [], []
+    for step, batch in enumerate(data(4, dp)):
+        hook = None
+        if step == 1 and poisoned:
+            hook = next(engine.module.parameters()).register_hook(lambda g: g * float("inf"))
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        losses.append(float(engine.train_batch(iter(batch[groups.rank % dp]))))
+        unchanged.append(all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters())))
+        scales.append(engine.get_loss_scale())
+        if hook is not None:
+            hook.remove()
+    assert unchanged == [False, True, False, False], f"rank {groups.rank}: steps that left the weights: {unchanged}"
+    assert scales == [256.0, 128.0, 128.0, 128.0], scales
+    want_losses, want = train_reference_mixed(torch.float16, 4, dp, scale=256.0, skip=1)
+    loss_dev, ulps = deviations(engine, losses, want_losses, want)
+    assert loss_dev < 1e-5 and ulps <= 2.0, f"loss deviation {loss_dev:.1e}, weights {ulps:.1f} ulp"

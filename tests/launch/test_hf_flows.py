@@ -155,6 +155,17 @@ def test_trainer_save_on_each_node_world2(tmp_path: Path, monkeypatch: Any) -> N
     assert read_manifest(ckpt).node_ranks is None  # one shared directory: the ordinary checkpoint
 
 
+def test_trainer_autotp2_equals_tp1_world2(tmp_path: Path) -> None:
+    """The ds_config's "tensor_parallel": {"autotp_size": 2} at 2 ranks: Trainer calls
+    deepspeed.tp_model_init, fills train_batch_size over every rank as DeepSpeed counts it, and
+    hands initialize the parameters from before the sharding; each step's loss, grad norm and lr
+    equal the same model trained at TP 1 on one rank (the TP ranks see the same samples)."""
+    tp2 = trainer(tmp_path, "zeroshard", "autotp2", "--autotp", "2", nproc=2)
+    tp1 = trainer(tmp_path, "zeroshard", "tp1", torchrun=False)
+    assert tp2["world_size"] == 2 and len(tp2["log"]) == 4
+    assert_same_log(tp2["log"], tp1["log"], "trainer autotp 2 vs tp 1")
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_nontrainer_generate_synced_world2(tmp_path: Path, stage: int) -> None:
     """HfDeepSpeedConfig + deepspeed.initialize + generate(synced_gpus=True): ranks asking for
@@ -264,6 +275,12 @@ class TestAgainstDeepSpeed:
                 note_deviation("trainer zero2 resume: DeepSpeed resumed vs DeepSpeed uninterrupted|1", key,
                                relative(x[key], y[key]))
         assert_same_log(a["log"][-2:], whole["log"][-2:], "trainer zero2 resume vs DeepSpeed uninterrupted|1")
+
+    def test_trainer_autotp2(self, tmp_path: Path) -> None:
+        """"tensor_parallel": {"autotp_size": 2} at 2 ranks through Trainer (tp_model_init)."""
+        a = trainer(tmp_path, "zeroshard", "zero2 autotp2", "--autotp", "2", nproc=2)
+        b = trainer(tmp_path, "deepspeed", "zero2 autotp2", "--autotp", "2", nproc=2)
+        assert_same_log(a["log"], b["log"], "trainer zero2 autotp2|2")
 
     @pytest.mark.parametrize("stage", [2, 3])
     def test_nontrainer_generate(self, tmp_path: Path, stage: int) -> None:

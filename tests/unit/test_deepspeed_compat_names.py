@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import json
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from signatures import parameters
 
 from zeroshard.errors import ConfigError
 
@@ -273,21 +272,12 @@ SIGNATURES = [
 ]
 
 
-def _resolve(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 @pytest.mark.parametrize(("ours", "theirs"), SIGNATURES, ids=[s[0].rpartition(":")[2] for s in SIGNATURES])
 def test_signature_matches_deepspeed(ours: str, theirs: str) -> None:
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("DeepSpeed is not installed")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    mine = inspect.signature(_resolve(ours)).parameters
-    ref = inspect.signature(_resolve(theirs)).parameters
+    mine, ref = parameters(ours, theirs)
     assert list(mine) == list(ref), f"{ours}: parameters {list(mine)}, DeepSpeed {list(ref)}"
     for name, p in ref.items():
         if isinstance(p.default, (bool, int, float, str, type(None))):

@@ -9,10 +9,10 @@ import importlib
 import importlib.util
 import inspect
 import os
-from typing import Any
 
 import pytest
 import torch
+from signatures import parameters
 from torch import nn
 
 import zeroshard
@@ -113,14 +113,6 @@ LEFT_OUT = {"prof", "log_name", "debug", "use_default_group"}
 DEFAULTS_DIFFER = {("zeroshard:initialize", "distributed_port")}
 
 
-def _resolve(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 @pytest.fixture(scope="module")
 def deepspeed_loaded() -> None:
     if not HAVE_DEEPSPEED:
@@ -130,8 +122,7 @@ def deepspeed_loaded() -> None:
 
 @pytest.mark.parametrize(("ours", "theirs"), SIGNATURES, ids=[s[0].rpartition(":")[2] for s in SIGNATURES])
 def test_signature_matches_deepspeed(deepspeed_loaded: None, ours: str, theirs: str) -> None:
-    mine = inspect.signature(_resolve(ours)).parameters
-    ref = inspect.signature(_resolve(theirs)).parameters
+    mine, ref = parameters(ours, theirs)
     positional = [n for n, p in ref.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                   and n not in LEFT_OUT]
     mine_positional = [n for n, p in mine.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from signatures import parameters
 from torch import nn
 
 from zeroshard.errors import ConfigError, NotSupportedError
@@ -63,18 +64,9 @@ SIGNATURES = [
                "filter_match", "get_axis_list", "world_size")]
 
 
-def _resolve(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 @pytest.mark.parametrize(("ours", "theirs"), SIGNATURES, ids=[s[0].rpartition(":")[2] for s in SIGNATURES])
 def test_signature_matches_deepspeed(ds: Any, ours: str, theirs: str) -> None:
-    mine = inspect.signature(_resolve(ours)).parameters
-    ref = inspect.signature(_resolve(theirs)).parameters
+    mine, ref = parameters(ours, theirs)
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     assert [n for n, p in mine.items() if p.kind in kinds] == [n for n, p in ref.items() if p.kind in kinds]
     for name, p in ref.items():

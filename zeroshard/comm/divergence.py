@@ -479,3 +479,24 @@ def forget_tracker(group: dist.ProcessGroup, state: str = "left the process grou
     tracker = _TRACKERS.pop(id(group), None)
     if tracker is not None:
         tracker.close(state)
+
+
+def exited_peers(group: dist.ProcessGroup | None) -> dict[int, str]:
+    """Peers of ``group`` whose last published state says they left (rank -> "exited: reason"),
+    read from the store without asking anyone (a dead peer cannot answer). Empty without a store."""
+    tracker = tracker_of(group)
+    if tracker is None or tracker._store is None:
+        return {}
+    out = {}
+    for r in range(tracker.world_size):
+        key = f"{_PREFIX}state/{r}"
+        try:
+            with tracker._lock:
+                if r == tracker.rank or not tracker._store.check([key]):
+                    continue
+                state = json.loads(tracker._store.get(key))
+        except Exception:  # the store's host is gone too
+            return out
+        if state.get("state") != "running":
+            out[r] = f"{state['state']}" + (f" ({state['reason']})" if state.get("reason") else "")
+    return out

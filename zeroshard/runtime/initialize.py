@@ -92,6 +92,24 @@ def _param_groups(model: nn.Module, model_parameters: Iterable[Any] | None) -> l
     return [g for g in groups if g["params"]]
 
 
+def _load_with_tp_batch(source: Any, dp_world: int, world: int, **kwargs: Any) -> Config:
+    """The config, its batch triad counted over the data-parallel ranks; with AutoTP (no mpu)
+    also DeepSpeed 0.19.8's count over every rank, which its config checks when it sees no
+    data-parallel group (and Hugging Face's Trainer fills "auto" with): the same batch per rank."""
+    try:
+        return load_config(source, dp_world_size=dp_world, **kwargs)
+    except ConfigError as e:
+        if world == dp_world or "train_batch_size" not in str(e):
+            raise
+        try:
+            cfg = load_config(source, dp_world_size=world, **kwargs)
+        except ConfigError:
+            raise e from None
+    logger.warning(f"train_batch_size {cfg.train_batch_size} counts all {world} ranks, as DeepSpeed's AutoTP does; "
+                   f"the {dp_world} data-parallel rank(s) x tensor_parallel.autotp_size {world // dp_world} see "
+                   f"{cfg.train_batch_size // (world // dp_world)} different samples per step")
+    return cfg
+
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -191,8 +209,8 @@ def initialize(
     else:
         dp_world = max(world.world_size // tp_size, 1)
     auto = dict(client_auto_values(optimizer))
-    cfg = load_config(source, dp_world_size=dp_world,
-                      hidden_size=model_hidden_size(model), auto_values=auto)
+    cfg = _load_with_tp_batch(source, dp_world, world.world_size if tp_size > 1 and mpu is None else dp_world,
+                              hidden_size=model_hidden_size(model), auto_values=auto)
     logger.info(
         "resolved config (values not at their DeepSpeed default, with their source; "
         "`zeroshard config check FILE` lists every key):\n" + cfg.describe(non_default_only=True)

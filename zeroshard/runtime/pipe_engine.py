@@ -24,8 +24,9 @@ from torch import Tensor
 from zeroshard.comm import Comm
 from zeroshard.comm.groups import subgroup
 from zeroshard.errors import NotSupportedError
+from zeroshard.pipe.failures import StageGuard, first_line
 from zeroshard.pipe.module import PipelineError, PipelineModule
-from zeroshard.pipe.schedules import GradCapture, build_schedule, last_outputs
+from zeroshard.pipe.schedules import GradCapture, StageRunner, build_schedule, last_outputs
 from zeroshard.runtime.activation_checkpointing import checkpoint, non_reentrant_checkpoint
 from zeroshard.runtime.engine import ZeroEngine
 from zeroshard.zero.strategy import GradStats
@@ -60,7 +61,7 @@ class PipeParts:
             # the same regions recomputed from the same saved inputs and RNG states, the same numbers.
             module.activation_checkpoint_func = non_reentrant_checkpoint
         params = [p for p in module.parameters() if p.requires_grad]
-        self.capture = GradCapture(params)
+        self.capture = GradCapture(params, accum_dtype=_grad_accum_dtype(cfg))
 
     @staticmethod
     def _tie_comms(module: PipelineModule, mesh: MeshGroups) -> dict[str, Comm]:
@@ -100,17 +101,32 @@ class PipelineEngine(ZeroEngine):
         self._tied_dup_sq = 0.0
         self.agg_train_loss: Tensor | None = None
         self._schedule: Any = None
+        self._runner: StageRunner | None = None
         if self.num_stages > 1:
-            pp = pipe.mesh.axis("pp")
-            self._schedule = build_schedule(
-                self._config.pipeline.schedule, module.chunks(), module.local_chunks,
-                len(module.parts) - 1, self.device, pp.dp_group, self.micro_batches, self._loss_for_backward)
+            self._runner = self._stage_runner(pipe)
+            self._schedule = self._runner.schedule
         if self.training_dataloader is not None:
             self.set_dataloader(self.training_dataloader)
         if self.global_rank_is_zero():
             logger.info(f"pipeline: {self.num_stages} stages x dp {self.world_size} x tp {pipe.mesh.topology.tp}, "
                         f"schedule {self._config.pipeline.schedule}, {self.micro_batches} micro-batches\n"
                         + module.describe_partition())
+
+    def _stage_runner(self, pipe: PipeParts) -> StageRunner:
+        """torch's schedule over this rank's stages, guarded (Note: [pipeline failure vote])."""
+        module, topo = pipe.module, pipe.mesh.topology
+        pp = pipe.mesh.axis("pp")
+        guard = StageGuard(pipe.world_comm, lambda r: topo.coord(r)["pp"], len(module.parts) - 1)
+
+        def build(guard: StageGuard) -> Any:
+            return build_schedule(self._config.pipeline.schedule, module.chunks(), module.local_chunks,
+                                  len(module.parts) - 1, self.device, pp.dp_group, self.micro_batches,
+                                  self._loss_for_backward, guard)
+
+        coord = pipe.mesh.coord
+        return StageRunner(build, guard, first_rank=topo.rank_at(pp=0, dp=coord["dp"], tp=coord["tp"]),
+                           is_first=self.is_first_stage(), micro_batches=self.micro_batches,
+                           dynamic=module.dynamic_shape, group=pp.dp_group)
 
     def global_rank_is_zero(self) -> bool:
         return self._pipe.mesh.world.rank == 0
@@ -215,7 +231,11 @@ class PipelineEngine(ZeroEngine):
     # -- training ---------------------------------------------------------------------------
 
     def _loss_for_backward(self, output: Any, target: Any) -> Tensor:
-        loss = self._pipe.module.loss_fn(output, target)
+        if self._runner is None:
+            loss = self._pipe.module.loss_fn(output, target)
+        else:
+            loss = self._runner.guard.loss(self._pipe.module.loss_fn, len(self._pipe.module.parts) - 2,
+                                           output, target)
         self._micro_losses.append(loss.detach())
         scale = self.get_loss_scale() / self.micro_batches  # DeepSpeed divides by the micro-batch count
         return loss.float() * scale
@@ -238,6 +258,16 @@ class PipelineEngine(ZeroEngine):
         if labels is None and self.is_last_stage():
             raise PipelineError("the labels of a micro-batch must be one tensor (batch dimension first)")
         return joined, labels
+
+    def _draw(self) -> tuple[tuple[Tensor, ...] | None, Any, str | None]:
+        """The batch's micro-batches, or with several stages the error drawing them raised (every
+        rank raises it after the runner's vote, Note: [pipeline failure vote])."""
+        if self._runner is None:
+            return (*self._next_batches(self.micro_batches), None)
+        try:
+            return (*self._next_batches(self.micro_batches), None)
+        except Exception as e:
+            return None, None, f"drawing the batch raised {type(e).__name__}: {first_line(e)}"
 
     def _run_local(self, inputs: tuple[Tensor, ...], labels: Tensor, train: bool) -> list[Any]:
         """One stage: the micro-batches one after another (no schedule needed)."""
@@ -262,19 +292,30 @@ class PipelineEngine(ZeroEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         self._micro_losses = []
-        inputs, labels = self._next_batches(self.micro_batches)
+        inputs, labels, error = self._draw()
         self._strategy.begin_micro_batch(False)
         with self._held():
-            if self._schedule is None:
+            if self._runner is None:
                 self._run_local(inputs, labels, train=True)  # type: ignore[arg-type]
             else:
-                args = inputs if self.is_first_stage() else ()
-                self._schedule.step(*args, target=labels if self.is_last_stage() else None, return_outputs=False)
+                try:
+                    self._runner.run("train_batch", inputs, labels if self.is_last_stage() else None, error,
+                                     train=True)
+                finally:
+                    self._schedule = self._runner.schedule
+                    if self._runner.failed:
+                        self._pipe.capture.collect()  # the failed batch's gradients: dropped
             grads = self._pipe.capture.collect()
             self._reduce_tied(grads)
+            *parts, last = self._pipe.capture.pieces(grads)  # Note: [exact gradient handover]
+            for part in parts:
+                self._strategy.begin_micro_batch(False)
+                self._strategy.begin_delivered_backward()
+                self._pipe.capture.deliver(part)
+                self._strategy.after_backward()
             self._strategy.begin_micro_batch(True)
             self._strategy.begin_delivered_backward()  # stage 3: start its arrivals afresh
-            self._pipe.capture.deliver(grads)
+            self._pipe.capture.deliver(last)
             self._strategy.after_backward()
         self._micro.begin_backward(reduces=True)  # the delivered backward reduced the batch's gradients
         self._micro.end_backward()
@@ -368,15 +409,16 @@ class PipelineEngine(ZeroEngine):
         self.set_dataiterator(data_iter)
         self.module.eval()
         try:
-            inputs, labels = self._next_batches(self.micro_batches)
+            inputs, labels, error = self._draw()
             with torch.no_grad(), self._held():
-                if self._schedule is None:
+                if self._runner is None:
                     outs = self._run_local(inputs, labels, train=False)  # type: ignore[arg-type]
                 else:
                     # torch's 1F1B computes the loss even forward-only, so the last stage passes
                     # its labels; the losses returned below are computed from the outputs here.
-                    self._schedule.eval(*(inputs if self.is_first_stage() else ()),
-                                        target=labels if self.is_last_stage() else None)
+                    self._runner.run("eval_batch", inputs, labels if self.is_last_stage() else None, error,
+                                     train=False)
+                    self._schedule = self._runner.schedule
                     outs = last_outputs(self._schedule)
                     self._micro_losses = []
         finally:
@@ -408,3 +450,15 @@ def _serialize(state: Mapping[str, Tensor]) -> Tensor:
     buf = io.BytesIO()
     torch.save(dict(state), buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _grad_accum_dtype(cfg: Config) -> torch.dtype | None:
+    """The dtype micro-batch gradients are summed in under bf16/fp16 (as zero/build.py resolves it
+    for the strategies: `data_types.grad_accum_dtype`, fp32 by default, bf16 with bf16 master
+    weights and gradients); None (the parameter dtype) in fp32 training."""
+    if not (cfg.bf16.enabled or cfg.fp16.enabled):
+        return None
+    if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads and cfg.bf16.bf16_optimizer_states:
+        return torch.bfloat16
+    named = cfg.data_types.grad_accum_dtype
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[named] if named else torch.float32

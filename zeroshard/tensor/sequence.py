@@ -14,6 +14,7 @@ Imports torch, errors and zeroshard.comm (types) only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,61 +47,39 @@ def _chunk(x: Tensor, comm: "Comm") -> Tensor:
     return x.narrow(SEQ_DIM, comm.rank * n, n).contiguous()
 
 
-class _GatherSeq(torch.autograd.Function):
+class _SeqOp(torch.autograd.Function):
+    """A collective along the sequence, `fwd(x, comm)`, whose backward is `bwd(grad, comm)`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, comm: "Comm", fwd: Callable[[Tensor, "Comm"], Tensor],
+                bwd: Callable[[Tensor, "Comm"], Tensor]) -> Tensor:
+        ctx.comm, ctx.bwd = comm, bwd
+        return fwd(x, comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return ctx.bwd(grad, ctx.comm), None, None, None
+
+
+def _gather_in(x: Tensor, comm: "Comm") -> Tensor:
     """Forward: all-gather along the sequence. Backward: reduce-scatter (a column layer's input)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, comm: "Comm") -> Tensor:
-        ctx.comm = comm
-        return _gather_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _reduce_scatter_seq(grad, ctx.comm), None
+    return _SeqOp.apply(x, comm, _gather_seq, _reduce_scatter_seq)
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
-    """Forward: reduce-scatter along the sequence (a row layer's output). Backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, comm: "Comm") -> Tensor:
-        ctx.comm = comm
-        return _reduce_scatter_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _gather_seq(grad, ctx.comm), None
-
-
-class _SplitSeq(torch.autograd.Function):
+def _split(x: Tensor, comm: "Comm") -> Tensor:
     """Forward: this rank's sequence chunk of a whole activation. Backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, comm: "Comm") -> Tensor:
-        ctx.comm = comm
-        return _chunk(x, comm)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _gather_seq(grad, ctx.comm), None
+    return _SeqOp.apply(x, comm, _chunk, _gather_seq)
 
 
-class _JoinSeq(torch.autograd.Function):
+def _join(x: Tensor, comm: "Comm") -> Tensor:
     """Forward: all-gather the chunks into the whole sequence. Backward: this rank's chunk (the
     whole gradient is the same on every tp rank: the head's input gradient is summed over tp)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, comm: "Comm") -> Tensor:
-        ctx.comm = comm
-        return _gather_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _chunk(grad, ctx.comm), None
+    return _SeqOp.apply(x, comm, _gather_seq, _chunk)
 
 
 def reduce_scatter_seq(x: Tensor, comm: "Comm") -> Tensor:
-    return _ReduceScatterSeq.apply(x, comm)
+    """Forward: reduce-scatter along the sequence (a row layer's output). Backward: all-gather."""
+    return _SeqOp.apply(x, comm, _reduce_scatter_seq, _gather_seq)
 
 
 def _first(value: Any) -> Tensor:
@@ -127,23 +106,23 @@ def enable_sequence_parallel(model: nn.Module, comm: "Comm", split: set[str]) ->
             if x.shape[SEQ_DIM] % comm.world_size:
                 raise ConfigError(f"sequence parallelism: sequence length {x.shape[SEQ_DIM]} is not divisible by "
                                   f"the tensor-parallel size {comm.world_size}; pad the batch.")
-            return (_SplitSeq.apply(x, comm), *args[1:]), kwargs
+            return (_split(x, comm), *args[1:]), kwargs
         x = kwargs["hidden_states"]
-        return args, {**kwargs, "hidden_states": _SplitSeq.apply(x, comm)}
+        return args, {**kwargs, "hidden_states": _split(x, comm)}
 
     layers[0].register_forward_pre_hook(cut, with_kwargs=True)
 
     def gather(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if args:
-            return (_GatherSeq.apply(args[0], comm), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": _GatherSeq.apply(kwargs["hidden_states"], comm)}
+            return (_gather_in(args[0], comm), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": _gather_in(kwargs["hidden_states"], comm)}
 
     for block in layers:
         for child in block.children():
             # a column-parallel layer under sequence parallelism (tensor/layers.py) marks itself
             if any(getattr(m, "gathers_sequence", False) for m in child.modules()):
                 child.register_forward_pre_hook(gather, with_kwargs=True)
-    norm.register_forward_hook(lambda _m, _a, out: _JoinSeq.apply(_first(out), comm))
+    norm.register_forward_hook(lambda _m, _a, out: _join(_first(out), comm))
 
     def summed(g: Tensor) -> Tensor:
         g = g.contiguous().clone()

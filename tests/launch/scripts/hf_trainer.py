@@ -29,6 +29,7 @@ p.add_argument("--bf16", action="store_true")
 p.add_argument("--eval", action="store_true")
 p.add_argument("--save-on-each-node", action="store_true", help="TrainingArguments(save_on_each_node=True)")
 p.add_argument("--save-model", default="")
+p.add_argument("--autotp", type=int, default=0, help='the ds_config\'s "tensor_parallel": {"autotp_size": N}')
 p.add_argument("--out", required=True)
 p.add_argument("--results", required=True)
 args = p.parse_args()
@@ -53,6 +54,8 @@ if args.stage == 3:
 ds: dict = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": zero,
             "bf16": {"enabled": "auto"}}
+if args.autotp:
+    ds["tensor_parallel"] = {"autotp_size": args.autotp}
 if args.optim == "ds":
     ds["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
                                                     "weight_decay": "auto"}}

@@ -23,6 +23,7 @@ __getattr__, __dir__ = _reexport(__name__, {
     "DeepSpeedEngine": "zeroshard.runtime.engine:ZeroEngine",
     "DeepSpeedConfig": "zeroshard.config:Config",
     "DeepSpeedConfigError": "zeroshard.errors:ConfigError",
+    "tp_model_init": "zeroshard.tensor:tp_model_init",
 })
 
 from deepspeed import accelerator, checkpoint, checkpointing, comm, launcher, moe, ops, pipe, runtime, utils, zero
