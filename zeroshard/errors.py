@@ -26,3 +26,9 @@ class LaunchError(ZeroshardError, RuntimeError):
 class CheckpointError(ZeroshardError, RuntimeError):
     """A checkpoint cannot be saved or loaded: missing tag, truncated or foreign file, or a
     manifest that does not match the model; the message names the file and the mismatch."""
+
+
+class UsageError(ZeroshardError, RuntimeError, AssertionError):
+    """An engine call out of order (`step()` inside `no_sync()`, `no_sync()` re-entered). Also an
+    AssertionError because DeepSpeed asserts these conditions, so code (and DeepSpeed's own tests)
+    catching AssertionError around them keeps working; a RuntimeError for zeroshard's callers."""

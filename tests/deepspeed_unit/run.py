@@ -2,6 +2,8 @@
 
     python tests/deepspeed_unit/run.py PATH_TO_DEEPSPEED [--files unit/...py ...] [--out DIR]
     python tests/deepspeed_unit/run.py PATH --only zs --passed-from DIR/ds.xml   # zeroshard pass only
+    python tests/deepspeed_unit/run.py PATH --concurrent    # both passes at once (zeroshard's over the whole list)
+    python tests/deepspeed_unit/run.py PATH --report        # no run: compare what --out holds
 
 PATH holds DeepSpeed's `tests/` folder (a checkout, or `git archive HEAD tests` of one); only that
 folder is used. The installed deepspeed 0.19.x package is what runs in pass 1: do not put a
@@ -29,6 +31,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -56,6 +59,10 @@ DEFAULT_FILES = [
 ]
 
 
+# Imported once by the forkserver that starts the ranks (the same list for both engines).
+PRELOAD = ["torch", "torch._dynamo", "deepspeed", "deepspeed.comm", "unit.common", "unit.simple_model"]
+
+
 def env_for(engine: str, ext_dir: Path) -> dict[str, str]:
     """The environment of one pass: the same for both engines but for ZEROSHARD_AS_DEEPSPEED."""
     env = dict(os.environ)
@@ -65,7 +72,8 @@ def env_for(engine: str, ext_dir: Path) -> dict[str, str]:
     env["TORCH_EXTENSIONS_DIR"] = str(ext_dir)
     # DeepSpeed's harness ends the whole pytest session (pytest.exit) when one test outlives
     # this; a loaded 2-core machine needs minutes for a test's first JIT-compiled op.
-    env.setdefault("DS_UNITTEST_TIMEOUT", "1200")
+    # zeroshard builds no ops, so its pass gets a shorter limit: a hang there costs 5 minutes, not 20.
+    env.setdefault("DS_UNITTEST_TIMEOUT", "1200" if engine == "ds" else "300")
     # Fresh processes per test instead of DeepSpeed's reused pool: a reused pool keeps one
     # test's process group and module state for the next, and its teardown can hang.
     env["DS_DISABLE_REUSE_DIST_ENV"] = "1"
@@ -73,6 +81,11 @@ def env_for(engine: str, ext_dir: Path) -> dict[str, str]:
     # skips every test of world size 2 "for lack of GPUs"; LOCAL_SIZE is its override.
     env.setdefault("LOCAL_SIZE", "2")
     env["OMP_NUM_THREADS"] = "1"   # one thread per rank
+    # DeepSpeed's harness starts each test's ranks from multiprocessing's forkserver; without a
+    # preload every rank of every test imports torch, torch._dynamo (the first torch optimizer's
+    # add_param_group imports it), deepspeed and the harness afresh: 5-6 s per test on a quiet
+    # machine, 12-25 s at load 15-20, against about 3 s at that load with the preload (zs_select.py).
+    env.setdefault("ZS_DSUNIT_PRELOAD", ",".join(PRELOAD))
     # HERE holds zs_select.py, a pytest plugin that only deselects (see --select).
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), *filter(None, [env.get("PYTHONPATH")])])
     if engine == "zs":
@@ -146,6 +159,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--select", choices=["all", "local", "dist"], default="all",
                     help="local: only the tests that run in the pytest process (milliseconds each); "
                          "dist: only those DeepSpeed's DistributedTest runs in fresh ranks")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="run both passes at once, zeroshard's over the whole list")
+    ap.add_argument("--report", action="store_true", help="run nothing: report from --out's XML or logs")
     args = ap.parse_args(argv)
     checkout = args.checkout.resolve()
     if not (checkout / "tests" / "unit" / "common.py").exists():
@@ -154,7 +170,15 @@ def main(argv: list[str]) -> int:
     os.environ["ZS_DSUNIT_SELECT"] = args.select
     args.out.mkdir(parents=True, exist_ok=True)
     ds_xml, zs_xml = args.out / "ds.xml", args.out / "zs.xml"
-    if args.only != "zs":
+    if args.concurrent and not args.report:
+        # Both passes at once, zeroshard's over the whole list (its tests that DeepSpeed does not
+        # pass are dropped from the report): one wall-clock span instead of two on a busy machine.
+        with ThreadPoolExecutor(2) as pool:
+            runs = {e: pool.submit(run_pytest, checkout, e, args.files, x, args.timeout)
+                    for e, x in (("ds", ds_xml), ("zs", zs_xml))}
+            for e, fut in runs.items():
+                print(f"{'DeepSpeed' if e == 'ds' else 'zeroshard'} pass: {fut.result():.0f} s")
+    elif args.only != "zs" and not args.report:
         t = run_pytest(checkout, "ds", args.files, ds_xml, args.timeout)
         print(f"DeepSpeed pass: {t:.0f} s")
     ds = outcomes(args.passed_from or ds_xml)
@@ -163,13 +187,17 @@ def main(argv: list[str]) -> int:
           f"{sum(o == 'failed' for o, _ in ds.values())} fail, {sum(o == 'skipped' for o, _ in ds.values())} skip")
     if args.only == "ds" or not passed:
         return 0
-    only = args.out / "ds_passed.txt"
-    only.write_text("\n".join(passed) + "\n")
-    os.environ["ZS_DSUNIT_ONLY"] = str(only)  # zs_select.py keeps exactly these
-    t = run_pytest(checkout, "zs", sorted({n.split("::")[0] for n in passed}), zs_xml, args.timeout)
+    if not (args.concurrent or args.report):
+        only = args.out / "ds_passed.txt"
+        only.write_text("\n".join(passed) + "\n")
+        os.environ["ZS_DSUNIT_ONLY"] = str(only)  # zs_select.py keeps exactly these
+        t = run_pytest(checkout, "zs", sorted({n.split("::")[0] for n in passed}), zs_xml, args.timeout)
+        print(f"zeroshard pass: {t:.0f} s")
     zs = outcomes(zs_xml)
+    if args.concurrent or args.report:  # a pass cut short: compare the tests both passes reached
+        passed = [n for n in passed if n in zs]
     ok = [n for n in passed if zs.get(n, ("missing", ""))[0] == "passed"]
-    print(f"zeroshard pass: {t:.0f} s; {len(ok)} of DeepSpeed's {len(passed)} passing tests pass")
+    print(f"zeroshard: {len(ok)} of DeepSpeed's {len(passed)} passing tests pass")
     per_file: dict[str, Counter[str]] = defaultdict(Counter)
     groups: dict[str, list[str]] = defaultdict(list)
     for n in passed:

@@ -4,7 +4,15 @@
 In-process tests cost milliseconds; each distributed one starts 1-4 interpreters that import
 torch and deepspeed (seconds on a quiet machine, minutes on a loaded 2-core one), so a run can
 measure every in-process test of the list and the distributed ones as time allows. It only
-deselects: it imports nothing of DeepSpeed's or zeroshard's.
+deselects: it imports nothing of DeepSpeed's or zeroshard's into the pytest process.
+
+It also names the modules the harness's forkserver imports once (`ZS_DSUNIT_PRELOAD`, a comma-separated
+list; run.py sets torch, deepspeed, deepspeed.comm and DeepSpeed's test harness `unit.common`):
+DeepSpeed's `DistributedTest` starts its ranks with multiprocessing's forkserver, whose children
+otherwise import torch and `deepspeed` afresh for every test (seconds per rank on a quiet machine,
+half a minute on a loaded 2-core one: most of a distributed test's cost). A forked child inherits the
+imported modules; the forkserver starts no process group and no thread, and both engines get the
+same preload, so what runs in the ranks is unchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +28,15 @@ def _is_distributed(item: Any) -> bool:
     info = getattr(item, "_fixtureinfo", None)  # a DistributedFixture also starts fresh ranks
     defs = info.name2fixturedefs.values() if info is not None else ()
     return any(getattr(d.func, "is_dist_fixture", False) for group in defs for d in group)
+
+
+def pytest_configure(config: Any) -> None:
+    """Hand the preload list to multiprocessing before DeepSpeed's harness starts the forkserver."""
+    names = [n.strip() for n in os.environ.get("ZS_DSUNIT_PRELOAD", "").split(",") if n.strip()]
+    if names:
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(names)
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:

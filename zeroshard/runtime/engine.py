@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.checkpoint_format import EngineState, LoadedState
-from zeroshard.errors import CheckpointError
+from zeroshard.errors import CheckpointError, UsageError
 from zeroshard.optim.factory import optimizer_state_bytes
 from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
 from zeroshard.runtime.checkpoint_state import Checkpointer, apply_state, collect_state
@@ -199,7 +199,8 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
         reduce-scatters still run (they are how those stages accumulate), with the same result.
         """
         if self._micro.no_sync:
-            raise RuntimeError("engine.no_sync() cannot be re-entered")
+            raise UsageError("engine.no_sync() cannot be re-entered (DeepSpeed: no_sync context manager reentry "
+                             "is unsupported): leave the outer block first")
         self._micro.no_sync = True
         try:
             yield
@@ -368,8 +369,9 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
         lr scheduler.
         """
         if self._micro.no_sync:
-            raise RuntimeError("engine.step() inside engine.no_sync(): leave the block and run one "
-                               "more backward (it reduces the accumulated gradients) before step()")
+            raise UsageError("engine.step() inside engine.no_sync() (DeepSpeed: It is illegal to call "
+                             "Engine.step() inside no_sync context manager): leave the block and run one "
+                             "more backward (it reduces the accumulated gradients) before step()")
         if self._micro.awaits_backward:
             # A training forward whose output never reached backward (engine.backward or a
             # direct backward of the output, runtime/direct_backward.py): no gradients to step on.

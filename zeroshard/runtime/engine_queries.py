@@ -35,6 +35,13 @@ class EngineQueries:
     def gradient_clipping(self) -> float:
         return self.zs_config.gradient_clipping
 
+    @property
+    def sparse_tensor_module_names(self) -> set[str]:
+        """DeepSpeed's set of the `Embedding` weights whose gradients it reduces as sparse tensors
+        (`sparse_gradients: true`). zeroshard refuses `sparse_gradients` (config/support.py) and
+        reduces every gradient dense, so the set is empty; a fresh set each time."""
+        return set()
+
     def zero_optimization_stage(self) -> int:
         return self.zs_config.zero_optimization.stage
 

@@ -1,0 +1,49 @@
+"""DeepSpeed-visible engine behaviour at world size 1: misuse of `no_sync()` raises an error that
+is both zeroshard's RuntimeError and DeepSpeed's AssertionError, and `sparse_tensor_module_names`
+is the (empty) set of sparse-gradient embeddings, a fresh set per read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+from zeroshard.errors import UsageError
+
+CONFIG = {"train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+
+
+def _engine() -> zeroshard.DeepSpeedEngine:
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 2))
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=dict(CONFIG))
+    return engine
+
+
+def test_no_sync_reentry_is_runtime_and_assertion_error() -> None:
+    engine = _engine()
+    with engine.no_sync():
+        with pytest.raises(UsageError, match="cannot be re-entered") as info:
+            with engine.no_sync():
+                pass
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, AssertionError)
+    assert "no_sync context manager reentry is unsupported" in str(info.value)
+    with engine.no_sync():  # the outer block left cleanly: entering again works
+        pass
+
+
+def test_step_inside_no_sync_is_assertion_error() -> None:
+    engine = _engine()
+    loss = engine(torch.tensor([[1, 2], [3, 4]])).sum()
+    with engine.no_sync():
+        engine.backward(loss)
+        with pytest.raises(AssertionError, match="inside engine.no_sync"):
+            engine.step()
+
+
+def test_sparse_tensor_module_names_is_empty_and_fresh() -> None:
+    engine = _engine()
+    names = engine.sparse_tensor_module_names
+    assert names == set()
+    names.add("0.weight")
+    assert engine.sparse_tensor_module_names == set()
