@@ -1,12 +1,11 @@
 """Run the whole test suite: unit tests, distributed tests at 2 and 3 ranks (the pipeline, tensor-parallel
-and 3D tests also at 4; the 3D tests at 8 are the opt-in dist8 stage), launcher tests.
+and 3D tests also at 4, the 3D tests also at 8), launcher tests.
 
     python tests/run.py            # everything (README's test command)
     python tests/run.py unit dist2 # some stages
     python tests/run.py --deepspeed  # everything, plus the differential suite against DeepSpeed
     python tests/run.py deepspeed  # the differential suite only (needs DeepSpeed 0.19, opt-in)
     python tests/run.py bench      # the GPU benchmark harness's smoke run on CPU (opt-in, minutes)
-    python tests/run.py dist8      # 3D at 8 ranks, PP 2 x DP 2 x TP 2 (opt-in, 2-4 minutes on 2 cores)
 
 The distributed tests share one gloo process group per run (process start-up dominates on a
 small CPU box), so they run under torchrun, not plain pytest. On a machine without torch or
@@ -67,6 +66,9 @@ STAGES: dict[str, list[str]] = {
     "dist4": torchrun(4, *PYTEST, "tests/dist/test_pipeline.py", "tests/dist/test_pipeline_failures.py",
                       "tests/dist/test_tensor_parallel.py", "tests/dist/test_3d.py",
                       "tests/dist/test_memory_census_3d.py", rank0_output=True),
+    # 3D at PP 2 x DP 2 x TP 2 (dist4 runs PP 2 x TP 2): the claim "equal to one process at 8 ranks"
+    # needs 8 ranks; about 130 CPU-seconds, half of it starting 8 interpreters.
+    "dist8": torchrun(8, *PYTEST, "tests/dist/test_3d.py", rank0_output=True),
     "launch": [sys.executable, *PYTEST, "tests/launch"],
 }
 # Opt-in: zeroshard against DeepSpeed 0.19 on the same cases (tests/differential/harness.py).
@@ -74,10 +76,6 @@ STAGES: dict[str, list[str]] = {
 OPT_IN: dict[str, list[str]] = {
     "deepspeed": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/differential"],
     # Note: [benchmark smoke runs are opt-in] in tests/conftest.py.
-    # 3D at PP 2 x DP 2 x TP 2 (the 4-rank PP 2 x TP 2 runs in dist4): 8 ranks on this 2-core box took
-    # 137-210 s (about 130 CPU-seconds, half of it starting 8 interpreters), over the 2-minute budget
-    # for a default stage, so it is opt-in: `python tests/run.py dist8`.
-    "dist8": torchrun(8, *PYTEST, "tests/dist/test_3d.py", rank0_output=True),
     "bench": [sys.executable, *PYTEST, "tests/launch/test_gpu_bench_harness.py"],
 }
 
