@@ -34,7 +34,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, DIM, SEQ, MICRO, BLOCKS = 4000, 256, 64, 2, 8
-CASES = ("zero3_llama", "tp2_dp2", "tp4_across", "zero3_pipe", "pp2_dp2")
+CASES = ("zero3_llama", "tp2_dp2", "tp4_across", "zero3_pipe", "pp2_dp2", "pp2_tp2")
+PIPE_TP_SPECS = [  # tensor_parallel.partition_config for pp2_tp2: each block's MLP pair, column then row
+    {"patterns": [r"^\d+\.fc\.weight$"], "partition_type": "column"},
+    {"patterns": [r"^\d+\.proj\.weight$"], "partition_type": "row"},
+]
 
 
 def _tx_bytes() -> int:
@@ -96,11 +100,15 @@ def worker(case: str, steps: int, gas: int) -> None:
     from torch import nn
 
     import zeroshard
+    from zeroshard.comm.topology import Topology
 
     torch.set_num_threads(1)
     world = zeroshard.comm.init_distributed()
     rank, w = world.rank, world.world_size
-    g = torch.Generator().manual_seed(rank)
+    # One batch stream per data-parallel replica: a pipeline's stages and a TP group's ranks read the same
+    # micro-batches (the first stage the inputs, the last the labels; every TP rank the same tokens)
+    pp_size, tp_size = {"pp2_dp2": (2, 1), "pp2_tp2": (2, 2), "tp2_dp2": (1, 2), "tp4_across": (1, 4)}.get(case, (1, 1))
+    g = torch.Generator().manual_seed(Topology.for_world(w, pp=pp_size, tp=tp_size).coord(rank)["dp"])
     batches = [torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(gas)]
     if case in ("zero3_llama", "tp2_dp2", "tp4_across"):
         tp = {"zero3_llama": 1, "tp2_dp2": 2, "tp4_across": 4}[case]
@@ -108,7 +116,6 @@ def worker(case: str, steps: int, gas: int) -> None:
         model = _llama()
         params = sum(p.numel() for p in model.parameters())
         engine, *_ = zeroshard.initialize(model=model, config=cfg)
-        dp_rank = engine.parallel.dp.rank if tp > 1 else rank
 
         def step() -> None:
             for ids in batches:
@@ -132,14 +139,15 @@ def worker(case: str, steps: int, gas: int) -> None:
         else:
             from zeroshard.pipe import PipelineModule
 
+            tp = 2 if case == "pp2_tp2" else 1
+            extra = {"tensor_parallel": {"autotp_size": tp, "partition_config": {"layer_specs": PIPE_TP_SPECS}}}
             net = PipelineModule(layers, num_stages=2, partition_method="uniform", loss_fn=loss_fn)
             engine, *_ = zeroshard.initialize(model=net, model_parameters=list(net.parameters()),
-                                              config=_config(1, gas, w // 2))
+                                              config=_config(1, gas, w // (2 * tp), **(extra if tp > 1 else {})))
 
             def step() -> None:
                 engine.train_batch(iter([(ids, ids) for ids in batches]))
-        dp_rank = rank
-    del dp_rank
+    local_params = sum(p.numel() for p in engine.module.parameters())  # this rank's share: TP pieces, its stage
     step()  # warm-up: allocation, shape inference, the first gathers
     times = []
     dist.barrier()
@@ -153,12 +161,37 @@ def worker(case: str, steps: int, gas: int) -> None:
     after = _tx_bytes()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     out: list[Any] = [None] * w
-    dist.all_gather_object(out, {"rank": rank, "local": local, "tx": after - before, "times": times})
+    mine = {"rank": rank, "local": local, "tx": after - before, "times": times, "local_params": local_params,
+            "node": os.environ.get("GLOO_SOCKET_IFNAME", ""), "groups": _groups(rank)}
+    dist.all_gather_object(out, mine)
     if rank == 0:
         tx = sum(o["tx"] for o in out if o["local"] == 0)  # one reader per node: its veth's tx
         print("RESULT " + json.dumps({"case": case, "params": params, "steps": steps, "gas": gas,
                                       "inter_node_bytes_per_step": tx / steps,
-                                      "step_s": statistics.median(times)}), flush=True)
+                                      "step_s": statistics.median(times), "placement": placement(out),
+                                      "local_params": [o["local_params"] for o in out]}), flush=True)
+
+
+def _groups(rank: int) -> dict[str, list[int]]:
+    """This rank's groups along each axis of the mesh zeroshard built (empty without one)."""
+    from zeroshard.comm.topology import AXES, current_mesh
+
+    mesh = current_mesh()
+    return {} if mesh is None else {a: mesh.topology.axis_ranks(a, rank) for a in AXES}
+
+
+def placement(ranks: list[dict[str, Any]]) -> dict[str, str]:
+    """For each axis with groups larger than one rank: "inside" when every group's ranks share a node (a
+    namespace: its veth), "across" when every group spans both, "mixed" otherwise."""
+    node = {r["rank"]: r["node"] for r in ranks}
+    found: dict[str, str] = {}
+    for axis in ("pp", "dp", "tp"):
+        groups = {tuple(r["groups"].get(axis, [])) for r in ranks} - {()}
+        if not groups or max(len(g) for g in groups) < 2:
+            continue
+        spans = {len({node[m] for m in g}) > 1 for g in groups}
+        found[axis] = "mixed" if len(spans) > 1 else ("across" if spans.pop() else "inside")
+    return found
 
 
 def predicted_inter_bytes(case: str, params_llama: int, params_pipe: int, gas: int) -> float:
@@ -238,16 +271,14 @@ def drive(args: argparse.Namespace) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worker", choices=CASES + ("pp2_tp2",))
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES + ("pp2_tp2",))
+    ap.add_argument("--worker", choices=CASES)
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--rate", default="300mbit")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--gas", type=int, default=2, help="micro-batches per step")
     ap.add_argument("--timeout-s", type=float, default=280)
     args = ap.parse_args()
     if args.worker:
-        if args.worker == "pp2_tp2":
-            raise SystemExit("pp2_tp2 needs a PipelineModule with AutoTP (3D), not on this branch yet")
         worker(args.worker, args.steps, args.gas)
         return 0
     return drive(args)
