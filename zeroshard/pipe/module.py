@@ -212,6 +212,9 @@ class PipelineModule(nn.Module):
         self.dynamic_shape = dynamic_shape
         self._layer_specs = list(layers)
         self._num_layers = len(self._layer_specs)
+        # Counted now: AutoTP later splits the layers given as modules in place, on their own stage only,
+        # and the partition summary would mix this rank's pieces with other stages' whole layers
+        self._layer_param_counts = count_layer_params(self._layer_specs)
         self.parts = self._partition(partition_method, self.num_stages * virtual_stages)
         self.partition_method = partition_method
         self.tied_modules = nn.ModuleDict()
@@ -232,7 +235,8 @@ class PipelineModule(nn.Module):
         return partition_layers(self._layer_specs, method, num_parts)
 
     def _count_layer_params(self) -> list[int]:
-        return count_layer_params(self._layer_specs)
+        """Whole parameters per layer, as at construction (before any tensor-parallel split)."""
+        return list(self._layer_param_counts)
 
     def _build(self, start: int, stop: int) -> list[Any]:
         funcs: list[Any] = []
