@@ -17,7 +17,11 @@ neither fits plain data parallelism, 18 bytes/param in bf16 with fp32 masters an
 - zero3_pipe: a layer stack (embedding, 8 MLP blocks, head), ZeRO-3 over the 4 ranks.
 - pp2_dp2: the same layers as a PipelineModule, 2 stages across the link, ZeRO-1 over DP 2
   inside each node (issue 26 item 11: pipeline stages across the link against ZeRO-3 across it).
-  With TP inside (PP across x TP inside, 3D) once a PipelineModule takes AutoTP: `--cases pp2_tp2`.
+- pp2_tp2: the same PipelineModule with AutoTP 2 inside each node (3D: PP across x TP inside,
+  ZeRO-1, DP 1); partition_config splits each block's MLP (fc column, proj row).
+Each case reports where its groups sit (a group "inside" when its ranks share a namespace) and,
+per node, the loopback's bytes too (intra-node traffic). `--gas` is micro-batches per replica, so
+layouts with less DP train fewer tokens; `--global-batch N` gives every case N sequences per step.
 Writes bench/out/two_node_3d.json; the table is in bench/README.md ("3D on two nodes").
 """
 
