@@ -17,7 +17,11 @@ neither fits plain data parallelism, 18 bytes/param in bf16 with fp32 masters an
 - zero3_pipe: a layer stack (embedding, 8 MLP blocks, head), ZeRO-3 over the 4 ranks.
 - pp2_dp2: the same layers as a PipelineModule, 2 stages across the link, ZeRO-1 over DP 2
   inside each node (issue 26 item 11: pipeline stages across the link against ZeRO-3 across it).
-  With TP inside (PP across x TP inside, 3D) once a PipelineModule takes AutoTP: `--cases pp2_tp2`.
+- pp2_tp2: the same PipelineModule with AutoTP 2 inside each node (3D: PP across x TP inside,
+  ZeRO-1, DP 1); partition_config splits each block's MLP (fc column, proj row).
+Each case reports where its groups sit (a group "inside" when its ranks share a namespace) and,
+per node, the loopback's bytes too (intra-node traffic). `--gas` is micro-batches per replica, so
+layouts with less DP train fewer tokens; `--global-batch N` gives every case N sequences per step.
 Writes bench/out/two_node_3d.json; the table is in bench/README.md ("3D on two nodes").
 """
 
@@ -34,11 +38,18 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, DIM, SEQ, MICRO, BLOCKS = 4000, 256, 64, 2, 8
-CASES = ("zero3_llama", "tp2_dp2", "tp4_across", "zero3_pipe", "pp2_dp2")
+CASES = ("zero3_llama", "tp2_dp2", "tp4_across", "zero3_pipe", "pp2_dp2", "pp2_tp2")
+LAYOUTS = {"pp2_dp2": (2, 1), "pp2_tp2": (2, 2), "tp2_dp2": (1, 2), "tp4_across": (1, 4)}
+"""(pp, tp) of each case; dp is what the 4 ranks leave; the others are (1, 1)."""
+PIPE_TP_SPECS = [  # tensor_parallel.partition_config for pp2_tp2: each block's MLP pair, column then row
+    {"patterns": [r"^\d+\.fc\.weight$"], "partition_type": "column"},
+    {"patterns": [r"^\d+\.proj\.weight$"], "partition_type": "row"},
+]
 
 
-def _tx_bytes() -> int:
-    dev = os.environ.get("GLOO_SOCKET_IFNAME", "")
+def _tx_bytes(dev: str | None = None) -> int:
+    """Bytes sent so far on `dev` (default: the veth gloo is pinned to) in this node's namespace."""
+    dev = dev or os.environ.get("GLOO_SOCKET_IFNAME", "")
     path = Path(f"/sys/class/net/{dev}/statistics/tx_bytes")
     return int(path.read_text()) if dev and path.exists() else 0
 
@@ -96,11 +107,16 @@ def worker(case: str, steps: int, gas: int) -> None:
     from torch import nn
 
     import zeroshard
+    from zeroshard.comm.topology import Topology
 
     torch.set_num_threads(1)
     world = zeroshard.comm.init_distributed()
     rank, w = world.rank, world.world_size
-    g = torch.Generator().manual_seed(rank)
+    # One batch stream per data-parallel replica: a pipeline's stages and a TP group's ranks read the same
+    # micro-batches (the first stage the inputs, the last the labels; every TP rank the same tokens)
+    pp_size, tp_size = LAYOUTS.get(case, (1, 1))
+    topo = Topology.for_world(w, pp=pp_size, tp=tp_size)
+    g = torch.Generator().manual_seed(topo.coord(rank)["dp"])
     batches = [torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(gas)]
     if case in ("zero3_llama", "tp2_dp2", "tp4_across"):
         tp = {"zero3_llama": 1, "tp2_dp2": 2, "tp4_across": 4}[case]
@@ -108,7 +124,6 @@ def worker(case: str, steps: int, gas: int) -> None:
         model = _llama()
         params = sum(p.numel() for p in model.parameters())
         engine, *_ = zeroshard.initialize(model=model, config=cfg)
-        dp_rank = engine.parallel.dp.rank if tp > 1 else rank
 
         def step() -> None:
             for ids in batches:
@@ -132,33 +147,63 @@ def worker(case: str, steps: int, gas: int) -> None:
         else:
             from zeroshard.pipe import PipelineModule
 
+            tp = 2 if case == "pp2_tp2" else 1
+            extra = {"tensor_parallel": {"autotp_size": tp, "partition_config": {"layer_specs": PIPE_TP_SPECS}}}
             net = PipelineModule(layers, num_stages=2, partition_method="uniform", loss_fn=loss_fn)
             engine, *_ = zeroshard.initialize(model=net, model_parameters=list(net.parameters()),
-                                              config=_config(1, gas, w // 2))
+                                              config=_config(1, gas, w // (2 * tp), **(extra if tp > 1 else {})))
 
             def step() -> None:
                 engine.train_batch(iter([(ids, ids) for ids in batches]))
-        dp_rank = rank
-    del dp_rank
+    local_params = sum(p.numel() for p in engine.module.parameters())  # this rank's share: TP pieces, its stage
     step()  # warm-up: allocation, shape inference, the first gathers
     times = []
     dist.barrier()
-    before = _tx_bytes()
+    before, lo_before = _tx_bytes(), _tx_bytes("lo")
     for _ in range(steps):
         dist.barrier()
         start = time.perf_counter()
         step()
         dist.barrier()
         times.append(time.perf_counter() - start)
-    after = _tx_bytes()
+    after, lo_after = _tx_bytes(), _tx_bytes("lo")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     out: list[Any] = [None] * w
-    dist.all_gather_object(out, {"rank": rank, "local": local, "tx": after - before, "times": times})
+    mine = {"rank": rank, "local": local, "tx": after - before, "lo": lo_after - lo_before, "times": times,
+            "local_params": local_params,
+            "node": os.environ.get("GLOO_SOCKET_IFNAME", ""), "groups": _groups(rank)}
+    dist.all_gather_object(out, mine)
     if rank == 0:
         tx = sum(o["tx"] for o in out if o["local"] == 0)  # one reader per node: its veth's tx
+        lo = sum(o["lo"] for o in out if o["local"] == 0)  # and its loopback's: the intra-node traffic
         print("RESULT " + json.dumps({"case": case, "params": params, "steps": steps, "gas": gas,
+                                      "tokens_per_step": gas * MICRO * SEQ * topo.dp,
                                       "inter_node_bytes_per_step": tx / steps,
-                                      "step_s": statistics.median(times)}), flush=True)
+                                      "intra_node_bytes_per_step": lo / steps,
+                                      "step_s": statistics.median(times), "placement": placement(out),
+                                      "local_params": [o["local_params"] for o in out]}), flush=True)
+
+
+def _groups(rank: int) -> dict[str, list[int]]:
+    """This rank's groups along each axis of the mesh zeroshard built (empty without one)."""
+    from zeroshard.comm.topology import AXES, current_mesh
+
+    mesh = current_mesh()
+    return {} if mesh is None else {a: mesh.topology.axis_ranks(a, rank) for a in AXES}
+
+
+def placement(ranks: list[dict[str, Any]]) -> dict[str, str]:
+    """For each axis with groups larger than one rank: "inside" when every group's ranks share a node (a
+    namespace: its veth), "across" when every group spans both, "mixed" otherwise."""
+    node = {r["rank"]: r["node"] for r in ranks}
+    found: dict[str, str] = {}
+    for axis in ("pp", "dp", "tp"):
+        groups = {tuple(r["groups"].get(axis, [])) for r in ranks} - {()}
+        if not groups or max(len(g) for g in groups) < 2:
+            continue
+        spans = {len({node[m] for m in g}) > 1 for g in groups}
+        found[axis] = "mixed" if len(spans) > 1 else ("across" if spans.pop() else "inside")
+    return found
 
 
 def predicted_inter_bytes(case: str, params_llama: int, params_pipe: int, gas: int) -> float:
@@ -182,9 +227,11 @@ def predicted_inter_bytes(case: str, params_llama: int, params_pipe: int, gas: i
                                 "max_position_embeddings": SEQ}, "AutoModelForCausalLM")
         share = stage_spec(spec, 1, 2, 0).total_params
         return 4 * 0.5 * share * (g + p)
-    if case == "pp2_dp2":
-        # each of the 2 pipelines sends one activation forward and one gradient back per micro-batch
-        # (bf16: the stage output's dtype); ZeRO-1 over dp stays inside the node
+    if case in ("pp2_dp2", "pp2_tp2"):
+        # plan3d's PP term: one activation forward and one gradient back per micro-batch and stage
+        # boundary (bf16: the stage output's dtype), for each of the dp * tp = 2 pipelines: under TP each
+        # TP rank sends the whole activation to its peer of the next stage. ZeRO-1 over dp (pp2_dp2) and
+        # the TP all-reduces (pp2_tp2) stay inside the node.
         return 2 * gas * 2 * MICRO * SEQ * DIM * 2
     if case == "tp4_across":
         # the control: a TP ring of 4 over both nodes (2 of 4 hops cross, each 2 * 3/4 of an
@@ -193,6 +240,36 @@ def predicted_inter_bytes(case: str, params_llama: int, params_pipe: int, gas: i
         sbh = MICRO * SEQ * DIM * 2
         return gas * (4 * 4 * 2 * 2 * 3 / 4 * sbh + 2 * 3 / 4 * MICRO * SEQ * VOCAB * 2)
     return float("nan")
+
+
+def predicted_intra_bytes(case: str, params_pipe: int, gas: int) -> float:
+    """Intra-node bytes per step (both nodes' loopbacks) from the same volumes; the layer-stack cases only."""
+    p, g = 2, 2 * 4
+    if case == "zero3_pipe":
+        # the ring of 4 has as many hops inside the nodes (2) as across the link
+        return gas * 2 * 3 / 4 * params_pipe * (2 * p + g)
+    if case == "pp2_dp2":
+        # ZeRO-1 over dp 2 inside each node, once per batch under a pipeline: each rank sends 1/2 of its
+        # stage's gradient (all-reduce fallback, g) and of its parameters (all-gather, p)
+        return 2 * 0.5 * params_pipe * (g + p)
+    if case == "pp2_tp2":
+        # plan3d's TP term, 2 (t - 1) / t of b*s*h per all-reduce and rank; a block here has one Megatron
+        # pair (the MLP), so 2 all-reduces (forward after proj, backward before fc) where a transformer
+        # layer has 4: 8 blocks x 2 TP ranks per micro-batch; DP 1, so ZeRO-1 moves nothing
+        return gas * BLOCKS * 2 * 2 * (2 * 1 / 2) * MICRO * SEQ * DIM * 2
+    return float("nan")
+
+
+def _gas(case: str, args: argparse.Namespace) -> int:
+    """Micro-batches per step and replica: --gas, or what makes --global-batch sequences per step."""
+    if args.global_batch is None:
+        return int(args.gas)
+    pp, tp = LAYOUTS.get(case, (1, 1))
+    per_step = MICRO * 4 // (pp * tp)  # the driver runs without zeroshard on its path: dp of the 4 ranks
+    if args.global_batch % per_step:
+        raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of {case}'s {per_step} sequences "
+                         f"per micro-batch step (micro batch {MICRO} x its data-parallel size)")
+    return int(args.global_batch // per_step)
 
 
 def drive(args: argparse.Namespace) -> int:
@@ -207,7 +284,8 @@ def drive(args: argparse.Namespace) -> int:
     rows = []
     with TwoNodeCluster(rate=args.rate, delay_ms=0) as cluster:
         for case in args.cases:
-            argv = [str(Path(__file__).resolve()), "--worker", case, "--steps", str(args.steps), "--gas", str(args.gas)]
+            gas = _gas(case, args)
+            argv = [str(Path(__file__).resolve()), "--worker", case, "--steps", str(args.steps), "--gas", str(gas)]
             results = cluster.run(argv, 2, timeout_s=args.timeout_s)
             found = [line for _, out in results for line in out.splitlines() if line.startswith("RESULT ")]
             if not found:
@@ -219,35 +297,42 @@ def drive(args: argparse.Namespace) -> int:
     params = {r["case"]: r["params"] for r in rows}
     for r in rows:
         r["predicted_inter_node_bytes_per_step"] = predicted_inter_bytes(
-            r["case"], params.get("zero3_llama", r["params"]), params.get("zero3_pipe", r["params"]), args.gas)
+            r["case"], params.get("zero3_llama", r["params"]), params.get("zero3_pipe", r["params"]), r["gas"])
+        r["predicted_intra_node_bytes_per_step"] = predicted_intra_bytes(
+            r["case"], params.get("zero3_pipe", r["params"]), r["gas"])
     out = REPO / "bench" / "out" / "two_node_3d.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rate": args.rate, "loadavg_before": load, "loadavg_after": os.getloadavg(),
                                "rows": rows}, indent=1))
     print(f"load average before {load[0]:.1f}, after {os.getloadavg()[0]:.1f}; link {args.rate}")
-    print("| case | params | inter-node MB/step measured | predicted | step s | step / zero3 of the same model |")
-    print("|---|---|---|---|---|---|")
-    base = {r["case"]: r["step_s"] for r in rows if r["case"].startswith("zero3")}
+    print("| case | params | groups across the link | inter-node MB/step measured | predicted | intra-node MB/step "
+          "measured | predicted | tokens / step | step s | step / zero3 of the same model | per token |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    base = {r["case"]: r for r in rows if r["case"].startswith("zero3")}
     for r in rows:
         ref = base.get("zero3_llama" if r["case"] in ("zero3_llama", "tp2_dp2", "tp4_across") else "zero3_pipe")
-        print(f"| {r['case']} | {r['params'] / 1e6:.2f}M | {r['inter_node_bytes_per_step'] / 1e6:.2f} | "
-              f"{r['predicted_inter_node_bytes_per_step'] / 1e6:.2f} | {r['step_s']:.2f} | "
-              f"{r['step_s'] / ref:.2f} |" if ref else "")
+        per_token = (r["step_s"] / r["tokens_per_step"]) / (ref["step_s"] / ref["tokens_per_step"]) if ref else None
+        across = ", ".join(a for a, where in r["placement"].items() if where != "inside") or "none"
+        print(f"| {r['case']} | {r['params'] / 1e6:.2f}M | {across} | {r['inter_node_bytes_per_step'] / 1e6:.3f} | "
+              f"{r['predicted_inter_node_bytes_per_step'] / 1e6:.3f} | {r['intra_node_bytes_per_step'] / 1e6:.3f} | "
+              f"{r['predicted_intra_node_bytes_per_step'] / 1e6:.3f} | {r['tokens_per_step']} | {r['step_s']:.2f} | "
+              + (f"{r['step_s'] / ref['step_s']:.2f} | {per_token:.2f} |" if ref else "- | - |"))
     return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worker", choices=CASES + ("pp2_tp2",))
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES + ("pp2_tp2",))
+    ap.add_argument("--worker", choices=CASES)
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--rate", default="300mbit")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--gas", type=int, default=2, help="micro-batches per step")
+    ap.add_argument("--gas", type=int, default=2, help="micro-batches per step and data-parallel replica")
+    ap.add_argument("--global-batch", type=int, default=None,
+                    help="sequences per step, the same for every case (its micro-batch count derived); "
+                         "default: --gas micro-batches per replica, so layouts with less DP train fewer tokens")
     ap.add_argument("--timeout-s", type=float, default=280)
     args = ap.parse_args()
     if args.worker:
-        if args.worker == "pp2_tp2":
-            raise SystemExit("pp2_tp2 needs a PipelineModule with AutoTP (3D), not on this branch yet")
         worker(args.worker, args.steps, args.gas)
         return 0
     return drive(args)

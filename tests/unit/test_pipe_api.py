@@ -202,6 +202,18 @@ def test_single_stage_module_builds_every_layer_under_global_names() -> None:
         LayerSpec(int)
 
 
+def test_partition_summary_counts_whole_layers_after_an_in_place_split() -> None:
+    """AutoTP replaces a module layer's Linears by this rank's pieces on its own stage only; the summary
+    keeps the whole counts every stage is described with (it used to mix a split stage with whole ones)."""
+    layers = [nn.Linear(8, 16), nn.Linear(16, 8)]
+    net = PipelineModule(layers, num_stages=1)
+    before = net.describe_partition()
+    assert "layers [0, 2) 280 params (100%)" in before
+    layers[0].weight = nn.Parameter(torch.zeros(8, 8))  # as a column split to 2 ranks leaves it
+    layers[0].bias = nn.Parameter(torch.zeros(8))
+    assert net.describe_partition() == before
+
+
 def test_dualpipev_is_refused_by_name() -> None:
     with pytest.raises(NotSupportedError, match="DualPipeVModule"):
         DualPipeVModule()

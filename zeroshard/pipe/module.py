@@ -212,6 +212,10 @@ class PipelineModule(nn.Module):
         self.dynamic_shape = dynamic_shape
         self._layer_specs = list(layers)
         self._num_layers = len(self._layer_specs)
+        # Layers given as modules are counted now: AutoTP later splits them in place, on their own stage only,
+        # and the partition summary would mix this rank's pieces with other stages' whole layers
+        self._module_param_counts = {i: sum(p.numel() for p in x.parameters() if p.requires_grad)
+                                     for i, x in enumerate(self._layer_specs) if isinstance(x, nn.Module)}
         self.parts = self._partition(partition_method, self.num_stages * virtual_stages)
         self.partition_method = partition_method
         self.tied_modules = nn.ModuleDict()
@@ -232,7 +236,9 @@ class PipelineModule(nn.Module):
         return partition_layers(self._layer_specs, method, num_parts)
 
     def _count_layer_params(self) -> list[int]:
-        return count_layer_params(self._layer_specs)
+        """Whole parameters per layer (a module layer's as at construction, before any tensor-parallel split)."""
+        counts = count_layer_params([None if isinstance(x, nn.Module) else x for x in self._layer_specs])
+        return [self._module_param_counts.get(i, n) for i, n in enumerate(counts)]
 
     def _build(self, start: int, stop: int) -> list[Any]:
         funcs: list[Any] = []
