@@ -15,7 +15,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "dist"))
+from tiny_layers import Block, Embed, Head
 
 VOCAB, DIM, SEQ, MICRO, GAS, STEPS = 16, 8, 6, 2, 4, 4
 
@@ -39,36 +42,6 @@ RESUME_CASES: dict[str, dict[str, Any]] = {
 }
 SAVE_AT, TOTAL_MICRO = 2, 4
 """Resume cases: the save's step, and micro-batches per global batch (the same at every DP degree)."""
-
-
-class Embed(nn.Module):
-    def __init__(self, vocab: int, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(vocab, dim) * 0.5)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.weight)
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, 2 * dim)
-        self.proj = nn.Linear(2 * dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.proj(F.gelu(self.fc(self.norm(x))))
-
-
-class Head(nn.Module):
-    def __init__(self, dim: int, vocab: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.out = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.out(self.norm(x))
 
 
 def tied_head(embed: Embed, x: Tensor) -> Tensor:

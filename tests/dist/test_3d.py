@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_layers import Embed
 from torch import Tensor, nn
 
 import zeroshard
@@ -37,15 +38,6 @@ LAYER_SPECS = [  # tensor_parallel.partition_config: Megatron's pairs, and one s
     {"patterns": [r".*\.attn\.o\.weight$", r".*\.mlp\.proj\.weight$"], "partition_type": "row"},
     {"patterns": [r"5\.weight$"], "partition_type": "column", "gather_output": True},
 ]
-
-
-class Embed(nn.Module):
-    def __init__(self, vocab: int, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(vocab, dim) * 0.5)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.weight)
 
 
 class Attention(nn.Module):

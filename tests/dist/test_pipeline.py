@@ -30,40 +30,11 @@ from zeroshard.runtime.engine import ZeroEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ds_pipe_writer import write_ds_pipeline
+from tiny_layers import Block, Embed, Head
 
 VOCAB, DIM, SEQ = 16, 8, 6
 MICRO, GAS = 2, 4
 BASE_SEED = 1234
-
-
-class Embed(nn.Module):
-    def __init__(self, vocab: int, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(vocab, dim) * 0.5)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.weight)
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, 2 * dim)
-        self.proj = nn.Linear(2 * dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.proj(F.gelu(self.fc(self.norm(x))))
-
-
-class Head(nn.Module):
-    def __init__(self, dim: int, vocab: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.out = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.out(self.norm(x))
 
 
 def tied_head(embed: Embed, x: Tensor) -> Tensor:
