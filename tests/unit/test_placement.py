@@ -51,7 +51,11 @@ def test_a_straddling_tp_group_is_found() -> None:
         Topology(tp=2).groups_across_nodes("tp", 0)
 
 
-def test_build_mesh_warns_when_tp_spans_nodes(caplog: pytest.LogCaptureFixture) -> None:
+def test_build_mesh_warns_when_tp_spans_nodes(caplog: pytest.LogCaptureFixture,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # setup_logging (run by any earlier initialize in this process) stops "zeroshard" propagating to
+    # the root logger caplog listens on: attach caplog's handler to it directly.
+    monkeypatch.setattr(logging.getLogger("zeroshard"), "handlers", [caplog.handler])
     world = replace(ProcessGroups.single(), world_size=4, local_world_size=2)
     with caplog.at_level(logging.WARNING, logger="zeroshard"):
         _check_placement(world, Topology(dp=1, tp=4))
