@@ -45,8 +45,9 @@ Entry = tuple[int, int, int]
 
 
 def is_autotp(ckpt: Path) -> bool:
-    """A DeepSpeed tag directory with a second model-parallel rank's model file."""
-    return (ckpt / model_name(1)).is_file()
+    """A DeepSpeed tag directory with a second model-parallel rank's model file and no layer files
+    (DeepSpeed's pipeline checkpoints also write one mp_rank file per stage: checkpoint/ds_pipe.py)."""
+    return (ckpt / model_name(1)).is_file() and not any(ckpt.glob("layer_*-model_states.pt"))
 
 
 def _split_of(name: str, pieces: list[tuple[int, ...]], whole: tuple[int, ...] | None, path: Path) -> Split:

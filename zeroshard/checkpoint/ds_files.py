@@ -120,7 +120,8 @@ _UNMAPPABLE = [
      "PipelineModule of the same layers, whose engine reads it at any stage count (docs/checkpoints.md)")),
     (re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_(0[1-9]|[1-9]\d)_.*\.pt$"
                 r"|^mp_rank_(0[1-9]|[1-9]\d)_model_states\.pt$"),
-     "a tensor/model-parallel rank's file (mp_rank > 0): zeroshard has no tensor parallelism"),
+     ("a tensor/model-parallel rank's file (mp_rank > 0): an AutoTP checkpoint, which an engine's load_checkpoint "
+      "reads into the model (docs/checkpoints.md), not this offline reader")),
     (re.compile(r"^(exp|expert)_.*\.pt$"), "an MoE expert file: zeroshard has no expert parallelism"),
 ]
 
