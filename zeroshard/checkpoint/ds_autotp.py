@@ -8,7 +8,7 @@ one `mp_rank_{t:02d}_model_states.pt` per TP rank (its local pieces under the gl
 its dp group. Each TP rank's files are therefore a data-parallel DeepSpeed checkpoint of its local
 model, which ds_import.py already decodes (`layout_of`); this module reads one per TP rank and
 rewrites every fragment of a split parameter's piece as ranges of the whole parameter
-(`global_segments`, the rule tensor/checkpoint.py saves by). Replicated parameters (norms, the
+(`global_segments`, the rule tensor/checkpoint.py saves by, in checkpoint_format.py). Replicated parameters (norms, the
 embedding AutoTP leaves whole) are taken from TP rank 0. The split dimension of each parameter is
 read off the model being loaded (its global shape against the saved piece's). The load itself is
 zeroshard's (checkpoint/load.py), resharding to the loading layout.
@@ -29,9 +29,8 @@ from zeroshard.checkpoint.ds_import import DeepSpeedReader, DsLayout, layout_of
 from zeroshard.checkpoint.load import _read_files
 from zeroshard.checkpoint.manifest import check_compatible
 from zeroshard.checkpoint.save import agree
-from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, TensorInfo
+from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, TensorInfo, global_segments
 from zeroshard.errors import CheckpointError
-from zeroshard.tensor.checkpoint import global_segments
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
