@@ -136,7 +136,7 @@ def read_autotp_layout(ckpt: Path, hint: Manifest) -> AutoTpLayout:
     splits = {p.name: _split_of(p.name, [tuple(lay.manifest.params[i].shape) for lay in ranks],
                                 whole.get(p.name), ckpt / model_name(0))
               for i, p in enumerate(base.params)}
-    params = [TensorInfo(p.name, splits[p.name][1], p.dtype, p.trainable) if splits[p.name] else p  # type: ignore[index]
+    params = [p if (s := splits[p.name]) is None else TensorInfo(p.name, s[1], p.dtype, p.trainable)
               for p in base.params]
     frags, entries = _global_fragments(ranks, splits)
     module = dict(first.get("module") or {})
