@@ -1,5 +1,7 @@
 """The checkpoint format: `Manifest`, `TensorInfo`, `FORMAT_VERSION`, and the per-rank state
-records the engine and the checkpointer exchange (`EngineState`, `LoadedState`).
+records the engine and the checkpointer exchange (`EngineState`, `LoadedState`), and where a
+tensor-parallel piece's elements sit in the whole parameter (`global_segments`: the TP checkpointer
+saves by it, checkpoint/ds_autotp.py reads DeepSpeed's AutoTP pieces by it).
 
 One home that the runtime (which fills them), `checkpoint/` (which writes and reads them) and
 the offline tools (`to-fp32`, resharding) all import without pulling in the runtime. Imports
@@ -21,6 +23,33 @@ FORMAT_VERSION = 1
 
 Range = tuple[int, int, int]
 """(param index into Manifest.params, offset in the flattened parameter, numel)."""
+
+Segment = tuple[int, int, int]
+"""(offset in the global flattened parameter, numel, offset from the start of the local range)."""
+
+
+def global_segments(dim: int, shape: tuple[int, ...], tp: int, rank: int, offset: int, numel: int) -> list[Segment]:
+    """The global ranges holding elements [offset, offset + numel) of rank `rank`'s piece of a
+    parameter of global `shape` split along `dim` over `tp` ranks.
+
+    >>> global_segments(1, (2, 4), 2, 1, 0, 4)  # rank 1's columns 2-3 of a 2 x 4 weight
+    [(2, 2, 0), (6, 2, 2)]
+    """
+    if dim == 0:
+        local_numel = shape[0] // tp
+        for s in shape[1:]:
+            local_numel *= s
+        return [(rank * local_numel + offset, numel, 0)]
+    if dim != 1 or len(shape) != 2:
+        raise AssertionError(f"expected a column split or a row split of a matrix, got dim {dim} of {shape}")
+    width, local = shape[1], shape[1] // tp
+    out, k, end = [], offset, offset + numel
+    while k < end:
+        row, col = divmod(k, local)
+        n = min(local - col, end - k)
+        out.append((row * width + rank * local + col, n, k - offset))
+        k += n
+    return out
 
 
 @dataclass(frozen=True, slots=True)

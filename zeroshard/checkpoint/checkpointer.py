@@ -1,7 +1,7 @@
 """`ShardedCheckpointer`: the `Checkpointer` (runtime/checkpoint_state.py) initialize() gives the engine.
 
 Saves zeroshard's format; loads zeroshard's (a pipeline's too: checkpoint/pipe_files.py) and DeepSpeed
-0.19's (checkpoint/ds_import.py)."""
+0.19's (checkpoint/ds_import.py; its AutoTP files: checkpoint/ds_autotp.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from zeroshard.checkpoint.ds_autotp import is_autotp, load_autotp
 from zeroshard.checkpoint.ds_import import find_deepspeed, load_deepspeed
 from zeroshard.checkpoint.load import load_state
 from zeroshard.checkpoint.pipe_files import find_pipeline, load_pipeline_into_plain
@@ -51,6 +52,9 @@ class ShardedCheckpointer:
                                             load_module_only=load_module_only, strict=strict)
         # A tag directory DeepSpeed wrote (no zeroshard manifest) is read in place (ds_import.py).
         ds_ckpt = find_deepspeed(load_dir, tag)
+        if ds_ckpt is not None and is_autotp(ds_ckpt):  # AutoTP: one file set per TP rank (ds_autotp.py)
+            return load_autotp(target, self._comm, ds_ckpt, load_optimizer_states=load_optimizer_states,
+                               load_module_only=load_module_only, strict=strict)
         if ds_ckpt is not None:
             return load_deepspeed(target, self._comm, ds_ckpt, load_optimizer_states=load_optimizer_states,
                                   load_module_only=load_module_only, strict=strict)

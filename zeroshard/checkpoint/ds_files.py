@@ -90,8 +90,13 @@ def address(value: Any) -> tuple[int, int]:
 # -- what a DeepSpeed checkpoint directory holds ------------------------------------------------
 
 
-def optim_name(rank: int, bf16: bool) -> str:
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def optim_name(rank: int, bf16: bool, mp: int = 0) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
+
+
+def model_name(mp: int = 0) -> str:
+    """The model file of model-parallel (AutoTP) rank `mp` (stages 0-2)."""
+    return f"mp_rank_{mp:02d}_model_states.pt"
 
 
 def zero3_model_name(rank: int) -> str:
@@ -115,7 +120,8 @@ _UNMAPPABLE = [
      "PipelineModule of the same layers, whose engine reads it at any stage count (docs/checkpoints.md)")),
     (re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_(0[1-9]|[1-9]\d)_.*\.pt$"
                 r"|^mp_rank_(0[1-9]|[1-9]\d)_model_states\.pt$"),
-     "a tensor/model-parallel rank's file (mp_rank > 0): zeroshard has no tensor parallelism"),
+     ("a tensor/model-parallel rank's file (mp_rank > 0): an AutoTP checkpoint, which an engine's load_checkpoint "
+      "reads into the model (docs/checkpoints.md), not this offline reader")),
     (re.compile(r"^(exp|expert)_.*\.pt$"), "an MoE expert file: zeroshard has no expert parallelism"),
 ]
 
@@ -139,21 +145,22 @@ def resolve_ds(load_dir: Path, tag: str | None) -> Path | None:
     return ckpt if is_deepspeed_dir(ckpt) else None
 
 
-def list_files(ckpt: Path, world_size: int, stage: int) -> DsFiles:
-    """Check the directory holds exactly one data-parallel layout we can map; refuse the rest."""
+def list_files(ckpt: Path, world_size: int, stage: int, mp: int = 0, tp: int = 1) -> DsFiles:
+    """Check the directory holds exactly one data-parallel layout we can map; refuse the rest.
+    `mp` / `tp`: the files of AutoTP rank `mp` of `tp` (checkpoint/ds_autotp.py joins them)."""
     names = sorted(p.name for p in ckpt.iterdir() if p.is_file())
     for name in names:
-        for pattern, reason in _UNMAPPABLE:
+        for pattern, reason in _UNMAPPABLE[:1] + (_UNMAPPABLE[2:] if tp > 1 else _UNMAPPABLE[1:]):
             if pattern.match(name):
                 raise CheckpointError(f"{ckpt / name}: {reason}; this checkpoint cannot be loaded by zeroshard")
     if stage == 0:
         optim: list[str] = []
-        bf16 = (ckpt / optim_name(0, True)).is_file()
+        bf16 = (ckpt / optim_name(0, True, mp)).is_file()
         if bf16:  # a BF16_Optimizer file (bf16, fp32 grad accumulation) partitions like ZeRO-1
-            optim = [optim_name(r, True) for r in range(world_size)]
+            optim = [optim_name(r, True, mp) for r in range(world_size)]
     else:
-        bf16 = (ckpt / optim_name(0, True)).is_file()
-        optim = [optim_name(r, bf16) for r in range(world_size)]
+        bf16 = (ckpt / optim_name(0, True, mp)).is_file()
+        optim = [optim_name(r, bf16, mp) for r in range(world_size)]
     for name in optim:
         if not (ckpt / name).is_file():
             raise CheckpointError(f"{ckpt / name}: missing; the checkpoint was saved by {world_size} data-parallel "
@@ -167,15 +174,18 @@ def list_files(ckpt: Path, world_size: int, stage: int) -> DsFiles:
     for name in zero3:
         if not (ckpt / name).is_file():
             raise CheckpointError(f"{ckpt / name}: missing (stage 3 writes one model file per rank)")
-    return DsFiles(ckpt=ckpt, model=zero3[0] if stage == 3 else DS_MODEL_FILE, zero3_models=zero3, optim=optim)
+    return DsFiles(ckpt=ckpt, model=zero3[0] if stage == 3 else model_name(mp), zero3_models=zero3, optim=optim)
 
 
-def check_parallelism(model: dict[str, Any], path: Path) -> None:
-    """Refuse pipeline/tensor-parallel saves, which zeroshard cannot map."""
+def check_parallelism(model: dict[str, Any], path: Path, tp_ok: bool = False) -> None:
+    """Refuse pipeline/tensor-parallel saves, which zeroshard cannot map here (`tp_ok`: an AutoTP
+    save, read per tensor-parallel rank by checkpoint/ds_autotp.py)."""
     dims = model.get("checkpoint_parallel_dimensions") or {}
     mp = int(model.get("mp_world_size", 1) or 1)
     pp, tp = int(dims.get("pp_degree", 1) or 1), int(dims.get("tp_degree", 1) or 1)
-    if mp > 1 or pp > 1 or tp > 1:
+    if (mp > 1 or tp > 1) and tp_ok and pp == 1:
+        pass
+    elif mp > 1 or pp > 1 or tp > 1:
         raise CheckpointError(f"{path}: saved with model parallelism (mp_world_size {mp}, pp_degree {pp}, "
                               f"tp_degree {tp}); zeroshard loads data-parallel (ZeRO) checkpoints only")
     if model.get("num_experts") or any(str(k).startswith("moe") for k in model):

@@ -161,7 +161,7 @@ def _precision(model: dict[str, Any]) -> str:
 
 
 def _stage0(files: DsFiles, model: dict[str, Any], hint: Manifest) -> DsLayout:
-    path = files.ckpt / DS_MODEL_FILE
+    path = files.ckpt / files.model
     opt = model.get("optimizer")
     module = model.get("module") or {}
     aliases = {a: c for a, c in hint.aliases.items() if a in module}
@@ -243,7 +243,7 @@ def _stage12(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int) 
     group_shapes = model.get("param_shapes") or []
     groups_n = len(osds[0]["single_partition_of_fp32_groups"])
     if len(group_shapes) != groups_n:
-        raise CheckpointError(f"{files.ckpt / DS_MODEL_FILE}: param_shapes lists {len(group_shapes)} groups, "
+        raise CheckpointError(f"{files.ckpt / files.model}: param_shapes lists {len(group_shapes)} groups, "
                               f"{path0} holds {groups_n} (files from different saves?)")
     shapes = {n: tuple(s) for group in group_shapes for n, s in group.items()}
     # ZeRO-1/2 (DeepSpeedZeroOptimizer, which records `zero_stage`) cuts its padding off; the
@@ -288,7 +288,7 @@ def _stage12(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int) 
                                       f"parameter {beyond[0][0]!r} needs [{beyond[0][1]}, {sum(beyond[0][1:])})")
     for n in trainable:
         if n not in shapes:
-            raise CheckpointError(f"{files.ckpt / DS_MODEL_FILE}: no shape for parameter {n!r}")
+            raise CheckpointError(f"{files.ckpt / files.model}: no shape for parameter {n!r}")
     aliases = dict(model.get("shared_params") or {}) or {a: c for a, c in hint.aliases.items() if a in module}
     # frozen_param_shapes is not always written (None with fp32 ZeRO-1): the module has them all.
     buffers = set(model.get("buffer_names") or [])
@@ -391,7 +391,11 @@ def read_layout(ckpt: Path, hint: Manifest | None) -> DsLayout:
     stage = int(((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
     if first.name != DS_MODEL_FILE:
         stage = 3
-    files = list_files(ckpt, world, stage)
+    return layout_of(list_files(ckpt, world, stage), model, hint, stage)
+
+
+def layout_of(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int) -> DsLayout:
+    """The layout of the files `files` lists (`model`: their model file's contents)."""
     if stage == 3:
         return _stage3(files, model)
     if stage == 0 and not files.optim:

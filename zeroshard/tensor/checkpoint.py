@@ -20,39 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from zeroshard.checkpoint_format import EngineState, LoadedState, Range, TensorInfo
+from zeroshard.checkpoint_format import EngineState, LoadedState, Range, Segment, TensorInfo, global_segments
 from zeroshard.tensor.tp_plan import TensorParallelState
 
 if TYPE_CHECKING:
     from zeroshard.runtime.checkpoint_state import Checkpointer
 
-Segment = tuple[int, int, int]
-"""(offset in the global flattened parameter, numel, offset from the start of the local range)."""
-
-
-def global_segments(dim: int, shape: tuple[int, ...], tp: int, rank: int, offset: int, numel: int) -> list[Segment]:
-    """The global ranges holding elements [offset, offset + numel) of rank `rank`'s piece of a
-    parameter of global `shape` split along `dim` over `tp` ranks.
-
-    >>> global_segments(1, (2, 4), 2, 1, 0, 4)  # rank 1's columns 2-3 of a 2 x 4 weight
-    [(2, 2, 0), (6, 2, 2)]
-    """
-    if dim == 0:
-        local_numel = shape[0] // tp
-        for s in shape[1:]:
-            local_numel *= s
-        return [(rank * local_numel + offset, numel, 0)]
-    if dim != 1 or len(shape) != 2:
-        raise AssertionError(f"expected a column split or a row split of a matrix, got dim {dim} of {shape}")
-    width, local = shape[1], shape[1] // tp
-    out, k, end = [], offset, offset + numel
-    while k < end:
-        row, col = divmod(k, local)
-        n = min(local - col, end - k)
-        out.append((row * width + rank * local + col, n, k - offset))
-        k += n
-    return out
-
+__all__ = ["Segment", "TensorParallelCheckpointer", "global_segments"]  # global_segments: checkpoint_format.py
 
 class TensorParallelCheckpointer:
     """A `Checkpointer` for a model split over tp: global names, shapes and ranges on disk.
