@@ -26,8 +26,7 @@ from torch import Tensor
 
 from zeroshard.checkpoint.ds_files import check_parallelism, list_files, load_ds, model_name
 from zeroshard.checkpoint.ds_import import DeepSpeedReader, DsLayout, layout_of
-from zeroshard.checkpoint.load import _read_files
-from zeroshard.checkpoint.manifest import check_compatible
+from zeroshard.checkpoint.load import read_checked
 from zeroshard.checkpoint.save import agree
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, TensorInfo, global_segments
 from zeroshard.errors import CheckpointError
@@ -188,13 +187,9 @@ def load_autotp(target: EngineState, comm: "Comm", ckpt: Path, *, load_optimizer
     error, loaded, lay = None, None, None
     try:
         lay = read_autotp_layout(ckpt, target.manifest)
-        need_opt = load_optimizer_states and not load_module_only
-        check_compatible(lay.manifest, target.manifest, ckpt, need_optimizer=need_opt, strict=strict)
-        reader = AutoTpReader(lay)
-        try:
-            loaded = _read_files(reader, target, lay.manifest, need_opt, load_module_only, target.rank)
-        finally:
-            reader.close()
+        loaded = read_checked(AutoTpReader(lay), lay.manifest, ckpt, target,
+                              load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
+                              strict=strict)
     except CheckpointError as e:
         error = str(e)
     except (OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:

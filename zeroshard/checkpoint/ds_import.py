@@ -46,8 +46,7 @@ from zeroshard.checkpoint.ds_files import (
     resolve_ds,
 )
 from zeroshard.checkpoint.files import MODEL_FILE
-from zeroshard.checkpoint.load import CheckpointReader, _read_files
-from zeroshard.checkpoint.manifest import check_compatible
+from zeroshard.checkpoint.load import CheckpointReader, read_checked
 from zeroshard.checkpoint.reshard import RangeIndex
 from zeroshard.checkpoint.save import agree
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, TensorInfo, pickle_bytes
@@ -533,13 +532,9 @@ def load_deepspeed(target: EngineState, comm: "Comm", ckpt: Path, *, load_optimi
     error, loaded = None, None
     try:
         layout = read_layout(ckpt, target.manifest)
-        need_opt = load_optimizer_states and not load_module_only
-        check_compatible(layout.manifest, target.manifest, ckpt, need_optimizer=need_opt, strict=strict)
-        reader = DeepSpeedReader(layout)
-        try:
-            loaded = _read_files(reader, target, layout.manifest, need_opt, load_module_only, target.rank)
-        finally:
-            reader.close()
+        loaded = read_checked(DeepSpeedReader(layout), layout.manifest, ckpt, target,
+                              load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
+                              strict=strict)
     except CheckpointError as e:
         error = str(e)
     except (OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:

@@ -164,6 +164,19 @@ def _read(target: EngineState, ckpt: Path, saved: Manifest, *, load_optimizer_st
         reader.close()
 
 
+def read_checked(reader: Any, saved: Manifest, where: Path, target: EngineState, *, load_optimizer_states: bool,
+                 load_module_only: bool, strict: bool) -> LoadedState:
+    """This rank's state from `reader` (any object with CheckpointReader's reading methods: a
+    zeroshard directory, several as one, DeepSpeed's files), checked against `target` before
+    anything is read (Note: [no partial load]); closes the reader."""
+    need_opt = load_optimizer_states and not load_module_only
+    try:
+        check_compatible(saved, target.manifest, where, need_optimizer=need_opt, strict=strict)
+        return _read_files(reader, target, saved, need_opt, load_module_only, target.rank)
+    finally:
+        reader.close()
+
+
 def _read_files(reader: CheckpointReader, target: EngineState, saved: Manifest, need_opt: bool,
                 load_module_only: bool, rank: int) -> LoadedState:
     tm = target.manifest

@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from zeroshard.checkpoint.files import LATEST, read_latest_tag
-from zeroshard.checkpoint.load import CheckpointReader, _read_files
-from zeroshard.checkpoint.manifest import check_compatible, read_manifest
+from zeroshard.checkpoint.load import CheckpointReader, read_checked
+from zeroshard.checkpoint.manifest import read_manifest
 from zeroshard.checkpoint.save import agree
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, TensorInfo
 from zeroshard.errors import CheckpointError
@@ -249,14 +249,9 @@ def resolve_tag(load_dir: str | os.PathLike[str], tag: str | None) -> Path | Non
 
 def read_through(multi: MultiReader, target: EngineState, *, load_optimizer_states: bool, load_module_only: bool,
                  strict: bool) -> LoadedState:
-    """This rank's state from `multi`, checked against `target` first (Note: [no partial load])."""
-    need_opt = load_optimizer_states and not load_module_only
-    check_compatible(multi.manifest, target.manifest, multi.ckpt, need_optimizer=need_opt, strict=strict)
-    try:
-        return _read_files(multi, target, multi.manifest, need_opt, load_module_only,  # type: ignore[arg-type]
-                           target.rank)
-    finally:
-        multi.close()
+    """This rank's state from `multi` (load.py's `read_checked` over several saved directories)."""
+    return read_checked(multi, multi.manifest, multi.ckpt, target, load_optimizer_states=load_optimizer_states,
+                        load_module_only=load_module_only, strict=strict)
 
 
 def load_pipeline_into_plain(target: EngineState, comm: Comm, ckpt: Path, layout: PipeLayout, *,
