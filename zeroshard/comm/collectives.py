@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
+from zeroshard.comm.checked import PendingIssue, checked_issue
 from zeroshard.comm.divergence import CallRecord, CollectiveTracker, tracker_for
 from zeroshard.comm.groups import ProcessGroups, group_store, node_rank_lists, subgroup
 from zeroshard.comm.handle import Handle, WaitPolicy
@@ -126,7 +127,7 @@ class Comm:
             tracker=self._tracker, timeout_s=self.timeout_s,
             wait_timeout=timedelta(seconds=self.timeout_s + _WAIT_GRACE_S) if on_cpu else None,
             log=log, sync_device=None if on_cpu else groups.device, group=label)
-        # Note: [collective signature check] in divergence.py. ZEROSHARD_COMM_VERIFY=0 turns it off.
+        # Note: [collective signature check] in checked.py. ZEROSHARD_COMM_VERIFY=0 turns it off.
         self._verify = (pg is not None and on_cpu
                         and os.environ.get("ZEROSHARD_COMM_VERIFY", "1") != "0")
         self._caps: dict[str, bool] = {}
@@ -165,27 +166,28 @@ class Comm:
         t0 = perf_counter() if self.log is not None else 0.0
         work: dist.Work | None = None
         rec: CallRecord | None = None
+        pending: PendingIssue | None = None
         if issue is not None:
             tracker = self._tracker
             if tracker is None:
                 raise AssertionError("expected a tracker for a collective with a process group")
+            tracker.raise_if_mismatched(self.timeout_s)
             rec = tracker.issue(op, numel, dtype)
             if self._verify:
-                self._verify_signature(tracker, rec)
-            try:
-                work = issue()
-            except Exception as e:
-                raise tracker.fail(rec, e, self.timeout_s) from e
-            if self._policy.wait_timeout is None:
-                tracker.watch_stream_work(rec, work, self.timeout_s)
-        handle = Handle(self._policy, work, rec, finish, op, nbytes, t0, async_op)
+                # Note: [collective signature check] in checked.py: the data is issued by the
+                # check's completion, off this thread; wait() meets it there.
+                pending = checked_issue(tracker, rec, issue, self._timeout)
+            else:
+                try:
+                    work = issue()
+                except Exception as e:
+                    raise tracker.fail(rec, e, self.timeout_s) from e
+                if self._policy.wait_timeout is None:
+                    tracker.watch_stream_work(rec, work, self.timeout_s)
+        handle = Handle(self._policy, work, rec, finish, op, nbytes, t0, async_op, pending)
         if not async_op:
             handle.wait()
         return handle
-
-    def _verify_signature(self, tracker: CollectiveTracker, rec: CallRecord) -> None:
-        """Raise CommError on every rank if the ranks are not issuing the same collective."""
-        tracker.verify(rec, self._timeout, self._policy.wait_timeout, self.timeout_s)
 
     def _native(self, cap: str, native: Callable[[], dist.Work],
                 fallback: Callable[[], dist.Work]) -> dist.Work:

@@ -150,6 +150,11 @@ class CollectiveTracker:
         """Set after a collective failed: the group can no longer be trusted."""
         self._check_pg: dist.ProcessGroup | None = None
         """The side group the signature checks run on (Note: [collective signature check])."""
+        self.mismatch: CallRecord | None = None
+        """The first collective whose signature differed across ranks (set by the check's
+        callback thread; read by the caller's)."""
+        self._checks_in_flight = 0
+        self._checks_cv = threading.Condition()
         # A deque: appended by the caller's thread, rotated by the watcher's (both atomic).
         self._stream_works: deque[tuple[CallRecord, dist.Work, float]] = deque()
         self._stuck_reported: set[int] = set()
@@ -183,23 +188,11 @@ class CollectiveTracker:
         self._version += 1
         return rec
 
-    # Note: [collective signature check]
-    # On CPU backends each collective is preceded by a 16-byte MAX all-reduce of (fingerprint,
-    # -fingerprint): equal on every rank exactly when max == -max(-x) == min. gloo aborts the
-    # whole process (C++ terminate, SIGABRT) when a peer sends a different size, before Python
-    # can say anything; the check finds the mismatch first, on every rank, and raises the
-    # divergence report instead. The checks run on a side group of the same ranks that carries
-    # nothing else, so (1) they always pair, one per collective in issue order, whatever the
-    # ranks issue: an extra or a different collective on one rank is compared against the
-    # other ranks' collective of the same sequence number; (2) a check never queues behind the
-    # group's in-flight asynchronous collectives (a prefetched gather, an overlapped bucket
-    # reduction): it costs one small round trip, not a drain of the data queue, which is what
-    # made the check cost 3-6% of step time when it shared the data group. Collectives issued
-    # through `deepspeed.comm` (comm/functional.py) on zeroshard's group are sequenced and
-    # checked the same way. Stream backends (NCCL) skip it: it would sync the host.
+    # ---- signature checks (Note: [collective signature check] in comm/checked.py) ----------
     def check_group(self, timeout: timedelta) -> dist.ProcessGroup:
         """The side group of the signature checks, built at the first check (every rank's first
-        collective on this group reaches it). Falls back to the group itself without a store."""
+        collective on this group reaches it). One worker thread, so checks complete, and their
+        callbacks run, in issue order. Falls back to the group itself without a store."""
         if self._check_pg is not None:
             return self._check_pg
         if self._store is None:
@@ -209,33 +202,40 @@ class CollectiveTracker:
         # A generation per build, equal on every rank: each rank adds 1 once per build.
         generation = (self._store.add(base + "/builds", 1) - 1) // self.world_size
         store = dist.PrefixStore(f"{base}/{generation}/", self._store)
-        self._check_pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._threads = 1
+        opts._devices = _gloo_devices()
+        self._check_pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
         return self._check_pg
 
-    def verify(self, rec: CallRecord, timeout: timedelta, wait_timeout: timedelta | None,
-               timeout_s: float) -> None:
-        """Raise CommError on every rank if the ranks' collective `rec.seq` differ in operation,
-        size or dtype (Note: [collective signature check]); before any data moves."""
-        sig = signature(rec.op, rec.numel, rec.dtype)
-        pair = torch.tensor([sig, -sig], dtype=torch.int64)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp, opts.timeout = dist.ReduceOp.MAX, timeout
-        self.begin_wait(rec)
-        try:
-            work = self.check_group(timeout).allreduce([pair], opts)
-            if work.wait(wait_timeout) is False:
-                raise TimeoutError(f"Work.wait returned False after {timeout_s:g} s")
-        except Exception as e:
-            error = self.fail(rec, e, timeout_s)
-            self.end_wait(rec, done=False)
-            raise error from e
-        if int(pair[0]) != -int(pair[1]):
-            error = self.fail(rec, RuntimeError(
-                f"collective mismatch: the ranks' collective seq {rec.seq} differ in operation, "
-                "size or dtype (found before any data moved)"), timeout_s)
-            self.end_wait(rec, done=False)
-            raise error
-        self.end_wait(rec, done=False)
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group this tracker sequences."""
+        return self._group
+
+    def check_started(self) -> None:
+        with self._checks_cv:
+            self._checks_in_flight += 1
+
+    def check_ended(self) -> None:
+        with self._checks_cv:
+            self._checks_in_flight -= 1
+            if self._checks_in_flight == 0:
+                self._checks_cv.notify_all()
+
+    def note_mismatch(self, rec: CallRecord) -> None:
+        """The ranks' collective ``rec.seq`` differed: no later collective's data may move."""
+        if self.mismatch is None:
+            self.mismatch = rec
+            self._version += 1
+
+    def raise_if_mismatched(self, timeout_s: float) -> None:
+        """Raise the divergence report if a signature check found a mismatch (the caller's next
+        collective after it, when no wait came first)."""
+        rec = self.mismatch
+        if rec is not None and self.broken is None:
+            raise self.fail(rec, RuntimeError(mismatch_text(rec.seq)), timeout_s)
 
     def begin_wait(self, rec: CallRecord) -> None:
         self._waiting = rec
@@ -266,6 +266,7 @@ class CollectiveTracker:
             "wait_s": round(time.monotonic() - self._wait_since, 1) if waiting else 0.0,
             "pending": [_record_dict(r) for r in pending if waiting is None or r is not waiting],
             "state": self._state, "reason": self._reason, "served": self._served,
+            "mismatch": None if self.mismatch is None else _record_dict(self.mismatch),
         }
 
     def _publish(self) -> None:
@@ -314,6 +315,31 @@ class CollectiveTracker:
         exc = getattr(sys, "last_value", None)
         reason = "" if exc is None else f"{type(exc).__name__}: {_first_line(exc)}"[:200]
         self.close("exited", reason=reason)
+        self._end_checks()
+
+    def _end_checks(self) -> None:
+        """Let signature checks still in flight end before the interpreter finalizes.
+
+        Note: [stranded checks]
+        A rank leaving on an error may leave checks in flight: collectives it issued
+        asynchronously after the one that failed, which no peer will match. Each ends in a
+        Python callback on gloo's thread, which must not meet a finalizing interpreter (Note:
+        [watcher shutdown]: pthread_exit through a noexcept frame, SIGABRT). Such a check ends
+        when its peers leave too (their sockets close) or at its timeout. Peers leave within
+        their own report's wait (RESPONSE_S), so this waits twice that; a check still in
+        flight then would outlive finalization, so the process ends here, hard, with status 1
+        (it is leaving on an error, and its report is already out)."""
+        with self._checks_cv:
+            ended = self._checks_cv.wait_for(lambda: self._checks_in_flight == 0,
+                                             timeout=2 * RESPONSE_S + 1.0)
+            stranded = self._checks_in_flight
+        if ended:
+            return
+        print(f"rank {self.rank}: {stranded} collective signature check(s) still in flight at exit; "
+              "ending the process now (Note: [stranded checks] in comm/divergence.py)",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
 
     def close(self, state: str, *, reason: str = "") -> None:
         """Stop the watcher and publish a final state ("exited", "left the group")."""
@@ -383,6 +409,20 @@ class CollectiveTracker:
         return CommError(message)
 
 
+def _gloo_devices() -> list[Any]:
+    """The devices torch's own gloo groups use: GLOO_SOCKET_IFNAME's interfaces, or the default."""
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    if names:
+        return [dist.ProcessGroupGloo.create_device(interface=n) for n in names]
+    return [dist.ProcessGroupGloo.create_default_device()]
+
+
+def mismatch_text(seq: int) -> str:
+    """The cause line of a signature mismatch (Note: [collective signature check])."""
+    return (f"collective mismatch: the ranks' collective seq {seq} differ in operation, size or "
+            "dtype (found before any data moved)")
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if text.startswith("[") and "] " in text:  # gloo prefixes its source file: drop it
@@ -412,24 +452,36 @@ def _describe_rank(r: int, state: dict[str, Any] | None, top: int) -> str:
     return line
 
 
+def _call_at(state: dict[str, Any], seq: int) -> dict[str, Any] | None:
+    """The published record of collective ``seq`` of one rank, if its state still holds it."""
+    for call in (state.get("mismatch"), state["waiting"], state["last"], *state.get("pending", ())):
+        if call is not None and call["seq"] == seq:
+            return call
+    return None
+
+
 def describe_states(states: dict[int, dict[str, Any]], world_size: int) -> list[str]:
     """One line per rank plus a verdict naming the ranks that fell behind or disagree."""
     top = max((s["seq"] for s in states.values()), default=0)
     lines = [f"Last collective of each rank (group of {world_size}):"]
     lines += ["  " + _describe_rank(r, states.get(r), top) for r in range(world_size)]
     behind = [r for r in range(world_size) if r in states and states[r]["seq"] < top]
-    at_top: dict[str, list[int]] = {}
+    # A signature check that found a mismatch names its seq; later collectives may have been
+    # issued (asynchronously) since, so the verdict is about that seq, not the newest.
+    found = [s["mismatch"]["seq"] for s in states.values() if s.get("mismatch")]
+    focus = min(found) if found else top
+    at_focus: dict[str, list[int]] = {}
     for r, s in sorted(states.items()):
-        call = s["waiting"] or s["last"]
-        if call is not None and call["seq"] == top:
+        call = _call_at(s, focus)
+        if call is not None:
             key = f"{call['op']}(numel={call['numel']}, {call['dtype']})"
-            at_top.setdefault(key, []).append(r)
-    if len(at_top) > 1:
-        what = "; ".join(f"ranks {v} {k}" for k, v in at_top.items())
-        lines.append(f"Ranks disagree on seq {top}: {what}.")
+            at_focus.setdefault(key, []).append(r)
+    if len(at_focus) > 1:
+        what = "; ".join(f"ranks {v} {k}" for k, v in at_focus.items())
+        lines.append(f"Ranks disagree on seq {focus}: {what}.")
     if behind:
         lines.append(f"Ranks {behind} never reached seq {top}.")
-    if behind or len(at_top) > 1:
+    if behind or len(at_focus) > 1:
         lines.append("Every rank must issue the same collectives in the same order; a save, an "
                      "eval or an extra batch on some ranks only leaves the others waiting.")
     return lines

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import groups as _groups
+from zeroshard.comm.checked import checked_issue, wait_checked
 from zeroshard.comm.divergence import tracker_of
 
 ReduceOp = dist.ReduceOp
@@ -133,7 +134,7 @@ class _Done:
 def _run(call: Any, async_op: bool, op: str = "", tensor: torch.Tensor | None = None, group: Any = None) -> Any:
     """Issue `call`. On a group zeroshard tracks (its data-parallel group) and a CPU backend, the
     call is first sequenced and signature-checked like zeroshard's own collectives (Note:
-    [collective signature check] in divergence.py): a collective one rank issues through
+    [collective signature check] in checked.py): a collective one rank issues through
     `deepspeed.comm` and the others do not is reported by every rank, not by gloo."""
     pg = _group(group)
     tracker = tracker_of(pg) if op else None
@@ -144,8 +145,13 @@ def _run(call: Any, async_op: bool, op: str = "", tensor: torch.Tensor | None = 
     current = _groups._GROUPS
     timeout_s = current.timeout_s if current is not None else 1800.0
     numel, dtype = (0, None) if tensor is None else (tensor.numel(), tensor.dtype)
+    tracker.raise_if_mismatched(timeout_s)
     rec = tracker.issue(op, numel, dtype)
-    tracker.verify(rec, timedelta(seconds=timeout_s), timedelta(seconds=timeout_s + 5.0), timeout_s)
+    # Checked, then issued here: `call` may block (a synchronous op, an object collective), which
+    # must not happen on the check's callback thread. When the check has completed, every earlier
+    # checked collective's data is already issued (checks complete in order), so order holds.
+    wait_checked(tracker, checked_issue(tracker, rec, None, timedelta(seconds=timeout_s)), timeout_s + 5.0,
+                 timeout_s)
     try:
         work = call()
     except Exception as e:

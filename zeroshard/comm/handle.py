@@ -13,6 +13,7 @@ from time import perf_counter
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm.checked import PendingIssue, wait_checked
 from zeroshard.comm.divergence import CallRecord, CollectiveTracker
 from zeroshard.comm.log import CommLog
 from zeroshard.errors import CommError
@@ -50,19 +51,30 @@ class Handle:
     """
 
     __slots__ = ("_policy", "_work", "_rec", "_finish", "_op", "_nbytes", "_t0", "_async",
-                 "_done", "_error")
+                 "_done", "_error", "_pending")
 
     def __init__(self, policy: WaitPolicy, work: dist.Work | None, rec: CallRecord | None,
                  finish: Callable[[], None] | None, op: str, nbytes: int, t0: float,
-                 async_op: bool) -> None:
+                 async_op: bool, pending: PendingIssue | None = None) -> None:
         self._policy, self._work, self._rec, self._finish = policy, work, rec, finish
+        self._pending = pending
+        """Set while the collective waits for its signature check (comm/checked.py); the Work
+        is taken from it at wait()."""
         self._op, self._nbytes, self._t0, self._async = op, nbytes, t0, async_op
         self._done = False
         self._error: CommError | None = None
 
     def is_completed(self) -> bool:
         """Whether ``wait()`` would return without blocking on communication."""
-        return self._done or self._work is None or bool(self._work.is_completed())
+        if self._done:
+            return True
+        pending = self._pending
+        if pending is not None:
+            if not pending.is_issued():
+                return False
+            work = pending.issued_work()
+            return work is None or bool(work.is_completed())  # None: wait() raises at once
+        return self._work is None or bool(self._work.is_completed())
 
     def wait(self) -> None:
         """Block until the collective is done and its result written (idempotent)."""
@@ -71,6 +83,17 @@ class Handle:
         if self._error is not None:
             raise self._error
         policy = self._policy
+        if self._pending is not None and self._rec is not None:
+            tracker = policy.tracker
+            if tracker is None:
+                raise AssertionError("expected a tracker for a checked collective")
+            wait_s = None if policy.wait_timeout is None else policy.wait_timeout.total_seconds()
+            try:
+                self._work = wait_checked(tracker, self._pending, wait_s, policy.timeout_s)
+            except CommError as e:
+                self._error = e
+                raise
+            self._pending = None
         if self._work is not None and self._rec is not None:
             self._wait_work(policy, self._work, self._rec)
         if self._finish is not None:

@@ -10,7 +10,10 @@ MODE "size": both issue an all_reduce, of different sizes (gloo alone aborts the
 MODE "extra": rank 0 issues an extra all_gather before the all_reduce both issue.
 MODE "dscomm": rank 0 issues an extra all_reduce through deepspeed.comm (zeroshard.comm.functional),
 as a script averaging its loss on one rank does, before the all_reduce both issue.
-In "size", "extra" and "dscomm" every rank must raise zeroshard's report at once, without SIGABRT.
+MODE "async": the same as "size" and "extra" with asynchronous collectives: rank 0 issues an
+extra all_gather, then both issue two all_reduces of different sizes, and only then wait.
+In "size", "extra", "dscomm" and "async" every rank must raise zeroshard's report at once,
+without SIGABRT, and no data of the mismatched collective (or a later one) moves.
 """
 
 from __future__ import annotations
@@ -39,6 +42,16 @@ def main(mode: str) -> None:
         if groups.rank == 0:
             dscomm.all_reduce(torch.ones(1))  # seq 2: rank 0 only, through deepspeed.comm
         comm.all_reduce(torch.ones(100))  # seq 2 on rank 1 (dscomm), seq 3 on rank 0
+    if mode == "async":
+        handles = []
+        if groups.rank == 0:
+            handles.append(comm.all_gather(torch.empty(2 * 3), torch.ones(3), async_op=True))  # seq 2: async extra
+        # seq 2 on rank 1, seq 3 on rank 0; then a later one of a size the peer does not match
+        handles.append(comm.all_reduce(torch.ones(100), async_op=True))
+        handles.append(comm.all_reduce(torch.ones(7 if groups.rank == 0 else 70000), async_op=True))
+        for handle in handles:
+            handle.wait()
+        raise SystemExit(f"rank {groups.rank}: mismatched asynchronous collectives completed")
     if mode == "mismatch" and groups.rank == 1:
         comm.broadcast(torch.ones(8), 0)  # seq 2 on rank 1: not what rank 0 issued
     if groups.rank == 0:
