@@ -27,7 +27,7 @@ from torch import Tensor
 from zeroshard.checkpoint.ds_files import check_parallelism, list_files, load_ds, model_name
 from zeroshard.checkpoint.ds_import import DeepSpeedReader, DsLayout, layout_of
 from zeroshard.checkpoint.load import read_checked
-from zeroshard.checkpoint.save import agree
+from zeroshard.checkpoint.save import read_agreed
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, TensorInfo, global_segments
 from zeroshard.errors import CheckpointError
 
@@ -184,19 +184,14 @@ class AutoTpReader(DeepSpeedReader):
 def load_autotp(target: EngineState, comm: "Comm", ckpt: Path, *, load_optimizer_states: bool,
                 load_module_only: bool, strict: bool = True) -> LoadedState:
     """Read the AutoTP tag directory `ckpt` for this rank, in `target`'s (global) terms; collective."""
-    error, loaded, lay = None, None, None
-    try:
+    def read() -> tuple[AutoTpLayout, LoadedState]:
         lay = read_autotp_layout(ckpt, target.manifest)
-        loaded = read_checked(AutoTpReader(lay), lay.manifest, ckpt, target,
-                              load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
-                              strict=strict)
-    except CheckpointError as e:
-        error = str(e)
-    except (OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        error = f"{ckpt}: DeepSpeed AutoTP checkpoint: {type(e).__name__}: {e}"
-    agree(comm, error, "loading the DeepSpeed AutoTP checkpoint")
-    if loaded is None or lay is None:
-        raise AssertionError("expected a loaded state after every rank agreed")
+        return lay, read_checked(AutoTpReader(lay), lay.manifest, ckpt, target,
+                                 load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
+                                 strict=strict)
+
+    lay, loaded = read_agreed(comm, "loading the DeepSpeed AutoTP checkpoint", f"{ckpt}: DeepSpeed AutoTP checkpoint",
+                              read)
     logger.info(f"loaded DeepSpeed AutoTP checkpoint {ckpt} (stage {lay.ranks[0].stage}, TP {len(lay.ranks)} x "
                 f"DP {lay.ranks[0].manifest.world_size})")
     return loaded

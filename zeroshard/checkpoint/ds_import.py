@@ -48,7 +48,7 @@ from zeroshard.checkpoint.ds_files import (
 from zeroshard.checkpoint.files import MODEL_FILE
 from zeroshard.checkpoint.load import CheckpointReader, read_checked
 from zeroshard.checkpoint.reshard import RangeIndex
-from zeroshard.checkpoint.save import agree
+from zeroshard.checkpoint.save import read_agreed
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, TensorInfo, pickle_bytes
 from zeroshard.errors import CheckpointError
 
@@ -529,19 +529,13 @@ class DeepSpeedReader(CheckpointReader):
 def load_deepspeed(target: EngineState, comm: "Comm", ckpt: Path, *, load_optimizer_states: bool,
                    load_module_only: bool, strict: bool = True) -> LoadedState:
     """Read DeepSpeed tag directory `ckpt` for this rank; collective (every rank agrees first)."""
-    error, loaded = None, None
-    try:
+    def read() -> tuple[DsLayout, LoadedState]:
         layout = read_layout(ckpt, target.manifest)
-        loaded = read_checked(DeepSpeedReader(layout), layout.manifest, ckpt, target,
-                              load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
-                              strict=strict)
-    except CheckpointError as e:
-        error = str(e)
-    except (OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        error = f"{ckpt}: DeepSpeed checkpoint: {type(e).__name__}: {e}"
-    agree(comm, error, "loading the DeepSpeed checkpoint")
-    if loaded is None:
-        raise AssertionError("expected a loaded state after every rank agreed")
+        return layout, read_checked(DeepSpeedReader(layout), layout.manifest, ckpt, target,
+                                    load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
+                                    strict=strict)
+
+    layout, loaded = read_agreed(comm, "loading the DeepSpeed checkpoint", f"{ckpt}: DeepSpeed checkpoint", read)
     logger.info(f"loaded DeepSpeed checkpoint {ckpt} (stage {layout.stage}, saved by "
                 f"{layout.manifest.world_size} ranks)")
     return loaded

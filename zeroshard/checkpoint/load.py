@@ -19,7 +19,7 @@ from torch import Tensor
 from zeroshard.checkpoint.files import MANIFEST, MODEL_FILE, load_torch, optim_file, pieces_file, rng_file
 from zeroshard.checkpoint.manifest import check_compatible, resolve
 from zeroshard.checkpoint.reshard import RangeIndex
-from zeroshard.checkpoint.save import agree
+from zeroshard.checkpoint.save import agree_found, read_agreed
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, unpickle_bytes
 from zeroshard.errors import CheckpointError
 from zeroshard.progress import PROGRESS_MIN_BYTES, Progress
@@ -241,23 +241,14 @@ def load_state(target: EngineState, comm: "Comm", load_dir: str | os.PathLike[st
     """Read the checkpoint for this rank; collective. None when `load_dir` has no `latest`.
 
     `strict=False`: parameter names may differ (see `check_compatible`)."""
-    error, loaded, found = None, None, True
-    try:
+    def read() -> LoadedState | None:
         resolved = resolve(load_dir, tag)
         if resolved is None:
-            found = False
-        else:
-            ckpt, saved = resolved
-            loaded = _read(target, ckpt, saved, load_optimizer_states=load_optimizer_states,
-                           load_module_only=load_module_only, strict=strict)
-    except CheckpointError as e:
-        error = str(e)
-    except (OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError) as e:
-        error = f"{load_dir}: {type(e).__name__}: {e}"
-    agree(comm, error, "loading the checkpoint")
-    flags = torch.tensor([0.0 if found else 1.0], device=comm.groups.device)
-    comm.all_reduce(flags)
-    if 0 < flags.item() < comm.world_size:
-        raise CheckpointError(f"{load_dir}: some ranks see a `latest` file and others do not; "
-                              "checkpoints must be on a file system every rank sees the same")
+            return None
+        ckpt, saved = resolved
+        return _read(target, ckpt, saved, load_optimizer_states=load_optimizer_states,
+                     load_module_only=load_module_only, strict=strict)
+
+    loaded = read_agreed(comm, "loading the checkpoint", load_dir, read)
+    agree_found(comm, loaded is not None, load_dir)
     return loaded

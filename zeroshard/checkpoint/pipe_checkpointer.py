@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
 from torch import Tensor
 
 from zeroshard.checkpoint.ds_pipe import deepspeed_pipeline_sources, is_deepspeed_pipeline, offline_deepspeed_pipeline
@@ -33,7 +32,7 @@ from zeroshard.checkpoint.pipe_files import (
     resolve_tag,
     stage_dir,
 )
-from zeroshard.checkpoint.save import agree
+from zeroshard.checkpoint.save import agree, agree_found, read_agreed
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest
 from zeroshard.errors import CheckpointError
 
@@ -98,26 +97,17 @@ class PipelineCheckpointer:
 
     def load(self, target: EngineState, load_dir: str, tag: str | None, *, load_optimizer_states: bool,
              load_module_only: bool, strict: bool = True) -> LoadedState | None:
-        error, loaded, found = None, None, True
-        try:
+        def read() -> LoadedState | None:
             ckpt = resolve_tag(load_dir, tag)
             if ckpt is None:
-                found = False
-            else:
-                multi = self._reader(ckpt, {p.name for p in target.manifest.params}
-                                     | {b.name for b in target.manifest.buffers})
-                loaded = read_through(multi, target, load_optimizer_states=load_optimizer_states,
-                                      load_module_only=load_module_only, strict=strict)
-        except CheckpointError as e:
-            error = str(e)
-        except (OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-            error = f"{load_dir}: {type(e).__name__}: {e}"
-        agree(self._world, error, "loading the pipeline checkpoint")
-        flags = torch.tensor([0.0 if found else 1.0], device=self._world.groups.device)
-        self._world.all_reduce(flags)
-        if 0 < flags.item() < self._world.world_size:
-            raise CheckpointError(f"{load_dir}: some ranks see a `latest` file and others do not; "
-                                  "checkpoints must be on a file system every rank sees the same")
+                return None
+            multi = self._reader(ckpt, {p.name for p in target.manifest.params}
+                                 | {b.name for b in target.manifest.buffers})
+            return read_through(multi, target, load_optimizer_states=load_optimizer_states,
+                                load_module_only=load_module_only, strict=strict)
+
+        loaded = read_agreed(self._world, "loading the pipeline checkpoint", load_dir, read)
+        agree_found(self._world, loaded is not None, load_dir)
         return loaded
 
     def _reader(self, ckpt: Path, want: set[str]) -> MultiReader:

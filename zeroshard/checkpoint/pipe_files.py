@@ -38,7 +38,7 @@ from torch import Tensor
 from zeroshard.checkpoint.files import LATEST, read_latest_tag
 from zeroshard.checkpoint.load import CheckpointReader, read_checked
 from zeroshard.checkpoint.manifest import read_manifest
-from zeroshard.checkpoint.save import agree
+from zeroshard.checkpoint.save import read_agreed
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, TensorInfo
 from zeroshard.errors import CheckpointError
 
@@ -258,17 +258,9 @@ def load_pipeline_into_plain(target: EngineState, comm: Comm, ckpt: Path, layout
                              load_optimizer_states: bool, load_module_only: bool, strict: bool) -> LoadedState:
     """A pipeline checkpoint into a model without a pipeline (Note: [plain names of a pipeline]);
     collective over `comm` (the engine's data-parallel group)."""
-    error, loaded = None, None
-    try:
+    def read() -> LoadedState:
         sources = pipeline_sources(ckpt, layout, lambda n: pipeline_to_plain(n, layout.tied))
-        multi = MultiReader(sources, 0, ckpt)
-        loaded = read_through(multi, target, load_optimizer_states=load_optimizer_states,
-                              load_module_only=load_module_only, strict=strict)
-    except CheckpointError as e:
-        error = str(e)
-    except (OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError) as e:
-        error = f"{ckpt}: {type(e).__name__}: {e}"
-    agree(comm, error, "loading the pipeline checkpoint")
-    if loaded is None:
-        raise AssertionError("expected a loaded state after every rank agreed")
-    return loaded
+        return read_through(MultiReader(sources, 0, ckpt), target, load_optimizer_states=load_optimizer_states,
+                            load_module_only=load_module_only, strict=strict)
+
+    return read_agreed(comm, "loading the pipeline checkpoint", ckpt, read)

@@ -28,9 +28,9 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -82,6 +82,41 @@ def agree(comm: "Comm", error: str | None, what: str) -> None:
         raise CheckpointError(f"rank {comm.rank}: {what} failed: {error}")
     causes = "\n".join(f"  rank {r}: {messages[r]}" for r in failed)
     raise CheckpointError(f"rank {comm.rank}: {what} failed on rank(s) {failed}:\n{causes}")
+
+
+_READ_ERRORS = (OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError, AttributeError)
+"""What a checkpoint read may raise besides CheckpointError: a missing or truncated file, a
+pickle of the wrong shape. Named with the failing path; anything else is a bug and propagates."""
+
+T = TypeVar("T")
+
+
+def read_agreed(comm: "Comm", what: str, where: str | os.PathLike[str], read: Callable[[], T]) -> T:
+    """This rank's `read`, after every rank agreed that its own read succeeded (`agree`).
+
+    A CheckpointError keeps its message; another read error is named with `where` ("<where>:
+    <type>: <message>"). Collective: every rank calls it, and either all return or all raise.
+    """
+    error, out = None, []
+    try:
+        out.append(read())
+    except CheckpointError as e:
+        error = str(e)
+    except _READ_ERRORS as e:
+        error = f"{where}: {type(e).__name__}: {e}"
+    agree(comm, error, what)
+    if not out:
+        raise AssertionError(f"expected {what} to have succeeded on every rank after they agreed")
+    return out[0]
+
+
+def agree_found(comm: "Comm", found: bool, load_dir: str | os.PathLike[str]) -> None:
+    """Refuse a load where some ranks see a `latest` file in `load_dir` and others do not."""
+    flags = torch.tensor([0.0 if found else 1.0], device=comm.groups.device)
+    comm.all_reduce(flags)
+    if 0 < flags.item() < comm.world_size:
+        raise CheckpointError(f"{load_dir}: some ranks see a `latest` file and others do not; "
+                              "checkpoints must be on a file system every rank sees the same")
 
 
 _TARGET_BYTES = 1024
