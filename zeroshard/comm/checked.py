@@ -50,16 +50,12 @@ class PendingIssue:
     what stopped it (the check failed or timed out, the signatures differed, the issue raised).
     """
 
-    __slots__ = ("rec", "_tracker", "_issue", "_pair", "_work", "_error", "_ready")
+    __slots__ = ("rec", "_issue", "_work", "_error", "_ready")
 
-    def __init__(self, tracker: CollectiveTracker, rec: CallRecord,
-                 issue: Callable[[], dist.Work] | None) -> None:
+    def __init__(self, rec: CallRecord, issue: Callable[[], dist.Work] | None) -> None:
         self.rec = rec
-        self._tracker = tracker
         self._issue = issue
         """None: check only (the caller issues the data itself once ``wait_issued`` returned)."""
-        sig = signature(rec.op, rec.numel, rec.dtype)
-        self._pair = torch.tensor([sig, -sig], dtype=torch.int64)
         self._work: dist.Work | None = None
         self._error: BaseException | None = None
         self._ready = threading.Event()
@@ -80,59 +76,85 @@ class PendingIssue:
             raise self._error
         return self._work
 
+    def _end(self, error: BaseException | None) -> None:
+        if error is None and self._issue is not None:
+            try:
+                self._work = self._issue()
+            except BaseException as e:  # recorded for the caller's thread, which raises it
+                error = e
+        self._error = error
+        self._issue = None
+        self._ready.set()
+
+
+class _Check:
+    """One signature check covering one collective, or several issued together (``checked_issue``)."""
+
+    __slots__ = ("_tracker", "_items", "_pair")
+
+    def __init__(self, tracker: CollectiveTracker, items: list[PendingIssue]) -> None:
+        self._tracker = tracker
+        self._items = items
+        sig = 0
+        for item in items:  # order-sensitive fold: the same calls in another order differ
+            sig = (sig * 1_000_003 + signature(item.rec.op, item.rec.numel, item.rec.dtype)) & _SIG_MASK
+        self._pair = torch.tensor([sig, -sig], dtype=torch.int64)
+
+    def start(self, timeout: timedelta) -> None:
+        tracker = self._tracker
+        tracker.check_started()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp, opts.timeout = dist.ReduceOp.MAX, timeout
+        try:
+            check_pg = tracker.check_group(timeout)
+            work = check_pg.allreduce([self._pair], opts)
+            if check_pg is tracker.group:
+                # No store for a side group: the check shares the data group, whose worker threads
+                # would run a later check before this callback issues the data. Checked in line.
+                work.wait()
+        except Exception as e:
+            self._end(e)
+            return
+        # Runs in the side group's worker thread when the check completes (in issue order: the
+        # group has one worker), or here at once if it already has.
+        work.get_future().then(self._on_checked)
+
     def _on_checked(self, fut: torch.futures.Future) -> None:
         """The side group's completion callback: issue the data if every rank agreed."""
-        tracker = self._tracker
+        tracker, first = self._tracker, self._items[0].rec
+        error: BaseException | None = None
         try:
             fut.value()  # raises the check's own failure (timeout, a peer gone)
             earlier = tracker.mismatch
             if earlier is not None:
-                raise CollectiveMismatchError(
+                error = CollectiveMismatchError(
                     f"not issued: collective seq {earlier.seq} already differed across ranks")
-            if int(self._pair[0]) != -int(self._pair[1]):
-                tracker.note_mismatch(self.rec)
-                raise CollectiveMismatchError(mismatch_text(self.rec.seq))
-            if self._issue is not None:
-                self._work = self._issue()
+            elif int(self._pair[0]) != -int(self._pair[1]):
+                tracker.note_mismatch(first)
+                error = CollectiveMismatchError(mismatch_text(first.seq))
         except BaseException as e:  # recorded for the caller's thread, which raises it
-            self._error = e
+            error = e
+        self._end(error)
+
+    def _end(self, error: BaseException | None) -> None:
+        try:
+            for item in self._items:
+                item._end(error)
         finally:
-            self._issue = None
-            tracker.check_ended()
-            self._ready.set()
-
-    def _fail_now(self, error: BaseException) -> None:
-        self._error = error
-        self._issue = None
-        self._tracker.check_ended()
-        self._ready.set()
+            self._tracker.check_ended()
 
 
-def checked_issue(tracker: CollectiveTracker, rec: CallRecord, issue: Callable[[], dist.Work] | None,
-                  timeout: timedelta) -> PendingIssue:
-    """Start the signature check of ``rec`` and hand ``issue`` to its completion; returns at once.
+_SIG_MASK = (1 << 62) - 1
 
-    Every rank must call it for each collective of the group, in the same order (they are the
-    group's collectives). See Note: [collective signature check].
+
+def checked_issue(tracker: CollectiveTracker, items: list[PendingIssue], timeout: timedelta) -> None:
+    """Start one signature check of ``items`` (one collective, or several the caller issues
+    together and waits after) and hand their issues to its completion; returns at once.
+
+    Every rank must call it for the same collectives, grouped the same way, in the same order
+    (they are the group's collectives). See Note: [collective signature check].
     """
-    pending = PendingIssue(tracker, rec, issue)
-    tracker.check_started()
-    opts = dist.AllreduceOptions()
-    opts.reduceOp, opts.timeout = dist.ReduceOp.MAX, timeout
-    try:
-        check_pg = tracker.check_group(timeout)
-        work = check_pg.allreduce([pending._pair], opts)
-        if check_pg is tracker.group:
-            # No store for a side group: the check shares the data group, whose worker threads
-            # would run a later check before this callback issues the data. Checked in line.
-            work.wait()
-    except Exception as e:
-        pending._fail_now(e)
-        return pending
-    # Runs in the side group's worker thread when the check completes (in issue order: the
-    # group has one worker), or here at once if it already has.
-    work.get_future().then(pending._on_checked)
-    return pending
+    _Check(tracker, items).start(timeout)
 
 
 def wait_checked(tracker: CollectiveTracker, pending: PendingIssue, wait_s: float | None,

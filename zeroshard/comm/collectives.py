@@ -9,7 +9,8 @@ timeout, and waited with that timeout (plus a grace), so a rank that diverges fa
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from time import perf_counter
 from typing import Literal
@@ -130,6 +131,8 @@ class Comm:
         # Note: [collective signature check] in checked.py. ZEROSHARD_COMM_VERIFY=0 turns it off.
         self._verify = (pg is not None and on_cpu
                         and os.environ.get("ZEROSHARD_COMM_VERIFY", "1") != "0")
+        self._together: list[PendingIssue] | None = None
+        """Collectives of the open ``issued_together()`` block, checked together when it ends."""
         self._caps: dict[str, bool] = {}
         """Capabilities found missing at first use: "avg", "all_gather_single",
         "reduce_scatter_single", "all_to_all_single" -> False selects the fallback."""
@@ -152,6 +155,27 @@ class Comm:
         """
         nodes, cross = node_rank_lists(self.world_size, size)
         return self.split(nodes, "node"), self.split(cross, "cross")
+
+    @contextmanager
+    def issued_together(self) -> Iterator[None]:
+        """Asynchronous collectives issued inside share one signature check, started when the
+        block ends; their data moves after it (Note: [collective signature check] in checked.py).
+
+        For a burst issued back to back and waited after, such as the parameter all-gather after
+        a ZeRO-1/2 step: one check instead of one per collective. Every rank must issue the same
+        collectives in the block (a rank that differs is reported, as for single collectives).
+        Without the check (NCCL, ``ZEROSHARD_COMM_VERIFY=0``) it changes nothing.
+        """
+        if self._together is not None or not self._verify or self._tracker is None:
+            yield
+            return
+        self._together = []
+        try:
+            yield
+        finally:
+            items, self._together = self._together, None
+            if items:
+                checked_issue(self._tracker, items, self._timeout)
 
     @property
     def log(self) -> CommLog | None:
@@ -176,7 +200,14 @@ class Comm:
             if self._verify:
                 # Note: [collective signature check] in checked.py: the data is issued by the
                 # check's completion, off this thread; wait() meets it there.
-                pending = checked_issue(tracker, rec, issue, self._timeout)
+                pending = PendingIssue(rec, issue)
+                if self._together is None:
+                    checked_issue(tracker, [pending], self._timeout)
+                elif async_op:
+                    self._together.append(pending)
+                else:
+                    raise ValueError(f"{op}: inside issued_together() collectives must be asynchronous "
+                                     "(async_op=True): their data moves when the block ends.")
             else:
                 try:
                     work = issue()

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import groups as _groups
-from zeroshard.comm.checked import checked_issue, wait_checked
+from zeroshard.comm.checked import PendingIssue, checked_issue, wait_checked
 from zeroshard.comm.divergence import tracker_of
 
 ReduceOp = dist.ReduceOp
@@ -150,8 +150,9 @@ def _run(call: Any, async_op: bool, op: str = "", tensor: torch.Tensor | None = 
     # Checked, then issued here: `call` may block (a synchronous op, an object collective), which
     # must not happen on the check's callback thread. When the check has completed, every earlier
     # checked collective's data is already issued (checks complete in order), so order holds.
-    wait_checked(tracker, checked_issue(tracker, rec, None, timedelta(seconds=timeout_s)), timeout_s + 5.0,
-                 timeout_s)
+    pending = PendingIssue(rec, None)
+    checked_issue(tracker, [pending], timedelta(seconds=timeout_s))
+    wait_checked(tracker, pending, timeout_s + 5.0, timeout_s)
     try:
         work = call()
     except Exception as e:

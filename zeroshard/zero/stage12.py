@@ -31,7 +31,7 @@ from zeroshard.zero.shard import OptimizerShard, ShardedStrategyBase
 from zeroshard.zero.strategy import BytesByHome, ModelStateBytes, ParamPiece
 
 if TYPE_CHECKING:
-    from zeroshard.comm import Comm
+    from zeroshard.comm import Comm, Handle
 
 ALIGN_NUMEL = 16
 """Each rank's chunk of a bucket is a multiple of 16 elements (64 bytes in fp32)."""
@@ -171,6 +171,12 @@ class PartitionedStrategy(ShardedStrategyBase):
 
     def _gather_params(self) -> None:
         handles = []
+        with self._comm.issued_together():  # one collective check for the burst
+            self._issue_param_gathers(handles)
+        for h in handles:
+            h.wait()
+
+    def _issue_param_gathers(self, handles: list[Handle]) -> None:
         for b in range(len(self._plan.buckets)):
             out = self._flat_params[slice(*self._plan.bucket_range(b))]
             master = self._shard.master_chunk(b)
@@ -185,8 +191,6 @@ class PartitionedStrategy(ShardedStrategyBase):
                 for src in range(self._world):
                     chunk = self._flat_params[slice(*self._plan.chunk_range(b, src))]
                     handles.append(self._comm.broadcast(chunk, src=src, async_op=True))
-        for h in handles:
-            h.wait()
 
     def model_state_bytes(self, optimizer_state_bytes: int) -> list[ModelStateBytes]:
         acc = BytesByHome()

@@ -12,7 +12,9 @@ MODE "dscomm": rank 0 issues an extra all_reduce through deepspeed.comm (zerosha
 as a script averaging its loss on one rank does, before the all_reduce both issue.
 MODE "async": the same as "size" and "extra" with asynchronous collectives: rank 0 issues an
 extra all_gather, then both issue two all_reduces of different sizes, and only then wait.
-In "size", "extra", "dscomm" and "async" every rank must raise zeroshard's report at once,
+MODE "together": a burst checked as one (Comm.issued_together) holds one all_gather more on
+rank 0 than on rank 1.
+In "size", "extra", "dscomm", "async" and "together" every rank must raise zeroshard's report at once,
 without SIGABRT, and no data of the mismatched collective (or a later one) moves.
 """
 
@@ -52,6 +54,14 @@ def main(mode: str) -> None:
         for handle in handles:
             handle.wait()
         raise SystemExit(f"rank {groups.rank}: mismatched asynchronous collectives completed")
+    if mode == "together":
+        handles = []
+        with comm.issued_together():
+            for _ in range(2 if groups.rank == 0 else 1):  # seq 2 (both), seq 3 (rank 0 only)
+                handles.append(comm.all_gather(torch.empty(2 * 5), torch.ones(5), async_op=True))
+        for handle in handles:
+            handle.wait()
+        raise SystemExit(f"rank {groups.rank}: a mismatched burst completed")
     if mode == "mismatch" and groups.rank == 1:
         comm.broadcast(torch.ones(8), 0)  # seq 2 on rank 1: not what rank 0 issued
     if groups.rank == 0:
