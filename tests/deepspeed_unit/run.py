@@ -2,6 +2,8 @@
 
     python tests/deepspeed_unit/run.py PATH_TO_DEEPSPEED [--files unit/...py ...] [--out DIR]
     python tests/deepspeed_unit/run.py PATH --only zs --passed-from DIR/ds.xml   # zeroshard pass only
+    python tests/deepspeed_unit/run.py PATH --only zs --out ZS   # no baseline yet: zeroshard, whole list
+    python tests/deepspeed_unit/run.py PATH --report --out ZS --passed-from DS/ds.log   # compare later
     python tests/deepspeed_unit/run.py PATH --concurrent    # both passes at once (zeroshard's over the whole list)
     python tests/deepspeed_unit/run.py PATH --report        # no run: compare what --out holds
 
@@ -154,7 +156,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--files", nargs="*", default=DEFAULT_FILES, help="paths under tests/")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "deepspeed_unit")
     ap.add_argument("--only", choices=["ds", "zs"], help="run one pass only")
-    ap.add_argument("--passed-from", type=Path, help="DeepSpeed junit XML: run zeroshard on its passes")
+    ap.add_argument("--passed-from", type=Path,
+                    help="DeepSpeed's junit XML (or its log, for a pass cut short): run zeroshard on its passes")
     ap.add_argument("--timeout", type=int, default=7200, help="per pass, seconds")
     ap.add_argument("--select", choices=["all", "local", "dist"], default="all",
                     help="local: only the tests that run in the pytest process (milliseconds each); "
@@ -185,7 +188,15 @@ def main(argv: list[str]) -> int:
     passed = sorted(n for n, (o, _) in ds.items() if o == "passed")
     print(f"DeepSpeed on CPU: {len(ds)} tests, {len(passed)} pass, "
           f"{sum(o == 'failed' for o, _ in ds.values())} fail, {sum(o == 'skipped' for o, _ in ds.values())} skip")
-    if args.only == "ds" or not passed:
+    if args.only == "ds":
+        return 0
+    if args.only == "zs" and not passed and not args.report:
+        # No baseline yet (DeepSpeed's pass still running): zeroshard over the whole list, compared
+        # afterwards with --report --passed-from DS_LOG_OR_XML.
+        t = run_pytest(checkout, "zs", args.files, zs_xml, args.timeout)
+        print(f"zeroshard pass (whole list, no baseline): {t:.0f} s")
+        return 0
+    if not passed:
         return 0
     if not (args.concurrent or args.report):
         only = args.out / "ds_passed.txt"
