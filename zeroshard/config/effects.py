@@ -60,7 +60,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "data_types.grad_accum_dtype": _BUILD,
     # gradients and communication
     "gradient_clipping": _ENGINE, "communication_data_type": _BUILD, "prescale_gradients": _BUILD,
-    "gradient_predivide_factor": _BUILD,
+    "gradient_predivide_factor": _BUILD, "gradient_allreduce_op": _BUILD,
     # ZeRO
     _Z + "zero_quantized_gradients": (
         "zero/build.py::quantized_gradients=bool(zero.zero_quantized_gradients)",

@@ -23,7 +23,7 @@ from zeroshard.config.schema import Config
 from zeroshard.config.schema_optim import LambParams, OptimizerConfig, SchedulerConfig
 from zeroshard.config.schema_tp import check_tensor_parallel
 from zeroshard.config.stages import check_stages, idle_keys
-from zeroshard.config.support import check_supported
+from zeroshard.config.support import check_supported, is_inactive
 from zeroshard.errors import ConfigError, NotSupportedError
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
@@ -250,6 +250,30 @@ def check_bf16_master(cfg: Config) -> None:
                           "keeps gradients in bf16; set it to \"bf16\" or remove it.")
 
 
+_ONEBIT = ("onebitadam", "zerooneadam", "onebitlamb")
+
+
+def check_allreduce_op(cfg: Config, unmodelled: Mapping[str, Any]) -> None:
+    """`gradient_allreduce_op: "sum"` where it is not built: ZeRO stage 3, ZenFlow and DeepCompile
+    (DeepSpeed refuses these too, in these words), and the 1-bit optimizers (whose compressed
+    all-reduce averages). Before the not-supported checks, so the reason named is the pairing."""
+    if cfg.gradient_allreduce_op != "sum":
+        return
+    fix = 'use "mean" (DeepSpeed\'s default), or'
+    if cfg.zero_optimization.stage == 3:
+        raise ConfigError(f"gradient_allreduce_op='sum' is not supported with ZeRO stage 3 (as in DeepSpeed); {fix} "
+                          "ZeRO stage 0, 1 or 2.")
+    if "zero_optimization.zenflow" in unmodelled:
+        raise ConfigError(f"gradient_allreduce_op='sum' is not supported with ZenFlow (as in DeepSpeed); {fix} "
+                          "remove zero_optimization.zenflow.")
+    if not is_inactive(unmodelled.get("compile"), "compile"):
+        raise ConfigError(f"gradient_allreduce_op='sum' is not supported with DeepCompile (as in DeepSpeed); {fix} "
+                          "remove compile.deepcompile.")
+    if cfg.optimizer is not None and cfg.optimizer.type.lower() in _ONEBIT:
+        raise NotSupportedError(f"not supported yet: gradient_allreduce_op='sum' with {cfg.optimizer.type}: the "
+                                f"1-bit optimizers' compressed all-reduce averages; {fix} another optimizer.")
+
+
 def load_section(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
     """Parse and build one schema section alone (e.g. `ZeroConfig` from the object under
     "zero_optimization"), with the same key, type, range and alias checks as `load_config`; the
@@ -334,6 +358,7 @@ def load_config(
         sources=FrozenDict(draft.sources),
     )
     _check_cross_fields(cfg)
+    check_allreduce_op(cfg, draft.unmodelled)
     notes = check_stages(cfg)
     check_supported(cfg, draft.unmodelled, draft.pending, skip=idle_keys(cfg))
     return dataclasses.replace(cfg, notes=(*draft.notes, *notes))

@@ -347,8 +347,10 @@ class Config:
     without effect: zeroshard steps any torch optimizer on the CPU shard (a client torch
     Adam/AdamW is switched to torch's fused CPU kernel)."""
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"
-    """How gradients are combined across data-parallel ranks: "mean" (DeepSpeed's default;
-    the only value zeroshard implements) or "sum"."""
+    """How gradients are combined across data-parallel ranks: "mean" (DeepSpeed's default) or
+    "sum" (no division by the data-parallel size, and `gradient_predivide_factor` unused, as in
+    DeepSpeed). "sum" is refused with ZeRO stage 3, ZenFlow and DeepCompile (as in DeepSpeed),
+    with a PipelineModule and with the 1-bit optimizers."""
     sparse_gradients: bool = False
     """Reduce embedding gradients as sparse tensors."""
     disable_allgather: bool = False

@@ -87,11 +87,14 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     if bf16_masters:
         grad_dtype = torch.bfloat16
     comm_dtype = _dtype(cfg.communication_data_type)
-    prescale = cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0
+    # "sum" reduces without any division, as DeepSpeed's (its predivide factor is unused then);
+    # stage 3 with "sum" is refused at config load (config/load.py::check_allreduce_op).
+    average = cfg.gradient_allreduce_op == "mean"
+    prescale = cfg.gradient_predivide_factor if cfg.prescale_gradients and average else 1.0
     if zero.stage == 0:
         return Stage0Strategy(params, comm=comm, world_size=groups.world_size, grad_dtype=grad_dtype,
                               comm_dtype=comm_dtype, reduce_bucket_numel=int(zero.reduce_bucket_size),
-                              prescale_factor=prescale)
+                              prescale_factor=prescale, average=average)
     if zero.stage in (1, 2):
         options = PartitionOptions(
             grad_dtype=grad_dtype,
@@ -99,6 +102,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             comm_dtype=comm_dtype,
             bucket_numel=max(1, min(int(zero.reduce_bucket_size), int(zero.allgather_bucket_size))),
             prescale_factor=prescale,
+            average=average,
             overlap_comm=bool(zero.overlap_comm),
             reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), groups.backend),
             allgather_partitions=bool(zero.allgather_partitions),

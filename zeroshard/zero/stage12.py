@@ -45,6 +45,8 @@ class PartitionOptions:
     bucket_numel: int
     """min(reduce_bucket_size, allgather_bucket_size): both collectives run per bucket."""
     prescale_factor: float = 1.0
+    average: bool = True
+    """`gradient_allreduce_op`: "mean" (True) or "sum" (False, with prescale_factor 1)."""
     master_dtype: torch.dtype = torch.float32
     """dtype of the master shard (bf16 with `bf16.bf16_master_weights_and_grads`)."""
     overlap_comm: bool = True
@@ -75,6 +77,7 @@ class PartitionedStrategy(ShardedStrategyBase):
         self._comm, self._rank, self._world = comm, rank, world_size
         self._opt = options
         self._prescale_factor = options.prescale_factor
+        self._average = options.average
         self._plan = BucketedPartition([p.numel() for p in self._params], bucket_numel=options.bucket_numel,
                                        world_size=world_size, align=ALIGN_NUMEL)
         self._device = self._params[0].device
