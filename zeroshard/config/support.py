@@ -105,7 +105,7 @@ UNMODELLED: dict[str, str] = {
         "comet", "quantize_training", "graph_harvesting", "timers",
         "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "vocabulary_size",
         "managed_gradient_accumulation", "disable_python_gc", "expert_parallel", "log_level",
-        "zero_optimization.zenflow", "zero_optimization.zeropp_loco_param", "zero_optimization.leaf_module",
+        "zero_optimization.zenflow", "zero_optimization.zeropp_loco_param",
         "checkpoint.writer",
     )
 }

@@ -10,7 +10,7 @@ from torch import nn
 
 from zeroshard.comm.groups import NODE_SIZE_ENV, node_size
 from zeroshard.errors import ConfigError
-from zeroshard.zero.leaf import DEFAULT_LEAF_CLASSES, apply_leaf_config, leaf_units
+from zeroshard.zero.leaf import apply_leaf_config, leaf_units
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.stage0 import Stage0Strategy
 from zeroshard.zero.stage3 import Stage3Options, Stage3Strategy
@@ -131,9 +131,10 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             node_size=node_size(groups),
             hpz_size=_hpz_size(int(zero.zero_hpz_partition_size), groups),
         )
-        # DeepSpeed's default leaf classes (its MoE blocks) are units; marks set by
-        # set_z3_leaf_modules are kept. (`zero_optimization.leaf_module` is refused by name.)
-        apply_leaf_config(module, DEFAULT_LEAF_CLASSES, (), ())
+        # `zero_optimization.leaf_module` (default: DeepSpeed's MoE block classes) marks leaves;
+        # marks set by set_z3_leaf_modules are kept.
+        leaf = zero.leaf_module
+        apply_leaf_config(module, leaf.classes, leaf.names, leaf.name_suffixes)
         chosen = resolve_units(module, units) if units else default_units(module)
         return Stage3Strategy(module, params, comm=comm, rank=groups.rank, world_size=groups.world_size,
                               options=options3, units=leaf_units(module, chosen))
