@@ -14,7 +14,8 @@ from zeroshard.zero.leaf import z3_leaf_module
 
 def test_section_reads_strings_as_one_item_lists_and_defaults_to_deepspeeds() -> None:
     zero = {"stage": 3, "leaf_module": {"classes": "my.Class", "names": "block", "name_suffixes": ["experts"]}}
-    leaf = load_config({"train_batch_size": 1, "zero_optimization": zero}, dp_world_size=1).zero_optimization.leaf_module
+    cfg = load_config({"train_batch_size": 1, "zero_optimization": zero}, dp_world_size=1)
+    leaf = cfg.zero_optimization.leaf_module
     assert (leaf.classes, leaf.names, leaf.name_suffixes) == (("my.Class",), ("block",), ("experts",))
     default = load_config({"train_batch_size": 1}, dp_world_size=1).zero_optimization.leaf_module
     assert default.classes == DEFAULT_LEAF_MODULE_CLASSES and default.names == () and default.name_suffixes == ()
