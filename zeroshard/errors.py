@@ -28,6 +28,11 @@ class CheckpointError(ZeroshardError, RuntimeError):
     manifest that does not match the model; the message names the file and the mismatch."""
 
 
+class CheckpointArgumentError(CheckpointError, ValueError):
+    """A `save_checkpoint` / `load_checkpoint` argument that cannot name a checkpoint (an empty
+    `save_dir`). Also a ValueError, as DeepSpeed raises for it."""
+
+
 class UsageError(ZeroshardError, RuntimeError, AssertionError):
     """An engine call out of order (`step()` inside `no_sync()`, `no_sync()` re-entered). Also an
     AssertionError because DeepSpeed asserts these conditions, so code (and DeepSpeed's own tests)

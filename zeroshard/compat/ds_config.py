@@ -114,8 +114,8 @@ class _ZeroshardSection(DeepSpeedConfigModel):
 
 
 class DeepSpeedFP16Config(_ZeroshardSection):
-    """`fp16`, read by zeroshard (zeroshard checks `loss_scale_window` and `min_loss_scale` even
-    with a static loss scale; DeepSpeed only when the scale is dynamic)."""
+    """`fp16`, read by zeroshard: `min_loss_scale` is checked only when the scale is dynamic, as in
+    DeepSpeed; `loss_scale_window` must be >= 1 always (DeepSpeed: only when dynamic)."""
 
     _zs_cls = FP16Config
     _zs_prefix = "fp16."

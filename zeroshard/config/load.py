@@ -19,7 +19,7 @@ from zeroshard.config.auto import resolve_autos
 from zeroshard.config.batch import GAS, MICRO, TBS, solve_batch
 from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, describe_type, hints, is_section, json_fields, show
 from zeroshard.config.parse import Draft, FieldSpec, parse_document, parse_section
-from zeroshard.config.schema import Config
+from zeroshard.config.schema import Config, FP16Config
 from zeroshard.config.schema_optim import LambParams, OptimizerConfig, SchedulerConfig
 from zeroshard.config.schema_tp import check_tensor_parallel
 from zeroshard.config.stages import check_stages, idle_keys
@@ -191,12 +191,7 @@ def _check_cross_fields(cfg: Config) -> None:
     act = cfg.activation_checkpointing
     check_contiguous_checkpointing(act.contiguous_memory_optimization, act.partition_activations,
                                    act.number_checkpoints)
-    fp16 = cfg.fp16
-    if fp16.enabled and fp16.dynamic_loss_scale and not 0 < fp16.min_loss_scale <= fp16.initial_loss_scale:
-        raise ConfigError(
-            f"fp16.min_loss_scale: got {show(fp16.min_loss_scale)}, expected a number > 0 and <= the initial "
-            f"loss scale 2**fp16.initial_scale_power = {fp16.initial_loss_scale:g}. DeepSpeed's default is 1."
-        )
+    check_fp16_scaling(cfg.fp16)
     params = cfg.optimizer.params if cfg.optimizer is not None else None
     if isinstance(params, LambParams) and params.min_coeff > params.max_coeff:
         raise ConfigError(f"optimizer.params.min_coeff: got {show(params.min_coeff)}, expected <= "
@@ -210,6 +205,17 @@ def _check_cross_fields(cfg: Config) -> None:
             )
     check_bf16_master(cfg)
     check_tensor_parallel(cfg.tensor_parallel)
+
+
+def check_fp16_scaling(fp16: FP16Config) -> None:
+    """The dynamic loss scale's floor, checked only where the scale is dynamic (fp16 on,
+    loss_scale 0), as DeepSpeed does: elsewhere `min_loss_scale` is unused. Also run when the
+    `fp16` section is read alone (`load_section`, DeepSpeed's `DeepSpeedFP16Config`)."""
+    if fp16.enabled and fp16.dynamic_loss_scale and not 0 < fp16.min_loss_scale <= fp16.initial_loss_scale:
+        raise ConfigError(
+            f"fp16.min_loss_scale: got {show(fp16.min_loss_scale)}, expected a number > 0 and <= the initial "
+            f"loss scale 2**fp16.initial_scale_power = {fp16.initial_loss_scale:g}. DeepSpeed's default is 1."
+        )
 
 
 def check_bf16_master(cfg: Config) -> None:
@@ -277,7 +283,8 @@ def check_allreduce_op(cfg: Config, unmodelled: Mapping[str, Any]) -> None:
 def load_section(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
     """Parse and build one schema section alone (e.g. `ZeroConfig` from the object under
     "zero_optimization"), with the same key, type, range and alias checks as `load_config`; the
-    whole-config checks (batch triad, stages, cross-field rules) are not run.
+    whole-config checks (batch triad, stages, cross-field rules) are not run, but the section's
+    own rules are (`fp16`: check_fp16_scaling).
 
     Args:
         cls: the schema class of the section.
@@ -294,7 +301,10 @@ def load_section(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
                           "section read alone; give a value.")
     if prefix == "zero_optimization.":
         _apply_stage_defaults(draft)
-    return _build(cls, prefix, draft)
+    section = _build(cls, prefix, draft)
+    if isinstance(section, FP16Config):
+        check_fp16_scaling(section)
+    return section
 
 
 def load_config(

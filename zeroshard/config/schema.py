@@ -39,8 +39,9 @@ class FP16Config:
     """Overflows tolerated before the dynamic scale is halved."""
     consecutive_hysteresis: bool = False
     """Refill the hysteresis budget after every step without overflow."""
-    min_loss_scale: float = spec(1.0, ge=0.0)
-    """Floor of the dynamic loss scale."""
+    min_loss_scale: float = 1.0
+    """Floor of the dynamic loss scale: > 0 and <= the initial scale when the scale is dynamic
+    (fp16 on, loss_scale 0); any number otherwise, where it is unused (as in DeepSpeed)."""
     fp16_master_weights_and_grads: bool = False
     """Keep master weights and gradients in fp16 (DeepSpeed CPU-Adam only)."""
 
