@@ -34,6 +34,7 @@ class CheckpointArgumentError(CheckpointError, ValueError):
 
 
 class UsageError(ZeroshardError, RuntimeError, AssertionError):
-    """An engine call out of order (`step()` inside `no_sync()`, `no_sync()` re-entered). Also an
+    """An engine call out of order (`step()` inside `no_sync()`, `no_sync()` re-entered), or a step
+    the config forbids (a parameter without a gradient under `ignore_unused_parameters: false`). Also an
     AssertionError because DeepSpeed asserts these conditions, so code (and DeepSpeed's own tests)
     catching AssertionError around them keeps working; a RuntimeError for zeroshard's callers."""

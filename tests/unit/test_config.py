@@ -430,8 +430,6 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
     ({"comet": {"enabled": True}}, 'not supported yet: comet={"enabled": true}.'),
     ({"aio__use_gds": True}, "not supported yet: aio.use_gds=true. GPUDirect Storage is not built"),
     ({"checkpoint__load_universal": True}, "not supported yet: checkpoint.load_universal=true."),
-    ({"zero_optimization": {"stage": 2, "ignore_unused_parameters": False}},
-     "not supported yet: zero_optimization.ignore_unused_parameters=false."),
     ({"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 1000}},
      "not supported yet: zero_optimization.stage3_module_granularity_threshold=1000."),
     ({"compile": {"deepcompile": True}}, 'not supported yet: compile={"deepcompile": true}.'),

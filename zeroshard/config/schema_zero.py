@@ -171,9 +171,9 @@ class ZeroConfig:
     stage3_allgather_sequential: bool = False
     """Issue stage-3 parameter all-gathers one at a time (DeepSpeed option)."""
     ignore_unused_parameters: bool = True
-    """Tolerate parameters that receive no gradient in a step (they get a zero gradient), as
-    zeroshard does at every stage. false (DeepSpeed: raise on such a parameter) is not
-    supported yet."""
+    """Tolerate parameters that receive no gradient in a step (they get a zero gradient). false:
+    stages 1 and 2 raise (UsageError, an AssertionError as DeepSpeed's) at the step's last
+    backward, naming the parameters that got no gradient in the whole step."""
     legacy_stage1: bool = False
     """DeepSpeed's pre-0.3 stage-1 implementation. Not provided by zeroshard."""
     round_robin_gradients: bool = False

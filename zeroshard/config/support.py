@@ -73,8 +73,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 fix="Remove the key."),
     Unsupported(key="dataloader_drop_last", why="dropping the last partial batch is not implemented.",
                 fix="Drop it in your dataset, and remove the key."),
-    Unsupported(key="zero_optimization.ignore_unused_parameters", why="a parameter without a gradient "
-                "always gets a zero gradient; raising on it is not implemented.", fix="Remove the key."),
     Unsupported(key="zero_optimization.load_from_fp32_weights", why="loading always rebuilds the 16-bit "
                 "weights from the fp32 master copy.", fix="Remove the key."),
     Unsupported(key="zero_optimization.offload_optimizer.ratio", why="partial optimizer offload (a ratio "

@@ -66,6 +66,14 @@ def _hpz_size(size: int, groups: "ProcessGroups") -> int:
     return size
 
 
+def _names(module: nn.Module, params: Sequence[nn.Parameter]) -> tuple[str, ...]:
+    """`params`' names in `module` (the first name of a tied parameter)."""
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return tuple(names.get(id(p), "?") for p in params)
+
+
 def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
                    groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None = None,
                    ) -> ZeroStrategy:
@@ -108,6 +116,8 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             allgather_partitions=bool(zero.allgather_partitions),
             offload=OffloadPolicy.from_config(zero.offload_optimizer, sub_group_size=int(zero.sub_group_size),
                                               aio=cfg.aio),
+            ignore_unused=bool(zero.ignore_unused_parameters),
+            param_names=_names(module, params) if not zero.ignore_unused_parameters else (),
         )
         cls = Stage1Strategy if zero.stage == 1 else Stage2Strategy
         return cls(params, comm=comm, rank=groups.rank, world_size=groups.world_size, options=options)
