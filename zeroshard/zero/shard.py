@@ -145,6 +145,8 @@ class OptimizerShard:
         out = []
         for p in params:
             if id(p) not in known:
+                if not p.requires_grad:  # frozen, in a client optimizer's group: left out, as DeepSpeed does
+                    continue
                 raise ValueError("the optimizer was given a parameter that is not a trainable parameter of "
                                  "the model passed to initialize(); build it from model.parameters()")
             if id(p) in self._master_of:  # this rank owns part of it

@@ -134,8 +134,8 @@ class Stage0Strategy(ZeroStrategy):
         return list(reversed(self._master))
 
     def master_params_for(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-        try:
-            return [self._master_of[id(p)] for p in params]
+        try:  # a frozen parameter in a client optimizer's group is left out, as DeepSpeed does
+            return [self._master_of[id(p)] for p in params if p.requires_grad or id(p) in self._master_of]
         except KeyError:
             raise ValueError(
                 "the optimizer was given a parameter that is not a trainable parameter of the "
