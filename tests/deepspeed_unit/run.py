@@ -4,6 +4,7 @@
     python tests/deepspeed_unit/run.py PATH --only zs --passed-from DIR/ds.xml   # zeroshard pass only
     python tests/deepspeed_unit/run.py PATH --only zs --out ZS   # no baseline yet: zeroshard, whole list
     python tests/deepspeed_unit/run.py PATH --report --out ZS --passed-from DS/ds.log   # compare later
+    python tests/deepspeed_unit/run.py PATH --report --out ZS --passed-from DS/ds.log --rerun LOG ...
     python tests/deepspeed_unit/run.py PATH --concurrent    # both passes at once (zeroshard's over the whole list)
     python tests/deepspeed_unit/run.py PATH --report        # no run: compare what --out holds
 
@@ -165,6 +166,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--concurrent", action="store_true",
                     help="run both passes at once, zeroshard's over the whole list")
     ap.add_argument("--report", action="store_true", help="run nothing: report from --out's XML or logs")
+    ap.add_argument("--rerun", type=Path, nargs="*", default=[],
+                    help="with --report: logs or XMLs of later zeroshard runs of some tests (e.g. after fixes); "
+                         "their outcomes replace the pass's for the tests they ran")
     args = ap.parse_args(argv)
     checkout = args.checkout.resolve()
     if not (checkout / "tests" / "unit" / "common.py").exists():
@@ -205,6 +209,10 @@ def main(argv: list[str]) -> int:
         t = run_pytest(checkout, "zs", sorted({n.split("::")[0] for n in passed}), zs_xml, args.timeout)
         print(f"zeroshard pass: {t:.0f} s")
     zs = outcomes(zs_xml)
+    for later in args.rerun:
+        again = outcomes(later)
+        print(f"re-run {later}: {len(again)} tests replace the pass's outcomes")
+        zs.update(again)
     if args.concurrent or args.report:  # a pass cut short: compare the tests both passes reached
         passed = [n for n in passed if n in zs]
     ok = [n for n in passed if zs.get(n, ("missing", ""))[0] == "passed"]
