@@ -144,6 +144,14 @@ def outcomes(xml: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _file_rank(path: str, files: list[str]) -> tuple[int, str]:
+    """Where pytest runs `path` in a pass over `files` (entries in order, a directory's files by name)."""
+    for i, entry in enumerate(files):
+        if path == entry or path.startswith(entry.rstrip("/") + "/"):
+            return i, path
+    return len(files), path
+
+
 def reason(msg: str) -> str:
     """Group failure messages: strip numbers, addresses and quoted values."""
     msg = re.sub(r"0x[0-9a-f]+", "0x?", msg)
@@ -209,19 +217,18 @@ def main(argv: list[str]) -> int:
         t = run_pytest(checkout, "zs", sorted({n.split("::")[0] for n in passed}), zs_xml, args.timeout)
         print(f"zeroshard pass: {t:.0f} s")
     zs = outcomes(zs_xml)
+    # The file the pass is in now (or ended in): before later runs' outcomes are merged in.
+    last_file = _file_rank(next(reversed(zs)).split("::")[0], args.files) if zs else (-1, "")
     for later in args.rerun:
         again = outcomes(later)
         print(f"re-run {later}: {len(again)} tests replace the pass's outcomes")
         zs.update(again)
     if args.concurrent or args.report:
         # A pass cut short: compare the tests both passes reached. Both run the list in the same
-        # order, so zeroshard's pass reached every baseline test up to the last one it reports;
-        # those it does not report are in modules that did not import under zeroshard (counted
-        # as failures, "not collected"), not tests it never got to.
-        order = list(ds)
-        last = max((i for i, n in enumerate(order) if n in zs), default=-1)
-        reached = set(order[:last + 1])
-        passed = [n for n in passed if n in reached]
+        # file order, so zeroshard's pass has reached a baseline test it reports, and every test of
+        # a file before the file it is in now; a test of such a file it does not report is in a
+        # module that did not import under zeroshard (a failure, "not collected").
+        passed = [n for n in passed if n in zs or _file_rank(n.split("::")[0], args.files) < last_file]
     ok = [n for n in passed if zs.get(n, ("missing", ""))[0] == "passed"]
     print(f"zeroshard: {len(ok)} of DeepSpeed's {len(passed)} passing tests pass")
     per_file: dict[str, Counter[str]] = defaultdict(Counter)
