@@ -28,7 +28,13 @@ class CheckpointError(ZeroshardError, RuntimeError):
     manifest that does not match the model; the message names the file and the mismatch."""
 
 
+class CheckpointArgumentError(CheckpointError, ValueError):
+    """A `save_checkpoint` / `load_checkpoint` argument that cannot name a checkpoint (an empty
+    `save_dir`). Also a ValueError, as DeepSpeed raises for it."""
+
+
 class UsageError(ZeroshardError, RuntimeError, AssertionError):
-    """An engine call out of order (`step()` inside `no_sync()`, `no_sync()` re-entered). Also an
+    """An engine call out of order (`step()` inside `no_sync()`, `no_sync()` re-entered), or a step
+    the config forbids (a parameter without a gradient under `ignore_unused_parameters: false`). Also an
     AssertionError because DeepSpeed asserts these conditions, so code (and DeepSpeed's own tests)
     catching AssertionError around them keeps working; a RuntimeError for zeroshard's callers."""

@@ -2,6 +2,9 @@
 
     python tests/deepspeed_unit/run.py PATH_TO_DEEPSPEED [--files unit/...py ...] [--out DIR]
     python tests/deepspeed_unit/run.py PATH --only zs --passed-from DIR/ds.xml   # zeroshard pass only
+    python tests/deepspeed_unit/run.py PATH --only zs --out ZS   # no baseline yet: zeroshard, whole list
+    python tests/deepspeed_unit/run.py PATH --report --out ZS --passed-from DS/ds.log   # compare later
+    python tests/deepspeed_unit/run.py PATH --report --out ZS --passed-from DS/ds.log --rerun LOG ...
     python tests/deepspeed_unit/run.py PATH --concurrent    # both passes at once (zeroshard's over the whole list)
     python tests/deepspeed_unit/run.py PATH --report        # no run: compare what --out holds
 
@@ -141,6 +144,14 @@ def outcomes(xml: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _file_rank(path: str, files: list[str]) -> tuple[int, str]:
+    """Where pytest runs `path` in a pass over `files` (entries in order, a directory's files by name)."""
+    for i, entry in enumerate(files):
+        if path == entry or path.startswith(entry.rstrip("/") + "/"):
+            return i, path
+    return len(files), path
+
+
 def reason(msg: str) -> str:
     """Group failure messages: strip numbers, addresses and quoted values."""
     msg = re.sub(r"0x[0-9a-f]+", "0x?", msg)
@@ -154,7 +165,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--files", nargs="*", default=DEFAULT_FILES, help="paths under tests/")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "deepspeed_unit")
     ap.add_argument("--only", choices=["ds", "zs"], help="run one pass only")
-    ap.add_argument("--passed-from", type=Path, help="DeepSpeed junit XML: run zeroshard on its passes")
+    ap.add_argument("--passed-from", type=Path,
+                    help="DeepSpeed's junit XML (or its log, for a pass cut short): run zeroshard on its passes")
     ap.add_argument("--timeout", type=int, default=7200, help="per pass, seconds")
     ap.add_argument("--select", choices=["all", "local", "dist"], default="all",
                     help="local: only the tests that run in the pytest process (milliseconds each); "
@@ -162,6 +174,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--concurrent", action="store_true",
                     help="run both passes at once, zeroshard's over the whole list")
     ap.add_argument("--report", action="store_true", help="run nothing: report from --out's XML or logs")
+    ap.add_argument("--rerun", type=Path, nargs="*", default=[],
+                    help="with --report: logs or XMLs of later zeroshard runs of some tests (e.g. after fixes); "
+                         "their outcomes replace the pass's for the tests they ran")
     args = ap.parse_args(argv)
     checkout = args.checkout.resolve()
     if not (checkout / "tests" / "unit" / "common.py").exists():
@@ -185,7 +200,15 @@ def main(argv: list[str]) -> int:
     passed = sorted(n for n, (o, _) in ds.items() if o == "passed")
     print(f"DeepSpeed on CPU: {len(ds)} tests, {len(passed)} pass, "
           f"{sum(o == 'failed' for o, _ in ds.values())} fail, {sum(o == 'skipped' for o, _ in ds.values())} skip")
-    if args.only == "ds" or not passed:
+    if args.only == "ds":
+        return 0
+    if args.only == "zs" and not passed and not args.report:
+        # No baseline yet (DeepSpeed's pass still running): zeroshard over the whole list, compared
+        # afterwards with --report --passed-from DS_LOG_OR_XML.
+        t = run_pytest(checkout, "zs", args.files, zs_xml, args.timeout)
+        print(f"zeroshard pass (whole list, no baseline): {t:.0f} s")
+        return 0
+    if not passed:
         return 0
     if not (args.concurrent or args.report):
         only = args.out / "ds_passed.txt"
@@ -194,14 +217,24 @@ def main(argv: list[str]) -> int:
         t = run_pytest(checkout, "zs", sorted({n.split("::")[0] for n in passed}), zs_xml, args.timeout)
         print(f"zeroshard pass: {t:.0f} s")
     zs = outcomes(zs_xml)
-    if args.concurrent or args.report:  # a pass cut short: compare the tests both passes reached
-        passed = [n for n in passed if n in zs]
+    # The file the pass is in now (or ended in): before later runs' outcomes are merged in.
+    last_file = _file_rank(next(reversed(zs)).split("::")[0], args.files) if zs else (-1, "")
+    for later in args.rerun:
+        again = outcomes(later)
+        print(f"re-run {later}: {len(again)} tests replace the pass's outcomes")
+        zs.update(again)
+    if args.concurrent or args.report:
+        # A pass cut short: compare the tests both passes reached. Both run the list in the same
+        # file order, so zeroshard's pass has reached a baseline test it reports, and every test of
+        # a file before the file it is in now; a test of such a file it does not report is in a
+        # module that did not import under zeroshard (a failure, "not collected").
+        passed = [n for n in passed if n in zs or _file_rank(n.split("::")[0], args.files) < last_file]
     ok = [n for n in passed if zs.get(n, ("missing", ""))[0] == "passed"]
     print(f"zeroshard: {len(ok)} of DeepSpeed's {len(passed)} passing tests pass")
     per_file: dict[str, Counter[str]] = defaultdict(Counter)
     groups: dict[str, list[str]] = defaultdict(list)
     for n in passed:
-        o, msg = zs.get(n, ("not run", ""))
+        o, msg = zs.get(n, ("not collected", ""))
         per_file[n.split("::")[0]][o] += 1
         if o != "passed":
             groups[reason(msg) or o].append(n)

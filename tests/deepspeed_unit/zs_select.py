@@ -13,12 +13,43 @@ otherwise import torch and `deepspeed` afresh for every test (seconds per rank o
 half a minute on a loaded 2-core one: most of a distributed test's cost). A forked child inherits the
 imported modules; the forkserver starts no process group and no thread, and both engines get the
 same preload, so what runs in the ranks is unchanged.
+
+And it makes a rank's pytest outcome come back as a failure (`RankOutcomeError`, installed into
+`multiprocessing.pool` for both engines). DeepSpeed's harness runs each test's ranks as one
+`Pool.starmap_async` task per rank and only `Skipped` is caught there; a rank that fails through
+pytest itself (`pytest.fail`, or a `pytest.raises` that saw nothing: "DID NOT RAISE") raises
+`Failed`, a BaseException, which the pool's worker does not catch: the worker process exits,
+the task's result never arrives, the harness's `get(DS_UNITTEST_TIMEOUT)` gives up, and its
+teardown (`pool.close(); pool.join()`) then waits forever, because a pool whose result cache
+still holds the lost task never stops its worker handler. One such test ended a whole pass,
+whichever engine ran it (`TestIncorectAllgatherBucketSize::test[1001]` did so for zeroshard's).
 """
 
 from __future__ import annotations
 
+import multiprocessing.pool
 import os
 from typing import Any
+
+_STARMAPSTAR = multiprocessing.pool.starmapstar
+
+
+class RankOutcomeError(Exception):
+    """A rank's pytest outcome (``Failed``: ``pytest.fail``, a ``pytest.raises`` that saw
+    nothing), carried back through the harness's pool as an ordinary exception so the test fails
+    with that message instead of losing the pool's task (module docstring)."""
+
+
+def starmapstar(args: Any) -> Any:
+    """``multiprocessing.pool.starmapstar`` (what ``Pool.starmap_async`` runs in a worker), with a
+    pytest outcome turned into :class:`RankOutcomeError`. Found by reference in the worker, which
+    imports this module from the same ``PYTHONPATH``."""
+    try:
+        return _STARMAPSTAR(args)
+    except (Exception, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # pytest's OutcomeException family
+        raise RankOutcomeError(f"{type(e).__name__}: {e}") from None
 
 
 def _is_distributed(item: Any) -> bool:
@@ -31,11 +62,11 @@ def _is_distributed(item: Any) -> bool:
 
 
 def pytest_configure(config: Any) -> None:
-    """Hand the preload list to multiprocessing before DeepSpeed's harness starts the forkserver."""
+    """Hand the preload list to multiprocessing before DeepSpeed's harness starts the forkserver,
+    and make the harness's pool report a rank's pytest outcome (module docstring)."""
+    multiprocessing.pool.starmapstar = starmapstar
     names = [n.strip() for n in os.environ.get("ZS_DSUNIT_PRELOAD", "").split(",") if n.strip()]
     if names:
-        import multiprocessing
-
         multiprocessing.set_forkserver_preload(names)
 
 

@@ -190,3 +190,22 @@ def test_safe_get_right_after_load_checkpoint(groups: Any, shared_dir: Path, sta
 def test_safe_functions_need_an_engine(groups: Any) -> None:
     with pytest.raises(ValueError, match="zeroshard.initialize"):
         safe_get_full_fp32_param(nn.Parameter(torch.zeros(2)))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_local_accessors_give_none_for_a_frozen_parameter(groups: Any, stage: int) -> None:
+    """As DeepSpeed's: a frozen parameter has no master, gradient or optimizer state on any rank
+    (the full and the local accessors alike), after backward and after the step."""
+    rank, world = groups.rank, groups.world_size
+    model = make_model()
+    frozen = next(model.parameters())
+    frozen.requires_grad = False
+    engine = init_engine(model, api_config(stage, gas=1))
+    backward_only(engine, global_batches(1, 2 * world)[0], rank, world)
+    assert safe_get_local_grad(frozen) is None and safe_get_full_grad(frozen) is None
+    engine.step()
+    assert safe_get_local_fp32_param(frozen) is None and safe_get_full_fp32_param(frozen) is None
+    assert safe_get_local_optimizer_state(frozen, "exp_avg") is None
+    assert safe_get_full_optimizer_state(frozen, "exp_avg") is None
+    trained = [p for p in params_of(engine) if p.requires_grad][0]
+    assert safe_get_local_optimizer_state(trained, "exp_avg") is not None

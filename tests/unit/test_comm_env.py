@@ -320,8 +320,9 @@ def test_explicit_rendezvous_without_a_launcher() -> None:
 
 
 def test_launcher_environment_wins_over_an_explicit_rendezvous() -> None:
-    """Both given: the launcher's rendezvous is used; agreeing arguments pass, contradicting
-    ones are refused with both values on the first line."""
+    """Both given: the launcher's rank and world size are used; agreeing arguments pass,
+    contradicting ones are refused with both values on the first line (where the ranks meet:
+    test_explicit_init_method_wins_over_master_port)."""
     from zeroshard.comm.groups import Rendezvous, _launch_from
 
     env = parse_launch_env(TORCHRUN)
@@ -364,3 +365,45 @@ def test_init_distributed_file_rendezvous_in_processes_started_by_multiprocessin
     assert [p.exitcode for p in procs] == [0, 0]
     assert [(tmp_path / f"out.{r}").read_text() for r in range(2)] == [
         "init_method 0 2 0 3", "init_method 1 2 1 3"]
+
+
+def _harness_worker(rank: int, world: int, init_file: str, port: int, out: str) -> None:
+    """What DeepSpeed's test harness does in each rank: export the launcher's variables (with a
+    MASTER_PORT it picked) and also pass its own file store."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import zeroshard.comm as comm
+
+    groups = comm.init_distributed(dist_backend="gloo", init_method=f"file://{init_file}",
+                                   rank=rank, world_size=world)
+    t = torch.tensor([float(rank + 1)])
+    comm.all_reduce(t)
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(f"{groups.launcher} {groups.rank} {groups.world_size} {t.item():g}")
+    comm.destroy_process_group()
+
+
+def test_explicit_init_method_wins_over_master_port(tmp_path) -> None:
+    """Launcher variables and an agreeing explicit `init_method="file://..."` (DeepSpeed's test
+    harness): the ranks meet in the file store and bind no port, so two such jobs that picked the
+    same MASTER_PORT do not collide. The port here is held by another listener: joining through
+    MASTER_PORT would fail with EADDRINUSE."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_harness_worker,
+                             args=(r, 2, str(tmp_path / "store"), port, str(tmp_path / "out")))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert [(tmp_path / f"out.{r}").read_text() for r in range(2)] == ["torchrun 0 2 3", "torchrun 1 2 3"]

@@ -148,3 +148,12 @@ def test_every_listed_name_resolves() -> None:
             "print('PROBE' + json.dumps({'bad': bad, 'n': n}))")
     out, _ = probe({}, code)
     assert out["bad"] == [] and out["n"] > 60, out
+
+
+def test_swap_tensor_size_constant() -> None:
+    """DeepSpeed's fragment tests size their models by `deepspeed.runtime.swap_tensor.MIN_SWAPPABLE_BYTES`."""
+    code = ("import json, zeroshard.compat as c; c.install()\n"
+            "from deepspeed.runtime.swap_tensor import MIN_SWAPPABLE_BYTES\n"
+            "print('PROBE' + json.dumps({'min': MIN_SWAPPABLE_BYTES}))")
+    out, _ = probe({}, code)
+    assert out["min"] == 1024**2, out

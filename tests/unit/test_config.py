@@ -164,6 +164,19 @@ def test_boolean_zero_optimization_reads_as_deepspeed_does(flag: bool, stage: in
                          f'{stage}; write "zero_optimization": {{"stage": {stage}}}.',)
 
 
+def test_stage3_keys_by_deepspeeds_short_names() -> None:
+    """DeepSpeed's ZeRO model populates `param_persistence_threshold` & co. by their field names as
+    well as by the stage3_ aliases; a ds_config may use either, not both."""
+    cfg = make_config(zero_optimization={"stage": 3, "param_persistence_threshold": 0, "prefetch_bucket_size": 10,
+                                         "gather_16bit_weights_on_model_save": True})
+    zero = cfg.zero_optimization
+    assert (zero.stage3_param_persistence_threshold, zero.stage3_prefetch_bucket_size) == (0, 10)
+    assert zero.stage3_gather_16bit_weights_on_model_save is True
+    message = config_error(zero_optimization={"stage": 3, "max_live_parameters": 5, "stage3_max_live_parameters": 6})
+    assert message.startswith("zero_optimization.max_live_parameters and zero_optimization.stage3_max_live_parameters "
+                              "are two spellings of one key")
+
+
 def test_legacy_aliases() -> None:
     raw = make_raw(bfloat16={"enabled": True},
                    zero_optimization={"stage3_gather_fp16_weights_on_model_save": False})
@@ -430,9 +443,6 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
     ({"comet": {"enabled": True}}, 'not supported yet: comet={"enabled": true}.'),
     ({"aio__use_gds": True}, "not supported yet: aio.use_gds=true. GPUDirect Storage is not built"),
     ({"checkpoint__load_universal": True}, "not supported yet: checkpoint.load_universal=true."),
-    ({"gradient_allreduce_op": "sum"}, 'not supported yet: gradient_allreduce_op="sum".'),
-    ({"zero_optimization": {"stage": 2, "ignore_unused_parameters": False}},
-     "not supported yet: zero_optimization.ignore_unused_parameters=false."),
     ({"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 1000}},
      "not supported yet: zero_optimization.stage3_module_granularity_threshold=1000."),
     ({"compile": {"deepcompile": True}}, 'not supported yet: compile={"deepcompile": true}.'),

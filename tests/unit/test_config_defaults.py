@@ -78,6 +78,12 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "zero_optimization.offload_param.device": "none", "zero_optimization.offload_param.nvme_path": None,
     "zero_optimization.offload_param.buffer_count": 5, "zero_optimization.offload_param.buffer_size": 100_000_000,
     "zero_optimization.offload_param.max_in_cpu": 1_000_000_000, "zero_optimization.offload_param.pin_memory": True,
+    # runtime/zero/leaf_module_config.py
+    "zero_optimization.leaf_module.classes": (
+        "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+        "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"),
+    "zero_optimization.leaf_module.names": (), "zero_optimization.leaf_module.name_suffixes": (),
     "zero_optimization.offload_optimizer.device": "none", "zero_optimization.offload_optimizer.nvme_path": None,
     "zero_optimization.offload_optimizer.buffer_count": 4, "zero_optimization.offload_optimizer.pin_memory": True,
     "zero_optimization.offload_optimizer.pipeline_read": False,
@@ -300,6 +306,8 @@ def _deepspeed_values() -> dict[str, Any]:
         DeepSpeedZeroConfig(stage=3).overlap_comm and not DeepSpeedZeroConfig(stage=2).overlap_comm) else "?"
     got.update(model("zero_optimization.offload_param.", DeepSpeedZeroOffloadParamConfig()))
     got.update(model("zero_optimization.offload_optimizer.", DeepSpeedZeroOffloadOptimizerConfig()))
+    leaf = model("zero_optimization.leaf_module.", zero.leaf_module)
+    got.update({k: tuple(v) for k, v in leaf.items()})
     got.update(model("fp16.", DeepSpeedFP16Config()))
     got.update(model("bf16.", DeepSpeedBF16Config()))
     got.update(model("tensorboard.", TensorBoardConfig()))

@@ -158,6 +158,23 @@ def test_precision_models_and_helpers() -> None:
     assert get_gradient_clipping({}) == 1.0 and get_gradient_clipping({"gradient_clipping": 0.5}) == 0.5
 
 
+def test_min_loss_scale_is_checked_only_where_the_scale_is_dynamic() -> None:
+    """As DeepSpeed: unused with a static scale or fp16 off (any number), > 0 when dynamic, also
+    when the fp16 section is read alone (DeepSpeedFP16Config)."""
+    from zeroshard.compat.ds_config import DeepSpeedFP16Config
+    from zeroshard.config import load_config
+    from zeroshard.errors import ConfigError
+
+    for fp16 in ({"enabled": True, "loss_scale": 128, "min_loss_scale": -1}, {"enabled": False, "min_loss_scale": 0}):
+        assert load_config({"train_batch_size": 1, "fp16": fp16}, dp_world_size=1).fp16.min_loss_scale == fp16[
+            "min_loss_scale"]
+        assert DeepSpeedFP16Config(**fp16).min_loss_scale == fp16["min_loss_scale"]
+    with pytest.raises(ConfigError, match=r"^fp16\.min_loss_scale: got 0\.0, expected a number > 0"):
+        load_config({"train_batch_size": 1, "fp16": {"enabled": True, "min_loss_scale": 0}}, dp_world_size=1)
+    with pytest.raises(pydantic.ValidationError, match=r"fp16\.min_loss_scale: got 0\.0, expected a number > 0"):
+        DeepSpeedFP16Config(enabled=True, loss_scale=0, min_loss_scale=0)
+
+
 def test_config_model_base_moves_deprecated_fields() -> None:
     from pydantic import Field
 

@@ -47,3 +47,14 @@ def test_sparse_tensor_module_names_is_empty_and_fresh() -> None:
     assert names == set()
     names.add("0.weight")
     assert engine.sparse_tensor_module_names == set()
+
+
+@pytest.mark.parametrize("save_dir", [None, ""])
+def test_empty_save_dir_is_a_value_error(save_dir: str | None) -> None:
+    """DeepSpeed raises ValueError for it; zeroshard's CheckpointError is one too here."""
+    from zeroshard.errors import CheckpointArgumentError, CheckpointError
+
+    engine = _engine()
+    with pytest.raises(ValueError, match="save_dir must name a directory") as info:
+        engine.save_checkpoint(save_dir)
+    assert isinstance(info.value, CheckpointError) and type(info.value) is CheckpointArgumentError

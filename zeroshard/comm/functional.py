@@ -45,10 +45,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         dist_init_required: False with no process group: stay a single process.
         init_method, rank, world_size: an explicit rendezvous, handed to torch as DeepSpeed does
             (`init_method` defaults to "env://"; without a launcher, `rank` and `world_size`
-            are required). Difference from DeepSpeed: where a launcher's environment is set
-            (RANK/WORLD_SIZE, OpenMPI's or SLURM's variables) it wins; zeroshard joins through
-            the launcher's rendezvous, and a `rank=`/`world_size=` that contradicts it raises
-            CommError (DeepSpeed hands the arguments to torch, which prefers them).
+            are required). Where a launcher's environment is set too (RANK/WORLD_SIZE,
+            OpenMPI's or SLURM's variables), it gives the rank and world size, an `init_method`
+            other than "env://" is still where the ranks meet, and a `rank=`/`world_size=` that
+            contradicts the launcher raises CommError (DeepSpeed hands all three to torch).
 
     Returns:
         The process's ProcessGroups (DeepSpeed returns None).

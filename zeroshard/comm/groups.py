@@ -138,9 +138,16 @@ def _from_existing(timeout_s: float) -> ProcessGroups:
 
 
 def _where(launch: LaunchEnv, init_method: str) -> str:
-    if launch.launcher == "init_method" and not init_method.startswith("env://"):
+    if not init_method.startswith("env://"):
         return init_method
     return f"{launch.master_addr}:{launch.master_port}"
+
+
+def _explicit_store(init_method: str | None) -> str | None:
+    """The script's own rendezvous URL (``file://``, ``tcp://``...), or None for none or ``env://``."""
+    if init_method is None or init_method.strip() == "" or init_method.startswith("env://"):
+        return None
+    return init_method
 
 
 def _create(launch: LaunchEnv, backend: str | None, timeout_s: float,
@@ -149,13 +156,19 @@ def _create(launch: LaunchEnv, backend: str | None, timeout_s: float,
     backend = backend or _default_backend(device)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
-    if launch.launcher == "init_method":
-        init_method = explicit_init or "env://"
+    explicit = _explicit_store(explicit_init)
+    if launch.launcher in ("openmpi", "slurm"):
+        _export_env(launch)
+    if explicit is not None:
+        # The script's own rendezvous wins over MASTER_ADDR/MASTER_PORT, as in DeepSpeed (torch
+        # prefers init_method=); rank and world size are the launcher's, checked in _launch_from.
+        init_method = explicit
+    elif launch.launcher == "init_method":
+        init_method = "env://"
     elif launch.launcher == "torchrun":
         # env:// picks up torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE).
         init_method = "env://"
     else:
-        _export_env(launch)
         host = f"[{launch.master_addr}]" if ":" in launch.master_addr else launch.master_addr
         init_method = f"tcp://{host}:{launch.master_port}"
     try:
@@ -166,8 +179,9 @@ def _create(launch: LaunchEnv, backend: str | None, timeout_s: float,
         raise CommError(
             f"rank {launch.rank}/{launch.world_size} ({launch.launcher}): could not join the "
             f"process group at {_where(launch, init_method)} with {backend} within "
-            f"{timeout_s:g} s: {e}. Check that every rank started, that MASTER_ADDR/"
-            "MASTER_PORT reach rank 0, and that the port is free.") from e
+            f"{timeout_s:g} s: {e}. Check that every rank started, "
+            + ("and that every rank passed the same init_method." if explicit is not None else
+               "that MASTER_ADDR/MASTER_PORT reach rank 0, and that the port is free.")) from e
     return ProcessGroups(
         rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
         local_world_size=launch.local_world_size, device=device, backend=backend,
@@ -188,9 +202,10 @@ class Rendezvous:
 def _launch_from(rendezvous: Rendezvous, launch: LaunchEnv | None) -> LaunchEnv | None:
     """Reconcile an explicit rendezvous with the launcher's environment.
 
-    The launcher's environment wins: with a launcher's variables set, the group is joined through
-    the launcher's rendezvous and ``init_method`` is not used; a ``rank=`` / ``world_size=`` that
+    The launcher's environment decides who this process is: a ``rank=`` / ``world_size=`` that
     contradicts the launcher's is an error (a silent choice would hang the job or double a rank).
+    Where the ranks meet is the script's ``init_method`` when it names one other than ``env://``
+    (``_create``; as in DeepSpeed, which hands it to torch), else the launcher's rendezvous.
     Without a launcher, ``rank`` and ``world_size`` are required alongside ``init_method``.
     """
     if launch is not None:
@@ -236,8 +251,10 @@ def init_distributed(*, backend: str | None = None, timeout_s: float | None = No
         rendezvous: an explicit ``init_method`` / ``rank`` / ``world_size`` (DeepSpeed's and
             torch's arguments), used when no launcher's variables are set; ``rank`` and
             ``world_size`` are then required and ``init_method`` defaults to ``env://``
-            (``MASTER_ADDR``/``MASTER_PORT``). When a launcher's variables are set they win:
-            its rendezvous is used and a contradicting ``rank``/``world_size`` is a CommError.
+            (``MASTER_ADDR``/``MASTER_PORT``). When a launcher's variables are set too, they
+            give the rank and world size (a contradicting ``rank``/``world_size`` is a
+            CommError) and an ``init_method`` other than ``env://`` is still where the ranks
+            meet (a ``file://`` store binds no port).
             ``LOCAL_RANK`` (else ``rank``) selects the accelerator.
 
     Returns:

@@ -27,7 +27,8 @@ def _free_port() -> int:
 def init_distributed(*args: Any, **kwargs: Any) -> Any:
     """DeepSpeed's signature (see zeroshard.comm.init_distributed); a lone process joins a
     one-rank group instead of staying group-free. An explicit `init_method`/`rank`/`world_size`
-    goes to torch as in DeepSpeed (a launcher's environment wins where it is set)."""
+    goes to torch as in DeepSpeed (a launcher's environment gives the rank and world size where it is
+    set; an explicit `init_method` other than env:// is still where the ranks meet)."""
     import inspect
 
     import torch.distributed as dist

@@ -23,6 +23,7 @@ from zeroshard.config import BF16Config, Config, FP16Config, OffloadOptimizerCon
 from zeroshard.config.batch import solve_batch
 from zeroshard.config.fields import json_fields
 from zeroshard.config.load import load_config, load_section, read_config_file
+from zeroshard.config.schema_zero import LeafModuleConfig
 from zeroshard.errors import ConfigError
 
 
@@ -74,7 +75,9 @@ class _ZeroshardSection(DeepSpeedConfigModel):
     _zs_prefix: ClassVar[str]
     _ds_names: ClassVar[dict[str, str]] = {}
     _sections: ClassVar[dict[str, type[_ZeroshardSection]]] = {}
-    """Nested sections: zeroshard field -> model; None unless given (DeepSpeed's Optional)."""
+    """Nested sections: zeroshard field -> model; None unless given (DeepSpeed's Optional), but
+    for those in `_always` (DeepSpeed's `default_factory` sections)."""
+    _always: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
@@ -93,8 +96,10 @@ class _ZeroshardSection(DeepSpeedConfigModel):
             value = getattr(parsed, f.name)
             if f.name in cls._sections:
                 untouched = raw.get(f.name) is None and value == type(value)()  # e.g. set by cpu_offload
-                value = None if untouched else cls._sections[f.name].model_validate(
+                value = None if untouched and f.name not in cls._always else cls._sections[f.name].model_validate(
                     {g.name: getattr(value, g.name) for g in json_fields(type(value))})
+            elif isinstance(value, tuple):
+                value = list(value)  # DeepSpeed's models hold lists
             out[ds_of.get(f.name, f.name)] = value
         return out
 
@@ -103,13 +108,14 @@ class _ZeroshardSection(DeepSpeedConfigModel):
         kwargs: dict[str, Any] = {}
         for f in json_fields(self._zs_cls):
             value = getattr(self, {zs: ds for ds, zs in self._ds_names.items()}.get(f.name, f.name))
-            kwargs[f.name] = value.zeroshard() if isinstance(value, _ZeroshardSection) else value
+            kwargs[f.name] = value.zeroshard() if isinstance(value, _ZeroshardSection) else (
+                tuple(value) if isinstance(value, list) else value)
         return self._zs_cls(**{k: v for k, v in kwargs.items() if v is not None})
 
 
 class DeepSpeedFP16Config(_ZeroshardSection):
-    """`fp16`, read by zeroshard (zeroshard checks `loss_scale_window` and `min_loss_scale` even
-    with a static loss scale; DeepSpeed only when the scale is dynamic)."""
+    """`fp16`, read by zeroshard: `min_loss_scale` is checked only when the scale is dynamic, as in
+    DeepSpeed; `loss_scale_window` must be >= 1 always (DeepSpeed: only when dynamic)."""
 
     _zs_cls = FP16Config
     _zs_prefix = "fp16."
@@ -142,6 +148,14 @@ class DeepSpeedZeroOffloadOptimizerConfig(_ZeroshardSection):
         return bool(values["pipeline_read"] or values["pipeline_write"])
 
 
+class DeepSpeedZeroLeafModuleConfig(_ZeroshardSection):
+    """`zero_optimization.leaf_module` {classes, names, name_suffixes}, read by zeroshard (a single
+    string reads as a one-item list, as in DeepSpeed)."""
+
+    _zs_cls = LeafModuleConfig
+    _zs_prefix = "zero_optimization.leaf_module."
+
+
 _STAGE3_SHORT = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
                  "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
                  "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential")
@@ -156,7 +170,9 @@ class DeepSpeedZeroConfig(_ZeroshardSection):
     _zs_prefix = "zero_optimization."
     _ds_names = {short: f"stage3_{short}" for short in _STAGE3_SHORT}
     _sections = {"offload_param": DeepSpeedZeroOffloadParamConfig,
-                 "offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig}
+                 "offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig,
+                 "leaf_module": DeepSpeedZeroLeafModuleConfig}
+    _always = frozenset({"leaf_module"})
 
 
 def get_bfloat16_config(param_dict: Mapping[str, Any]) -> DeepSpeedBF16Config:

@@ -60,7 +60,9 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "data_types.grad_accum_dtype": _BUILD,
     # gradients and communication
     "gradient_clipping": _ENGINE, "communication_data_type": _BUILD, "prescale_gradients": _BUILD,
-    "gradient_predivide_factor": _BUILD,
+    "gradient_predivide_factor": _BUILD, "gradient_allreduce_op": _BUILD, _Z + "ignore_unused_parameters": _BUILD,
+    **{_Z + f"leaf_module.{k}": ("zero/build.py::apply_leaf_config(module, leaf.classes, leaf.names, "
+                                 "leaf.name_suffixes)",) for k in ("classes", "names", "name_suffixes")},
     # ZeRO
     _Z + "zero_quantized_gradients": (
         "zero/build.py::quantized_gradients=bool(zero.zero_quantized_gradients)",

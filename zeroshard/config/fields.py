@@ -44,6 +44,7 @@ def spec(
     inf_is_none: bool = False,
     json_key: bool = True,
     int_as_bool: bool = False,
+    str_as_list: bool = False,
 ) -> Any:
     """A dataclass field with range limits for the loader.
 
@@ -54,9 +55,10 @@ def spec(
         json_key: False for fields that are not ds_config keys (set by the loader itself).
         int_as_bool: a bool key DeepSpeed reads by truthiness, so an integer is read as its
             truth value (0 false, any other true).
+        str_as_list: a list key DeepSpeed also takes as one string (a one-item list).
     """
     meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "inf_is_none": inf_is_none, "json_key": json_key,
-            "int_as_bool": int_as_bool}
+            "int_as_bool": int_as_bool, "str_as_list": str_as_list}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
 
 
@@ -257,6 +259,8 @@ def _coerce_literal(value: Any, tp: Any, path: str, default: Any) -> Any:
 
 def _coerce_tuple(value: Any, tp: Any, path: str, meta: Mapping[str, Any], default: Any) -> tuple[Any, ...]:
     args = typing.get_args(tp)
+    if isinstance(value, str) and meta.get("str_as_list"):
+        value = [value]
     if not isinstance(value, (list, tuple)):
         raise _fail(path, value, tp, meta, default)
     if len(args) == 2 and args[1] is Ellipsis:

@@ -19,11 +19,11 @@ from zeroshard.config.auto import resolve_autos
 from zeroshard.config.batch import GAS, MICRO, TBS, solve_batch
 from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, describe_type, hints, is_section, json_fields, show
 from zeroshard.config.parse import Draft, FieldSpec, parse_document, parse_section
-from zeroshard.config.schema import Config
+from zeroshard.config.schema import Config, FP16Config
 from zeroshard.config.schema_optim import LambParams, OptimizerConfig, SchedulerConfig
 from zeroshard.config.schema_tp import check_tensor_parallel
 from zeroshard.config.stages import check_stages, idle_keys
-from zeroshard.config.support import check_supported
+from zeroshard.config.support import check_supported, is_inactive
 from zeroshard.errors import ConfigError, NotSupportedError
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
@@ -191,12 +191,7 @@ def _check_cross_fields(cfg: Config) -> None:
     act = cfg.activation_checkpointing
     check_contiguous_checkpointing(act.contiguous_memory_optimization, act.partition_activations,
                                    act.number_checkpoints)
-    fp16 = cfg.fp16
-    if fp16.enabled and fp16.dynamic_loss_scale and not 0 < fp16.min_loss_scale <= fp16.initial_loss_scale:
-        raise ConfigError(
-            f"fp16.min_loss_scale: got {show(fp16.min_loss_scale)}, expected a number > 0 and <= the initial "
-            f"loss scale 2**fp16.initial_scale_power = {fp16.initial_loss_scale:g}. DeepSpeed's default is 1."
-        )
+    check_fp16_scaling(cfg.fp16)
     params = cfg.optimizer.params if cfg.optimizer is not None else None
     if isinstance(params, LambParams) and params.min_coeff > params.max_coeff:
         raise ConfigError(f"optimizer.params.min_coeff: got {show(params.min_coeff)}, expected <= "
@@ -210,6 +205,17 @@ def _check_cross_fields(cfg: Config) -> None:
             )
     check_bf16_master(cfg)
     check_tensor_parallel(cfg.tensor_parallel)
+
+
+def check_fp16_scaling(fp16: FP16Config) -> None:
+    """The dynamic loss scale's floor, checked only where the scale is dynamic (fp16 on,
+    loss_scale 0), as DeepSpeed does: elsewhere `min_loss_scale` is unused. Also run when the
+    `fp16` section is read alone (`load_section`, DeepSpeed's `DeepSpeedFP16Config`)."""
+    if fp16.enabled and fp16.dynamic_loss_scale and not 0 < fp16.min_loss_scale <= fp16.initial_loss_scale:
+        raise ConfigError(
+            f"fp16.min_loss_scale: got {show(fp16.min_loss_scale)}, expected a number > 0 and <= the initial "
+            f"loss scale 2**fp16.initial_scale_power = {fp16.initial_loss_scale:g}. DeepSpeed's default is 1."
+        )
 
 
 def check_bf16_master(cfg: Config) -> None:
@@ -250,10 +256,35 @@ def check_bf16_master(cfg: Config) -> None:
                           "keeps gradients in bf16; set it to \"bf16\" or remove it.")
 
 
+_ONEBIT = ("onebitadam", "zerooneadam", "onebitlamb")
+
+
+def check_allreduce_op(cfg: Config, unmodelled: Mapping[str, Any]) -> None:
+    """`gradient_allreduce_op: "sum"` where it is not built: ZeRO stage 3, ZenFlow and DeepCompile
+    (DeepSpeed refuses these too, in these words), and the 1-bit optimizers (whose compressed
+    all-reduce averages). Before the not-supported checks, so the reason named is the pairing."""
+    if cfg.gradient_allreduce_op != "sum":
+        return
+    fix = 'use "mean" (DeepSpeed\'s default), or'
+    if cfg.zero_optimization.stage == 3:
+        raise ConfigError(f"gradient_allreduce_op='sum' is not supported with ZeRO stage 3 (as in DeepSpeed); {fix} "
+                          "ZeRO stage 0, 1 or 2.")
+    if "zero_optimization.zenflow" in unmodelled:
+        raise ConfigError(f"gradient_allreduce_op='sum' is not supported with ZenFlow (as in DeepSpeed); {fix} "
+                          "remove zero_optimization.zenflow.")
+    if not is_inactive(unmodelled.get("compile"), "compile"):
+        raise ConfigError(f"gradient_allreduce_op='sum' is not supported with DeepCompile (as in DeepSpeed); {fix} "
+                          "remove compile.deepcompile.")
+    if cfg.optimizer is not None and cfg.optimizer.type.lower() in _ONEBIT:
+        raise NotSupportedError(f"not supported yet: gradient_allreduce_op='sum' with {cfg.optimizer.type}: the "
+                                f"1-bit optimizers' compressed all-reduce averages; {fix} another optimizer.")
+
+
 def load_section(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
     """Parse and build one schema section alone (e.g. `ZeroConfig` from the object under
     "zero_optimization"), with the same key, type, range and alias checks as `load_config`; the
-    whole-config checks (batch triad, stages, cross-field rules) are not run.
+    whole-config checks (batch triad, stages, cross-field rules) are not run, but the section's
+    own rules are (`fp16`: check_fp16_scaling).
 
     Args:
         cls: the schema class of the section.
@@ -270,7 +301,10 @@ def load_section(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
                           "section read alone; give a value.")
     if prefix == "zero_optimization.":
         _apply_stage_defaults(draft)
-    return _build(cls, prefix, draft)
+    section = _build(cls, prefix, draft)
+    if isinstance(section, FP16Config):
+        check_fp16_scaling(section)
+    return section
 
 
 def load_config(
@@ -334,6 +368,7 @@ def load_config(
         sources=FrozenDict(draft.sources),
     )
     _check_cross_fields(cfg)
+    check_allreduce_op(cfg, draft.unmodelled)
     notes = check_stages(cfg)
     check_supported(cfg, draft.unmodelled, draft.pending, skip=idle_keys(cfg))
     return dataclasses.replace(cfg, notes=(*draft.notes, *notes))

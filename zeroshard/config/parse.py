@@ -38,8 +38,14 @@ ALIASES: dict[str, str] = {
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
     "tensor_parallel.tp": "tensor_parallel.tensor_parallel",
     "tensor_parallel.kernel_inject": "tensor_parallel.replace_with_kernel_inject",
+    # DeepSpeed's ZeRO config model names these fields without the stage3_ prefix (the prefixed
+    # key is the pydantic alias) and populates by either name, so a ds_config may use both.
+    **{f"zero_optimization.{short}": f"zero_optimization.stage3_{short}" for short in (
+        "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+        "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+        "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential")},
 }
-"""Legacy dotted key -> current dotted key (same parent section)."""
+"""Legacy or alternative dotted key -> current dotted key (same parent section)."""
 
 REMOVED: dict[str, str] = {
     "gradient_accumulation_dtype": 'not a ds_config key; use "data_types": {"grad_accum_dtype": "fp32"}.',

@@ -39,8 +39,9 @@ class FP16Config:
     """Overflows tolerated before the dynamic scale is halved."""
     consecutive_hysteresis: bool = False
     """Refill the hysteresis budget after every step without overflow."""
-    min_loss_scale: float = spec(1.0, ge=0.0)
-    """Floor of the dynamic loss scale."""
+    min_loss_scale: float = 1.0
+    """Floor of the dynamic loss scale: > 0 and <= the initial scale when the scale is dynamic
+    (fp16 on, loss_scale 0); any number otherwise, where it is unused (as in DeepSpeed)."""
     fp16_master_weights_and_grads: bool = False
     """Keep master weights and gradients in fp16 (DeepSpeed CPU-Adam only)."""
 
@@ -347,8 +348,10 @@ class Config:
     without effect: zeroshard steps any torch optimizer on the CPU shard (a client torch
     Adam/AdamW is switched to torch's fused CPU kernel)."""
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"
-    """How gradients are combined across data-parallel ranks: "mean" (DeepSpeed's default;
-    the only value zeroshard implements) or "sum"."""
+    """How gradients are combined across data-parallel ranks: "mean" (DeepSpeed's default) or
+    "sum" (no division by the data-parallel size, and `gradient_predivide_factor` unused, as in
+    DeepSpeed). "sum" is refused with ZeRO stage 3, ZenFlow and DeepCompile (as in DeepSpeed),
+    with a PipelineModule and with the 1-bit optimizers."""
     sparse_gradients: bool = False
     """Reduce embedding gradients as sparse tensors."""
     disable_allgather: bool = False

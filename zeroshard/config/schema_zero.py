@@ -49,6 +49,28 @@ class OffloadOptimizerConfig:
     """Fraction of CPU cores the CPU optimizer may use (SuperOffload)."""
 
 
+DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+"""DeepSpeed 0.19.8's default leaf classes (its mixture-of-experts blocks)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LeafModuleConfig:
+    """`zero_optimization.leaf_module`: modules stage 3 gathers as one unit (zero/leaf.py), as
+    `set_z3_leaf_modules` / `_by_name` / `_by_suffix` mark them; what matches nothing is skipped."""
+
+    classes: tuple[str, ...] = spec(DEFAULT_LEAF_MODULE_CLASSES, str_as_list=True)
+    """Class names or qualified names (`module.Class`) of leaf modules. Default: DeepSpeed's MoE
+    blocks (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+    names: tuple[str, ...] = spec((), str_as_list=True)
+    """`named_modules()` names of leaf modules."""
+    name_suffixes: tuple[str, ...] = spec((), str_as_list=True)
+    """Suffixes of `named_modules()` names: every module whose name ends with one is a leaf."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OffloadParamConfig:
     """`zero_optimization.offload_param`: where stage 3 keeps parameter shards (stage 3 only)."""
@@ -119,6 +141,8 @@ class ZeroConfig:
     and stage (resharded on load)."""
     offload_param: OffloadParamConfig = spec(default_factory=OffloadParamConfig)
     """Parameter offload (stage 3 only)."""
+    leaf_module: LeafModuleConfig = spec(default_factory=LeafModuleConfig)
+    """Leaf modules: gathered whole at stage 3 (stage 3 only)."""
     offload_optimizer: OffloadOptimizerConfig = spec(default_factory=OffloadOptimizerConfig)
     """Optimizer-state offload (stages 1-3; NVMe and partial ratios at stage 3 only)."""
     sub_group_size: int = spec(1_000_000_000, ge=0)
@@ -147,9 +171,9 @@ class ZeroConfig:
     stage3_allgather_sequential: bool = False
     """Issue stage-3 parameter all-gathers one at a time (DeepSpeed option)."""
     ignore_unused_parameters: bool = True
-    """Tolerate parameters that receive no gradient in a step (they get a zero gradient), as
-    zeroshard does at every stage. false (DeepSpeed: raise on such a parameter) is not
-    supported yet."""
+    """Tolerate parameters that receive no gradient in a step (they get a zero gradient). false:
+    stages 1 and 2 raise (UsageError, an AssertionError as DeepSpeed's) at the step's last
+    backward, naming the parameters that got no gradient in the whole step."""
     legacy_stage1: bool = False
     """DeepSpeed's pre-0.3 stage-1 implementation. Not provided by zeroshard."""
     round_robin_gradients: bool = False

@@ -77,6 +77,7 @@ STAGE_RULES: tuple[StageRule, ...] = (
         "log_trace_cache_warnings",
         "enable_sanity_checks",
         "save_muon_momentum_buffer_in_memory",
+        "leaf_module",
     ),
     *_stage12(
         "reduce_scatter",

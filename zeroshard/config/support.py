@@ -73,10 +73,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 fix="Remove the key."),
     Unsupported(key="dataloader_drop_last", why="dropping the last partial batch is not implemented.",
                 fix="Drop it in your dataset, and remove the key."),
-    Unsupported(key="gradient_allreduce_op", allowed=("mean",),
-                why="gradients are always averaged over the data-parallel ranks.", fix='Use "mean".'),
-    Unsupported(key="zero_optimization.ignore_unused_parameters", why="a parameter without a gradient "
-                "always gets a zero gradient; raising on it is not implemented.", fix="Remove the key."),
     Unsupported(key="zero_optimization.load_from_fp32_weights", why="loading always rebuilds the 16-bit "
                 "weights from the fp32 master copy.", fix="Remove the key."),
     Unsupported(key="zero_optimization.offload_optimizer.ratio", why="partial optimizer offload (a ratio "
@@ -107,7 +103,7 @@ UNMODELLED: dict[str, str] = {
         "comet", "quantize_training", "graph_harvesting", "timers",
         "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "vocabulary_size",
         "managed_gradient_accumulation", "disable_python_gc", "expert_parallel", "log_level",
-        "zero_optimization.zenflow", "zero_optimization.zeropp_loco_param", "zero_optimization.leaf_module",
+        "zero_optimization.zenflow", "zero_optimization.zeropp_loco_param",
         "checkpoint.writer",
     )
 }

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.checkpoint_format import EngineState, LoadedState
-from zeroshard.errors import CheckpointError, UsageError
+from zeroshard.errors import CheckpointArgumentError, CheckpointError, UsageError
 from zeroshard.optim.factory import optimizer_state_bytes
 from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
 from zeroshard.runtime.checkpoint_state import Checkpointer, apply_state, collect_state
@@ -479,7 +479,8 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
             The checkpoint's directory.
 
         Raises:
-            CheckpointError: `save_dir` is None or empty, `save_dir` or `tag` differs across
+            CheckpointError: `save_dir` is None or empty (CheckpointArgumentError, also a
+                ValueError, as in DeepSpeed), `save_dir` or `tag` differs across
                 ranks (refused on every rank before anything is written, whatever
                 checkpoint.tag_validation says), the call is in the middle of gradient
                 accumulation, or a rank could not write (every rank raises; the previous
@@ -490,8 +491,8 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
             engine.save_checkpoint("ckpt", client_state={"epoch": 3})
         """
         if save_dir is None or str(save_dir) == "":
-            raise CheckpointError(f"save_checkpoint: save_dir must name a directory, got {save_dir!r} "
-                                  "(nothing was written)")
+            raise CheckpointArgumentError(f"save_checkpoint: save_dir must name a directory, got {save_dir!r} "
+                                          "(nothing was written)")
         if self.checkpointer is None:
             raise CheckpointError("this engine has no checkpointer; build it with zeroshard.initialize()")
         if self._micro.pending_backwards:

@@ -218,6 +218,10 @@ def initialize(
     for note in cfg.notes:  # deprecated spellings mapped, other stages' tuning keys: once, at start-up
         logger.warning(note)
     _check_optimizer_present(cfg, optimizer, model_parameters, training_data, lr_scheduler)
+    if pipe_module is not None and cfg.gradient_allreduce_op == "sum":
+        raise NotSupportedError(
+            "not supported yet: gradient_allreduce_op='sum' with a PipelineModule (the pipeline engine averages "
+            'its gradients over the data-parallel ranks); use "mean", or train the model without pipeline stages.')
 
     configure_from_config(cfg)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)

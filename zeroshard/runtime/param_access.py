@@ -181,9 +181,11 @@ def get_full_grad(param: nn.Parameter) -> Tensor | None:
 
 
 def get_local_grad(param: nn.Parameter) -> Tensor | None:
+    """This rank's fragments of `param`'s reduced gradient (1-D; empty if none); None for a
+    frozen parameter or outside the window `get_full_grad` describes."""
     engine = _engine_or_raise(param)
     grads = _grads(engine)
-    if grads is None:
+    if grads is None or not param.requires_grad:
         return None
     frags = _fragments(engine, param)
     return torch.cat([grads[i].reshape(-1) for i, _ in frags]) if frags else \
@@ -281,7 +283,11 @@ def get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> Tenso
 
 
 def get_local_optimizer_state(param: nn.Parameter, optim_state_key: str) -> Tensor | None:
+    """This rank's fragments of `param`'s optimizer state (1-D; empty if none); None for a frozen
+    parameter or before the first step."""
     engine = _engine_or_raise(param)
+    if not param.requires_grad:
+        return None
     values = [_state_piece(engine, f, optim_state_key) for _, f in _fragments(engine, param)]
     if any(v is None for v in values):
         return None

@@ -10,7 +10,7 @@ from torch import nn
 
 from zeroshard.comm.groups import NODE_SIZE_ENV, node_size
 from zeroshard.errors import ConfigError
-from zeroshard.zero.leaf import DEFAULT_LEAF_CLASSES, apply_leaf_config, leaf_units
+from zeroshard.zero.leaf import apply_leaf_config, leaf_units
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.stage0 import Stage0Strategy
 from zeroshard.zero.stage3 import Stage3Options, Stage3Strategy
@@ -66,6 +66,14 @@ def _hpz_size(size: int, groups: "ProcessGroups") -> int:
     return size
 
 
+def _names(module: nn.Module, params: Sequence[nn.Parameter]) -> tuple[str, ...]:
+    """`params`' names in `module` (the first name of a tied parameter)."""
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return tuple(names.get(id(p), "?") for p in params)
+
+
 def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
                    groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None = None,
                    ) -> ZeroStrategy:
@@ -87,11 +95,14 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     if bf16_masters:
         grad_dtype = torch.bfloat16
     comm_dtype = _dtype(cfg.communication_data_type)
-    prescale = cfg.gradient_predivide_factor if cfg.prescale_gradients else 1.0
+    # "sum" reduces without any division, as DeepSpeed's (its predivide factor is unused then);
+    # stage 3 with "sum" is refused at config load (config/load.py::check_allreduce_op).
+    average = cfg.gradient_allreduce_op == "mean"
+    prescale = cfg.gradient_predivide_factor if cfg.prescale_gradients and average else 1.0
     if zero.stage == 0:
         return Stage0Strategy(params, comm=comm, world_size=groups.world_size, grad_dtype=grad_dtype,
                               comm_dtype=comm_dtype, reduce_bucket_numel=int(zero.reduce_bucket_size),
-                              prescale_factor=prescale)
+                              prescale_factor=prescale, average=average)
     if zero.stage in (1, 2):
         options = PartitionOptions(
             grad_dtype=grad_dtype,
@@ -99,11 +110,14 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             comm_dtype=comm_dtype,
             bucket_numel=max(1, min(int(zero.reduce_bucket_size), int(zero.allgather_bucket_size))),
             prescale_factor=prescale,
+            average=average,
             overlap_comm=bool(zero.overlap_comm),
             reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), groups.backend),
             allgather_partitions=bool(zero.allgather_partitions),
             offload=OffloadPolicy.from_config(zero.offload_optimizer, sub_group_size=int(zero.sub_group_size),
                                               aio=cfg.aio),
+            ignore_unused=bool(zero.ignore_unused_parameters),
+            param_names=_names(module, params) if not zero.ignore_unused_parameters else (),
         )
         cls = Stage1Strategy if zero.stage == 1 else Stage2Strategy
         return cls(params, comm=comm, rank=groups.rank, world_size=groups.world_size, options=options)
@@ -127,9 +141,10 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             node_size=node_size(groups),
             hpz_size=_hpz_size(int(zero.zero_hpz_partition_size), groups),
         )
-        # DeepSpeed's default leaf classes (its MoE blocks) are units; marks set by
-        # set_z3_leaf_modules are kept. (`zero_optimization.leaf_module` is refused by name.)
-        apply_leaf_config(module, DEFAULT_LEAF_CLASSES, (), ())
+        # `zero_optimization.leaf_module` (default: DeepSpeed's MoE block classes) marks leaves;
+        # marks set by set_z3_leaf_modules are kept.
+        leaf = zero.leaf_module
+        apply_leaf_config(module, leaf.classes, leaf.names, leaf.name_suffixes)
         chosen = resolve_units(module, units) if units else default_units(module)
         return Stage3Strategy(module, params, comm=comm, rank=groups.rank, world_size=groups.world_size,
                               options=options3, units=leaf_units(module, chosen))

@@ -13,12 +13,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-DEFAULT_LEAF_CLASSES: tuple[str, ...] = (
-    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
-    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
-    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
-)
-"""Marked at stage 3 when the config names no leaf modules, as DeepSpeed 0.19.8 does."""
+# Marked at stage 3 unless zero_optimization.leaf_module.classes says otherwise (DeepSpeed 0.19.8's).
+from zeroshard.config.schema_zero import DEFAULT_LEAF_MODULE_CLASSES as DEFAULT_LEAF_CLASSES  # noqa: F401 (re-exported: the name tests and callers import from here)
 
 
 def _qualified(module: nn.Module) -> str:

@@ -145,13 +145,15 @@ class OptimizerShard:
         out = []
         for p in params:
             if id(p) not in known:
+                if not p.requires_grad:  # frozen, in a client optimizer's group: left out, as DeepSpeed does
+                    continue
                 raise ValueError("the optimizer was given a parameter that is not a trainable parameter of "
                                  "the model passed to initialize(); build it from model.parameters()")
             if id(p) in self._master_of:  # this rank owns part of it
                 out.append(self._master_of[id(p)])
         return out
 
-    def prepare_step(self, grad_scale: float, max_norm: float, prescale_factor: float) -> GradStats:
+    def prepare_step(self, grad_scale: float, max_norm: float, reduced_mult: float) -> GradStats:
         """Global norm from this rank's sum of squares (one all-reduce), then average, unscale
         and clip in place and give the fragments their gradients (Note: [norm rounding])."""
         views = self._grad_views()
@@ -162,8 +164,7 @@ class OptimizerShard:
         self._comm.all_reduce(sq)
         if mp is not None:  # Note: [norm groups] in zero/strategy.py
             sq = mp.finish(sq, ())
-        mult = grad_scale * prescale_factor / self._comm.world_size
-        stats = unscale_and_clip(views, sq.item(), mult, max_norm)
+        stats = unscale_and_clip(views, sq.item(), grad_scale * reduced_mult, max_norm)
         # The NVMe step reads the full-precision gradient shard itself (SwapAdam(grads=...)), and
         # its fragments alias the parameters on the model's device while that shard is on the
         # CPU: attaching would copy (or, on a GPU, refuse) a gradient nobody reads.
@@ -174,16 +175,17 @@ class OptimizerShard:
     def _duplicate_grads(self, ids: frozenset[int]) -> list[Tensor]:
         return [g for f, g in zip(self._fragments, self._fragment_grads) if id(self._params[f.param_index]) in ids]
 
-    def fragment_grads(self, grad_scale: float, prescale_factor: float) -> list[Tensor]:
-        """Each fragment's reduced gradient as a new 1-D fp32 tensor, averaged over ranks and
-        multiplied by `grad_scale`, before clipping (`safe_get_full_grad`)."""
-        mult = grad_scale * prescale_factor / self._comm.world_size
+    def fragment_grads(self, grad_scale: float, reduced_mult: float) -> list[Tensor]:
+        """Each fragment's reduced gradient as a new 1-D fp32 tensor, times `reduced_mult` (the
+        average's or the sum's factor, ShardedStrategyBase.reduced_mult) and `grad_scale`, before
+        clipping (`safe_get_full_grad`)."""
+        mult = grad_scale * reduced_mult
         return [g.float() * mult for g in self._fragment_grads]
 
     @torch.no_grad()
-    def set_fragment_grad(self, index: int, value: Tensor, grad_scale: float, prescale_factor: float) -> None:
+    def set_fragment_grad(self, index: int, value: Tensor, grad_scale: float, reduced_mult: float) -> None:
         """The inverse of `fragment_grads` for one fragment (`safe_set_full_grad`)."""
-        mult = grad_scale * prescale_factor / self._comm.world_size
+        mult = grad_scale * reduced_mult
         self._fragment_grads[index].copy_(value.reshape(-1) / mult)
 
     def after_step(self) -> None:
@@ -255,6 +257,14 @@ class ShardedStrategyBase(ZeroStrategy):
 
     _shard: OptimizerShard
     _prescale_factor: float
+    _average: bool = True
+    """`gradient_allreduce_op`: True for "mean", False for "sum" (the prescale factor is then 1)."""
+
+    @property
+    def reduced_mult(self) -> float:
+        """What turns a reduced bucket into the gradient: the buckets were divided by the prescale
+        factor and summed over the ranks, so `prescale / world_size` for the mean, 1 for the sum."""
+        return self._prescale_factor / self._shard._comm.world_size if self._average else 1.0
 
     @property
     def optimizer_params(self) -> list[nn.Parameter]:
@@ -264,7 +274,7 @@ class ShardedStrategyBase(ZeroStrategy):
         return self._shard.master_params_for(params)
 
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
-        return self._shard.prepare_step(grad_scale, max_norm, self._prescale_factor)
+        return self._shard.prepare_step(grad_scale, max_norm, self.reduced_mult)
 
     def set_model_parallel_norm(self, norm: ModelParallelNorm) -> None:
         """Span the gradient norm over the model-parallel group too (zero/strategy.py)."""
@@ -274,10 +284,10 @@ class ShardedStrategyBase(ZeroStrategy):
         return self._shard.checkpoint_fragments()
 
     def fragment_grads(self, grad_scale: float) -> list[Tensor]:
-        return self._shard.fragment_grads(grad_scale, self._prescale_factor)
+        return self._shard.fragment_grads(grad_scale, self.reduced_mult)
 
     def set_fragment_grad(self, index: int, value: Tensor, grad_scale: float) -> None:
-        self._shard.set_fragment_grad(index, value, grad_scale, self._prescale_factor)
+        self._shard.set_fragment_grad(index, value, grad_scale, self.reduced_mult)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer the engine steps (an NVMe home swaps the states: zero/offload/nvme_optim.py)."""

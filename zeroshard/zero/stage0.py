@@ -66,6 +66,8 @@ class Stage0Strategy(ZeroStrategy):
         reduce_bucket_numel: elements per all-reduce bucket (`reduce_bucket_size`).
         prescale_factor: divide gradients by this before the all-reduce
             (`gradient_predivide_factor` with `prescale_gradients`), 1.0 = reduce then average.
+        average: `gradient_allreduce_op` "mean" (True) or "sum" (False: the reduced gradient is
+            the sum over ranks; `prescale_factor` is then 1).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class Stage0Strategy(ZeroStrategy):
         comm_dtype: torch.dtype | None,
         reduce_bucket_numel: int,
         prescale_factor: float = 1.0,
+        average: bool = True,
     ) -> None:
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
@@ -88,6 +91,7 @@ class Stage0Strategy(ZeroStrategy):
         self._world_size = world_size
         self._comm_dtype = comm_dtype
         self._prescale_factor = prescale_factor
+        self._average = average
         self._layout = FlatLayout(tuple(p.numel() for p in self._params))
         device = self._params[0].device
         flat = torch.zeros(self._layout.numel, dtype=grad_dtype, device=device)  # 1D
@@ -130,8 +134,8 @@ class Stage0Strategy(ZeroStrategy):
         return list(reversed(self._master))
 
     def master_params_for(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-        try:
-            return [self._master_of[id(p)] for p in params]
+        try:  # a frozen parameter in a client optimizer's group is left out, as DeepSpeed does
+            return [self._master_of[id(p)] for p in params if p.requires_grad or id(p) in self._master_of]
         except KeyError:
             raise ValueError(
                 "the optimizer was given a parameter that is not a trainable parameter of the "
@@ -247,8 +251,11 @@ class Stage0Strategy(ZeroStrategy):
         return None  # every rank holds the whole model
 
     def _grad_mult(self, grad_scale: float) -> float:
-        """What turns the flat buffer into the averaged, unscaled gradient (local when not reducing)."""
-        return grad_scale * self._prescale_factor / self._world_size if self._reducing else grad_scale
+        """What turns the flat buffer into the averaged (or, for "sum", summed) unscaled gradient
+        (local when not reducing)."""
+        if not (self._reducing and self._average):
+            return grad_scale
+        return grad_scale * self._prescale_factor / self._world_size
 
     def fragment_grads(self, grad_scale: float) -> list[Tensor]:
         mult = self._grad_mult(grad_scale)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from zeroshard.errors import UsageError
 from zeroshard.zero.flat import BucketedPartition
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.reduce import GradAccumulator, GradReducer, LaunchOrder, ReduceMode, ReduceOptions
@@ -45,6 +46,8 @@ class PartitionOptions:
     bucket_numel: int
     """min(reduce_bucket_size, allgather_bucket_size): both collectives run per bucket."""
     prescale_factor: float = 1.0
+    average: bool = True
+    """`gradient_allreduce_op`: "mean" (True) or "sum" (False, with prescale_factor 1)."""
     master_dtype: torch.dtype = torch.float32
     """dtype of the master shard (bf16 with `bf16.bf16_master_weights_and_grads`)."""
     overlap_comm: bool = True
@@ -53,6 +56,11 @@ class PartitionOptions:
     allgather_partitions: bool = True
     offload: OffloadPolicy = OffloadPolicy()
     """Home of master shard, gradient shard and optimizer state (`offload_optimizer`)."""
+    ignore_unused: bool = True
+    """`ignore_unused_parameters`: False raises at the step's last backward when a trainable
+    parameter got no gradient in the whole step (they are zero-filled otherwise)."""
+    param_names: tuple[str, ...] = ()
+    """The parameters' names, in the order given (for that error)."""
 
 
 class PartitionedStrategy(ShardedStrategyBase):
@@ -75,6 +83,7 @@ class PartitionedStrategy(ShardedStrategyBase):
         self._comm, self._rank, self._world = comm, rank, world_size
         self._opt = options
         self._prescale_factor = options.prescale_factor
+        self._average = options.average
         self._plan = BucketedPartition([p.numel() for p in self._params], bucket_numel=options.bucket_numel,
                                        world_size=world_size, align=ALIGN_NUMEL)
         self._device = self._params[0].device
@@ -91,6 +100,7 @@ class PartitionedStrategy(ShardedStrategyBase):
             prescale_factor=options.prescale_factor, overlap_comm=options.overlap_comm),
             device=self._device, block_numel=max(layout.padded_numel for layout in self._plan.layouts))
         self._boundary = False
+        self._used = [False] * len(self._params)  # got a gradient in this step (ignore_unused)
         for index, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(lambda t, i=index: self._on_grad_ready(i, t))
 
@@ -142,6 +152,7 @@ class PartitionedStrategy(ShardedStrategyBase):
         grad = param.grad
         if grad is None:
             return
+        self._used[index] = True
         self._accumulate(index, grad)
         param.grad = None
         if self._reduces_now():
@@ -153,13 +164,25 @@ class PartitionedStrategy(ShardedStrategyBase):
         self._reducer.launch(bucket, self._bucket_data(bucket), self._shard.grad_target(bucket))
 
     def after_backward(self) -> None:
-        if not self._reduces_now():
-            return
-        for bucket in self._order.remaining():
-            self._launch(bucket)
-        self._reducer.drain()
+        if self._reduces_now():
+            for bucket in self._order.remaining():
+                self._launch(bucket)
+            self._reducer.drain()
+        if self._boundary and not self._opt.ignore_unused:
+            self._check_every_param_used()
+
+    def _check_every_param_used(self) -> None:
+        names = list(reversed(self._opt.param_names)) or [f"#{i}" for i in range(len(self._params))]
+        unused = [names[i] for i, used in enumerate(self._used) if not used]
+        if unused:
+            raise UsageError(
+                f"zero_optimization.ignore_unused_parameters is false and {len(unused)} trainable parameter(s) "
+                f"got no gradient in this optimizer step: {', '.join(reversed(unused))}. Use every trainable "
+                "parameter in the loss, freeze the unused ones (requires_grad=False), or set "
+                "ignore_unused_parameters to true (DeepSpeed's default: they get a zero gradient).")
 
     def after_step(self, applied: bool) -> None:
+        self._used = [False] * len(self._params)
         self._shard.after_step()
         self._reducer.end_step()
         self._reset_step()

@@ -200,7 +200,9 @@ class ZeroStrategy(Protocol):
         """What the optimizer steps on in place of the model's `params`, on this rank.
 
         Stage 0: one master per parameter. Stages 1/2: the fragment of each parameter inside
-        this rank's shard, skipping parameters this rank owns no part of.
+        this rank's shard, skipping parameters this rank owns no part of. A frozen parameter
+        (requires_grad False, e.g. in a client optimizer's group built from every parameter) is
+        left out, as DeepSpeed does; any other parameter the model lacks is a ValueError.
         """
         ...
 
