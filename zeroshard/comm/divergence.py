@@ -334,6 +334,11 @@ class CollectiveTracker:
                                              timeout=2 * RESPONSE_S + 1.0)
             stranded = self._checks_in_flight
         if ended:
+            # Destroy the side group now, while the interpreter is whole: left to finalization,
+            # its worker thread could drop the last reference to a check's tensor or callback,
+            # which needs the GIL (the same hazard as Note: [watcher shutdown]).
+            if self._check_pg is not None and self._check_pg is not self._group:
+                self._check_pg = None
             return
         print(f"rank {self.rank}: {stranded} collective signature check(s) still in flight at exit; "
               "ending the process now (Note: [stranded checks] in comm/divergence.py)",
