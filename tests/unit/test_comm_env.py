@@ -7,6 +7,8 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -334,10 +336,30 @@ def test_launcher_environment_wins_over_an_explicit_rendezvous() -> None:
         _launch_from(Rendezvous(rank=3, world_size=2), env)
 
 
+def _spawn_two(target: Callable[..., None], args: Callable[[int], tuple[Any, ...]]) -> list[int | None]:
+    """Start ranks 0 and 1 as spawned processes running `target(*args(rank))`; their exit codes."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args(r)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+    return [p.exitcode for p in procs]
+
+
 def _rendezvous_worker(rank: int, world: int, init_file: str, out: str) -> None:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     os.environ["OMP_NUM_THREADS"] = "1"
+    _join_sum_and_write(rank, world, init_file, out)
+
+
+def _join_sum_and_write(rank: int, world: int, init_file: str, out: str) -> None:
+    """Join through `init_file`, all-reduce rank + 1, write "launcher rank world dist-rank sum"."""
     import zeroshard.comm as comm
 
     groups = comm.init_distributed(dist_backend="gloo", init_method=f"file://{init_file}",
@@ -351,18 +373,8 @@ def _rendezvous_worker(rank: int, world: int, init_file: str, out: str) -> None:
 
 def test_init_distributed_file_rendezvous_in_processes_started_by_multiprocessing(tmp_path) -> None:
     """Processes a script starts itself (no launcher variables) join through init_method="file://"."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rendezvous_worker, args=(r, 2, str(tmp_path / "store"), str(tmp_path / "out")))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    codes = _spawn_two(_rendezvous_worker, lambda r: (r, 2, str(tmp_path / "store"), str(tmp_path / "out")))
+    assert codes == [0, 0]
     assert [(tmp_path / f"out.{r}").read_text() for r in range(2)] == [
         "init_method 0 2 0 3", "init_method 1 2 1 3"]
 
@@ -372,15 +384,7 @@ def _harness_worker(rank: int, world: int, init_file: str, port: int, out: str) 
     MASTER_PORT it picked) and also pass its own file store."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import zeroshard.comm as comm
-
-    groups = comm.init_distributed(dist_backend="gloo", init_method=f"file://{init_file}",
-                                   rank=rank, world_size=world)
-    t = torch.tensor([float(rank + 1)])
-    comm.all_reduce(t)
-    with open(f"{out}.{rank}", "w") as f:
-        f.write(f"{groups.launcher} {groups.rank} {groups.world_size} {t.item():g}")
-    comm.destroy_process_group()
+    _join_sum_and_write(rank, world, init_file, out)
 
 
 def test_explicit_init_method_wins_over_master_port(tmp_path) -> None:
@@ -388,22 +392,12 @@ def test_explicit_init_method_wins_over_master_port(tmp_path) -> None:
     harness): the ranks meet in the file store and bind no port, so two such jobs that picked the
     same MASTER_PORT do not collide. The port here is held by another listener: joining through
     MASTER_PORT would fail with EADDRINUSE."""
-    import multiprocessing as mp
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_harness_worker,
-                             args=(r, 2, str(tmp_path / "store"), port, str(tmp_path / "out")))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
-    assert [(tmp_path / f"out.{r}").read_text() for r in range(2)] == ["torchrun 0 2 3", "torchrun 1 2 3"]
+        codes = _spawn_two(_harness_worker, lambda r: (r, 2, str(tmp_path / "store"), port, str(tmp_path / "out")))
+    assert codes == [0, 0]
+    assert [(tmp_path / f"out.{r}").read_text() for r in range(2)] == ["torchrun 0 2 0 3", "torchrun 1 2 1 3"]
