@@ -158,21 +158,24 @@ def test_precision_models_and_helpers() -> None:
     assert get_gradient_clipping({}) == 1.0 and get_gradient_clipping({"gradient_clipping": 0.5}) == 0.5
 
 
-def test_min_loss_scale_is_checked_only_where_the_scale_is_dynamic() -> None:
-    """As DeepSpeed: unused with a static scale or fp16 off (any number), > 0 when dynamic, also
-    when the fp16 section is read alone (DeepSpeedFP16Config)."""
+@pytest.mark.parametrize("field, bad, message", [
+    ("min_loss_scale", 0, r"fp16\.min_loss_scale: got 0\.0, expected a number > 0"),
+    ("loss_scale_window", 0, r"fp16\.loss_scale_window: got 0, expected an integer >= 1 while the loss scale"),
+])
+def test_dynamic_scale_fields_are_checked_only_where_the_scale_is_dynamic(field: str, bad: int, message: str) -> None:
+    """As DeepSpeed: unused with a static scale or fp16 off (any number), checked when dynamic,
+    also when the fp16 section is read alone (DeepSpeedFP16Config)."""
     from zeroshard.compat.ds_config import DeepSpeedFP16Config
     from zeroshard.config import load_config
     from zeroshard.errors import ConfigError
 
-    for fp16 in ({"enabled": True, "loss_scale": 128, "min_loss_scale": -1}, {"enabled": False, "min_loss_scale": 0}):
-        assert load_config({"train_batch_size": 1, "fp16": fp16}, dp_world_size=1).fp16.min_loss_scale == fp16[
-            "min_loss_scale"]
-        assert DeepSpeedFP16Config(**fp16).min_loss_scale == fp16["min_loss_scale"]
-    with pytest.raises(ConfigError, match=r"^fp16\.min_loss_scale: got 0\.0, expected a number > 0"):
-        load_config({"train_batch_size": 1, "fp16": {"enabled": True, "min_loss_scale": 0}}, dp_world_size=1)
-    with pytest.raises(pydantic.ValidationError, match=r"fp16\.min_loss_scale: got 0\.0, expected a number > 0"):
-        DeepSpeedFP16Config(enabled=True, loss_scale=0, min_loss_scale=0)
+    for fp16 in ({"enabled": True, "loss_scale": 128, field: -1}, {"enabled": False, field: 0}):
+        assert getattr(load_config({"train_batch_size": 1, "fp16": fp16}, dp_world_size=1).fp16, field) == fp16[field]
+        assert getattr(DeepSpeedFP16Config(**fp16), field) == fp16[field]
+    with pytest.raises(ConfigError, match="^" + message):
+        load_config({"train_batch_size": 1, "fp16": {"enabled": True, field: bad}}, dp_world_size=1)
+    with pytest.raises(pydantic.ValidationError, match=message):
+        DeepSpeedFP16Config(enabled=True, loss_scale=0, **{field: bad})
 
 
 def test_config_model_base_moves_deprecated_fields() -> None:

@@ -115,7 +115,7 @@ class _ZeroshardSection(DeepSpeedConfigModel):
 
 class DeepSpeedFP16Config(_ZeroshardSection):
     """`fp16`, read by zeroshard: `min_loss_scale` is checked only when the scale is dynamic, as in
-    DeepSpeed; `loss_scale_window` must be >= 1 always (DeepSpeed: only when dynamic)."""
+    DeepSpeed, and so is `loss_scale_window`."""
 
     _zs_cls = FP16Config
     _zs_prefix = "fp16."

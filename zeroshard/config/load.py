@@ -208,9 +208,15 @@ def _check_cross_fields(cfg: Config) -> None:
 
 
 def check_fp16_scaling(fp16: FP16Config) -> None:
-    """The dynamic loss scale's floor, checked only where the scale is dynamic (fp16 on,
-    loss_scale 0), as DeepSpeed does: elsewhere `min_loss_scale` is unused. Also run when the
-    `fp16` section is read alone (`load_section`, DeepSpeed's `DeepSpeedFP16Config`)."""
+    """The dynamic loss scale's floor and window, checked only where the scale is dynamic (fp16
+    on, loss_scale 0), as DeepSpeed does: elsewhere `min_loss_scale` and `loss_scale_window` are
+    unused. Also run when the `fp16` section is read alone (`load_section`, DeepSpeed's
+    `DeepSpeedFP16Config`)."""
+    if fp16.enabled and fp16.dynamic_loss_scale and fp16.loss_scale_window < 1:
+        raise ConfigError(
+            f"fp16.loss_scale_window: got {show(fp16.loss_scale_window)}, expected an integer >= 1 while the "
+            "loss scale is dynamic (fp16.loss_scale 0). Default: 1000."
+        )
     if fp16.enabled and fp16.dynamic_loss_scale and not 0 < fp16.min_loss_scale <= fp16.initial_loss_scale:
         raise ConfigError(
             f"fp16.min_loss_scale: got {show(fp16.min_loss_scale)}, expected a number > 0 and <= the initial "

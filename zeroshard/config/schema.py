@@ -33,8 +33,9 @@ class FP16Config:
     """Static loss scale; 0 (the default) selects dynamic loss scaling."""
     initial_scale_power: int = spec(16, ge=0, le=127)
     """Dynamic scaling starts at 2**initial_scale_power. Default 16 (65536)."""
-    loss_scale_window: int = spec(1000, ge=1)
-    """Steps without overflow before the dynamic scale doubles."""
+    loss_scale_window: int = 1000
+    """Steps without overflow before the dynamic scale doubles: >= 1 when the scale is dynamic
+    (fp16 on, loss_scale 0); any integer otherwise, where it is unused (as in DeepSpeed)."""
     hysteresis: int = spec(2, ge=1)
     """Overflows tolerated before the dynamic scale is halved."""
     consecutive_hysteresis: bool = False
