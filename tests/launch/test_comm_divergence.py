@@ -32,19 +32,22 @@ def fails_fast(output: str) -> bool:
     return bool(waited) and max(waited) < 30
 MISMATCH_MODES = ("size", "extra", "async", "together")
 DSCOMM_MODES = ("dscomm",)
+SIDE_MODES = ("skip", "size", "async", "together")
+"""Run again with the checks on the side gloo group (ZEROSHARD_COMM_CHECK_BOARD=0: ranks on
+several hosts), the route that is not the default here."""
 
 
-@pytest.fixture(scope="module")
-def jobs() -> dict[str, tuple[int, str, float]]:
-    """Run the three jobs at once (their timeouts overlap): mode -> (exit code, output, s)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def _run_jobs(modes: tuple[str, ...], extra_env: dict[str, str]) -> dict[str, tuple[int, str, float]]:
+    """Run the jobs at once (their timeouts overlap): mode -> (exit code, output, s)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra_env}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     start = time.monotonic()
+    # "kill": torchrun must not end rank 0 as soon as rank 1 died; rank 0 has to notice itself.
     procs = {mode: subprocess.Popen(
-        torchrun(2, str(SCRIPT), mode),
+        torchrun(2, *(["--monitor-interval=60"] if mode == "kill" else []), str(SCRIPT), mode),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-        for mode in MODES + MISMATCH_MODES + DSCOMM_MODES}
+        for mode in modes}
     results = {}
     for mode, proc in procs.items():
         try:
@@ -57,6 +60,33 @@ def jobs() -> dict[str, tuple[int, str, float]]:
     return results
 
 
+@pytest.fixture(scope="module")
+def jobs() -> dict[str, tuple[int, str, float]]:
+    results = _run_jobs(MODES + MISMATCH_MODES + DSCOMM_MODES + ("kill",), {})
+    for _, output, _ in results.values():
+        assert "rank 0: check route board" in output and "rank 1: check route board" in output, output
+    return results
+
+
+@pytest.fixture(scope="module")
+def side_jobs() -> dict[str, tuple[int, str, float]]:
+    results = _run_jobs(SIDE_MODES, {"ZEROSHARD_COMM_CHECK_BOARD": "0"})
+    for _, output, _ in results.values():
+        assert "rank 0: check route side group" in output, output
+    return {f"{mode}@side": result for mode, result in results.items()}
+
+
+def _job(request: pytest.FixtureRequest, mode: str, route: str) -> tuple[int, str, float]:
+    """One job's outcome: the default route (the board), or the side group's run of it."""
+    if route == "board":
+        return request.getfixturevalue("jobs")[mode]
+    return request.getfixturevalue("side_jobs")[f"{mode}@side"]
+
+
+def _cases(modes: tuple[str, ...]) -> list[tuple[str, str]]:
+    return [(m, "board") for m in modes] + [(m, "side") for m in modes if m in SIDE_MODES]
+
+
 def line_of(marker: str) -> int:
     """Line number of the script line containing ``marker``."""
     for number, line in enumerate(SCRIPT.read_text().splitlines(), start=1):
@@ -65,10 +95,10 @@ def line_of(marker: str) -> int:
     raise AssertionError(f"expected {marker!r} in {SCRIPT}")
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_divergent_rank_fails_fast_with_both_ranks_named(
-        jobs: dict[str, tuple[int, str, float]], mode: str) -> None:
-    code, output, elapsed = jobs[mode]
+@pytest.mark.parametrize("mode, route", _cases(MODES))
+def test_divergent_rank_fails_fast_with_both_ranks_named(request: pytest.FixtureRequest, mode: str,
+                                                         route: str) -> None:
+    code, output, elapsed = _job(request, mode, route)
     assert code != 0, output
     assert elapsed < KILL_AFTER_S and fails_fast(output), f"took {elapsed:.0f} s\n{output}"
     assert "CommError: rank 0: all_reduce (seq 2) failed" in output, output
@@ -94,14 +124,14 @@ def test_divergent_rank_fails_fast_with_both_ranks_named(
     assert "the all_reduce completed" not in output
 
 
-@pytest.mark.parametrize("mode", MISMATCH_MODES)
-def test_collective_mismatch_is_reported_by_every_rank(
-        jobs: dict[str, tuple[int, str, float]], mode: str) -> None:
+@pytest.mark.parametrize("mode, route", _cases(MISMATCH_MODES))
+def test_collective_mismatch_is_reported_by_every_rank(request: pytest.FixtureRequest, mode: str,
+                                                       route: str) -> None:
     # gloo alone: "terminate called after throwing gloo::EnforceNotMet ... Is there a
     # distributed collective mismatch in your code?" and SIGABRT on one rank, nothing else.
     # With the signature check (Note: [collective signature check] in comm/collectives.py)
     # each rank raises a CommError naming the first differing collective of every rank.
-    code, output, elapsed = jobs[mode]
+    code, output, elapsed = _job(request, mode, route)
     assert code != 0 and elapsed < KILL_AFTER_S and fails_fast(output), output
     assert "terminate called" not in output and "SIGABRT" not in output, output
     for rank in (0, 1):
@@ -144,3 +174,14 @@ def test_extra_collective_through_deepspeed_comm_is_reported_by_every_rank(
     assert f"rank 0: seq 2 all_reduce(numel=1, float32) at {extra_at}" in output, output
     assert f"rank 1: seq 2 all_reduce(numel=100, float32) at {both_at}" in output, output
     assert "Ranks disagree on seq 2" in output, output
+
+
+def test_killed_peer_is_named_within_seconds(jobs: dict[str, tuple[int, str, float]]) -> None:
+    # Note: [signature board]: a peer SIGKILLed (no exit hook, no final state) while rank 0 waits
+    # in a collective's check is seen by its pid and start time, not after the 60 s timeout.
+    code, output, elapsed = jobs["kill"]
+    assert code != 0 and elapsed < KILL_AFTER_S, output
+    found = re.search(r"CommError: rank 0: all_reduce \(seq 2\) failed after ([0-9.]+) s \(timeout 60 s\): "
+                      r"rank 1 \(pid \d+\) exited before collective check 2", output)
+    assert found and float(found.group(1)) < 10, output
+    assert "the all_reduce completed" not in output

@@ -202,7 +202,7 @@ class Comm:
                 # check's completion, off this thread; wait() meets it there.
                 pending = PendingIssue(rec, issue)
                 if self._together is None:
-                    checked_issue(tracker, [pending], self._timeout)
+                    checked_issue(tracker, [pending], self._timeout, wait_here=not async_op)
                 elif async_op:
                     self._together.append(pending)
                 else:

@@ -8,7 +8,7 @@ demand. When a collective fails or times out, the failing rank asks every peer t
 (``store.add(REQUEST_KEY)``), waits up to ``RESPONSE_S`` for the answers, and builds a message
 naming each rank's last collective. A rank busy in Python (training, sleeping) answers from its
 thread; a rank blocked in C without the GIL still left its last published state; a rank that
-exited said so from ``atexit``. Imports nothing of ours but ``errors``.
+exited said so from ``atexit``. Imports nothing of ours but ``errors`` and ``comm.board``.
 
 Note: [watcher shutdown]
 The watcher must never be inside a c10d store call when the interpreter finalizes: the call
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm.board import Board
 from zeroshard.errors import CommError
 
 if TYPE_CHECKING:
@@ -150,6 +151,8 @@ class CollectiveTracker:
         """Set after a collective failed: the group can no longer be trusted."""
         self._check_pg: dist.ProcessGroup | None = None
         """The side group the signature checks run on (Note: [collective signature check])."""
+        self._check_board: Board | None = None
+        """Or the shared-memory board, when every rank is on this host (Note: [signature board])."""
         self.mismatch: CallRecord | None = None
         """The first collective whose signature differed across ranks (set by the check's
         callback thread; read by the caller's)."""
@@ -189,10 +192,14 @@ class CollectiveTracker:
         return rec
 
     # ---- signature checks (Note: [collective signature check] in comm/checked.py) ----------
-    def check_group(self, timeout: timedelta) -> dist.ProcessGroup:
-        """The side group of the signature checks, built at the first check (every rank's first
-        collective on this group reaches it). One worker thread, so checks complete, and their
-        callbacks run, in issue order. Falls back to the group itself without a store."""
+    def check_route(self, timeout: timedelta) -> Board | dist.ProcessGroup:
+        """Where the signature checks run, chosen at the first check (every rank's first
+        collective on this group reaches it): the shared-memory board when every rank is on
+        this host (Note: [signature board] in board.py), else a side gloo group with one worker
+        thread, so checks complete, and their callbacks run, in issue order. The group itself
+        without a store."""
+        if self._check_board is not None:
+            return self._check_board
         if self._check_pg is not None:
             return self._check_pg
         if self._store is None:
@@ -202,6 +209,11 @@ class CollectiveTracker:
         # A generation per build, equal on every rank: each rank adds 1 once per build.
         generation = (self._store.add(base + "/builds", 1) - 1) // self.world_size
         store = dist.PrefixStore(f"{base}/{generation}/", self._store)
+        board = Board.create(dist.PrefixStore("board/", store), self.rank, self.world_size,
+                             timeout.total_seconds())
+        if board is not None:
+            self._check_board = board
+            return board
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._threads = 1
@@ -339,6 +351,8 @@ class CollectiveTracker:
             # which needs the GIL (the same hazard as Note: [watcher shutdown]).
             if self._check_pg is not None and self._check_pg is not self._group:
                 self._check_pg = None
+            if self._check_board is not None:
+                self._check_board.close()
             return
         print(f"rank {self.rank}: {stranded} collective signature check(s) still in flight at exit; "
               "ending the process now (Note: [stranded checks] in comm/divergence.py)",

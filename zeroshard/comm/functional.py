@@ -151,7 +151,7 @@ def _run(call: Any, async_op: bool, op: str = "", tensor: torch.Tensor | None = 
     # must not happen on the check's callback thread. When the check has completed, every earlier
     # checked collective's data is already issued (checks complete in order), so order holds.
     pending = PendingIssue(rec, None)
-    checked_issue(tracker, [pending], timedelta(seconds=timeout_s))
+    checked_issue(tracker, [pending], timedelta(seconds=timeout_s), wait_here=True)
     wait_checked(tracker, pending, timeout_s + 5.0, timeout_s)
     try:
         work = call()

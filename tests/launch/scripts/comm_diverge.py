@@ -16,22 +16,36 @@ MODE "together": a burst checked as one (Comm.issued_together) holds one all_gat
 rank 0 than on rank 1.
 In "size", "extra", "dscomm", "async" and "together" every rank must raise zeroshard's report at once,
 without SIGABRT, and no data of the mismatched collective (or a later one) moves.
+MODE "kill": rank 1 is killed (SIGKILL: no exit hook, nothing published) after the first barrier,
+under a 60 s timeout; rank 0 must fail within seconds, naming the dead rank.
+
+Each rank prints the route of its signature checks after the first barrier ("board": shared
+memory, the default on one host; "side group": ZEROSHARD_COMM_CHECK_BOARD=0; Note: [signature
+board] in comm/board.py).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 
 import torch
 
 from zeroshard.comm import Comm, init_distributed
+from zeroshard.comm.divergence import tracker_of
 
 
 def main(mode: str) -> None:
     groups = init_distributed(timeout_s=60)
-    comm = Comm(groups, timeout_s=3)
+    comm = Comm(groups, timeout_s=60 if mode == "kill" else 3)
     comm.barrier()  # seq 1 on both ranks
+    tracker = tracker_of(groups.dp_group)
+    route = "board" if tracker._check_board is not None else "side group" if tracker._check_pg is not None else "none"
+    print(f"rank {groups.rank}: check route {route}", flush=True)
+    if mode == "kill" and groups.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
     if mode == "size":
         comm.all_reduce(torch.ones(4 if groups.rank == 0 else 1000))  # seq 2: sizes differ
     if mode == "extra":
