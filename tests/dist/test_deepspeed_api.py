@@ -126,6 +126,48 @@ def test_no_sync_accumulates_then_reduces(groups: Any, stage: int) -> None:
         close(safe_get_full_fp32_param(b), safe_get_full_fp32_param(a), 1e-6, "no_sync")
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_coalesce_grad_reduction_reduces_once_at_exit(groups: Any, stage: int) -> None:
+    """DeepSpeed 0.19's `coalesce_grad_reduction()`: the step after the block equals plain
+    accumulation of the same micro-batches; at stages 0-1 no collective runs inside the block
+    and the reduction runs at its exit; step() inside and nesting with no_sync() raise."""
+    from zeroshard.comm.divergence import tracker_of
+
+    rank, world = groups.rank, groups.world_size
+    batches = global_batches(2, 2 * 3 * world)
+    plain = fresh(stage, gas=1)
+    for batch in batches:
+        parts = rank_micro_batches(batch, rank, world, 2, 3)
+        for i, (x, y) in enumerate(parts):
+            plain.set_gradient_accumulation_boundary(i == len(parts) - 1)
+            plain.backward(plain(x, y))
+        plain.step()
+    coalesced = fresh(stage, gas=1)
+    tracker = tracker_of(coalesced.comm.groups.dp_group) if world > 1 else None
+    for batch in batches:
+        before = tracker._seq if tracker is not None else 0
+        with coalesced.coalesce_grad_reduction():
+            for i, (x, y) in enumerate(rank_micro_batches(batch, rank, world, 2, 3)):
+                coalesced.set_gradient_accumulation_boundary(i == 2)  # ignored inside: one reduction at exit
+                coalesced.backward(coalesced(x, y))
+            inside = tracker._seq - before if tracker is not None else 0
+            with pytest.raises(RuntimeError, match="coalesce_grad_reduction"):
+                coalesced.step()
+            with pytest.raises(AssertionError, match="no_sync"):
+                with coalesced.no_sync():
+                    pass
+        if tracker is not None and stage < 2:
+            assert inside == 0, f"stage {stage}: {inside} collectives inside the block"
+            assert tracker._seq > before + inside, "no reduction at the block's exit"
+        assert coalesced.grads_ready
+        coalesced.step()
+    for a, b in zip(params_of(plain), params_of(coalesced)):
+        close(safe_get_full_fp32_param(b), safe_get_full_fp32_param(a), 1e-6, "coalesce_grad_reduction")
+    with coalesced.no_sync(), pytest.raises(AssertionError, match="nested"):
+        with coalesced.coalesce_grad_reduction():
+            pass
+
+
 # -- checkpoints --------------------------------------------------------------------------------
 
 

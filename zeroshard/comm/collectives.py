@@ -157,7 +157,7 @@ class Comm:
         return self.split(nodes, "node"), self.split(cross, "cross")
 
     @contextmanager
-    def issued_together(self) -> Iterator[None]:
+    def issued_together(self, *, waited_next: bool = False) -> Iterator[None]:
         """Asynchronous collectives issued inside share one signature check, started when the
         block ends; their data moves after it (Note: [collective signature check] in checked.py).
 
@@ -165,6 +165,9 @@ class Comm:
         a ZeRO-1/2 step: one check instead of one per collective. Every rank must issue the same
         collectives in the block (a rank that differs is reported, as for single collectives).
         Without the check (NCCL, ``ZEROSHARD_COMM_VERIFY=0``) it changes nothing.
+
+        ``waited_next``: the caller waits for the burst right after the block, so the check may be
+        decided in its thread (Note: [signature board]: no hand-over to the board's poller).
         """
         if self._together is not None or not self._verify or self._tracker is None:
             yield
@@ -175,7 +178,7 @@ class Comm:
         finally:
             items, self._together = self._together, None
             if items:
-                checked_issue(self._tracker, items, self._timeout)
+                checked_issue(self._tracker, items, self._timeout, wait_here=waited_next)
 
     @property
     def log(self) -> CommLog | None:

@@ -81,6 +81,9 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
         skipped_steps: steps skipped because of an fp16 overflow.
     """
 
+    pipeline_parallelism = False
+    """DeepSpeed's flag: True on the pipeline engine."""
+
     def __init__(
         self,
         *,
@@ -114,6 +117,8 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
         self._last_grad_stats: GradStats | None = None
         self._autocast_dtype = autocast_dtype(config.torch_autocast, groups.device.type)
         self._micro = MicroBatchState()  # Note: [micro-batch phases] in runtime/engine_state.py
+        self._coalescing = False
+        """Inside `coalesce_grad_reduction()` (which also sets `_micro.no_sync`)."""
         self._direct = DirectBackward(self._begin_direct_backward, self._end_direct_backward)
         self._publish_loss_scale(overflow=False)
         register_engine(self, module)
@@ -198,6 +203,9 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
         Unlike DeepSpeed this also works at stages 2 and 3: their per-micro-batch
         reduce-scatters still run (they are how those stages accumulate), with the same result.
         """
+        if self._coalescing:
+            raise UsageError("engine.no_sync() inside engine.coalesce_grad_reduction() (DeepSpeed asserts the "
+                             "same): the block already accumulates without reducing; drop the inner no_sync()")
         if self._micro.no_sync:
             raise UsageError("engine.no_sync() cannot be re-entered (DeepSpeed: no_sync context manager reentry "
                              "is unsupported): leave the outer block first")
@@ -206,6 +214,50 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
             yield
         finally:
             self._micro.no_sync = False
+
+    @contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """Several `backward` calls, one gradient reduction (DeepSpeed 0.19's API): backward passes
+        inside accumulate without reducing, whatever `set_gradient_accumulation_boundary` says,
+        and leaving the block reduces their sum once, so `step()` can follow::
+
+            with engine.coalesce_grad_reduction():
+                for chunk in chunks:
+                    engine.backward(engine(chunk))
+            engine.step()
+
+        At stages 0 and 1 that is one reduction per step instead of one per backward. At stages
+        2 and 3 each backward still reduce-scatters into the gradient shards (they hold no whole
+        gradient to accumulate in), with the same result. `step()` inside raises, as does nesting
+        it with `no_sync()` either way; a block left by an exception reduces nothing.
+        """
+        if self.pipeline_parallelism:
+            raise NotImplementedError(
+                "engine.coalesce_grad_reduction() is not supported with pipeline parallelism: "
+                "train_batch() already reduces the gradients once per batch")
+        if self._micro.no_sync:
+            raise UsageError("engine.coalesce_grad_reduction() cannot be nested in no_sync() or in itself "
+                             "(DeepSpeed asserts the same): leave the outer block first")
+        self._micro.no_sync = self._coalescing = True
+        before = self._micro.pending_backwards
+        try:
+            yield
+        finally:
+            self._micro.no_sync = self._coalescing = False
+        if self._micro.pending_backwards > before:
+            self._reduce_accumulated()
+
+    def _reduce_accumulated(self) -> None:
+        """After `coalesce_grad_reduction`: reduce what its backward passes accumulated."""
+        if self._strategy.reduces_at_boundary_only():
+            self._micro.begin_backward(reduces=True)
+            self._strategy.begin_micro_batch(True)
+            self.timers.start("reduce_wait")
+            self._strategy.after_backward()
+            self.timers.stop("reduce_wait")
+            self._micro.end_backward()
+        else:  # every backward reduced into the shards already
+            self._micro.phase = Phase.REDUCED
 
     def torch_autocast_enabled(self) -> bool:
         """The `torch_autocast` section is on: the forward runs under torch.autocast."""
@@ -368,6 +420,10 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
         fp16 overflow (lowering the loss scale), otherwise step the optimizer and then the
         lr scheduler.
         """
+        if self._coalescing:
+            raise UsageError("engine.step() inside engine.coalesce_grad_reduction() (DeepSpeed: It is illegal "
+                             "to call Engine.step() inside no_sync context manager): leave the block first; "
+                             "leaving it reduces the accumulated gradients")
         if self._micro.no_sync:
             raise UsageError("engine.step() inside engine.no_sync() (DeepSpeed: It is illegal to call "
                              "Engine.step() inside no_sync context manager): leave the block and run one "

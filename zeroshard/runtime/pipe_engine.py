@@ -89,6 +89,8 @@ class PipelineEngine(ZeroEngine):
     `gradient_accumulation_steps` micro-batches run by the schedule, then one optimizer step.
     """
 
+    pipeline_parallelism = True
+
     def __init__(self, *, pipe: PipeParts, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._pipe = pipe

@@ -150,6 +150,9 @@ class Stage0Strategy(ZeroStrategy):
     def keeps_local_grads(self) -> bool:
         return True
 
+    def reduces_at_boundary_only(self) -> bool:
+        return True
+
     def set_model_parallel_norm(self, norm: ModelParallelNorm) -> None:
         """Span the gradient norm over the model-parallel group too (zero/strategy.py)."""
         self._model_parallel = norm

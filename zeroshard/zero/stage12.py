@@ -144,6 +144,9 @@ class PartitionedStrategy(ShardedStrategyBase):
         self._order.reset()
         self._reducer.end_micro_batch()
 
+    def reduces_at_boundary_only(self) -> bool:
+        return not self._reduces_every_micro_batch
+
     def _reduces_now(self) -> bool:
         return self._reduces_every_micro_batch or self._boundary
 
@@ -194,7 +197,7 @@ class PartitionedStrategy(ShardedStrategyBase):
 
     def _gather_params(self) -> None:
         handles = []
-        with self._comm.issued_together():  # one collective check for the burst
+        with self._comm.issued_together(waited_next=True):  # one collective check for the burst
             self._issue_param_gathers(handles)
         for h in handles:
             h.wait()

@@ -284,6 +284,13 @@ class ZeroStrategy(Protocol):
         a sharded stage reduces gradients into shards as they arrive."""
         return False
 
+    def reduces_at_boundary_only(self) -> bool:
+        """Whether gradients accumulate whole on each rank until the step's last backward, which
+        reduces their sum (stages 0 and 1). False where every backward reduces into the shards
+        (stages 2 and 3: that is how they accumulate). `begin_micro_batch(True)` then
+        `after_backward()` with no backward between reduces what has accumulated."""
+        return False
+
     def set_grad_reduction(self, enabled: bool) -> None:
         """Reduce gradients over the ranks (True, always the default) or keep each rank's own
         (False; only where `keeps_local_grads()`). Takes effect from the next micro-batch."""
