@@ -58,3 +58,26 @@ def test_empty_save_dir_is_a_value_error(save_dir: str | None) -> None:
     with pytest.raises(ValueError, match="save_dir must name a directory") as info:
         engine.save_checkpoint(save_dir)
     assert isinstance(info.value, CheckpointError) and type(info.value) is CheckpointArgumentError
+
+
+def test_offload_states_is_refused_by_name() -> None:
+    from zeroshard.errors import NotSupportedError
+
+    engine = _engine()
+    with pytest.raises(NotSupportedError, match=r"^engine\.offload_states\(\) .* not implemented"):
+        engine.offload_states(include=None, device="cpu", pin_memory=True, non_blocking=False)
+    with pytest.raises(NotSupportedError, match=r"^engine\.reload_states\(\)"):
+        engine.reload_states()
+
+
+def test_coalesce_grad_reduction_refuses_pipelines_and_exceptions_reduce_nothing() -> None:
+    engine = _engine()
+    engine.pipeline_parallelism = True
+    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
+        with engine.coalesce_grad_reduction():
+            pass
+    engine.pipeline_parallelism = False
+    with pytest.raises(KeyError), engine.coalesce_grad_reduction():
+        engine.backward(engine(torch.tensor([[1, 2], [3, 4]])).sum())
+        raise KeyError("the block failed")
+    assert not engine.grads_ready and not engine._micro.no_sync

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.checkpoint_format import EngineState, LoadedState
-from zeroshard.errors import CheckpointArgumentError, CheckpointError, UsageError
+from zeroshard.errors import CheckpointArgumentError, CheckpointError, NotSupportedError, UsageError
 from zeroshard.optim.factory import optimizer_state_bytes
 from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
 from zeroshard.runtime.checkpoint_state import Checkpointer, apply_state, collect_state
@@ -246,6 +246,19 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
             self._micro.no_sync = self._coalescing = False
         if self._micro.pending_backwards > before:
             self._reduce_accumulated()
+
+    def offload_states(self, *args: Any, **kwargs: Any) -> None:
+        """DeepSpeed's `offload_states`: not built (refused by name)."""
+        raise NotSupportedError(
+            "engine.offload_states() (DeepSpeed 0.16+) is not implemented in zeroshard: the optimizer "
+            "states, master weights and gradients stay where the config puts them. To keep them off the "
+            'accelerator, set "zero_optimization": {"offload_optimizer": {"device": "cpu"}} (and '
+            '"offload_param" at stage 3).')
+
+    def reload_states(self, *args: Any, **kwargs: Any) -> None:
+        """DeepSpeed's `reload_states`: not built (refused by name)."""
+        raise NotSupportedError("engine.reload_states() is not implemented in zeroshard (nor is offload_states()): "
+                                "there is nothing offloaded to bring back.")
 
     def _reduce_accumulated(self) -> None:
         """After `coalesce_grad_reduction`: reduce what its backward passes accumulated."""
