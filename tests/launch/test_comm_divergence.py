@@ -32,9 +32,11 @@ def fails_fast(output: str) -> bool:
     return bool(waited) and max(waited) < 30
 MISMATCH_MODES = ("size", "extra", "async", "together")
 DSCOMM_MODES = ("dscomm",)
-SIDE_MODES = ("skip", "size", "async", "together")
+SIDE_MODES = ("skip", "async")
 """Run again with the checks on the side gloo group (ZEROSHARD_COMM_CHECK_BOARD=0: ranks on
-several hosts), the route that is not the default here."""
+several hosts), the route that is not the default here: a rank that never comes (the timeout
+report) and mismatched asynchronous collectives (the side group's completion callback). Two
+jobs, not all: each batch of jobs costs the CI about a minute of start-up on 2 cores."""
 
 
 def _run_jobs(modes: tuple[str, ...], extra_env: dict[str, str]) -> dict[str, tuple[int, str, float]]:
