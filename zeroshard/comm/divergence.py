@@ -550,6 +550,8 @@ def forget_tracker(group: dist.ProcessGroup, state: str = "left the process grou
     tracker = _TRACKERS.pop(id(group), None)
     if tracker is not None:
         tracker.close(state)
+        if tracker._check_board is not None:  # its poller thread ends; the mapping goes with the object
+            tracker._check_board.close()
 
 
 def exited_peers(group: dist.ProcessGroup | None) -> dict[int, str]:
