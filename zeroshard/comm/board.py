@@ -244,6 +244,8 @@ class Board:
             verdict = self._decide(c, word)
             if verdict is not None:
                 return verdict
+            if self._closed:
+                return CommError(f"collective check {c}: the check board was closed (the process is leaving)")
             spins += 1
             if spins < 50:
                 time.sleep(0)
@@ -281,7 +283,13 @@ class Board:
     # ---- the poller -------------------------------------------------------------------------
     def _start_poller(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._poll, name="zeroshard-comm-board", daemon=True)
+            # Not a daemon (Note: [watcher shutdown] in divergence.py): a daemon thread still inside
+            # a C++ call (a gloo issue, a Work's release) when the interpreter finalizes ends the
+            # process with "terminate called without an active exception". The tracker's exit
+            # hook closes the board first (CollectiveTracker._end_checks), so this thread is gone
+            # before Python joins its threads.
+            self._thread = threading.Thread(target=self._poll, name="zeroshard-comm-board",
+                                            daemon=not hasattr(threading, "_register_atexit"))
             self._thread.start()
 
     def _poll(self) -> None:
@@ -325,5 +333,5 @@ class Board:
             self._cv.notify_all()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=1.0)
+            thread.join(timeout=10.0)
 
