@@ -99,7 +99,9 @@ class Board:
         self._decided0 = _HEADER + 2 * world_size
         self._rows0 = _HEADER + 3 * world_size
         self._next = 0
-        self._decided = 0
+        self._room = 0
+        """The least decided count of any rank last read: slots up to it + SLOTS are free (read
+        again only past that, not at every check)."""
         self._queue: deque[tuple[int, int, Decidable, float]] = deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -214,12 +216,13 @@ class Board:
 
     def _wait_for_room(self, c: int, deadline: float) -> None:
         """Check c reuses check c - SLOTS's slot: every rank must have decided that one."""
-        if c <= SLOTS:
+        if c - SLOTS <= self._room:  # known free: every rank had decided at least this far
             return
-        while min(self._mv[self._decided0 + r] for r in range(self.world_size)) < c - SLOTS:
+        while (room := min(self._mv[self._decided0 + r] for r in range(self.world_size))) < c - SLOTS:
             if time.monotonic() > deadline:
                 raise CommError(f"rank {self.rank}: collective check {c} waited for a slot past the timeout")
             self._cv.wait(0.0001)  # releases the lock: the poller may be deciding this rank's own
+        self._room = room
 
     def _decide(self, c: int, word: int) -> bool | None:
         """True/False once every rank wrote check c (equal signatures or not); None before."""
@@ -234,7 +237,6 @@ class Board:
         return agree
 
     def _mark_decided(self, c: int) -> None:
-        self._decided = c
         self._mv[self._decided0 + self.rank] = c
 
     def _wait(self, c: int, word: int, deadline: float) -> bool | BaseException:
@@ -262,17 +264,18 @@ class Board:
             # Sleep a twentieth of the wait so far: latency stays small, wake-ups few.
             time.sleep(min(0.0005, max(0.00002, (now - started) / 20)))
 
+    def _reached(self, r: int, c: int) -> bool:
+        """Whether rank r has written check c (the slow paths; `_decide` inlines it)."""
+        return (self._mv[self._rows0 + r * SLOTS + c % SLOTS] & _M64) >> 32 == c & _M32
+
     def _absent(self, c: int) -> str:
-        slot, tag = c % SLOTS, c & _M32
-        ranks = [r for r in range(self.world_size)
-                 if (self._mv[self._rows0 + r * SLOTS + slot] & _M64) >> 32 != tag]
+        ranks = [r for r in range(self.world_size) if not self._reached(r, c)]
         return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
     def _dead_peer(self, c: int) -> CommError | None:
         """A peer that has not reached check c and whose process is gone, as an error."""
-        slot, tag = c % SLOTS, c & _M32
         for r in self._visible:  # others (no /proc, another pid namespace): the timeout decides
-            if (self._mv[self._rows0 + r * SLOTS + slot] & _M64) >> 32 == tag:
+            if self._reached(r, c):
                 continue
             pid, start = self._mv[self._pid0 + r], self._mv[self._start0 + r]
             now = _start_time(pid)
