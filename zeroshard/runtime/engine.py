@@ -10,22 +10,22 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from zeroshard.checkpoint_format import EngineState, LoadedState
-from zeroshard.errors import CheckpointArgumentError, CheckpointError, NotSupportedError, UsageError
+from zeroshard.errors import CheckpointArgumentError, CheckpointError, UsageError
 from zeroshard.optim.factory import optimizer_state_bytes
 from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
 from zeroshard.runtime.checkpoint_state import Checkpointer, apply_state, collect_state
 from zeroshard.runtime.direct_backward import DirectBackward
+from zeroshard.runtime.engine_accumulation import AccumulationControl
 from zeroshard.runtime.engine_progress import EngineProgress
 from zeroshard.runtime.engine_queries import EngineQueries
-from zeroshard.runtime.engine_state import MicroBatchState, Phase
+from zeroshard.runtime.engine_state import Phase
 from zeroshard.runtime.inference import generate_tokens, hf_generate
 from zeroshard.runtime.loss_scaler import LossScaler
 from zeroshard.runtime.model_export import ModelExport
@@ -60,7 +60,7 @@ class _KeptByProgress:
         setattr(engine._progress, self._name, value)
 
 
-class ZeroEngine(EngineQueries, ModelExport, nn.Module):
+class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
     """Wraps a model for data-parallel ZeRO training. Built by `zeroshard.initialize`.
 
     Use it as DeepSpeed's engine::
@@ -80,9 +80,6 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
         micro_steps: micro-batches processed by this rank.
         skipped_steps: steps skipped because of an fp16 overflow.
     """
-
-    pipeline_parallelism = False
-    """DeepSpeed's flag: True on the pipeline engine."""
 
     def __init__(
         self,
@@ -116,9 +113,7 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
             train_batch_size=config.train_batch_size, steps_per_print=config.steps_per_print)
         self._last_grad_stats: GradStats | None = None
         self._autocast_dtype = autocast_dtype(config.torch_autocast, groups.device.type)
-        self._micro = MicroBatchState()  # Note: [micro-batch phases] in runtime/engine_state.py
-        self._coalescing = False
-        """Inside `coalesce_grad_reduction()` (which also sets `_micro.no_sync`)."""
+        self._init_accumulation()  # _micro: Note: [micro-batch phases] in runtime/engine_state.py
         self._direct = DirectBackward(self._begin_direct_backward, self._end_direct_backward)
         self._publish_loss_scale(overflow=False)
         register_engine(self, module)
@@ -172,105 +167,7 @@ class ZeroEngine(EngineQueries, ModelExport, nn.Module):
         step and the step (when `safe_get_full_grad` and friends can read them)."""
         return self._micro.grads_ready
 
-    # -- DeepSpeed-compatible queries -----------------------------------------------------
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the current micro-batch is the last of its step (reduction happens).
-
-        Follows the micro-step count, unless `set_gradient_accumulation_boundary` said otherwise.
-        """
-        return self._micro.is_boundary(self.micro_steps, self._grad_accum_steps)
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Override the micro-step count: the next `backward` reduces (True) or only
-        accumulates (False), and `step()` steps the optimizer only when True. Set it before each
-        micro-batch's forward/backward, as in DeepSpeed::
-
-            engine.set_gradient_accumulation_boundary(False)
-            for batch in batches[:-1]:
-                engine.backward(engine(batch))
-            engine.set_gradient_accumulation_boundary(True)
-            engine.backward(engine(batches[-1]))
-            engine.step()
-        """
-        self._micro.boundary_override = bool(is_boundary)
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients without reducing them; the first
-        `backward` outside reduces the sum. `step()` inside raises, as in DeepSpeed.
-
-        Unlike DeepSpeed this also works at stages 2 and 3: their per-micro-batch
-        reduce-scatters still run (they are how those stages accumulate), with the same result.
-        """
-        if self._coalescing:
-            raise UsageError("engine.no_sync() inside engine.coalesce_grad_reduction() (DeepSpeed asserts the "
-                             "same): the block already accumulates without reducing; drop the inner no_sync()")
-        if self._micro.no_sync:
-            raise UsageError("engine.no_sync() cannot be re-entered (DeepSpeed: no_sync context manager reentry "
-                             "is unsupported): leave the outer block first")
-        self._micro.no_sync = True
-        try:
-            yield
-        finally:
-            self._micro.no_sync = False
-
-    @contextmanager
-    def coalesce_grad_reduction(self) -> Iterator[None]:
-        """Several `backward` calls, one gradient reduction (DeepSpeed 0.19's API): backward passes
-        inside accumulate without reducing, whatever `set_gradient_accumulation_boundary` says,
-        and leaving the block reduces their sum once, so `step()` can follow::
-
-            with engine.coalesce_grad_reduction():
-                for chunk in chunks:
-                    engine.backward(engine(chunk))
-            engine.step()
-
-        At stages 0 and 1 that is one reduction per step instead of one per backward. At stages
-        2 and 3 each backward still reduce-scatters into the gradient shards (they hold no whole
-        gradient to accumulate in), with the same result. `step()` inside raises, as does nesting
-        it with `no_sync()` either way; a block left by an exception reduces nothing.
-        """
-        if self.pipeline_parallelism:
-            raise NotImplementedError(
-                "engine.coalesce_grad_reduction() is not supported with pipeline parallelism: "
-                "train_batch() already reduces the gradients once per batch")
-        if self._micro.no_sync:
-            raise UsageError("engine.coalesce_grad_reduction() cannot be nested in no_sync() or in itself "
-                             "(DeepSpeed asserts the same): leave the outer block first")
-        self._micro.no_sync = self._coalescing = True
-        before = self._micro.pending_backwards
-        try:
-            yield
-        finally:
-            self._micro.no_sync = self._coalescing = False
-        if self._micro.pending_backwards > before:
-            self._reduce_accumulated()
-
-    def offload_states(self, *args: Any, **kwargs: Any) -> None:
-        """DeepSpeed's `offload_states`: not built (refused by name)."""
-        raise NotSupportedError(
-            "engine.offload_states() (DeepSpeed 0.16+) is not implemented in zeroshard: the optimizer "
-            "states, master weights and gradients stay where the config puts them. To keep them off the "
-            'accelerator, set "zero_optimization": {"offload_optimizer": {"device": "cpu"}} (and '
-            '"offload_param" at stage 3).')
-
-    def reload_states(self, *args: Any, **kwargs: Any) -> None:
-        """DeepSpeed's `reload_states`: not built (refused by name)."""
-        raise NotSupportedError("engine.reload_states() is not implemented in zeroshard (nor is offload_states()): "
-                                "there is nothing offloaded to bring back.")
-
-    def _reduce_accumulated(self) -> None:
-        """After `coalesce_grad_reduction`: reduce what its backward passes accumulated."""
-        if self._strategy.reduces_at_boundary_only():
-            self._micro.begin_backward(reduces=True)
-            self._strategy.begin_micro_batch(True)
-            self.timers.start("reduce_wait")
-            self._strategy.after_backward()
-            self.timers.stop("reduce_wait")
-            self._micro.end_backward()
-        else:  # every backward reduced into the shards already
-            self._micro.phase = Phase.REDUCED
+    # -- DeepSpeed-compatible queries (the accumulation controls: runtime/engine_accumulation.py)
 
     def torch_autocast_enabled(self) -> bool:
         """The `torch_autocast` section is on: the forward runs under torch.autocast."""
