@@ -40,6 +40,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
+from zeroshard.comm import shm
 from zeroshard.errors import CommError
 
 if TYPE_CHECKING:
@@ -107,6 +108,8 @@ class Board:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._visible: frozenset[int] = frozenset()
+        self.arena: shm.Arena | None = None
+        """The shared-memory data arena, when every rank mapped one (Note: [shared-memory collectives])."""
         """Peers whose process this rank sees (``_find_visible_peers``): watched while waited for."""
         self._mv[self._pid0 + rank] = os.getpid()
         self._mv[self._start0 + rank] = _start_time(os.getpid())
@@ -114,6 +117,36 @@ class Board:
     @staticmethod
     def nbytes(world_size: int) -> int:
         return 8 * (_HEADER + 3 * world_size + world_size * SLOTS)
+
+    @classmethod
+    def _offset_of_arena(cls, world_size: int) -> int:
+        """The data arena (Note: [shared-memory collectives] in shm.py) starts page-aligned after the board."""
+        return -(-cls.nbytes(world_size) // 4096) * 4096
+
+    @classmethod
+    def _make_file(cls, world_size: int) -> dict[str, object]:
+        """Rank 0: the shared file with a random token, and an arena when /dev/shm has room for
+        one (its pages reserved now: a full tmpfs fails here, not with SIGBUS at a later store)."""
+        directory = _directory()
+        half = 0
+        if shm.wanted():
+            st = os.statvfs(directory)
+            half = shm.half_bytes_for(world_size, st.f_bavail * st.f_frsize)
+        fd, path = tempfile.mkstemp(prefix="zeroshard-check-", dir=directory)
+        token = os.urandom(16)
+        try:
+            size = cls._offset_of_arena(world_size) + shm.arena_bytes(world_size, half)
+            os.ftruncate(fd, size)
+            if half:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError:
+                    half = 0
+                    os.ftruncate(fd, cls._offset_of_arena(world_size))
+            os.pwrite(fd, token, 0)
+        finally:
+            os.close(fd)
+        return {"path": path, "token": token.hex(), "half": half}
 
     # ---- building ---------------------------------------------------------------------------
     @classmethod
@@ -125,25 +158,18 @@ class Board:
             info: dict[str, object] = {"path": None}
             if wanted:
                 try:
-                    fd, path = tempfile.mkstemp(prefix="zeroshard-check-", dir=_directory())
-                    token = os.urandom(16)
-                    try:
-                        os.ftruncate(fd, cls.nbytes(world_size))
-                        os.pwrite(fd, token, 0)
-                    finally:
-                        os.close(fd)
-                    info = {"path": path, "token": token.hex()}
+                    info = cls._make_file(world_size)
                 except OSError:
                     pass
             store.set("board", json.dumps(info))
         board: Board | None = None
         info = json.loads(store.get("board"))
-        path = info.get("path")
+        path, half = info.get("path"), int(info.get("half", 0) or 0)
         if wanted and isinstance(path, str):
             try:
                 fd = os.open(path, os.O_RDWR)
                 try:
-                    mm = mmap.mmap(fd, cls.nbytes(world_size))
+                    mm = mmap.mmap(fd, cls._offset_of_arena(world_size) + shm.arena_bytes(world_size, half))
                 finally:
                     os.close(fd)
                 if mm[:16].hex() == info["token"]:
@@ -152,7 +178,9 @@ class Board:
                     mm.close()
             except (OSError, ValueError):
                 board = None
+        arena_ok = board is not None and half > 0 and shm.wanted()
         store.add("board-ok", 1 if board is not None else 0)
+        store.add("arena-ok", 1 if arena_ok else 0)
         store.add("board-voted", 1)
         deadline = time.monotonic() + timeout_s
         while store.add("board-voted", 0) < world_size:
@@ -161,6 +189,8 @@ class Board:
                                 f"within {timeout_s:g} s")
             time.sleep(0.001)
         agreed = store.add("board-ok", 0) == world_size
+        if agreed and board is not None and store.add("arena-ok", 0) == world_size:
+            board.arena = shm.Arena(board._mm, cls._offset_of_arena(world_size), rank, world_size, half, board)
         if rank == 0 and isinstance(path, str):
             try:
                 os.unlink(path)  # every rank has mapped it (or failed to): the name is not needed
@@ -271,6 +301,19 @@ class Board:
     def _absent(self, c: int) -> str:
         ranks = [r for r in range(self.world_size) if not self._reached(r, c)]
         return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def peer_gone(self, r: int) -> int | None:
+        """Rank r's pid if this rank sees its process and it has exited (else None: alive, or
+        not visible from here, when only the timeout decides)."""
+        if r not in self._visible:
+            return None
+        pid, start = self._mv[self._pid0 + r], self._mv[self._start0 + r]
+        now = _start_time(pid)
+        return pid if now != start and now != -1 else None
 
     def _dead_peer(self, c: int) -> CommError | None:
         """A peer that has not reached check c and whose process is gone, as an error."""

@@ -24,6 +24,7 @@ from zeroshard.comm.divergence import CallRecord, CollectiveTracker, tracker_for
 from zeroshard.comm.groups import ProcessGroups, group_store, node_rank_lists, subgroup
 from zeroshard.comm.handle import Handle, WaitPolicy
 from zeroshard.comm.log import CommLog
+from zeroshard.comm.shm import Arena, DoneWork
 
 ReduceOpName = Literal["sum", "avg", "max", "min"]
 _RedOp = dist.ReduceOp
@@ -131,6 +132,9 @@ class Comm:
         # Note: [collective signature check] in checked.py. ZEROSHARD_COMM_VERIFY=0 turns it off.
         self._verify = (pg is not None and on_cpu
                         and os.environ.get("ZEROSHARD_COMM_VERIFY", "1") != "0")
+        self._shared = pg is not None and on_cpu and self._tracker is not None
+        """Whether data may go through the group's shared-memory arena (Note: [shared-memory
+        collectives] in shm.py), decided per call by ``_arena``."""
         self._together: list[PendingIssue] | None = None
         """Collectives of the open ``issued_together()`` block, checked together when it ends."""
         self._caps: dict[str, bool] = {}
@@ -223,6 +227,22 @@ class Comm:
             handle.wait()
         return handle
 
+    def shares_memory(self) -> bool:
+        """Whether this group's CPU collectives go through the shared-memory arena (Note:
+        [shared-memory collectives] in shm.py). Collective the first time on a group (it builds
+        the group's board): every rank must call it at the same point."""
+        return self._arena(torch.empty(0)) is not None
+
+    def _arena(self, t: torch.Tensor, op: str | None = None) -> Arena | None:
+        """The shared-memory arena for a collective on ``t`` (with reduction ``op``), or None:
+        gloo carries it. Called when the data is issued, after the signature check agreed, so
+        every rank decides alike."""
+        if not self._shared or t.device.type != "cpu" or not Arena.supports(t.dtype, op):
+            return None
+        tracker = self._tracker
+        board = tracker.shared_board(self._timeout) if tracker is not None else None
+        return None if board is None else board.arena
+
     def _native(self, cap: str, native: Callable[[], dist.Work],
                 fallback: Callable[[], dist.Work]) -> dist.Work:
         """Try the backend's op once; if it is unsupported, use the fallback from then on.
@@ -281,7 +301,14 @@ class Comm:
             pg = self._pg
             opts = dist.BroadcastOptions()
             opts.rootRank, opts.rootTensor, opts.timeout = src, 0, self._timeout
-            issue = lambda: pg.broadcast([buf], opts)
+
+            def issue() -> dist.Work:
+                arena = self._arena(buf)
+                if arena is None:
+                    return pg.broadcast([buf], opts)
+                arena.broadcast(buf.view(-1), src, self.timeout_s)
+                return DoneWork()
+
         return self._start("broadcast", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
                            async_op)
 
@@ -373,9 +400,15 @@ class Comm:
             opts.timeout = self._timeout
             single = getattr(pg, "all_gather_single", None) or pg._allgather_base
             chunks = list(out_buf.view(-1).split(n))
-            issue = lambda: self._native(
-                "all_gather_single", lambda: single(out_buf.view(-1), in_buf, opts),
-                lambda: pg.allgather([chunks], [in_buf], opts))
+
+            def issue() -> dist.Work:
+                arena = self._arena(in_buf)
+                if arena is None:
+                    return self._native("all_gather_single", lambda: single(out_buf.view(-1), in_buf, opts),
+                                        lambda: pg.allgather([chunks], [in_buf], opts))
+                arena.all_gather(out_buf.view(-1), in_buf, self.timeout_s)
+                return DoneWork()
+
         return self._start("all_gather", n, in_buf.dtype, _nbytes(in_buf) * self.world_size,
                            issue, finish, async_op)
 
@@ -459,7 +492,15 @@ class Comm:
                 return self._native("reduce_scatter_single",
                                     lambda: single(out_buf.view(-1), in_buf, opts), fallback)
 
-            issue = lambda: self._reducing(op, make, divide)
+            def issue() -> dist.Work:
+                red = "sum" if op == "avg" else op
+                arena = self._arena(in_buf, red)
+                if arena is None:
+                    return self._reducing(op, make, divide)
+                arena.reduce_scatter(out_buf.view(-1), in_buf, red, self.timeout_s)
+                divide[0] = op == "avg"
+                return DoneWork()
+
         return self._start("reduce_scatter", in_buf.numel(), in_buf.dtype, _nbytes(in_buf),
                            issue, finish, async_op)
 
@@ -486,7 +527,15 @@ class Comm:
                 opts.reduceOp, opts.timeout = red, self._timeout
                 return pg.allreduce([buf], opts)
 
-            issue = lambda: self._reducing(op, make, divide)
+            def issue() -> dist.Work:
+                red = "sum" if op == "avg" else op
+                arena = self._arena(buf, red)
+                if arena is None:
+                    return self._reducing(op, make, divide)
+                arena.all_reduce(buf.view(-1), red, self.timeout_s)
+                divide[0] = op == "avg"
+                return DoneWork()
+
         return self._start("all_reduce", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
                            async_op)
 

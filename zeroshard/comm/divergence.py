@@ -152,6 +152,7 @@ class CollectiveTracker:
         self._check_pg: dist.ProcessGroup | None = None
         """The side group the signature checks run on (Note: [collective signature check])."""
         self._check_board: Board | None = None
+        self._board_tried = False
         """Or the shared-memory board, when every rank is on this host (Note: [signature board])."""
         self.mismatch: CallRecord | None = None
         """The first collective whose signature differed across ranks (set by the check's
@@ -198,28 +199,39 @@ class CollectiveTracker:
         this host (Note: [signature board] in board.py), else a side gloo group with one worker
         thread, so checks complete, and their callbacks run, in issue order. The group itself
         without a store."""
-        if self._check_board is not None:
-            return self._check_board
+        board = self.shared_board(timeout)
+        if board is not None:
+            return board
         if self._check_pg is not None:
             return self._check_pg
         if self._store is None:
             self._check_pg = self._group
             return self._group
-        base = f"{_PREFIX}check/{getattr(self._group, 'group_name', '')}"
-        # A generation per build, equal on every rank: each rank adds 1 once per build.
-        generation = (self._store.add(base + "/builds", 1) - 1) // self.world_size
-        store = dist.PrefixStore(f"{base}/{generation}/", self._store)
-        board = Board.create(dist.PrefixStore("board/", store), self.rank, self.world_size,
-                             timeout.total_seconds())
-        if board is not None:
-            self._check_board = board
-            return board
+        store = self._build_store("side")
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._threads = 1
         opts._devices = _gloo_devices()
         self._check_pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
         return self._check_pg
+
+    def shared_board(self, timeout: timedelta) -> Board | None:
+        """The group's shared-memory board (signature checks, and the data arena of Note:
+        [shared-memory collectives] in shm.py), built at the first call (a collective: every
+        rank's first collective on this group reaches it), or None where the ranks cannot
+        share one (several hosts, no store, ``ZEROSHARD_COMM_CHECK_BOARD=0``)."""
+        if self._check_board is not None or self._board_tried or self._store is None:
+            return self._check_board
+        self._board_tried = True
+        store = self._build_store("board")
+        self._check_board = Board.create(store, self.rank, self.world_size, timeout.total_seconds())
+        return self._check_board
+
+    def _build_store(self, what: str) -> dist.PrefixStore:
+        base = f"{_PREFIX}check/{getattr(self._group, 'group_name', '')}/{what}"
+        # A generation per build, equal on every rank: each rank adds 1 once per build.
+        generation = (self._store.add(base + "/builds", 1) - 1) // self.world_size
+        return dist.PrefixStore(f"{base}/{generation}/", self._store)
 
     @property
     def group(self) -> dist.ProcessGroup:

@@ -37,15 +37,17 @@ def resolve_units(module: nn.Module, units: Sequence[nn.Module | type[nn.Module]
     return [module] + list({id(m): m for m in chosen if m is not module}.values())
 
 
-def _use_reduce_scatter(configured: bool, backend: str) -> bool:
+def _use_reduce_scatter(configured: bool, comm: "Comm") -> bool:
     """Whether sharded gradient buckets are reduce-scattered, or all-reduced keeping a chunk.
 
     gloo's reduce-scatter clones its whole input bucket and then costs 1.3-1.9x an all-reduce
     of the same buffer (bench/results.md, collectives); all-reducing in place and keeping this
     rank's chunk gives the same sums (bitwise at 2 ranks) faster and without the clone. So on
-    gloo every sharded stage all-reduces; elsewhere `reduce_scatter` decides.
+    gloo every sharded stage all-reduces, unless the group's collectives go through shared
+    memory (one host: Note: [shared-memory collectives] in comm/shm.py), where a reduce-scatter
+    moves half an all-reduce's bytes; elsewhere `reduce_scatter` decides.
     """
-    return configured and backend != "gloo"
+    return configured and (comm.groups.backend != "gloo" or comm.shares_memory())
 
 
 def _hpz_size(size: int, groups: "ProcessGroups") -> int:
@@ -112,7 +114,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             prescale_factor=prescale,
             average=average,
             overlap_comm=bool(zero.overlap_comm),
-            reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), groups.backend),
+            reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), comm),
             allgather_partitions=bool(zero.allgather_partitions),
             offload=OffloadPolicy.from_config(zero.offload_optimizer, sub_group_size=int(zero.sub_group_size),
                                               aio=cfg.aio),
@@ -132,7 +134,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             max_reuse_distance=int(zero.stage3_max_reuse_distance),
             prescale_factor=prescale,
             overlap_comm=bool(zero.overlap_comm),
-            reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), groups.backend),
+            reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), comm),
             offload_optimizer=OffloadPolicy.from_config(zero.offload_optimizer, sub_group_size=int(zero.sub_group_size),
                                                         aio=cfg.aio),
             offload_param=OffloadPolicy.from_config(zero.offload_param),
