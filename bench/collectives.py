@@ -6,7 +6,9 @@ Stage 0 / DDP all-reduce the gradients; stages 1-2 reduce-scatter them (or all-r
 a slice) and all-gather the updated parameters; FSDP2 all-gathers and reduce-scatters per unit.
 This times torch.distributed's gloo all_reduce, reduce_scatter_tensor and all_gather_into_tensor
 at world size 2 on the whole 25M-element gradient and in 5M-element buckets (the benchmark's
-bucket size), each call between barriers, median of --repeats.
+bucket size), each call between barriers, median of --repeats; and the same three through
+zeroshard's Comm, which on one host runs them through shared memory (Note: [shared-memory
+collectives] in zeroshard/comm/shm.py; "gloo" in the row name when ZEROSHARD_COMM_SHM=0).
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ def worker(repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    from zeroshard.comm import Comm, init_distributed
+
+    groups = init_distributed()  # gloo on CPU; torch's own calls below use the same default group
+    comm = Comm(groups)
+    route = "shared memory" if comm.shares_memory() else "gloo"
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     for total in (25_000_000,):
@@ -56,9 +62,24 @@ def worker(repeats: int) -> None:
                     b[rank * o.numel():(rank + 1) * o.numel()].copy_(o)
                     dist.all_reduce(b)
 
+            def zs_all_reduce() -> None:
+                for b in buckets:
+                    comm.all_reduce(b)
+
+            def zs_reduce_scatter() -> None:
+                for o, b in zip(outs, buckets):
+                    comm.reduce_scatter(o, b)
+
+            def zs_all_gather() -> None:
+                for o, b in zip(outs, buckets):
+                    comm.all_gather(b, o)
+
             for name, fn in (("all_reduce", all_reduce), ("reduce_scatter_tensor", reduce_scatter),
                              ("all_gather_into_tensor", all_gather),
-                             ("all_gather as zero-padded all_reduce", all_gather_by_all_reduce)):
+                             ("all_gather as zero-padded all_reduce", all_gather_by_all_reduce),
+                             (f"zeroshard all_reduce ({route})", zs_all_reduce),
+                             (f"zeroshard reduce_scatter ({route})", zs_reduce_scatter),
+                             (f"zeroshard all_gather ({route})", zs_all_gather)):
                 fn()  # warm-up
                 ts = []
                 for _ in range(repeats):

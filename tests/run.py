@@ -62,10 +62,11 @@ STAGES: dict[str, list[str]] = {
     # of this stage's time (tests/run.py prints each stage's slowest tests).
     "dist3": torchrun(3, *PYTEST, "tests/dist", *(f"--ignore=tests/dist/{f}" for f in DIST3_SKIP), rank0_output=True),
     # Pipeline x data (PP 2 x DP 2, PP 4), tensor x data parallelism (TP 2 x DP 2) and 3D (PP 2 x TP 2)
-    # need 4 ranks; the rest of tests/dist runs at 1-3 ranks, so this stage runs only those files.
+    # need 4 ranks; the rest of tests/dist runs at 1-3 ranks, so this stage runs only those files,
+    # and the shared-memory collectives (a sum of 4 terms, 4 rows of the arena).
     "dist4": torchrun(4, *PYTEST, "tests/dist/test_pipeline.py", "tests/dist/test_pipeline_failures.py",
                       "tests/dist/test_tensor_parallel.py", "tests/dist/test_3d.py",
-                      "tests/dist/test_memory_census_3d.py", rank0_output=True),
+                      "tests/dist/test_memory_census_3d.py", "tests/dist/test_shm.py", rank0_output=True),
     # 3D at PP 2 x DP 2 x TP 2 (dist4 runs PP 2 x TP 2): the claim "equal to one process at 8 ranks"
     # needs 8 ranks; about 130 CPU-seconds, half of it starting 8 interpreters.
     "dist8": torchrun(8, *PYTEST, "tests/dist/test_3d.py", rank0_output=True),

@@ -147,3 +147,20 @@ def test_interleaved_with_gloo_collectives(comm: Comm) -> None:
     assert torch.equal(g, torch.arange(w, dtype=torch.float32).repeat_interleave(3))
     expected = torch.cat([torch.arange(4 * r, 4 * r + 4, dtype=torch.float32) + 100 * j for j in range(w)])
     assert torch.equal(a2a_out, expected)
+
+
+def test_a_peer_that_never_comes_is_named_at_the_timeout(comm: Comm) -> None:
+    """An arena of its own (the group's stays in step): rank 0 gathers alone and gives up at the
+    timeout, naming the ranks that did not come."""
+    from zeroshard.comm.board import Board
+    from zeroshard.comm.groups import group_store
+
+    store = dist.PrefixStore("test-shm/lonely/", group_store(comm.groups.dp_group))
+    board = Board.create(store, comm.rank, comm.world_size, 30.0)
+    assert board is not None and board.arena is not None
+    if comm.rank == 0:
+        others = ", ".join(map(str, range(1, comm.world_size)))
+        with pytest.raises(TimeoutError, match=rf"shared-memory all-gather: ranks? {others} did not reach it"):
+            board.arena.all_gather(torch.empty(2 * comm.world_size), torch.ones(2), timeout_s=0.3)
+    board.close()
+    comm.barrier()
