@@ -54,6 +54,18 @@ def _zs_check_off(stage: int) -> Callable[[RunSpec], Stepper]:
     return build
 
 
+def _zs_gloo(stage: int) -> Callable[[RunSpec], Stepper]:
+    """zeroshard with the shared-memory collectives off (ZEROSHARD_COMM_SHM=0): every collective
+    over gloo's sockets, DDP's transport (Note: [shared-memory collectives] in comm/shm.py)."""
+    def build(spec: RunSpec) -> Stepper:
+        import os
+
+        os.environ["ZEROSHARD_COMM_SHM"] = "0"  # read when the group's board is built
+        return _zs(stage, False)(spec)
+
+    return build
+
+
 def _torch(kind: str) -> Callable[[RunSpec], Stepper]:
     def build(spec: RunSpec) -> Stepper:
         from engines import torch_engines
@@ -82,6 +94,9 @@ def _rows() -> list[EngineSpec]:
     for stage in (1, 2, 3):
         rows.append(EngineSpec(f"zs{stage}_check_off", "zeroshard", stage, False,
                                f"zeroshard stage {stage}, collective check off", _zs_check_off(stage)))
+        rows.append(EngineSpec(f"zs{stage}_gloo", "zeroshard", stage, False,
+                               f"zeroshard stage {stage}, collectives over gloo (no shared memory)",
+                               _zs_gloo(stage)))
     rows.append(EngineSpec("ddp", "torch", None, False, "torch DDP", _torch("ddp")))
     rows.append(EngineSpec("ddp_zero", "torch", None, False, "torch DDP + ZeroRedundancyOptimizer",
                            _torch("ddp_zero")))
@@ -96,6 +111,7 @@ ENGINES: dict[str, EngineSpec] = {e.name: e for e in _rows()}
 """In table order: zeroshard and DeepSpeed interleaved per stage, then the torch baselines."""
 
 DEFAULT_ENGINES = [name for name in ENGINES
-                   if "nvme" not in name and "offload_opt" not in name and "check_off" not in name]
+                   if "nvme" not in name and "offload_opt" not in name and "check_off" not in name
+                   and "gloo" not in name]
 """What `bench/run.py` runs by default: the NVMe rows (they need a scratch disk) and the stage-3
 optimizer-only CPU offload row they are compared with are run by name (bench/nvme.md)."""
