@@ -140,8 +140,10 @@ def run_stage(name: str) -> tuple[dict[str, int], bool]:
         while True:
             rounds += 1
             log = Path(tmp) / f"round{rounds}.jsonl"
+            # PYTHONFAULTHANDLER: a job that dies on a signal (a rare "terminate called" SIGABRT at
+            # exit is not yet explained) prints every thread's Python stack into the test's output.
             env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                   "ZEROSHARD_TEST_LOG": str(log)}
+                   "ZEROSHARD_TEST_LOG": str(log), "PYTHONFAULTHANDLER": "1"}
             deselect = [arg for nodeid in ran for arg in ("--deselect", nodeid)]
             if rounds > 1:
                 print(f"=== {name}: restarting with a fresh group after the failure, "

@@ -48,7 +48,11 @@ if TYPE_CHECKING:
     from zeroshard.comm.board import Board
 
 HALF_BYTES = 4 << 20
-"""Bytes of one half of a rank's row: a piece moves at most this much per rank."""
+"""Bytes of one half of a rank's row: a piece moves at most this much per rank (less past 2
+ranks: ``ROWS_BYTES``). At 2 MiB a 25M-element all-reduce took 53 ms here, at 4 MiB 41."""
+ROWS_BYTES = 16 << 20
+"""The rows of one group's arena take at most this much (every rank maps and touches all of
+it: it counts in each rank's resident memory)."""
 MIN_HALF_BYTES = 256 << 10
 """Smaller than this (a small /dev/shm) and the arena is not worth it: gloo carries the data."""
 _LINE = 8  # int64 words per counter (one 64-byte cache line each)
@@ -64,8 +68,11 @@ def wanted() -> bool:
 
 def half_bytes_for(world_size: int, free_bytes: int) -> int:
     """The half size an arena of ``world_size`` rows uses when ``free_bytes`` are free where
-    it lives: ``HALF_BYTES``, less on a small /dev/shm (a quarter of it at most), 0 for none."""
+    it lives: ``HALF_BYTES``, less past 2 ranks (``ROWS_BYTES`` in all) and on a small
+    /dev/shm (a quarter of it at most), 0 for none."""
     half = HALF_BYTES
+    while half > MIN_HALF_BYTES and 2 * world_size * half > ROWS_BYTES:
+        half //= 2
     while half >= MIN_HALF_BYTES and 4 * 2 * world_size * half > free_bytes:
         half //= 2
     return half if half >= MIN_HALF_BYTES else 0
@@ -86,6 +93,9 @@ class Arena:
         self._counters = memoryview(mm)[offset:offset + 4096].cast("q")
         self._rows = torch.frombuffer(mm, dtype=torch.uint8, offset=offset + 4096,
                                       count=2 * world_size * half_bytes).view(world_size, 2, half_bytes)
+        self._scratch = torch.empty(-(-half_bytes // world_size) + 64, dtype=torch.uint8)
+        """A rank's all-reduce sub-range of a piece is summed here (allocated once: a fresh
+        tensor per piece costs page faults)."""
         self._piece = 0
         """Pieces run so far on this group (the next piece's number)."""
 
@@ -198,11 +208,12 @@ class Arena:
             self._await(3 * g + 1, deadline, what)
             lo, hi = self._sub(p, world, self.rank)
             if hi > lo:
-                mine = slots[self.rank][lo:hi]
-                acc = reduce(slots[0][lo:hi], slots[1][lo:hi])  # a new tensor: never aliases a slot read
+                # Into this rank's scratch, never a slot a later term still reads, then its slot.
+                acc = self._scratch[:(hi - lo) * t.element_size()].view(t.dtype)
+                reduce(slots[0][lo:hi], slots[1][lo:hi], out=acc)
                 for j in range(2, world):
-                    acc = reduce(acc, slots[j][lo:hi], out=acc)
-                mine.copy_(acc)
+                    reduce(acc, slots[j][lo:hi], out=acc)
+                slots[self.rank][lo:hi].copy_(acc)
             self._arrive(3 * g + 2)
             self._await(3 * g + 2, deadline, what)
             for j in range(world):
