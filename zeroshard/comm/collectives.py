@@ -192,8 +192,13 @@ class Comm:
     # ---- plumbing -------------------------------------------------------------------------
     def _start(self, op: str, numel: int, dtype: torch.dtype | None, nbytes: int,
                issue: Callable[[], dist.Work] | None, finish: Callable[[], None] | None,
-               async_op: bool) -> Handle:
-        """Issue on the group (``issue``) or locally (``issue`` None), then wait unless async."""
+               async_op: bool, *, in_caller: bool = False) -> Handle:
+        """Issue on the group (``issue``) or locally (``issue`` None), then wait unless async.
+
+        ``in_caller``: the data moves in this thread even when ``async_op`` (a shared-memory
+        collective, Note: [shared-memory collectives] in shm.py), so its check is decided here too
+        rather than by the board's poller thread: a copy and a spin in a second thread of each
+        rank cost 7-8% of a training step on the 2-core test machine (bench/results.md)."""
         t0 = perf_counter() if self.log is not None else 0.0
         work: dist.Work | None = None
         rec: CallRecord | None = None
@@ -209,7 +214,7 @@ class Comm:
                 # check's completion, off this thread; wait() meets it there.
                 pending = PendingIssue(rec, issue)
                 if self._together is None:
-                    checked_issue(tracker, [pending], self._timeout, wait_here=not async_op)
+                    checked_issue(tracker, [pending], self._timeout, wait_here=not async_op or in_caller)
                 elif async_op:
                     self._together.append(pending)
                 else:
@@ -232,6 +237,13 @@ class Comm:
         [shared-memory collectives] in shm.py). Collective the first time on a group (it builds
         the group's board): every rank must call it at the same point."""
         return self._arena(torch.empty(0)) is not None
+
+    def _shares(self, t: torch.Tensor, op: str | None = None) -> bool:
+        """Whether a collective on ``t`` (reduction ``op``; "avg" runs as a sum) goes through the
+        arena; only asked where the signature check runs (it decides where the check is decided)."""
+        if not self._verify or self._together is not None:
+            return False
+        return self._arena(t, "sum" if op == "avg" else op) is not None
 
     def _arena(self, t: torch.Tensor, op: str | None = None) -> Arena | None:
         """The shared-memory arena for a collective on ``t`` (with reduction ``op``), or None:
@@ -310,7 +322,7 @@ class Comm:
                 return DoneWork()
 
         return self._start("broadcast", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
-                           async_op)
+                           async_op, in_caller=self._shares(buf))
 
     def scatter(self, out: torch.Tensor, in_list: Sequence[torch.Tensor] | None, src: int, *,
                 async_op: bool = False, comm_dtype: torch.dtype | None = None) -> Handle:
@@ -410,7 +422,7 @@ class Comm:
                 return DoneWork()
 
         return self._start("all_gather", n, in_buf.dtype, _nbytes(in_buf) * self.world_size,
-                           issue, finish, async_op)
+                           issue, finish, async_op, in_caller=self._shares(in_buf))
 
     def reduce(self, t: torch.Tensor, dst: int, op: ReduceOpName = "sum", *,
                async_op: bool = False, comm_dtype: torch.dtype | None = None) -> Handle:
@@ -502,7 +514,7 @@ class Comm:
                 return DoneWork()
 
         return self._start("reduce_scatter", in_buf.numel(), in_buf.dtype, _nbytes(in_buf),
-                           issue, finish, async_op)
+                           issue, finish, async_op, in_caller=self._shares(in_buf, op))
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOpName = "sum", *, async_op: bool = False,
                    comm_dtype: torch.dtype | None = None) -> Handle:
@@ -537,7 +549,7 @@ class Comm:
                 return DoneWork()
 
         return self._start("all_reduce", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
-                           async_op)
+                           async_op, in_caller=self._shares(buf, op))
 
     def all_to_all(self, out: torch.Tensor, in_: torch.Tensor, *, async_op: bool = False,
                    comm_dtype: torch.dtype | None = None) -> Handle:
