@@ -38,7 +38,8 @@ import tempfile
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from zeroshard.comm import shm
 from zeroshard.errors import CommError
@@ -52,9 +53,12 @@ MAX_WORLD = 512
 """No board beyond this many ranks (one host does not run more; the file would be large)."""
 LIVENESS_S = 0.2
 """How often a waiting rank looks whether the peers it waits for are still alive."""
+_SPINS = 50
+"""Yields a waiting thread makes before it starts sleeping (``spin_wait``)."""
 _ASYNC_SPINS = 20
 """Yields an asynchronous collective's check waits for its peers in the caller's thread before
 the poller takes it over."""
+R = TypeVar("R")
 _M32 = (1 << 32) - 1
 _M64 = (1 << 64) - 1
 _HEADER = 2  # int64 words of the token
@@ -81,6 +85,33 @@ def _start_time(pid: int) -> int:
         return -2 if fields[0] in (b"Z", b"X") else int(fields[19])
     except (ValueError, IndexError):
         return -1
+
+
+def spin_wait(ready: Callable[[], R | None], deadline: float, check: Callable[[], BaseException | None],
+              timeout: Callable[[float], BaseException]) -> R | BaseException:
+    """Until ``ready()`` returns something, returned. Yields first (a peer is often microseconds
+    behind), then sleeps a twentieth of the wait so far (20-500 us: latency stays small, wake-ups
+    few); every ``LIVENESS_S`` ``check()`` may end it with an error (a peer gone); past
+    ``deadline`` it ends with ``timeout(seconds waited)``. The board's checks and the arena's
+    phases (shm.py) wait this way."""
+    spins, started, next_check = 0, time.monotonic(), 0.0
+    while True:
+        result = ready()
+        if result is not None:
+            return result
+        spins += 1
+        if spins < _SPINS:
+            time.sleep(0)
+            continue
+        now = time.monotonic()
+        if now > deadline:
+            return timeout(now - started)
+        if now >= next_check:
+            next_check = now + LIVENESS_S
+            error = check()
+            if error is not None:
+                return error
+        time.sleep(min(0.0005, max(0.00002, (now - started) / 20)))
 
 
 def _directory() -> str:
@@ -271,28 +302,14 @@ class Board:
 
     def _wait(self, c: int, word: int, deadline: float) -> bool | BaseException:
         """Wait in this thread until check c is decided, a peer died, or the deadline passed."""
-        spins, started, next_alive = 0, time.monotonic(), 0.0
-        while True:
-            verdict = self._decide(c, word)
-            if verdict is not None:
-                return verdict
+        def decided() -> bool | BaseException | None:
             if self._closed:
                 return CommError(f"collective check {c}: the check board was closed (the process is leaving)")
-            spins += 1
-            if spins < 50:
-                time.sleep(0)
-                continue
-            now = time.monotonic()
-            if now > deadline:
-                return TimeoutError(f"Timed out after {now - started:.1f} s: {self._absent(c)} did not reach "
-                                    f"collective check {c}")
-            if now >= next_alive:
-                next_alive = now + LIVENESS_S
-                dead = self._dead_peer(c)
-                if dead is not None:
-                    return dead
-            # Sleep a twentieth of the wait so far: latency stays small, wake-ups few.
-            time.sleep(min(0.0005, max(0.00002, (now - started) / 20)))
+            return self._decide(c, word)
+
+        return spin_wait(decided, deadline, lambda: self._dead_peer(c),
+                         lambda waited: TimeoutError(f"Timed out after {waited:.1f} s: {self._absent(c)} did not "
+                                                     f"reach collective check {c}"))
 
     def _reached(self, r: int, c: int) -> bool:
         """Whether rank r has written check c (the slow paths; `_decide` inlines it)."""

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zeroshard.comm import board as _board  # board.py imports this module: bound at call time
 from zeroshard.errors import CommError
 
 if TYPE_CHECKING:
@@ -106,33 +107,33 @@ class Arena:
     def _await(self, phase: int, deadline: float, what: str) -> None:
         """Until every rank's counter reached ``phase``; a dead peer or the deadline raises."""
         counters, world = self._counters, self.world_size
-        spins, started, next_alive = 0, time.monotonic(), 0.0
-        while True:
+
+        def behind() -> list[int]:
+            return [j for j in range(world) if counters[_LINE * j] < phase]
+
+        def reached() -> bool | None:
             for j in range(world):
                 if counters[_LINE * j] < phase:
-                    break
-            else:
-                return
-            spins += 1
-            if spins < 64:
-                time.sleep(0)
-                continue
-            now = time.monotonic()
-            if now > deadline:
-                behind = [j for j in range(world) if counters[_LINE * j] < phase]
-                raise TimeoutError(f"Timed out after {now - started:.1f} s in the shared-memory {what}: rank"
-                                   f"{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} did not "
-                                   "reach it")
+                    return None
+            return True
+
+        def gone() -> BaseException | None:
             if self._board.closed:
-                raise CommError(f"shared-memory {what}: the arena was closed (the process is leaving)")
-            if now >= next_alive:
-                next_alive = now + 0.2
-                for j in range(world):
-                    if counters[_LINE * j] < phase:
-                        dead = self._board.peer_gone(j)
-                        if dead is not None:
-                            raise CommError(f"rank {j} (pid {dead}) exited during the shared-memory {what}")
-            time.sleep(min(0.0005, max(0.00002, (now - started) / 20)))
+                return CommError(f"shared-memory {what}: the arena was closed (the process is leaving)")
+            for j in behind():
+                pid = self._board.peer_gone(j)
+                if pid is not None:
+                    return CommError(f"rank {j} (pid {pid}) exited during the shared-memory {what}")
+            return None
+
+        def late(waited: float) -> BaseException:
+            ranks = behind()
+            return TimeoutError(f"Timed out after {waited:.1f} s in the shared-memory {what}: rank"
+                                f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} did not reach it")
+
+        result = _board.spin_wait(reached, deadline, gone, late)
+        if isinstance(result, BaseException):
+            raise result
 
     def _pieces(self, numel: int, per_piece: int) -> list[tuple[int, int, int, int]]:
         """(g, half, start, stop) of each piece of ``numel`` elements, ``per_piece`` at most."""
