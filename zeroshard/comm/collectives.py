@@ -238,17 +238,10 @@ class Comm:
         the group's board): every rank must call it at the same point."""
         return self._arena(torch.empty(0)) is not None
 
-    def _shares(self, t: torch.Tensor, op: str | None = None) -> bool:
-        """Whether a collective on ``t`` (reduction ``op``; "avg" runs as a sum) goes through the
-        arena; only asked where the signature check runs (it decides where the check is decided)."""
-        if not self._verify or self._together is not None:
-            return False
-        return self._arena(t, "sum" if op == "avg" else op) is not None
-
     def _arena(self, t: torch.Tensor, op: str | None = None) -> Arena | None:
         """The shared-memory arena for a collective on ``t`` (with reduction ``op``), or None:
-        gloo carries it. Called when the data is issued, after the signature check agreed, so
-        every rank decides alike."""
+        gloo carries it. Every rank decides alike: from the group's agreed board and the
+        collective's dtype and op, which the signature check compares before any data moves."""
         if not self._shared or t.device.type != "cpu" or not Arena.supports(t.dtype, op):
             return None
         tracker = self._tracker
@@ -308,21 +301,21 @@ class Comm:
             if buf is not t and self.rank != src:
                 t.copy_(buf)
 
-        issue = None
+        issue, arena = None, None
         if self._pg is not None:
             pg = self._pg
             opts = dist.BroadcastOptions()
             opts.rootRank, opts.rootTensor, opts.timeout = src, 0, self._timeout
+            arena = self._arena(buf)
 
             def issue() -> dist.Work:
-                arena = self._arena(buf)
                 if arena is None:
                     return pg.broadcast([buf], opts)
                 arena.broadcast(buf.view(-1), src, self.timeout_s)
                 return DoneWork()
 
         return self._start("broadcast", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
-                           async_op, in_caller=self._shares(buf))
+                           async_op, in_caller=arena is not None)
 
     def scatter(self, out: torch.Tensor, in_list: Sequence[torch.Tensor] | None, src: int, *,
                 async_op: bool = False, comm_dtype: torch.dtype | None = None) -> Handle:
@@ -405,16 +398,16 @@ class Comm:
             if out_buf is not out:
                 out.view(-1).copy_(out_buf.view(-1))
 
-        issue = None
+        issue, arena = None, None
         if self._pg is not None:
             pg = self._pg
             opts = AllgatherOptions()
             opts.timeout = self._timeout
             single = getattr(pg, "all_gather_single", None) or pg._allgather_base
             chunks = list(out_buf.view(-1).split(n))
+            arena = self._arena(in_buf)
 
             def issue() -> dist.Work:
-                arena = self._arena(in_buf)
                 if arena is None:
                     return self._native("all_gather_single", lambda: single(out_buf.view(-1), in_buf, opts),
                                         lambda: pg.allgather([chunks], [in_buf], opts))
@@ -422,7 +415,7 @@ class Comm:
                 return DoneWork()
 
         return self._start("all_gather", n, in_buf.dtype, _nbytes(in_buf) * self.world_size,
-                           issue, finish, async_op, in_caller=self._shares(in_buf))
+                           issue, finish, async_op, in_caller=arena is not None)
 
     def reduce(self, t: torch.Tensor, dst: int, op: ReduceOpName = "sum", *,
                async_op: bool = False, comm_dtype: torch.dtype | None = None) -> Handle:
@@ -486,7 +479,7 @@ class Comm:
             if out_buf is not out:
                 out.copy_(out_buf)
 
-        issue = None
+        issue, arena = None, None
         if self._pg is not None:
             pg = self._pg
             single = getattr(pg, "reduce_scatter_single", None) or pg._reduce_scatter_base
@@ -504,9 +497,10 @@ class Comm:
                 return self._native("reduce_scatter_single",
                                     lambda: single(out_buf.view(-1), in_buf, opts), fallback)
 
+            red = "sum" if op == "avg" else op  # the arena sums; "avg" divides in finish()
+            arena = self._arena(in_buf, red)
+
             def issue() -> dist.Work:
-                red = "sum" if op == "avg" else op
-                arena = self._arena(in_buf, red)
                 if arena is None:
                     return self._reducing(op, make, divide)
                 arena.reduce_scatter(out_buf.view(-1), in_buf, red, self.timeout_s)
@@ -514,7 +508,7 @@ class Comm:
                 return DoneWork()
 
         return self._start("reduce_scatter", in_buf.numel(), in_buf.dtype, _nbytes(in_buf),
-                           issue, finish, async_op, in_caller=self._shares(in_buf, op))
+                           issue, finish, async_op, in_caller=arena is not None)
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOpName = "sum", *, async_op: bool = False,
                    comm_dtype: torch.dtype | None = None) -> Handle:
@@ -530,7 +524,7 @@ class Comm:
             if buf is not t:
                 t.copy_(buf)
 
-        issue = None
+        issue, arena = None, None
         if self._pg is not None:
             pg = self._pg
 
@@ -539,9 +533,10 @@ class Comm:
                 opts.reduceOp, opts.timeout = red, self._timeout
                 return pg.allreduce([buf], opts)
 
+            red = "sum" if op == "avg" else op  # the arena sums; "avg" divides in finish()
+            arena = self._arena(buf, red)
+
             def issue() -> dist.Work:
-                red = "sum" if op == "avg" else op
-                arena = self._arena(buf, red)
                 if arena is None:
                     return self._reducing(op, make, divide)
                 arena.all_reduce(buf.view(-1), red, self.timeout_s)
@@ -549,7 +544,7 @@ class Comm:
                 return DoneWork()
 
         return self._start("all_reduce", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
-                           async_op, in_caller=self._shares(buf, op))
+                           async_op, in_caller=arena is not None)
 
     def all_to_all(self, out: torch.Tensor, in_: torch.Tensor, *, async_op: bool = False,
                    comm_dtype: torch.dtype | None = None) -> Handle:
