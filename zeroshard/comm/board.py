@@ -17,7 +17,7 @@ decided when every row's slot holds check c, and agrees when the low halves are 
   same order on every rank.
 - A slot is reused (check c + SLOTS) only once every rank has decided check c: each rank's
   decided count is in the header, read before writing.
-- A peer process that dies is seen within ``LIVENESS_S`` by its pid and start time (Linux
+- A peer process that dies is seen within ``wait.LIVENESS_S`` by its pid and start time (Linux
   ``/proc``), instead of at the collective timeout; elsewhere the timeout decides.
 
 Built once per tracked group by a vote over the group's store (``create``): rank 0 makes the
@@ -38,10 +38,10 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
 from zeroshard.comm import shm
+from zeroshard.comm.wait import spin_wait
 from zeroshard.errors import CommError
 
 if TYPE_CHECKING:
@@ -51,14 +51,9 @@ SLOTS = 1024
 """Checks a rank may run ahead of the slowest rank's decided count (bursts of async collectives)."""
 MAX_WORLD = 512
 """No board beyond this many ranks (one host does not run more; the file would be large)."""
-LIVENESS_S = 0.2
-"""How often a waiting rank looks whether the peers it waits for are still alive."""
-_SPINS = 50
-"""Yields a waiting thread makes before it starts sleeping (``spin_wait``)."""
 _ASYNC_SPINS = 20
 """Yields an asynchronous collective's check waits for its peers in the caller's thread before
 the poller takes it over."""
-R = TypeVar("R")
 _M32 = (1 << 32) - 1
 _M64 = (1 << 64) - 1
 _HEADER = 2  # int64 words of the token
@@ -85,33 +80,6 @@ def _start_time(pid: int) -> int:
         return -2 if fields[0] in (b"Z", b"X") else int(fields[19])
     except (ValueError, IndexError):
         return -1
-
-
-def spin_wait(ready: Callable[[], R | None], deadline: float, check: Callable[[], BaseException | None],
-              timeout: Callable[[float], BaseException]) -> R | BaseException:
-    """Until ``ready()`` returns something, returned. Yields first (a peer is often microseconds
-    behind), then sleeps a twentieth of the wait so far (20-500 us: latency stays small, wake-ups
-    few); every ``LIVENESS_S`` ``check()`` may end it with an error (a peer gone); past
-    ``deadline`` it ends with ``timeout(seconds waited)``. The board's checks and the arena's
-    phases (shm.py) wait this way."""
-    spins, started, next_check = 0, time.monotonic(), 0.0
-    while True:
-        result = ready()
-        if result is not None:
-            return result
-        spins += 1
-        if spins < _SPINS:
-            time.sleep(0)
-            continue
-        now = time.monotonic()
-        if now > deadline:
-            return timeout(now - started)
-        if now >= next_check:
-            next_check = now + LIVENESS_S
-            error = check()
-            if error is not None:
-                return error
-        time.sleep(min(0.0005, max(0.00002, (now - started) / 20)))
 
 
 def _directory() -> str:

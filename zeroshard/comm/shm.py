@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zeroshard.comm import board as _board  # board.py imports this module: bound at call time
+from zeroshard.comm.wait import spin_wait
 from zeroshard.errors import CommError
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ class Arena:
             return TimeoutError(f"Timed out after {waited:.1f} s in the shared-memory {what}: rank"
                                 f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} did not reach it")
 
-        result = _board.spin_wait(reached, deadline, gone, late)
+        result = spin_wait(reached, deadline, gone, late)
         if isinstance(result, BaseException):
             raise result
 
