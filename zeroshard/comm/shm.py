@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -79,6 +80,17 @@ def half_bytes_for(world_size: int, free_bytes: int) -> int:
     return half if half >= MIN_HALF_BYTES else 0
 
 
+_BUFFERS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+"""The arenas' rows and sum scratch in this process, by data pointer (``is_arena_buffer``)."""
+
+
+def is_arena_buffer(data_ptr: int) -> bool:
+    """True if a storage at ``data_ptr`` is an arena's rows or sum scratch: communication
+    memory, which a census of tensor memory leaves out (as CUDA's allocator count would not
+    see a shared-memory mapping either)."""
+    return data_ptr in _BUFFERS
+
+
 def arena_bytes(world_size: int, half_bytes: int) -> int:
     """Bytes of the counters and rows (the rows start 4 KiB-aligned within the arena)."""
     return 4096 + 2 * world_size * half_bytes if half_bytes else 0
@@ -97,6 +109,8 @@ class Arena:
         self._scratch = torch.empty(-(-half_bytes // world_size) + 64, dtype=torch.uint8)
         """A rank's all-reduce sub-range of a piece is summed here (allocated once: a fresh
         tensor per piece costs page faults)."""
+        for buffer in (self._rows, self._scratch):
+            _BUFFERS[buffer.untyped_storage().data_ptr()] = buffer
         self._piece = 0
         """Pieces run so far on this group (the next piece's number)."""
 

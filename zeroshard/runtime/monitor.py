@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from zeroshard.comm import shm
 from zeroshard.errors import ConfigError
 
 logger = logging.getLogger("zeroshard")
@@ -50,7 +51,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 def allocated_bytes(device: torch.device) -> int:
     """Bytes of tensor memory this process holds now: the allocator's count on CUDA; on CPU a
     census of the distinct storages of every live tensor the garbage collector tracks (each
-    storage once, however many views point at it; released stage-3 units count 0 bytes)."""
+    storage once, however many views point at it; released stage-3 units count 0 bytes; the
+    shared-memory collectives' arenas are communication memory, not counted)."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
     gc.collect()
@@ -65,7 +67,7 @@ def allocated_bytes(device: torch.device) -> int:
                 storage = obj.untyped_storage()
             except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
                 continue
-            if storage.nbytes() > 0:
+            if storage.nbytes() > 0 and not shm.is_arena_buffer(storage.data_ptr()):
                 seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
     return sum(seen.values())
 
