@@ -19,6 +19,7 @@ from engine_helpers import (
     init_engine,
     make_config,
     make_model,
+    rank_micro_batches,
     train_engine,
 )
 from test_zero12 import STEPS, config, run, stage0, tolerance
@@ -80,6 +81,55 @@ def test_prefetch_and_live_bound(groups) -> None:
     for step in range(len(batches)):
         assert_params_close(got1[step], want[step], 1e-6, f"unbounded step {step}")
         assert_params_close(got2[step], want[step], 1e-6, f"bounded step {step}")
+
+
+def test_reuse_distance_spans_backward(groups) -> None:
+    # stage3_max_reuse_distance counts through the rest of forward into backward, as DeepSpeed's
+    # trace does: with the default (1e9) the tiny GPT's units stay gathered from their forward to
+    # their backward, so a step gathers each unit once; at distance 0 every unit is released
+    # after its forward and gathered again for backward. Either way the results are bitwise equal.
+    from zeroshard.examples.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(block_size=16, n_layer=4, n_head=2, n_embd=16))
+    batches = global_batches(3, 2 * groups.world_size)
+
+    def gathers_per_step(**zero: Any) -> tuple[list[int], list[list[torch.Tensor]], int]:
+        # No prefetch: it would make every unit live during forward either way.
+        cfg = make_config(zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 100,
+                                             "stage3_prefetch_bucket_size": 0, **zero})
+        engine = init_engine(copy.deepcopy(base), cfg)
+        shards = engine._strategy._shards  # test instrumentation: count the gathers started
+        counts, inner = [0], shards.gather_for
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counts[0] += 1
+            return inner(*args, **kwargs)
+
+        shards.gather_for = counted
+        per_step, snaps = [], []
+        micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+        for batch in batches:
+            counts[0] = 0
+            for x, y in rank_micro_batches(batch, groups.rank, groups.world_size, micro, gas):
+                engine.backward(engine(x, y))
+                engine.step()
+            per_step.append(counts[0])
+            snaps.append(gathered_snapshot(engine.module))  # its gathers are counted, then reset
+        return per_step, snaps, engine._strategy.peak_live_numel
+
+    kept, want, kept_peak = gathers_per_step()
+    released, got, released_peak = gathers_per_step(stage3_max_reuse_distance=0)
+    gas = make_config()["gradient_accumulation_steps"]
+    # Step 0 records the order (every unit is released after its forward); from step 1 on the
+    # root and the four blocks are gathered once per micro-batch, or twice at distance 0 (each
+    # released after its forward); and the persistent unit is refreshed once after each step.
+    assert kept[1:] == [5 * gas + 1] * (len(batches) - 1), kept
+    assert released[1:] == [(5 + 5) * gas + 1] * (len(batches) - 1), released
+    assert kept_peak > released_peak, (kept_peak, released_peak)
+    for step in range(len(batches)):
+        for a, b in zip(got[step], want[step], strict=True):
+            assert torch.equal(a, b), f"step {step}: releasing or keeping units changed the result"
 
 
 def test_parameters_stay_honest(groups) -> None:

@@ -8,7 +8,7 @@ import torch
 from zeroshard.config import load_config
 from zeroshard.estimate.states import _staging_pool
 from zeroshard.zero.offload.policy import OffloadPolicy
-from zeroshard.zero.schedule import ExecutionOrder, PrefetchPolicy
+from zeroshard.zero.schedule import ExecutionOrder, PrefetchPolicy, gathered_after_forward
 
 
 def test_order_records_once_then_replays_and_rerecords_on_change() -> None:
@@ -52,6 +52,33 @@ def test_prefetch_respects_both_budgets_and_reuse_distance() -> None:
     started.clear()
     wide.prefetch_backward(3, lambda: 0, lambda u: released[u], started.append)
     assert started == [2, 0]
+
+
+def test_reuse_distance_counts_into_backward() -> None:
+    # Units 0..3 of 10 elements, recorded in that order; backward reaches them as 3, 2, 1, 0.
+    order = ExecutionOrder()
+    for u in (0, 1, 2, 3):
+        order.record(u)
+    order.finish_recording()
+
+    def kept(distance: int) -> list[bool]:
+        policy = PrefetchPolicy(order, [10] * 4, prefetch_numel=0, max_live_numel=0, max_reuse_distance=distance)
+        order.start_forward()
+        out = []
+        for u in (0, 1, 2, 3):
+            order.record(u)
+            out.append(policy.reused_soon(u))
+        return out
+
+    # After unit 2: unit 3 forward (10), unit 3 backward (20), then unit 2 itself.
+    assert kept(25) == [False, False, True, True]
+    assert kept(20) == [False, False, False, True], "the distance is exclusive, as DeepSpeed's"
+    assert kept(10**9) == [True] * 4
+    assert kept(0) == [False] * 4
+    # The estimator's working set: root 0 finishes last (kept at distance 0); blocks 1..3 inside it.
+    assert gathered_after_forward([10] * 4, 25) == 10 + 10 + 10
+    assert gathered_after_forward([10] * 4, 10**9) == 40
+    assert gathered_after_forward([10] * 4, 0) == 0
 
 
 def test_offload_policy_from_config() -> None:

@@ -160,7 +160,11 @@ class ZeroConfig:
     """Upper bound on gathered (full) parameter elements alive at once at stage 3. Default 1e9."""
     stage3_max_reuse_distance: int = spec(1_000_000_000, ge=0)
     """Keep a gathered parameter if it is used again within this many elements of
-    parameters fetched (stage 3). Default 1e9."""
+    parameters fetched (stage 3), counting through the rest of forward into backward, as
+    DeepSpeed does. Default 1e9: a model below 1e9 elements stays gathered from each unit's
+    forward to its backward (backward gathers nothing again); set it lower to release units
+    after their forward and gather them again for backward (less memory, one more all-gather
+    per unit)."""
     stage3_gather_16bit_weights_on_model_save: bool = False
     """Gather the full 16-bit weights on model save at stage 3 (costly for big models).
     Legacy spelling: stage3_gather_fp16_weights_on_model_save."""

@@ -4,8 +4,9 @@ The arithmetic mirrors what the strategies allocate (zero/stage0.py, zero/stage1
 `estimate_rank(...)` equals `engine.model_state_bytes()` category by category; see
 docs/estimate.md for the formulas and how they differ from DeepSpeed's. Stage 3 is a
 prediction from the design (sharded parameters gathered per unit) until the engine has it.
-Imports `zeroshard.config` (a `Setup` is read from a `Config`), `estimate.spec` and `zeroshard.zero.flat`
-(the exact bucket padding); never a process group.
+Imports `zeroshard.config` (a `Setup` is read from a `Config`), `estimate.spec`, `zeroshard.zero.flat`
+(the exact bucket padding) and `zeroshard.zero.schedule` (which stage-3 units stay gathered); never a
+process group.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Literal
 
 from zeroshard.errors import ZeroshardError
 from zeroshard.zero.flat import BucketedPartition, FlatLayout
+from zeroshard.zero.schedule import gathered_after_forward
 
 if TYPE_CHECKING:
     from zeroshard.config import Config
@@ -69,6 +71,9 @@ class Setup:
     """Stage 3: parameters smaller than this stay gathered on every rank."""
     prefetch_numel: int = 50_000_000
     """Stage 3: elements gathered ahead of use (`stage3_prefetch_bucket_size`)."""
+    max_reuse_numel: int = 1_000_000_000
+    """Stage 3: a unit used again within this many elements stays gathered, through backward
+    (`stage3_max_reuse_distance`)."""
     sub_group_size: int = 1_000_000_000
     nvme_buffer_count: int = 4
     """offload_optimizer.buffer_count: slots of three sub-group sized fp32 buffers in CPU memory (NVMe)."""
@@ -139,6 +144,7 @@ class Setup:
             bucket_numel=max(1, bucket), overlap_comm=bool(zero.overlap_comm),
             param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
             prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+            max_reuse_numel=int(zero.stage3_max_reuse_distance),
             sub_group_size=int(zero.sub_group_size), nvme_buffer_count=int(zero.offload_optimizer.buffer_count),
             param_buffer_count=int(zero.offload_param.buffer_count),
             param_buffer_size=int(zero.offload_param.buffer_size),
@@ -358,10 +364,15 @@ def _stage3(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
     homes[setup.offload_optimizer] = _add(homes[setup.offload_optimizer], StateBytes(
         grads=g * lay.shard_numel, master_params=setup.master_bytes * lay.shard_numel if separate_master else 0,
         optimizer_states=setup.optimizer_state_bytes * lay.owned_numel))
-    # Working set: the unit computing plus the next one prefetched, and the gradient staging
-    # of the unit just finished plus those still reducing (two in flight with overlap_comm).
+    # Working set: the unit computing plus the next one prefetched, or, larger, the units kept
+    # gathered from their forward to their backward (`stage3_max_reuse_distance`) plus the first
+    # released one backward prefetches; and the gradient staging of the unit just finished plus
+    # those still reducing (two in flight with overlap_comm).
     units = sorted(lay.unit_padded, reverse=True) or [0]
-    gathered = units[0] + min(sum(units[1:2]), setup.prefetch_numel)
+    kept = gathered_after_forward(lay.unit_padded, setup.max_reuse_numel)
+    released = sum(lay.unit_padded) - kept
+    gathered = max(units[0] + min(sum(units[1:2]), setup.prefetch_numel),
+                   kept + (min(units[0], setup.prefetch_numel) if released else 0))
     # Staging: the root unit and the persistent one collect gradients from the first to the
     # last of backward; the other units are staged one after another (zero/reduce.py's pool).
     root, others = (lay.unit_padded[0], lay.unit_padded[1:]) if lay.unit_padded else (0, ())

@@ -103,18 +103,43 @@ class PrefetchPolicy:
             budget -= need
 
     def reused_soon(self, unit: int) -> bool:
-        """True if `unit` comes back within `max_reuse_distance` gathered elements (the last
-        units of forward are the first of backward)."""
+        """True if `unit`, whose forward just finished, runs again within `max_reuse_distance`
+        gathered elements, counting the rest of this forward and then backward, which reaches
+        the units in the reverse of the recorded order (DeepSpeed's reading of the setting: its
+        trace spans both passes). The unit finishing when no forward is left (the root, or the
+        last) is the first backward reaches, at distance 0. With the default distance (1e9) a
+        model below that size keeps every unit gathered from its forward to its backward, and
+        backward gathers nothing again."""
         if self._order.recording:
             return False
         upcoming = self._order.upcoming()
         if not upcoming:
-            return self._numel[unit] <= self._max_reuse
+            return self._max_reuse > 0
         distance = 0
-        for nxt in upcoming:
+        for nxt in [*upcoming, *reversed(self._order.order)]:
+            if distance >= self._max_reuse:
+                return False
             if nxt == unit:
                 return True
             distance += self._numel[nxt]
-            if distance > self._max_reuse:
-                return False
         return False
+
+
+def gathered_after_forward(unit_numel: Sequence[int], max_reuse_distance: int) -> int:
+    """Elements still gathered when a training forward ends under ``PrefetchPolicy.reused_soon``,
+    for units as stage 3 builds them: unit 0 the root, entered first and finished last, units
+    ``1..n-1`` run inside it in order. What stage 3 holds at the turn from forward to backward
+    besides prefetch (the memory estimator's working set)."""
+    order = ExecutionOrder()
+    for u in range(len(unit_numel)):
+        order.record(u)
+    order.finish_recording()
+    policy = PrefetchPolicy(order, unit_numel, prefetch_numel=0, max_live_numel=0,
+                            max_reuse_distance=max_reuse_distance)
+    order.start_forward()
+    kept = 0
+    for u in range(len(unit_numel)):
+        order.record(u)
+        if u > 0 and policy.reused_soon(u):
+            kept += unit_numel[u]
+    return kept + (unit_numel[0] if unit_numel and policy.reused_soon(0) else 0)

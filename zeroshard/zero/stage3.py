@@ -9,7 +9,8 @@ all-gathered after each step, like stage 2.
 
 Per micro-batch:
   forward pre-hook   gather the unit (waiting for its prefetch), prefetch the next units
-  forward post-hook  release it, unless it is used again soon (zero/schedule.py); hook its
+  forward post-hook  release it, unless it is used again soon, in this forward or in backward,
+                     within `stage3_max_reuse_distance` (zero/schedule.py); hook its
                      outputs so the unit is gathered again before its backward, prefetching
                      the units before it (backward runs the order in reverse)
   grad hooks         stage each gradient in the reducer's pooled block for the unit; when the
