@@ -132,6 +132,34 @@ def test_reuse_distance_spans_backward(groups) -> None:
             assert torch.equal(a, b), f"step {step}: releasing or keeping units changed the result"
 
 
+def test_tensors_taken_inside_a_user_gather_keep_their_values(groups) -> None:
+    # DeepSpeed's TestZeroToFP32 pattern: views of gathered parameters (`param.detach().cpu()`,
+    # the same storage on CPU; a state_dict) taken inside GatheredParameters and read after it.
+    # The block's end hands the gathered storage to them; the parameters get a new buffer, gather
+    # and train as before, and a later block gathers the current values.
+    engine = init_engine(make_model(), stage3_config("fp32", "plain"))
+    module = engine.module
+    params = list(module.parameters())
+    with GatheredParameters(params):
+        taken = {name: p.detach().cpu() for name, p in module.named_parameters()}
+        state = module.state_dict()
+        want = {name: p.detach().clone() for name, p in module.named_parameters()}
+    for name, value in want.items():
+        assert torch.equal(taken[name], value), f"{name}: a view taken inside the block lost its values"
+        assert torch.equal(state[name], value), f"{name}: the state_dict taken inside the block lost its values"
+    w = module.blocks[0].mlp[0].weight
+    with pytest.raises(PartitionedParameterError):
+        w.sum()  # released again: the parameter itself is partitioned
+    x, y = global_batches(1, 2)[0]
+    for _ in range(engine.gradient_accumulation_steps()):
+        engine.backward(engine(x, y))
+        engine.step()
+    with GatheredParameters([w]):
+        assert not torch.equal(w, want["blocks.0.mlp.0.weight"]), "the step changed the weight"
+        assert torch.equal(taken["blocks.0.mlp.0.weight"], want["blocks.0.mlp.0.weight"]), \
+            "the tensor taken before the step is the user's own"
+
+
 def test_parameters_stay_honest(groups) -> None:
     model = make_model()
     shapes = [(n, p.shape, p.dtype) for n, p in model.named_parameters()]

@@ -43,6 +43,9 @@ which kind a gathered unit holds; `UnitShards.gather_for` picks the route.
 Note: [released storage] a released unit's flat buffer keeps its tensor object but its storage
 is resized to 0 bytes; parameters and any views autograd saved keep pointing at it and see the
 data again after `resize_` + all-gather. Reading a released parameter raises (ZeroParameter).
+A user gather (`GatheredParameters`) ends differently: the gathered storage is handed to
+whatever views of it the user kept (they keep their values; it is freed when they go), and the
+unit's parameters move to a new empty buffer, as DeepSpeed's release replaces `param.data`.
 """
 
 from __future__ import annotations
@@ -312,12 +315,21 @@ class Stage3Strategy(ShardedStrategyBase):
         if unit.finish():
             self._set_gathered(u, True)
 
-    def _release(self, u: int) -> None:
+    def _release(self, u: int, hand_off: bool = False) -> None:
         unit = self._units[u]
         if u == self._persistent or unit.released or unit.held:
             return
-        unit.free()
+        unit.free(rebind=(lambda full: self._bind(u, full)) if hand_off else None)
         self._set_gathered(u, False)
+
+    def _bind(self, u: int, full: Tensor) -> None:
+        """Point unit `u`'s parameters at their places in the flat buffer `full`."""
+        plan = self._plan
+        first, last = plan.buckets[u]
+        for i in range(first, last):
+            p = self._params[i]
+            off = plan.param_flat_offsets[i] - plan.flat_offsets[u]
+            p.data = full[off : off + p.numel()].view(p.shape)
 
     def _is_released(self, u: int) -> bool:
         return self._units[u].released
@@ -487,7 +499,10 @@ class Stage3Strategy(ShardedStrategyBase):
                     master.copy_(chunk)
             unit.user_pins -= 1
             if unit.user_pins == 0:
-                self._release(u)
+                # Tensors the user took from the parameters inside the block (a state_dict,
+                # `p.detach()`, which `.cpu()` returns unchanged on CPU) keep their values after
+                # it, as under DeepSpeed (Note: [released storage]).
+                self._release(u, hand_off=True)
 
     # -- pipelines (runtime/pipe_engine.py) ----------------------------------------------------
 

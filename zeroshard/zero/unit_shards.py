@@ -16,7 +16,7 @@ Imports zero/ only (zero/offload/nvme_* on first use of an NVMe home), and `comm
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
@@ -204,10 +204,17 @@ class UnitBuffer:
             raise AssertionError("expected a pending gather handle")
         handle.wait()
 
-    def free(self) -> None:
-        """Release: the storage goes (after any gather in flight)."""
+    def free(self, rebind: Callable[[Tensor], None] | None = None) -> None:
+        """Release: the storage goes (after any gather in flight). With ``rebind`` the gathered
+        storage is left to whoever still holds a view of it (it goes when they do): ``full``
+        becomes a new buffer of the same size, ``rebind(full)`` points the unit's parameters at
+        it (setting ``.data`` needs the storage), and then its storage goes."""
         if self.state is UnitState.GATHERING:
             self._wait()
+        if rebind is not None:
+            full = torch.empty(self.full.numel(), dtype=self.full.dtype, device=self.full.device)
+            rebind(full)
+            self.full = full
         self.full.untyped_storage().resize_(0)
         self.state = UnitState.RELEASED
 
