@@ -46,6 +46,27 @@ def test_optimizer_state_is_none_before_the_first_step(groups: Any) -> None:
     assert safe_get_full_optimizer_state(params_of(engine)[0], "exp_avg") is None
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_public_model_attributes_pass_through_the_engine(groups: Any, stage: int) -> None:
+    # DeepSpeed's engine looks up what it does not have on the wrapped model (its
+    # TestZero3ClientModuleID: a client `id` attribute; HF's `generate`).
+    model = make_model()
+    model.id = 3
+    model.describe = lambda: "the model's own method"
+    model.global_steps = -5  # a name the engine has: the engine's wins
+    engine = init_engine(model, make_config(zero_optimization={"stage": stage}))
+    assert engine.id == 3
+    assert engine.describe() == "the model's own method"
+    assert engine.lm_head is engine.module.lm_head
+    assert engine.global_steps == 0, "the engine's own names come first"
+    model._private = 1
+    with pytest.raises(AttributeError, match="_private"):
+        _ = engine._private  # private names are the engine's alone
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = engine.no_such_name
+    assert not hasattr(engine, "no_such_name")
+
+
 # -- backward / accumulation ---------------------------------------------------------------------
 
 

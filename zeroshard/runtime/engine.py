@@ -79,7 +79,21 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         global_samples: samples consumed over all ranks.
         micro_steps: micro-batches processed by this rank.
         skipped_steps: steps skipped because of an fp16 overflow.
+
+    A public name the engine does not have is looked up on the wrapped model, as DeepSpeed's
+    engine does (`engine.generate(...)`, `engine.gradient_checkpointing_enable()`, a client
+    attribute such as `engine.id`); names starting with "_" are not, so that the engine's own
+    private state is never silently taken from the model.
     """
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # the engine's own parameters, buffers, submodules
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("_") or not hasattr(module, name):
+                raise
+        return getattr(module, name)
 
     def __init__(
         self,
