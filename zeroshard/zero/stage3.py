@@ -50,7 +50,7 @@ unit's parameters move to a new empty buffer, as DeepSpeed's release replaces `p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -215,12 +215,9 @@ class Stage3Strategy(ShardedStrategyBase):
         self._units: list[UnitBuffer] = []
         for u in range(len(plan.buckets)):
             full = torch.zeros(plan.layouts[u].padded_numel, dtype=dtype, device=self._device)
-            first, last = plan.buckets[u]
             with torch.no_grad():
-                for i in range(first, last):
+                for i, view in self._param_views(u, full):
                     p = self._params[i]
-                    off = plan.param_flat_offsets[i] - plan.flat_offsets[u]
-                    view = full[off : off + p.numel()].view(p.shape)
                     view.copy_(gather_init_shards(self._comm, p, self._world).view(p.shape)
                                if init_partitioned(p) else p.detach())  # zero.Init: only shards exist
                     p.data = view
@@ -322,14 +319,19 @@ class Stage3Strategy(ShardedStrategyBase):
         unit.free(rebind=(lambda full: self._bind(u, full)) if hand_off else None)
         self._set_gathered(u, False)
 
-    def _bind(self, u: int, full: Tensor) -> None:
-        """Point unit `u`'s parameters at their places in the flat buffer `full`."""
+    def _param_views(self, u: int, full: Tensor) -> Iterator[tuple[int, Tensor]]:
+        """(index, view) of each parameter of unit `u` at its place in the flat buffer `full`."""
         plan = self._plan
         first, last = plan.buckets[u]
         for i in range(first, last):
             p = self._params[i]
             off = plan.param_flat_offsets[i] - plan.flat_offsets[u]
-            p.data = full[off : off + p.numel()].view(p.shape)
+            yield i, full[off : off + p.numel()].view(p.shape)
+
+    def _bind(self, u: int, full: Tensor) -> None:
+        """Point unit `u`'s parameters at their places in the flat buffer `full`."""
+        for i, view in self._param_views(u, full):
+            self._params[i].data = view
 
     def _is_released(self, u: int) -> bool:
         return self._units[u].released
