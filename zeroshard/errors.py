@@ -11,6 +11,12 @@ class ConfigError(ZeroshardError, ValueError):
     """A ds_config value is wrong: unknown key, wrong type or range, unresolvable "auto"."""
 
 
+class ConfigConflictError(ConfigError, AssertionError):
+    """Config values that cannot go together, where DeepSpeed asserts against the pair at
+    initialize() (`managed_gradient_accumulation: false` with overlap_comm at stage 0-1, or with a
+    PipelineModule). Also an AssertionError, so code catching DeepSpeed's assertion keeps working."""
+
+
 class NotSupportedError(ConfigError):
     """A valid DeepSpeed key whose feature zeroshard does not implement yet."""
 

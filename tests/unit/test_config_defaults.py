@@ -33,6 +33,7 @@ EXTENSION = "zeroshard's extension (DeepSpeed has no such key)"
 DEEPSPEED_0_19_8: dict[str, Any] = {
     # runtime/constants.py (+ runtime/config.py getters)
     "train_batch_size": DERIVED, "train_micro_batch_size_per_gpu": DERIVED, "gradient_accumulation_steps": DERIVED,
+    "managed_gradient_accumulation": True,
     "optimizer": None, "scheduler": None,
     "gradient_clipping": 1.0, "steps_per_print": None, "wall_clock_breakdown": False, "dump_state": False,
     "communication_data_type": None, "prescale_gradients": False, "gradient_predivide_factor": 1.0,

@@ -30,6 +30,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     # batch, optimizer, scheduler
     "train_batch_size": _ENGINE, "train_micro_batch_size_per_gpu": _ENGINE,
     "gradient_accumulation_steps": _ENGINE,
+    "managed_gradient_accumulation": ("runtime/engine_accumulation.py", "runtime/initialize.py"),
     "optimizer": ("runtime/initialize.py::cfg.optimizer",), "scheduler": ("runtime/initialize.py::cfg.scheduler",),
     "optimizer.type": ("runtime/initialize.py::cfg.optimizer.type",),
     "optimizer.params": ("runtime/initialize.py::cfg.optimizer.params",),

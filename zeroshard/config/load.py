@@ -24,7 +24,7 @@ from zeroshard.config.schema_optim import LambParams, OptimizerConfig, Scheduler
 from zeroshard.config.schema_tp import check_tensor_parallel
 from zeroshard.config.stages import check_stages, idle_keys
 from zeroshard.config.support import check_supported, is_inactive
-from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.errors import ConfigConflictError, ConfigError, NotSupportedError
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
 
@@ -205,6 +205,11 @@ def _check_cross_fields(cfg: Config) -> None:
             )
     check_bf16_master(cfg)
     check_tensor_parallel(cfg.tensor_parallel)
+    if not cfg.managed_gradient_accumulation and zero.overlap_comm and zero.stage < 2:
+        raise ConfigConflictError(
+            f"managed_gradient_accumulation=False supports ZeRO overlap_comm only with ZeRO stage 2 or 3 (as in "
+            f"DeepSpeed): at stage {zero.stage} the gradients are reduced in step(), with no backward to overlap; "
+            "set zero_optimization.overlap_comm to false, or managed_gradient_accumulation to true.")
 
 
 def check_fp16_scaling(fp16: FP16Config) -> None:

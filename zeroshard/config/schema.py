@@ -288,6 +288,14 @@ class Config:
     """Samples per forward/backward on one rank. Derived from the other two when absent."""
     gradient_accumulation_steps: int = spec(ge=1, le=MAX_SAMPLES)
     """Micro-batches per optimizer step. 1 when only one of the other two is given."""
+    managed_gradient_accumulation: bool = True
+    """True (DeepSpeed's default): the engine counts micro-batches and `step()` steps the
+    optimizer on every gradient_accumulation_steps-th call. False (DeepSpeed 0.19): the script
+    owns the boundary; `backward()` only accumulates, every `step()` reduces what accumulated and
+    steps the optimizer, however many backward passes came before (gradient_accumulation_steps then
+    only divides the loss in `backward()` and sizes train_batch_size). Not with a PipelineModule,
+    `coalesce_grad_reduction()` or `set_gradient_accumulation_boundary()`, nor overlap_comm at
+    stages 0-1 (they reduce in `step()`, with no backward to overlap)."""
     dp_world_size: int = spec(ge=1, json_key=False)
     """Data-parallel world size the batch triad was solved for (from comm, not the file)."""
     optimizer: OptimizerConfig | None = None

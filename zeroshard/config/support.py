@@ -102,7 +102,7 @@ UNMODELLED: dict[str, str] = {
         "hybrid_engine", "nebula", "datastates", "elasticity", "weight_quantization", "compile",
         "comet", "quantize_training", "graph_harvesting", "timers",
         "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "vocabulary_size",
-        "managed_gradient_accumulation", "disable_python_gc", "expert_parallel", "log_level",
+        "disable_python_gc", "expert_parallel", "log_level",
         "zero_optimization.zenflow", "zero_optimization.zeropp_loco_param",
         "checkpoint.writer",
     )
@@ -121,7 +121,6 @@ OFF_VALUES: dict[str, Callable[[Any], bool]] = {
     "compile": lambda v: _all_off(v, {"deepcompile": (False,)}),
     # Sequence parallelism is not built; its communication dtype at DeepSpeed's default asks nothing.
     "seq_parallel_communication_data_type": lambda v: v in ("fp32", "float32", "torch.float32"),
-    "managed_gradient_accumulation": lambda v: v is True,
     "vocabulary_size": lambda v: v is None,
     "expert_parallel": lambda v: _all_off(v, {"enabled": (False,)}),
 }
@@ -132,7 +131,6 @@ key -> predicate that is true when the value asks for nothing."""
 OFF_HINTS: dict[str, str] = {
     "compile": 'Remove it, or set "deepcompile": false.',
     "seq_parallel_communication_data_type": 'Remove it, or set it to "fp32" (DeepSpeed\'s default).',
-    "managed_gradient_accumulation": "Remove it, or set it to true (DeepSpeed's default).",
     "log_level": 'Remove it, and set the level of the "zeroshard" logger in the script '
                  '(logging.getLogger("zeroshard").setLevel(...)).',
 }

@@ -126,8 +126,9 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
             micro_batch_samples=config.train_micro_batch_size_per_gpu * groups.world_size,
             train_batch_size=config.train_batch_size, steps_per_print=config.steps_per_print)
         self._last_grad_stats: GradStats | None = None
+        self._step_applied = False
         self._autocast_dtype = autocast_dtype(config.torch_autocast, groups.device.type)
-        self._init_accumulation()  # _micro: Note: [micro-batch phases] in runtime/engine_state.py
+        self._init_accumulation(config.managed_gradient_accumulation)  # _micro: Note: [micro-batch phases] in runtime/engine_state.py
         self._direct = DirectBackward(self._begin_direct_backward, self._end_direct_backward)
         self._publish_loss_scale(overflow=False)
         register_engine(self, module)
@@ -209,7 +210,9 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         return None if self._last_grad_stats is None else self._last_grad_stats.norm
 
     def was_step_applied(self) -> bool:
-        return self._last_grad_stats is not None and not self._last_grad_stats.overflow
+        """Whether the last `step()` call stepped the optimizer: False inside gradient accumulation
+        (not the boundary) and for a step skipped on an fp16 overflow, as in DeepSpeed."""
+        return self._step_applied
 
     def zero_grad(self) -> None:
         """Gradients live in the strategy's buffers and are reset by `step()`; nothing to do."""
@@ -359,15 +362,31 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
                 "engine.step() after a training forward without a backward: call "
                 "engine.backward(loss) (or loss.backward()) on the forward's loss before step(), "
                 "or run an evaluation forward under torch.no_grad() / engine.eval()")
-        self._progress.micro_batch_done()
-        if not self.is_gradient_accumulation_boundary():
-            self._progress.accumulation_step_done()
-            return
+        self._step_applied = False
+        if self._micro.managed:
+            micro_batches = 1
+            self._progress.micro_batch_done(micro_batches)
+            if not self.is_gradient_accumulation_boundary():
+                self._progress.accumulation_step_done()
+                return
+        else:  # the script's step() is the boundary: the backward passes since the last one
+            micro_batches = self._micro.pending_backwards
+            self._progress.micro_batch_done(micro_batches)
         if self.optimizer is None:
             raise RuntimeError(
                 "engine.step() needs an optimizer: add an \"optimizer\" section to the config "
                 "or pass optimizer= to zeroshard.initialize()"
             )
+        self._micro.stepping = True  # the boundary while step() runs (unmanaged accumulation)
+        try:
+            self._optimizer_step(micro_batches)
+        finally:
+            self._micro.stepping = False
+
+    def _optimizer_step(self, micro_batches: int) -> None:
+        """The boundary's optimizer step; `micro_batches` accumulated since the last one."""
+        if not self._micro.managed and self._micro.pending_backwards and not self._micro.grads_ready:
+            self._reduce_accumulated()  # no backward reduced (managed_gradient_accumulation false)
         self.timers.start("step")
         self._micro.stepped()
         stats = self._prepare_step()
@@ -376,6 +395,7 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         self._strategy.after_step(applied=not stats.overflow)
         self.timers.stop("step")
         self._last_grad_stats = stats
+        self._step_applied = not stats.overflow
         if self._loss_scaler is not None:
             before = self._loss_scaler.loss_scale
             self._loss_scaler.update(stats.overflow)
@@ -387,7 +407,8 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         self._publish_loss_scale(stats.overflow)
         if not stats.overflow and self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        if self._progress.optimizer_step_done(skipped=stats.overflow):  # every steps_per_print
+        samples = None if self._micro.managed else micro_batches  # None: train_batch_size
+        if self._progress.optimizer_step_done(skipped=stats.overflow, micro_batches=samples):  # steps_per_print
             self._report()
 
     def _prepare_step(self) -> GradStats:

@@ -30,11 +30,16 @@ class AccumulationControl:
     micro_steps: int
     timers: "Timers"
 
-    def _init_accumulation(self) -> None:
-        self._micro = MicroBatchState()
+    def _init_accumulation(self, managed: bool) -> None:
+        """`managed`: the config's managed_gradient_accumulation."""
+        self._micro = MicroBatchState(managed=managed)
         """The engine's micro-batch state (Note: [micro-batch phases] in runtime/engine_state.py)."""
         self._coalescing = False
         """Inside `coalesce_grad_reduction()` (which also sets `_micro.no_sync`)."""
+
+    def managed_gradient_accumulation(self) -> bool:
+        """The config's `managed_gradient_accumulation`: False when every `step()` is the boundary."""
+        return self._micro.managed
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the current micro-batch is the last of its step (reduction happens).
@@ -54,7 +59,13 @@ class AccumulationControl:
             engine.set_gradient_accumulation_boundary(True)
             engine.backward(engine(batches[-1]))
             engine.step()
+
+        Refused under `managed_gradient_accumulation: false`, where every `step()` is the boundary.
         """
+        if not self._micro.managed:
+            raise UsageError("set_gradient_accumulation_boundary() is not supported with "
+                             "managed_gradient_accumulation=False (as in DeepSpeed): the script owns the boundary "
+                             "by calling step(), which reduces and steps; drop the call")
         self._micro.boundary_override = bool(is_boundary)
 
     @contextmanager
@@ -93,6 +104,10 @@ class AccumulationControl:
         gradient to accumulate in), with the same result. `step()` inside raises, as does nesting
         it with `no_sync()` either way; a block left by an exception reduces nothing.
         """
+        if not self._micro.managed:
+            raise UsageError("engine.coalesce_grad_reduction() is not supported with managed_gradient_accumulation="
+                             "False (as in DeepSpeed): there every backward already only accumulates and step() "
+                             "reduces once; drop the block")
         if self.pipeline_parallelism:
             raise NotImplementedError(
                 "engine.coalesce_grad_reduction() is not supported with pipeline parallelism: "

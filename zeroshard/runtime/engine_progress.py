@@ -50,7 +50,8 @@ class EngineProgress:
         self.global_steps = 0
         """Optimizer steps taken, skipped (overflow) steps included."""
         self.global_samples = 0
-        """Samples consumed over all ranks, counted per optimizer step."""
+        """Samples consumed over all ranks, counted per optimizer step (train_batch_size each;
+        under `managed_gradient_accumulation: false` the micro-batches that step accumulated)."""
         self.micro_steps = 0
         """Micro-batches this rank processed (`engine.step()` calls)."""
         self.skipped_steps = 0
@@ -77,22 +78,25 @@ class EngineProgress:
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._loss_count += 1
 
-    def micro_batch_done(self) -> None:
-        """`engine.step()` ended a micro-batch (its samples count toward throughput)."""
-        self._window_samples += self._micro_batch_samples
-        self._run_samples += self._micro_batch_samples
+    def micro_batch_done(self, count: int = 1) -> None:
+        """`engine.step()` ended `count` micro-batches (their samples count toward throughput;
+        more than one only under `managed_gradient_accumulation: false`)."""
+        self._window_samples += self._micro_batch_samples * count
+        self._run_samples += self._micro_batch_samples * count
 
     def accumulation_step_done(self) -> None:
         """`engine.step()` ended a micro-batch inside gradient accumulation (no optimizer step)."""
         self.micro_steps += 1
 
-    def optimizer_step_done(self, skipped: bool) -> bool:
-        """The boundary step ran (`skipped`: for an fp16 overflow). Returns True when a
-        progress report is due (every `steps_per_print` steps)."""
+    def optimizer_step_done(self, skipped: bool, micro_batches: int | None = None) -> bool:
+        """The boundary step ran (`skipped`: for an fp16 overflow) after `micro_batches`
+        micro-batches (None: gradient_accumulation_steps of them, train_batch_size samples).
+        Returns True when a progress report is due (every `steps_per_print` steps)."""
         if skipped:
             self.skipped_steps += 1
         self.global_steps += 1
-        self.global_samples += self._train_batch_size
+        self.global_samples += (self._train_batch_size if micro_batches is None
+                                else self._micro_batch_samples * micro_batches)
         self.micro_steps += 1
         every = self._steps_per_print
         return every is not None and self.global_steps % every == 0

@@ -18,7 +18,9 @@ back to `IDLE` (its output was not meant for a backward) and leaves `SCALED` (a 
 still awaits its backward) and `REDUCED` alone; a training forward after `REDUCED` starts the
 next micro-batch (`FORWARD`). `no_sync` and
 `set_gradient_accumulation_boundary` are the user's requests that decide whether a backward
-reduces; they span micro-batches, so they are fields beside the phase, not phases.
+reduces; they span micro-batches, so they are fields beside the phase, not phases. Under
+`managed_gradient_accumulation: false` no backward reduces: `step()` reduces what accumulated
+(BACKWARD ... BACKWARD, then REDUCED inside step()) and steps.
 """
 
 from __future__ import annotations
@@ -55,9 +57,16 @@ class MicroBatchState:
     """`set_gradient_accumulation_boundary`'s value; None follows the micro-step count."""
     no_sync: bool = False
     """Inside `engine.no_sync()`: backward passes only accumulate."""
+    managed: bool = True
+    """`managed_gradient_accumulation`: False makes every `step()` the boundary (the script owns it)."""
+    stepping: bool = False
+    """Inside `engine.step()` (the boundary when not `managed`, as DeepSpeed's `_running_engine_step`)."""
 
     def is_boundary(self, micro_steps: int, grad_accum_steps: int) -> bool:
-        """The current micro-batch is the last of its step (DeepSpeed's question)."""
+        """The current micro-batch is the last of its step (DeepSpeed's question). Not `managed`:
+        only while `step()` runs, so a backward never reduces."""
+        if not self.managed:
+            return self.stepping
         if self.boundary_override is not None:
             return self.boundary_override
         return (micro_steps + 1) % grad_accum_steps == 0

@@ -16,7 +16,7 @@ from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
 from zeroshard.comm.groups import node_leader
 from zeroshard.comm.topology import Topology, build_mesh
 from zeroshard.config import Config, load_config, read_config_file, tensor_parallel_size
-from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.errors import ConfigConflictError, ConfigError, NotSupportedError
 from zeroshard.optim.factory import (
     adopt_client_optimizer,
     build_optimizer,
@@ -218,6 +218,11 @@ def initialize(
     for note in cfg.notes:  # deprecated spellings mapped, other stages' tuning keys: once, at start-up
         logger.warning(note)
     _check_optimizer_present(cfg, optimizer, model_parameters, training_data, lr_scheduler)
+    if pipe_module is not None and not cfg.managed_gradient_accumulation:
+        raise ConfigConflictError(
+            "managed_gradient_accumulation=False is not supported with pipeline parallelism (as in DeepSpeed): "
+            "train_batch() runs gradient_accumulation_steps micro-batches and steps once; remove the key (or set "
+            "it to true), or train the model without pipeline stages.")
     if pipe_module is not None and cfg.gradient_allreduce_op == "sum":
         raise NotSupportedError(
             "not supported yet: gradient_allreduce_op='sum' with a PipelineModule (the pipeline engine averages "
