@@ -34,6 +34,19 @@ def output_tensors(out: Any) -> Iterator[Tensor]:
             yield from output_tensors(item)
 
 
+def func_transforms() -> frozenset[str]:
+    """The `torch.func` transforms the caller runs inside ("Grad", "Vmap", "Jvp", ...; empty
+    outside any). A forward inside one is the transform's: its backward passes are the
+    transform's own `torch.autograd.grad` of the function's inputs, not micro-batches. Read from
+    torch's private interpreter stack, looked up defensively so a torch that moves it reads as
+    "no transform"."""
+    functorch = getattr(torch._C, "_functorch", None)
+    stack = getattr(functorch, "get_interpreter_stack", None)
+    if stack is None:
+        return frozenset()
+    return frozenset(level.key().name for level in (stack() or ()))
+
+
 class DirectBackward:
     """Output hooks that turn a bare `backward()` of a forward's output into a micro-batch.
 

@@ -17,11 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.checkpoint_format import EngineState, LoadedState
-from zeroshard.errors import CheckpointArgumentError, CheckpointError, UsageError
+from zeroshard.errors import CheckpointArgumentError, CheckpointError, NotSupportedError, UsageError
 from zeroshard.optim.factory import optimizer_state_bytes
 from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
 from zeroshard.runtime.checkpoint_state import Checkpointer, apply_state, collect_state
-from zeroshard.runtime.direct_backward import DirectBackward
+from zeroshard.runtime.direct_backward import DirectBackward, func_transforms
 from zeroshard.runtime.engine_accumulation import AccumulationControl
 from zeroshard.runtime.engine_progress import EngineProgress
 from zeroshard.runtime.engine_queries import EngineQueries
@@ -258,14 +258,23 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
     # -- training -------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        differentiating = bool(func_transforms() & {"Grad", "Jvp"})  # torch.func.grad, jacrev, jvp, ...
+        if differentiating and self._config.zero_optimization.stage == 3:
+            raise NotSupportedError(
+                "torch.func.grad / jacrev / jvp through a ZeRO stage-3 engine is not supported: stage 3 gathers "
+                "and releases the parameters in place around each unit in forward and backward, which a "
+                "differentiating transform forbids. Use stage 0, 1 or 2 for the transform (torch.func.vmap "
+                "alone works at stage 3).")
         self._progress.forward_started()
         self.timers.start("forward")
         if self._config.fp16.auto_cast:  # DeepSpeed casts the positional inputs only
             args = cast_inputs_half(args)
         with forward_context(self._autocast_dtype, self.device.type):  # torch_autocast section
             out = self.module(*args, **kwargs)
-        # A training forward must be followed by engine.backward before step(): see step().
-        training = torch.is_grad_enabled() and self.module.training
+        # A training forward must be followed by engine.backward before step(): see step(). A
+        # forward inside torch.func.grad & co. is the transform's (its gradients are returned to
+        # the caller, never accumulated): not a micro-batch.
+        training = torch.is_grad_enabled() and self.module.training and not differentiating
         self._micro.forward(training)
         if training:  # a direct loss.backward() is a micro-batch too
             self._direct.attach(out)
