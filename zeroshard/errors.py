@@ -44,3 +44,9 @@ class UsageError(ZeroshardError, RuntimeError, AssertionError):
     the config forbids (a parameter without a gradient under `ignore_unused_parameters: false`). Also an
     AssertionError because DeepSpeed asserts these conditions, so code (and DeepSpeed's own tests)
     catching AssertionError around them keeps working; a RuntimeError for zeroshard's callers."""
+
+
+class LossError(ZeroshardError, ValueError, AssertionError):
+    """A loss `engine.backward` or `engine.scale` cannot take: not a scalar tensor, or (for
+    `scale`) without a graph. A ValueError, and an AssertionError because DeepSpeed asserts these
+    (code and DeepSpeed's tests catching AssertionError keep working)."""

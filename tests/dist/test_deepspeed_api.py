@@ -189,6 +189,27 @@ def test_coalesce_grad_reduction_reduces_once_at_exit(groups: Any, stage: int) -
             pass
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_non_scalar_loss_is_refused_by_backward_and_scale(groups: Any, stage: int) -> None:
+    """Both name the shape; the error is a ValueError and, as DeepSpeed asserts, an AssertionError."""
+    from zeroshard.errors import LossError
+
+    rank, world = groups.rank, groups.world_size
+    engine = fresh(stage)
+    x, y = rank_micro_batches(global_batches(1, 2 * world)[0], rank, world, 2, 1)[0]
+    loss = engine(x, y)
+    out = loss * torch.ones(2, 3)  # a non-scalar tensor with a graph
+    for call in (engine.scale, engine.backward):
+        with pytest.raises(LossError, match=r"scalar tensor.*got shape \(") as err:
+            call(out)
+        assert isinstance(err.value, ValueError) and isinstance(err.value, AssertionError)
+    with pytest.raises(AssertionError, match="scalar tensor with a graph"):
+        engine.scale(torch.tensor(1.0))  # a scalar without a graph
+    engine.backward(loss)  # the engine is unharmed
+    engine.step()
+    assert engine.micro_steps == 1
+
+
 # -- checkpoints --------------------------------------------------------------------------------
 
 

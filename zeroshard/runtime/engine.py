@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.checkpoint_format import EngineState, LoadedState
-from zeroshard.errors import CheckpointArgumentError, CheckpointError, NotSupportedError, UsageError
+from zeroshard.errors import CheckpointArgumentError, CheckpointError, LossError, NotSupportedError, UsageError
 from zeroshard.optim.factory import optimizer_state_bytes
 from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
 from zeroshard.runtime.checkpoint_state import Checkpointer, apply_state, collect_state
@@ -286,8 +286,9 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         `engine.scale(loss).backward()`; needed with fp16 loss scaling). The division by
         gradient_accumulation_steps happens in the backward, as for a bare `loss.backward()`."""
         if loss.dim() != 0 or not loss.requires_grad:
-            raise ValueError(f"engine.scale expects a scalar loss with a graph, got shape {tuple(loss.shape)} "
-                             f"(requires_grad={loss.requires_grad})")
+            raise LossError(f"engine.scale expects the loss as a scalar tensor with a graph, got shape "
+                            f"{tuple(loss.shape)} (requires_grad={loss.requires_grad}); reduce it first (e.g. "
+                            "loss.mean()), or call output.backward(grad) yourself for a non-scalar output")
         self._micro.scaled()
         scale = self.get_loss_scale()
         return loss.float() * scale if scale != 1.0 else loss
@@ -326,8 +327,8 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
             The loss divided by gradient_accumulation_steps (when `scale_wrt_gas`), as DeepSpeed.
         """
         if loss.dim() != 0:
-            raise ValueError(
-                f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; "
+            raise LossError(
+                f"engine.backward expects the loss as a scalar tensor, got shape {tuple(loss.shape)}; "
                 "reduce it first (e.g. loss.mean())"
             )
         reduces = self._micro.reduces(self.micro_steps, self._grad_accum_steps)
