@@ -95,3 +95,34 @@ def test_gathered_parameters_before_initialize(groups) -> None:
     with GatheredParameters([w]):
         assert torch.all(w.detach() == 0.25)
     train_engine(engine, global_batches(1, 2 * groups.world_size), groups.rank, groups.world_size)
+
+
+def test_a_parent_initialising_its_children_builds_rank_0s_model(groups) -> None:
+    """A parent's `apply(init)` in its __init__ (nanoGPT's `self.apply(self._init_weights)`, DeepSpeed's
+    TestZero3InitForParentWeightInitialization) reaches children already cut; whatever each rank
+    draws or writes there, every rank ends with rank 0's values, as without zero.Init (where
+    initialize() broadcasts rank 0's model)."""
+    from zeroshard.zero.init import GatheredParameters
+
+    class Parent(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(12, 3), torch.nn.Linear(3, 5)
+            torch.manual_seed(100 + groups.rank)  # a different RNG state on every rank
+            self.apply(self._init)
+
+        def _init(self, m: torch.nn.Module) -> None:
+            if isinstance(m, torch.nn.Linear):
+                torch.nn.init.normal_(m.weight)
+                with torch.no_grad():
+                    m.bias.fill_(1.0 + groups.rank)
+
+    with Init():
+        model = Parent()
+    params = list(model.parameters())
+    with GatheredParameters(params):
+        mine = [p.detach().clone() for p in params]
+    torch.manual_seed(100)  # rank 0's draws, in apply's order (a, then b)
+    want_a, want_b = torch.empty(3, 12).normal_(), torch.empty(5, 3).normal_()
+    assert torch.equal(mine[0], want_a) and torch.equal(mine[2], want_b), "the weights rank 0 drew"
+    assert torch.all(mine[1] == 1.0) and torch.all(mine[3] == 1.0), "the biases rank 0 wrote"

@@ -165,12 +165,19 @@ class InitPartitioner:
         shard[: end - start].copy_(values.reshape(-1))
         shard[end - start :].zero_()
 
+    @torch.no_grad()
     def _repartition_materialized(self, keep: set[int] | None = None) -> None:
+        """Cut again the parameters `on_demand` gave whole, except `keep`. Rank 0's values are
+        broadcast first, as at the first cut: a parent's `apply(init_weights)` that draws from
+        each rank's own RNG (or reads the rank) still builds rank 0's model on every rank."""
         still = []
         for p in self._materialized:
             if keep is not None and id(p) in keep:
                 still.append(p)
             else:
+                data = p.detach().contiguous()
+                self._comm.broadcast(data, src=0)
+                p.data = data
                 self._cut(p)
         self._materialized = still
 
