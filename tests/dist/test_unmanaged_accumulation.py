@@ -128,8 +128,9 @@ def test_boundary_calls_are_refused_and_saves_wait_for_step(groups: Any, shared_
 
 
 def test_conflicting_configs_are_refused_at_initialize(groups: Any) -> None:
-    from zeroshard.pipe import PipelineModule
     from torch import nn
+
+    from zeroshard.pipe import PipelineModule
 
     for stage in (0, 1):
         cfg = api_config(stage, managed_gradient_accumulation=False)

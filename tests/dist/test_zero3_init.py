@@ -126,3 +126,44 @@ def test_a_parent_initialising_its_children_builds_rank_0s_model(groups) -> None
     want_a, want_b = torch.empty(3, 12).normal_(), torch.empty(5, 3).normal_()
     assert torch.equal(mine[0], want_a) and torch.equal(mine[2], want_b), "the weights rank 0 drew"
     assert torch.all(mine[1] == 1.0) and torch.all(mine[3] == 1.0), "the biases rank 0 wrote"
+
+
+def test_nested_blocks_build_one_model(groups) -> None:
+    """A model whose __init__ builds a sub-model under its own zero.Init (transformers'
+    VisionEncoderDecoderModel and multimodal models, through from_config) and then initialises
+    it: the inner block cuts what it built, the outer __init__ can still touch those parameters,
+    and the model trains like the same model built whole."""
+    from zeroshard.zero.init import GatheredParameters
+
+    class Outer(torch.nn.Module):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            with Init():
+                self.sub = make_model(seed=seed)
+                head = torch.nn.Linear(16, 4)  # a sub-model with parameters of its own (its top level)
+            assert isinstance(head.weight, ZeroParameter), "cut when the inner block ends"
+            self.head = head
+            with torch.no_grad():  # the outer __init__ initialises parameters the inner block cut
+                self.sub.blocks[0].mlp[0].weight.mul_(0.5)
+                self.head.weight.fill_(0.25)
+
+        def forward(self, *args):
+            return self.sub(*args)
+
+    whole = Outer.__new__(Outer)
+    torch.nn.Module.__init__(whole)
+    whole.sub = make_model(seed=3)
+    whole.head = torch.nn.Linear(16, 4)
+    with torch.no_grad():
+        whole.sub.blocks[0].mlp[0].weight.mul_(0.5)
+        whole.head.weight.fill_(0.25)
+    with Init():
+        cut = Outer(seed=3)
+    params = list(cut.parameters())
+    with GatheredParameters(params):
+        for got, want in zip(params, whole.parameters()):
+            assert torch.equal(got.detach(), want.detach()), got._zs.name
+    # transformers' tie_weights after loading: assigning a cut parameter to a module outside any
+    # gather reads only its metadata (torch checks grad_fn), which needs no data.
+    cut.head.weight = cut.head.weight
+    assert cut.head.weight.grad_fn is None

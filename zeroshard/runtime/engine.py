@@ -128,7 +128,8 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         self._last_grad_stats: GradStats | None = None
         self._step_applied = False
         self._autocast_dtype = autocast_dtype(config.torch_autocast, groups.device.type)
-        self._init_accumulation(config.managed_gradient_accumulation)  # _micro: Note: [micro-batch phases] in runtime/engine_state.py
+        # _micro: Note: [micro-batch phases] in runtime/engine_state.py
+        self._init_accumulation(config.managed_gradient_accumulation)
         self._direct = DirectBackward(self._begin_direct_backward, self._end_direct_backward)
         self._publish_loss_scale(overflow=False)
         register_engine(self, module)

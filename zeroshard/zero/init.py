@@ -71,6 +71,11 @@ class Init:
     the peak stays near 1/N of the model plus the largest layer. Needs the process group of
     the job (torchrun / SLURM / MPI env, or world size 1).
 
+    Blocks may nest (a model whose `__init__` builds sub-models under their own `zero.Init`, as
+    transformers' VisionEncoderDecoderModel and multimodal models do through `from_config`): inner
+    blocks join the outermost one (their arguments are not used); leaving one cuts what it built,
+    and the parameters stay gatherable on demand until the outermost block ends.
+
     Args:
         enabled: False builds the model normally (for code shared across stages).
         dtype: cast floating-point parameters to this dtype as they are created.
@@ -86,11 +91,15 @@ class Init:
         self._enabled, self._dtype = enabled, dtype
         self._remote_device = remote_device
         self._hooks: list[Any] = []
-        self._pending: list[nn.Parameter] = []
-        self._materialized: list[Any] = []
+        self._nested = False
 
     def __enter__(self) -> "Init":
         if not self._enabled:
+            return self
+        self._nested = bool(_OPEN)  # inside another zero.Init: join the outermost one's partitioner
+        if self._nested:
+            self._partitioner = _OPEN[0]._partitioner
+            _OPEN.append(self)
             return self
         from zeroshard.comm import Comm, init_distributed
         from zeroshard.comm.topology import current_mesh
@@ -109,15 +118,27 @@ class Init:
             reg.register_module_parameter_registration_hook(self._partitioner.on_param_registered),
             reg.register_module_module_registration_hook(self._partitioner.on_module_registered),
         ]
+        _OPEN.append(self)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if not self._enabled:
+            return
+        _OPEN.remove(self)
+        if self._nested:
+            if exc_type is None:
+                self._partitioner.flush_pending()
+            return
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._enabled and exc_type is None:
+        if exc_type is None:
             self._partitioner.finish()
+
+
+_OPEN: list[Init] = []
+"""The `zero.Init` blocks open now, outermost first (only the first partitions)."""
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

@@ -65,6 +65,11 @@ class InitPartitioner:
     def finish(self) -> None:
         self._active = False  # from now on, reading a partitioned parameter is an error
         self._repartition_materialized()
+        self.flush_pending()
+
+    def flush_pending(self) -> None:
+        """Cut the parameters of modules not attached to a parent (yet): a model's top level at
+        the end of the block, or a sub-model at the end of a nested `zero.Init` block."""
         for name, p in list(self._pending.values()):
             if not isinstance(p, ZeroParameter):
                 self._partition(p, name)

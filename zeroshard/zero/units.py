@@ -25,7 +25,7 @@ from zeroshard.errors import ZeroshardError
 _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
     torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.requires_grad.__set__,
-    torch.Tensor.grad.__get__, torch.Tensor.grad.__set__, torch.Tensor.is_leaf.__get__,
+    torch.Tensor.grad.__get__, torch.Tensor.grad.__set__, torch.Tensor.is_leaf.__get__, torch.Tensor.grad_fn.__get__,
     torch.Tensor.data.__set__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
     torch.Tensor.element_size, torch.Tensor.__hash__, torch.Tensor.register_post_accumulate_grad_hook,
     torch.Tensor.register_hook, torch.Tensor.requires_grad_, torch.Tensor.is_floating_point,
