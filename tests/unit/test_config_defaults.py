@@ -40,6 +40,7 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "gradient_allreduce_op": "mean", "zero_allow_untested_optimizer": False, "zero_force_ds_cpu_optimizer": True,
     "sparse_gradients": REMOVED, "disable_allgather": False, "memory_breakdown": False,
     "dataloader_drop_last": False, "data_types.grad_accum_dtype": None,
+    "data_types.param_dtype": None, "data_types.buffer_dtype": None,
     "checkpoint.tag_validation": "Warn", "checkpoint.load_universal": False,
     "checkpoint.use_node_local_storage": False, "checkpoint.parallel_write.pipeline_stage": False,
     # runtime/model_checkpointing/constants.py

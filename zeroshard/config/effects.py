@@ -59,6 +59,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "fp16.hysteresis": _SCALER, "fp16.consecutive_hysteresis": _SCALER, "fp16.min_loss_scale": _SCALER,
     "fp16.auto_cast": ("runtime/engine.py::fp16.auto_cast",),
     "data_types.grad_accum_dtype": _BUILD,
+    "data_types.buffer_dtype": ("runtime/initialize.py::cfg.data_types.buffer_dtype",),
     # gradients and communication
     "gradient_clipping": _ENGINE, "communication_data_type": _BUILD, "prescale_gradients": _BUILD,
     "gradient_predivide_factor": _BUILD, "gradient_allreduce_op": _BUILD, _Z + "ignore_unused_parameters": _BUILD,
@@ -157,6 +158,8 @@ _PIPE = ("the NVMe step always reads ahead and writes behind while stepping, in 
          "of sub_group_size elements per state (zero/offload/nvme_swap.py).")
 
 NO_EFFECT: dict[str, str] = {
+    "data_types.param_dtype": "the parameters' dtype follows fp16.enabled / bf16.enabled; the key may only "
+    "agree with them (a disagreeing value is refused at config load, as DeepSpeed asserts).",
     "bf16.immediate_grad_update": "zeroshard always folds each micro-batch's gradients into the "
     "grad_accum_dtype buffers right after its backward.",
     "bf16.check_grad_overflow": "zeroshard computes the global gradient norm every step (for clipping) "

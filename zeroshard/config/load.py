@@ -205,6 +205,12 @@ def _check_cross_fields(cfg: Config) -> None:
             )
     check_bf16_master(cfg)
     check_tensor_parallel(cfg.tensor_parallel)
+    stated = cfg.data_types.param_dtype
+    if stated is not None and stated != cfg.precision:
+        raise ConfigConflictError(
+            f"data_types.param_dtype={stated!r} conflicts with the training precision {cfg.precision!r} that "
+            "fp16.enabled / bf16.enabled select (DeepSpeed asserts the same): set the matching enabled flag, or "
+            "remove data_types.param_dtype (the flags alone decide it).")
     if not cfg.managed_gradient_accumulation and zero.overlap_comm and zero.stage < 2:
         raise ConfigConflictError(
             f"managed_gradient_accumulation=False supports ZeRO overlap_comm only with ZeRO stage 2 or 3 (as in "

@@ -85,6 +85,13 @@ class DataTypesConfig:
     grad_accum_dtype: DType | None = None
     """dtype gradients are accumulated (and reduced) in across micro-batches. null: fp32 under
     bf16/fp16 mixed precision (zeroshard's numerics-first default), the parameter dtype otherwise."""
+    param_dtype: DType | None = None
+    """The parameters' training dtype, as a statement: it must agree with fp16 / bf16 `enabled`
+    (fp32 when neither is), which decide it; null says nothing (DeepSpeed 0.19's rule)."""
+    buffer_dtype: DType | None = None
+    """Under bf16 / fp16: the dtype floating-point buffers are cast to. null (the default, as in
+    DeepSpeed 0.19) keeps each buffer's own dtype, e.g. a rotary embedding's fp32 `inv_freq`,
+    which bf16 would round. Unused under fp32."""
 
 
 AutocastDType = Literal["torch.bfloat16", "bfloat16", "bf16", "torch.float16", "float16", "fp16", "half"]

@@ -231,16 +231,20 @@ def initialize(
     configure_from_config(cfg)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     tp_size = resolve_tp_size(model, cfg.tensor_parallel.size, dtype or torch.float32)
-    if any(init_partitioned(p) for p in model.parameters()):
+    zero_init = any(init_partitioned(p) for p in model.parameters())
+    if zero_init:
         if cfg.zero_optimization.stage != 3:
             raise ConfigError(
                 f"the model was built under zeroshard.zero.Init (its parameters are partitioned), "
                 f"which needs zero_optimization.stage 3; the config says stage "
                 f"{cfg.zero_optimization.stage}. Set stage to 3, or build the model without zero.Init."
             )
-        move_unpartitioned(model, world.device, dtype)
-    elif dtype:
-        model.to(device=world.device, dtype=dtype)
+    # Parameters to the training dtype; buffers keep theirs unless data_types.buffer_dtype names one
+    # (bf16/fp16 only: under fp32 every tensor keeps its dtype, as in DeepSpeed).
+    buffer_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(
+        cfg.data_types.buffer_dtype or "") if dtype is not None else None
+    if zero_init or dtype is not None:
+        move_unpartitioned(model, world.device, dtype, buffer_dtype)
     else:
         model.to(world.device)
     comms = cfg.comms_logger

@@ -187,9 +187,12 @@ class InitPartitioner:
         self._materialized = still
 
 
-def move_unpartitioned(module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
-    """`module.to(device, dtype)` that leaves `zero.Init` shards alone (casting their shards):
-    moving a partitioned parameter with `.to` would materialise it whole."""
+def move_unpartitioned(module: nn.Module, device: torch.device, dtype: torch.dtype | None,
+                       buffer_dtype: torch.dtype | None = None) -> None:
+    """`module.to(device)` with floating-point parameters cast to `dtype` and floating-point
+    buffers to `buffer_dtype` (None: each keeps its dtype, as DeepSpeed 0.19 keeps a rotary
+    embedding's fp32 `inv_freq` under bf16), that leaves `zero.Init` shards alone (casting the
+    shards): moving a partitioned parameter with `.to` would materialise it whole."""
     for sub in module.modules():
         for _name, p in list(sub._parameters.items()):
             if p is None:
@@ -206,7 +209,7 @@ def move_unpartitioned(module: nn.Module, device: torch.device, dtype: torch.dty
                     p.data = p.data.to(device=device, dtype=cast)
         for name, b in list(sub._buffers.items()):
             if b is not None:
-                cast = dtype if dtype is not None and b.is_floating_point() else None
+                cast = buffer_dtype if buffer_dtype is not None and b.is_floating_point() else None
                 sub._buffers[name] = b.to(device=device, dtype=cast)
 
 
