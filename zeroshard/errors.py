@@ -50,3 +50,8 @@ class LossError(ZeroshardError, ValueError, AssertionError):
     """A loss `engine.backward` or `engine.scale` cannot take: not a scalar tensor, or (for
     `scale`) without a graph. A ValueError, and an AssertionError because DeepSpeed asserts these
     (code and DeepSpeed's tests catching AssertionError keep working)."""
+
+
+class InitializeArgumentError(ZeroshardError, TypeError, AssertionError):
+    """`initialize()` called without a model, or with the model where DeepSpeed's signature puts
+    `args`. A TypeError (wrong arguments) and an AssertionError, as DeepSpeed asserts these."""

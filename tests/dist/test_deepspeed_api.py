@@ -210,6 +210,17 @@ def test_a_non_scalar_loss_is_refused_by_backward_and_scale(groups: Any, stage: 
     assert engine.micro_steps == 1
 
 
+def test_initialize_without_a_model_names_the_mistake(groups: Any) -> None:
+    from zeroshard.errors import InitializeArgumentError
+
+    model = make_model()
+    with pytest.raises(InitializeArgumentError, match="first positional argument, which is `args`") as err:
+        zeroshard.initialize(model, config=make_config())  # DeepSpeed's signature starts with args
+    assert isinstance(err.value, TypeError) and isinstance(err.value, AssertionError)
+    with pytest.raises(InitializeArgumentError, match="needs model="):
+        zeroshard.initialize(model=None, config=make_config())
+
+
 # -- checkpoints --------------------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
 from zeroshard.comm.groups import node_leader
 from zeroshard.comm.topology import Topology, build_mesh
 from zeroshard.config import Config, load_config, read_config_file, tensor_parallel_size
-from zeroshard.errors import ConfigConflictError, ConfigError, NotSupportedError
+from zeroshard.errors import ConfigConflictError, ConfigError, InitializeArgumentError, NotSupportedError
 from zeroshard.optim.factory import (
     adopt_client_optimizer,
     build_optimizer,
@@ -174,8 +174,12 @@ def initialize(
             engine.backward(loss)
             engine.step()
     """
+    if model is None and isinstance(args, nn.Module):
+        raise InitializeArgumentError(
+            f"initialize() got the model ({type(args).__name__}) as its first positional argument, which is `args` "
+            "in DeepSpeed's signature initialize(args=None, model=None, ...); pass it as model=...")
     if model is None:
-        raise ConfigError("initialize() needs model=")
+        raise InitializeArgumentError("initialize() needs model=: the nn.Module (or PipelineModule) to train")
     if mpu is not None:
         check_mpu(mpu)
     if mesh_param is not None:
