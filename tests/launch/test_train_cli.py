@@ -50,6 +50,7 @@ def test_script_with_its_own_process_group() -> None:
     proc = subprocess.run(torchrun(2, str(script)), text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("EXISTING-GROUP OK") == 2 and "world 2 steps 2" in proc.stdout
+    assert proc.stdout.count("GROUP-LEFT-AT-EXIT True") == 2, proc.stdout + proc.stderr
 
 
 def test_user_script_that_just_returns_exits_cleanly_30_times() -> None:

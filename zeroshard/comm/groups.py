@@ -291,27 +291,33 @@ def init_distributed(*, backend: str | None = None, timeout_s: float | None = No
         tracker_for(groups.dp_group, groups.rank, groups.world_size, _group_store)
     _GROUPS, _OWNS_GROUP = groups, owns
     global _EXIT_HOOK_REGISTERED
-    if owns and not _EXIT_HOOK_REGISTERED:
+    if groups.dp_group is not None and not _EXIT_HOOK_REGISTERED:
         atexit.register(_leave_at_exit)
         _EXIT_HOOK_REGISTERED = True
     return groups
 
 
 def _leave_at_exit() -> None:
-    """Destroy the group we created while the interpreter is still whole.
+    """Destroy the process groups while the interpreter is still whole.
 
     Left to finalization, gloo's worker threads can drop the last reference to a tensor that
     Python still tracks and need the GIL to free it, which a finalizing interpreter answers
-    with pthread_exit (SIGABRT, "terminate called without an active exception"). A group with
-    a collective in flight or a broken group is left alone: its teardown could wait for peers.
+    with pthread_exit (SIGABRT, "terminate called without an active exception"). That holds for
+    a group the script made too (Accelerate on the CPU calls init_process_group itself, before
+    Trainer reaches zeroshard), so that one is destroyed here as well: the script has ended,
+    and only atexit handlers registered before zeroshard's run after this. A group with a
+    collective in flight or a broken group is left alone: its teardown could wait for peers.
     """
     groups = _GROUPS
-    if groups is None or not _OWNS_GROUP or groups.dp_group is None or not dist.is_initialized():
+    if groups is None or groups.dp_group is None or not dist.is_initialized():
         return
     if not tracker_is_idle(groups.dp_group):
         return
+    owned = _OWNS_GROUP
     try:
         destroy_distributed()
+        if not owned and dist.is_initialized():
+            dist.destroy_process_group()
     except Exception:  # exiting anyway: nothing left to tell the user
         pass
 

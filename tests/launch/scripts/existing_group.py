@@ -1,5 +1,7 @@
 """A DeepSpeed-style script that creates its own process group before zeroshard.initialize."""
 
+import atexit
+
 import torch
 import torch.distributed as dist
 
@@ -7,6 +9,9 @@ import zeroshard
 from zeroshard.examples.gpt import GPT, GPTConfig
 
 dist.init_process_group("gloo")
+# Registered before zeroshard's own exit hook, so it runs after it: the script's group must be
+# gone by then, not left to interpreter finalization (where gloo's threads can SIGABRT a rank).
+atexit.register(lambda: print(f"GROUP-LEFT-AT-EXIT {not dist.is_initialized()}", flush=True))
 group = dist.group.WORLD
 torch.manual_seed(0)
 model = GPT(GPTConfig.preset("tiny"))
