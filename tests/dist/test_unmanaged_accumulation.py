@@ -142,3 +142,20 @@ def test_conflicting_configs_are_refused_at_initialize(groups: Any) -> None:
     pipe = PipelineModule(layers=layers, num_stages=1, loss_fn=nn.MSELoss())
     with pytest.raises(ConfigConflictError, match="not supported with pipeline parallelism"):
         init_engine(pipe, api_config(0, managed_gradient_accumulation=False))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp16_overflow_in_any_backward_skips_that_step_on_every_rank(groups: Any, stage: int) -> None:
+    rank, world = groups.rank, groups.world_size
+    engine = fresh(stage, "fp16", managed_gradient_accumulation=False)
+    applied = []
+    for step, batch in enumerate(global_batches(3, 2 * 2 * world)):
+        for i, (x, y) in enumerate(rank_micro_batches(batch, rank, world, 2, 2)):
+            loss = engine(x, y)
+            if step == 1 and i == 0 and rank == world - 1:  # one rank, the first of two backward passes
+                loss = loss * float("inf")
+            engine.backward(loss)
+        engine.step()
+        applied.append(engine.was_step_applied())
+    assert applied == [True, False, True], applied
+    assert engine.global_steps == 3 and engine.skipped_steps == 1
