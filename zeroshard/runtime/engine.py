@@ -374,15 +374,13 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
                 "engine.backward(loss) (or loss.backward()) on the forward's loss before step(), "
                 "or run an evaluation forward under torch.no_grad() / engine.eval()")
         self._step_applied = False
-        if self._micro.managed:
-            micro_batches = 1
-            self._progress.micro_batch_done(micro_batches)
-            if not self.is_gradient_accumulation_boundary():
-                self._progress.accumulation_step_done()
-                return
-        else:  # the script's step() is the boundary: the backward passes since the last one
-            micro_batches = self._micro.pending_backwards
-            self._progress.micro_batch_done(micro_batches)
+        # Unmanaged accumulation: the script's step() is the boundary, after the backward passes
+        # since the last one; managed: one micro-batch, the boundary every gas-th call.
+        micro_batches = 1 if self._micro.managed else self._micro.pending_backwards
+        self._progress.micro_batch_done(micro_batches)
+        if self._micro.managed and not self.is_gradient_accumulation_boundary():
+            self._progress.accumulation_step_done()
+            return
         if self.optimizer is None:
             raise RuntimeError(
                 "engine.step() needs an optimizer: add an \"optimizer\" section to the config "

@@ -45,7 +45,7 @@ from zeroshard.tensor.setup import (
     resolve_tp_size,
 )
 from zeroshard.zero import ZeroStrategy, broadcast_module_state
-from zeroshard.zero.build import build_strategy
+from zeroshard.zero.build import DTYPES, build_strategy
 from zeroshard.zero.init_partition import init_partitioned, move_unpartitioned
 
 logger = logging.getLogger("zeroshard")
@@ -233,7 +233,7 @@ def initialize(
             'its gradients over the data-parallel ranks); use "mean", or train the model without pipeline stages.')
 
     configure_from_config(cfg)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
+    dtype = DTYPES[cfg.precision] if cfg.precision != "fp32" else None
     tp_size = resolve_tp_size(model, cfg.tensor_parallel.size, dtype or torch.float32)
     zero_init = any(init_partitioned(p) for p in model.parameters())
     if zero_init:
@@ -245,8 +245,8 @@ def initialize(
             )
     # Parameters to the training dtype; buffers keep theirs unless data_types.buffer_dtype names one
     # (bf16/fp16 only: under fp32 every tensor keeps its dtype, as in DeepSpeed).
-    buffer_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(
-        cfg.data_types.buffer_dtype or "") if dtype is not None else None
+    named = cfg.data_types.buffer_dtype
+    buffer_dtype = DTYPES[named] if named is not None and dtype is not None else None
     if zero_init or dtype is not None:
         move_unpartitioned(model, world.device, dtype, buffer_dtype)
     else:

@@ -80,12 +80,16 @@ class InitPartitioner:
     @torch.no_grad()
     def _partition(self, p: nn.Parameter, name: str) -> None:
         self._pending.pop(id(p), None)
-        data = p.detach()
-        if self._dtype is not None and data.is_floating_point():
-            data = data.to(self._dtype)
-        self._comm.broadcast(data, src=0)  # every rank builds rank 0's model
-        p.data = data
+        if self._dtype is not None and p.is_floating_point():
+            p.data = p.detach().to(self._dtype)
+        self._take_values_of(p, 0)  # every rank builds rank 0's model
         self._cut(make_zero_parameter(p, ZeroParamState(name=name, owner=self)))
+
+    def _take_values_of(self, p: nn.Parameter, src: int) -> None:
+        """Replace `p`'s whole values on every rank by rank `src`'s (collective)."""
+        data = p.detach().contiguous()
+        self._comm.broadcast(data, src=src)
+        p.data = data
 
     def _cut(self, p: ZeroParameter) -> None:
         flat = p.detach().reshape(-1)
@@ -136,9 +140,7 @@ class InitPartitioner:
             if not p._zs.gathered:
                 continue
             if modifier_rank is not None:
-                data = p.detach().contiguous()
-                self._comm.broadcast(data, src=modifier_rank)
-                p.data = data
+                self._take_values_of(p, modifier_rank)
             self._materialized = [m for m in self._materialized if m is not p]
             self._cut(p)
 
@@ -180,9 +182,7 @@ class InitPartitioner:
             if keep is not None and id(p) in keep:
                 still.append(p)
             else:
-                data = p.detach().contiguous()
-                self._comm.broadcast(data, src=0)
-                p.data = data
+                self._take_values_of(p, 0)
                 self._cut(p)
         self._materialized = still
 
