@@ -6,7 +6,7 @@ initialize() gives it.
 See docs/checkpoints.md for the on-disk format.
 """
 
-from zeroshard.checkpoint.checkpointer import ShardedCheckpointer
+from zeroshard.checkpoint.checkpointer import InTurnCheckpointer, ShardedCheckpointer
 from zeroshard.checkpoint.to_fp32 import (
     convert_zero_checkpoint_to_fp32_state_dict,
     export_pretrained,
@@ -15,6 +15,7 @@ from zeroshard.checkpoint.to_fp32 import (
 )
 
 __all__ = [
+    "InTurnCheckpointer",
     "ShardedCheckpointer",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "export_pretrained",

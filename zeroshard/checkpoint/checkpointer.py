@@ -15,7 +15,7 @@ from zeroshard.checkpoint.ds_import import find_deepspeed, load_deepspeed
 from zeroshard.checkpoint.load import load_state
 from zeroshard.checkpoint.pipe_files import find_pipeline, load_pipeline_into_plain
 from zeroshard.checkpoint.recovery import write_recovery_script
-from zeroshard.checkpoint.save import save_state
+from zeroshard.checkpoint.save import reads_in_turn, save_state
 from zeroshard.checkpoint_format import EngineState, LoadedState
 
 if TYPE_CHECKING:
@@ -60,3 +60,22 @@ class ShardedCheckpointer:
                                   load_module_only=load_module_only, strict=strict)
         return load_state(target, self._comm, load_dir, tag, load_optimizer_states=load_optimizer_states,
                           load_module_only=load_module_only, strict=strict)
+
+
+class InTurnCheckpointer:
+    """`zero_optimization.pipeline_loading_checkpoint`: the checkpointer it wraps, with each
+    load's reads made one local rank at a time (Note: [reads in turn] in save.py), to bound a
+    node's host memory while a large checkpoint loads. Saves are unchanged."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def save(self, state: EngineState, save_dir: str | os.PathLike[str], tag: str,
+             client_state: Mapping[str, Any] | None, save_latest: bool, save_optimizer_states: bool = True) -> str:
+        return self._inner.save(state, save_dir, tag, client_state, save_latest, save_optimizer_states)
+
+    def load(self, target: EngineState, load_dir: str | os.PathLike[str], tag: str | None, *,
+             load_optimizer_states: bool, load_module_only: bool, strict: bool = True) -> LoadedState | None:
+        with reads_in_turn(True):
+            return self._inner.load(target, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                                    load_module_only=load_module_only, strict=strict)

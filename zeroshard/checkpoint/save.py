@@ -28,7 +28,9 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -91,23 +93,63 @@ pickle of the wrong shape. Named with the failing path; anything else is a bug a
 T = TypeVar("T")
 
 
+_READS_IN_TURN: ContextVar[bool] = ContextVar("zeroshard_reads_in_turn", default=False)
+
+
+@contextmanager
+def reads_in_turn(on: bool) -> Iterator[None]:
+    """Inside this block, the checkpoint reads of `read_agreed` run one local rank at a time
+    (Note: [reads in turn]); `zero_optimization.pipeline_loading_checkpoint` turns it on
+    around `load_checkpoint`."""
+    token = _READS_IN_TURN.set(on)
+    try:
+        yield
+    finally:
+        _READS_IN_TURN.reset(token)
+
+
 def read_agreed(comm: "Comm", what: str, where: str | os.PathLike[str], read: Callable[[], T]) -> T:
     """This rank's `read`, after every rank agreed that its own read succeeded (`agree`).
 
     A CheckpointError keeps its message; another read error is named with `where` ("<where>:
     <type>: <message>"). Collective: every rank calls it, and either all return or all raise.
+    Inside `reads_in_turn(True)` the ranks of a node read one after another.
     """
     error, out = None, []
-    try:
-        out.append(read())
-    except CheckpointError as e:
-        error = str(e)
-    except _READ_ERRORS as e:
-        error = f"{where}: {type(e).__name__}: {e}"
+
+    def attempt() -> None:
+        nonlocal error
+        try:
+            out.append(read())
+        except CheckpointError as e:
+            error = str(e)
+        except _READ_ERRORS as e:
+            error = f"{where}: {type(e).__name__}: {e}"
+
+    if _READS_IN_TURN.get() and comm.world_size > 1:
+        _in_turn(comm, attempt)
+    else:
+        attempt()
     agree(comm, error, what)
     if not out:
         raise AssertionError(f"expected {what} to have succeeded on every rank after they agreed")
     return out[0]
+
+
+def _in_turn(comm: "Comm", attempt: Callable[[], None]) -> None:
+    """Note: [reads in turn] A node whose ranks all read their part of a large checkpoint at
+    once holds every rank's memory-mapped files and copies in host memory at the same time
+    (DeepSpeed's `pipeline_loading_checkpoint` exists for this). Here local rank k reads in turn
+    k, and every rank of `comm` passes a barrier after each turn, so at most one rank per node
+    is reading at any moment. The number of turns is the largest local world size of the group
+    (one all-reduce), so nodes of different sizes still take the same number of barriers. A
+    rank whose read fails still takes every barrier; the `agree` after it reports the failure."""
+    turns = torch.tensor([float(comm.groups.local_world_size)], device=comm.groups.device)
+    comm.all_reduce(turns, "max")
+    for turn in range(int(turns.item())):
+        if turn == comm.groups.local_rank:
+            attempt()
+        comm.barrier()
 
 
 def agree_found(comm: "Comm", found: bool, load_dir: str | os.PathLike[str]) -> None:

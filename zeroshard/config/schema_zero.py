@@ -155,7 +155,9 @@ class ZeroConfig:
     """Parameters with fewer elements stay gathered at stage 3 (not worth re-gathering).
     "auto" with hidden size h: 10*h. DeepSpeed's default, 1e5."""
     stage3_model_persistence_threshold: int = spec(sys.maxsize, ge=0)
-    """Upper bound on the total elements of persistent parameters at stage 3. Default: no limit."""
+    """Upper bound on the total elements of persistent parameters at stage 3: walking the
+    model's parameters in order, one that would take the total past it stays partitioned (as in
+    DeepSpeed's engine). Default: no limit."""
     stage3_max_live_parameters: int = spec(1_000_000_000, ge=0)
     """Upper bound on gathered (full) parameter elements alive at once at stage 3. Default 1e9."""
     stage3_max_reuse_distance: int = spec(1_000_000_000, ge=0)
@@ -169,7 +171,12 @@ class ZeroConfig:
     """Gather the full 16-bit weights on model save at stage 3 (costly for big models).
     Legacy spelling: stage3_gather_fp16_weights_on_model_save."""
     stage3_module_granularity_threshold: int = spec(0, ge=0)
-    """Modules with fewer parameter elements are gathered as one leaf unit at stage 3; 0 = off."""
+    """Stage 3: gather fine-grained modules in one piece. A module's granularity is its
+    parameter elements divided by the modules with parameters in its subtree (DeepSpeed's
+    measure); each outermost module at or below the threshold that contains stage-3 units (a
+    ModuleList's blocks) replaces them with one unit: fewer, larger all-gathers. A module
+    inside a unit is already gathered with it and changes nothing. 0 = off; when no module
+    qualifies, the log names the smallest granularity."""
     stage3_use_all_reduce_for_fetch_params: bool = False
     """Gather stage-3 parameters with all-reduce instead of all-gather (DeepSpeed option)."""
     stage3_allgather_sequential: bool = False
@@ -212,7 +219,9 @@ class ZeroConfig:
     memory_efficient_linear: bool = True
     """Stage 3: use a linear-layer autograd function that does not keep gathered weights."""
     pipeline_loading_checkpoint: bool = False
-    """Stage 3: load checkpoints layer by layer with pipelining."""
+    """Load checkpoints one local rank at a time (each rank reads its part while the node's
+    other ranks wait), bounding a node's host memory during the load. Every stage (DeepSpeed:
+    stage 3 only)."""
     override_module_apply: bool = True
     """Stage 3: gather parameters inside `nn.Module.apply` calls."""
     log_trace_cache_warnings: bool = False

@@ -72,7 +72,6 @@ STAGE_RULES: tuple[StageRule, ...] = (
         "stage3_use_all_reduce_for_fetch_params",
         "stage3_allgather_sequential",
         "memory_efficient_linear",
-        "pipeline_loading_checkpoint",
         "override_module_apply",
         "log_trace_cache_warnings",
         "enable_sanity_checks",

@@ -78,13 +78,8 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(key="zero_optimization.offload_optimizer.ratio", why="partial optimizer offload (a ratio "
                 "below 1.0) is not implemented.", fix="Remove the key (the whole optimizer step is offloaded)."),
     *(Unsupported(key=f"zero_optimization.{k}", why=why, fix="Remove the key.") for k, why in (
-        ("stage3_model_persistence_threshold", "a cap on the total size of persistent parameters is not "
-         "implemented (stage3_param_persistence_threshold is)."),
-        ("stage3_module_granularity_threshold", "grouping small modules into leaf units by size is not "
-         "implemented; pass units= to initialize() to choose the gathered units."),
         ("stage3_use_all_reduce_for_fetch_params", "stage 3 always gathers parameters with all-gather."),
         ("stage3_allgather_sequential", "stage 3 always issues one all-gather per unit."),
-        ("pipeline_loading_checkpoint", "layer-by-layer pipelined checkpoint loading is not implemented."),
         ("override_module_apply", "partitioned parameters are always gathered for Module.apply."),
     )),
 )

@@ -303,6 +303,10 @@ def initialize(
         training_dataloader=loader, raw_config=raw_config)
     engine.parallel = layout
     engine.checkpointer = _engine_checkpointer(cfg, layout, world_comm, comm, pipe_module)
+    if cfg.zero_optimization.pipeline_loading_checkpoint:
+        from zeroshard.checkpoint import InTurnCheckpointer  # composition root (see _checkpointer)
+
+        engine.checkpointer = InTurnCheckpointer(engine.checkpointer)
     _log_start(engine, groups)
     return engine, opt, loader, sched
 

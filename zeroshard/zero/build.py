@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from zeroshard.comm.groups import NODE_SIZE_ENV, node_size
 from zeroshard.errors import ConfigError
-from zeroshard.zero.leaf import apply_leaf_config, leaf_units
+from zeroshard.zero.leaf import apply_leaf_config, granularity_units, leaf_units
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.stage0 import Stage0Strategy
 from zeroshard.zero.stage3 import Stage3Options, Stage3Strategy
@@ -21,6 +22,8 @@ from zeroshard.zero.units import default_units
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, ProcessGroups
     from zeroshard.config import Config
+
+logger = logging.getLogger("zeroshard")
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -129,6 +132,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             master_dtype=master_dtype,
             comm_dtype=comm_dtype,
             persistence_threshold=int(zero.stage3_param_persistence_threshold),
+            persistence_budget=int(zero.stage3_model_persistence_threshold),
             prefetch_numel=int(zero.stage3_prefetch_bucket_size),
             max_live_numel=int(zero.stage3_max_live_parameters),
             max_reuse_distance=int(zero.stage3_max_reuse_distance),
@@ -148,6 +152,23 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
         leaf = zero.leaf_module
         apply_leaf_config(module, leaf.classes, leaf.names, leaf.name_suffixes)
         chosen = resolve_units(module, units) if units else default_units(module)
+        if zero.stage3_module_granularity_threshold > 0:
+            chosen = _coarsened(module, chosen, int(zero.stage3_module_granularity_threshold))
         return Stage3Strategy(module, params, comm=comm, rank=groups.rank, world_size=groups.world_size,
                               options=options3, units=leaf_units(module, chosen))
     raise AssertionError(f"stage {zero.stage} passed config validation but has no strategy")
+
+
+def _coarsened(module: nn.Module, units: list[nn.Module], threshold: int) -> list[nn.Module]:
+    """`stage3_module_granularity_threshold`: the units with each fine-grained module that
+    contains some of them gathered as one (zero/leaf.py, `granularity_units`), said in the log."""
+    coarse, smallest = granularity_units(module, units, threshold)
+    if smallest > threshold:
+        logger.warning(f"zero_optimization.stage3_module_granularity_threshold={threshold} selects no module: the "
+                       f"smallest module granularity in the model is {smallest}; set it to at least that to gather "
+                       "fine-grained modules as one unit")
+    else:
+        logger.info(f"stage3_module_granularity_threshold={threshold}: {len(units)} stage-3 units became "
+                    f"{len(coarse)}")
+    return coarse
+

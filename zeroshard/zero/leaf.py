@@ -9,6 +9,7 @@ released after, and no unit is formed inside it. The mark is DeepSpeed's module 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from torch import nn
@@ -139,3 +140,85 @@ def leaf_units(module: nn.Module, units: Sequence[nn.Module]) -> list[nn.Module]
     kept = [u for u in units if id(u) not in inside]
     known = {id(u) for u in kept}
     return kept + [leaf for leaf in leaves if id(leaf) not in known]
+
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+"""Never a unit by granularity: a container's forward may never run (DeepSpeed skips them too)."""
+_MAX_LEAF_NUMEL = 10**9
+"""A module above this many elements is never a unit by granularity (too much gathered at once)."""
+_NEVER = sys.maxsize
+
+
+def module_granularity(module: nn.Module) -> dict[int, int]:
+    """`stage3_module_granularity_threshold`'s measure, by module id, as DeepSpeed 0.19.8
+    defines it: a module's parameter elements (its own and its descendants') divided by the
+    non-container modules with parameters in its subtree, itself included. Modules without
+    parameters, modules without children and containers get `sys.maxsize` (never chosen)."""
+    out: dict[int, int] = {}
+
+    def walk(m: nn.Module) -> tuple[int, int]:  # (layers, elements) under m
+        if next(m.parameters(), None) is None:
+            out[id(m)] = _NEVER
+            return 0, 0
+        numel = sum(p.numel() for p in m.parameters(recurse=False))
+        children = list(m.children())
+        if not children:
+            out[id(m)] = _NEVER
+            return 1, numel
+        layers = 0
+        for child in children:
+            child_layers, child_numel = walk(child)
+            layers, numel = layers + child_layers, numel + child_numel
+        if isinstance(m, _CONTAINERS):
+            out[id(m)] = _NEVER
+            return layers, numel
+        layers += 1
+        out[id(m)] = numel // layers if numel <= _MAX_LEAF_NUMEL else _NEVER
+        return layers, numel
+
+    walk(module)
+    return out
+
+
+def granularity_units(module: nn.Module, units: Sequence[nn.Module], threshold: int) -> tuple[list[nn.Module], int]:
+    """`units` (root first) coarsened by `stage3_module_granularity_threshold`.
+
+    DeepSpeed gathers every module on its own, so it marks the outermost modules whose
+    granularity (`module_granularity`) is at most `threshold` as leaves: each is then fetched
+    in one piece instead of submodule by submodule. zeroshard already gathers whole units (a
+    `ModuleList` block, the root), so the same choice can only coarsen: such a module that
+    contains units replaces them (fewer, larger gathers); one that lies inside a unit is
+    already gathered in one piece with it and changes nothing (making it a unit of its own
+    would split that unit into more gathers, the opposite of what the option asks for).
+
+    Returns:
+        The units, and the smallest granularity in the model (for the caller's message when
+        nothing qualified).
+    """
+    gran = module_granularity(module)
+    chosen: list[nn.Module] = []
+
+    def pick(m: nn.Module) -> None:  # outermost qualifying modules first, as DeepSpeed's preorder
+        if next(m.parameters(), None) is None:
+            return
+        if gran[id(m)] <= threshold:
+            chosen.append(m)
+            return
+        for child in m.children():
+            pick(child)
+
+    pick(module)
+    out = list(units)
+    for leaf in chosen:
+        inner = {id(m) for m in leaf.modules() if m is not leaf}
+        if not any(id(u) in inner for u in out):  # no unit inside: it is part of one already
+            continue
+        placed, coarser = any(u is leaf for u in out), []
+        for u in out:  # the leaf takes the place of the first unit inside it
+            if id(u) not in inner:
+                coarser.append(u)
+            elif not placed:
+                coarser.append(leaf)
+                placed = True
+        out = coarser
+    return out, min(gran.values(), default=_NEVER)

@@ -50,6 +50,7 @@ unit's parameters move to a new empty buffer, as DeepSpeed's release replaces `p
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -95,6 +96,10 @@ class Stage3Options:
     max_reuse_distance: int
     """Keep a unit gathered if it is used again within this many gathered elements."""
     prescale_factor: float = 1.0
+    persistence_budget: int = sys.maxsize
+    """At most this many elements in all persistent parameters together
+    (`stage3_model_persistence_threshold`): walking the model's parameters in order, one that
+    would exceed it stays partitioned, as in DeepSpeed."""
     master_dtype: torch.dtype = torch.float32
     """dtype of the master shard (bf16 with `bf16.bf16_master_weights_and_grads`)."""
     overlap_comm: bool = True
@@ -172,12 +177,13 @@ class Stage3Strategy(ShardedStrategyBase):
         """Assign the parameters to units (the last one persistent) and plan the partition;
         returns the parameters' names, in plan order."""
         assigned = assign_params(module, units)
+        persists = self._persistent_ids(module)
         persistent: list[tuple[str, nn.Parameter]] = []
         groups: list[list[tuple[str, nn.Parameter]]] = []
         self._unit_modules: list[nn.Module | None] = []
         for i, unit in enumerate(units):
-            keep = [(n, p) for n, p in assigned[i] if p.numel() >= self._opt.persistence_threshold]
-            persistent += [(n, p) for n, p in assigned[i] if p.numel() < self._opt.persistence_threshold]
+            keep = [(n, p) for n, p in assigned[i] if id(p) not in persists]
+            persistent += [(n, p) for n, p in assigned[i] if id(p) in persists]
             groups.append(keep)
             self._unit_modules.append(unit)
         groups.append(persistent)          # the last unit: persistent, never released
@@ -194,6 +200,18 @@ class Stage3Strategy(ShardedStrategyBase):
                                        align=ALIGN_NUMEL, buckets=bounds)
         self._unit_of = [u for u, (a, b) in enumerate(bounds) for _ in range(a, b)]
         return [n for g in groups for n, _ in g]
+
+    def _persistent_ids(self, module: nn.Module) -> set[int]:
+        """The parameters that stay gathered: fewer elements than `persistence_threshold`, taken
+        in the model's parameter order while their total stays within `persistence_budget`."""
+        out: set[int] = set()
+        total, budget = 0, self._opt.persistence_budget
+        for _, p in module.named_parameters():
+            n = p.numel()
+            if n < self._opt.persistence_threshold and total + n <= budget:
+                out.add(id(p))
+                total += n
+        return out
 
     def _init_shards(self, names: list[str]) -> None:
         """Partition the whole model the ranks hold now; keep only this rank's shards."""
