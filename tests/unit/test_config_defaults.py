@@ -41,6 +41,7 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "sparse_gradients": REMOVED, "disable_allgather": False, "memory_breakdown": False,
     "dataloader_drop_last": False, "data_types.grad_accum_dtype": None,
     "data_types.param_dtype": None, "data_types.buffer_dtype": None,
+    "data_types.keep_in_fp32_modules": None,  # DeepSpeed's "auto", which zeroshard reads as null: the same rule
     "checkpoint.tag_validation": "Warn", "checkpoint.load_universal": False,
     "checkpoint.use_node_local_storage": False, "checkpoint.parallel_write.pipeline_stage": False,
     # runtime/model_checkpointing/constants.py

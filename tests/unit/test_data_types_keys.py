@@ -37,3 +37,50 @@ def test_buffer_dtype_defaults_to_none_and_takes_dtype_names() -> None:
     assert load_config(cfg(data_types={"buffer_dtype": "bf16"}), dp_world_size=1).data_types.buffer_dtype == "bf16"
     with pytest.raises(ConfigError, match="data_types.buffer_dtype"):
         load_config(cfg(data_types={"buffer_dtype": "int8"}), dp_world_size=1)
+
+
+@pytest.mark.parametrize(("given", "stored"), [("auto", None), (None, None), ([], ()), (["a*b", "c"], ("a*b", "c"))])
+def test_keep_in_fp32_modules_takes_auto_or_a_list_of_patterns(given: Any, stored: Any) -> None:
+    c = load_config(cfg(data_types={"keep_in_fp32_modules": given}), dp_world_size=1)
+    assert c.data_types.keep_in_fp32_modules == stored
+
+
+@pytest.mark.parametrize("given", ["router", 3, [1]])
+def test_keep_in_fp32_modules_refuses_other_values(given: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^data_types.keep_in_fp32_modules: got .*expected a list of strings"):
+        load_config(cfg(data_types={"keep_in_fp32_modules": given}), dp_world_size=1)
+
+
+def test_keep_fp32_pattern_reads_each_submodules_lists_under_its_path() -> None:
+    import torch
+    from torch import nn
+
+    from zeroshard.runtime.keep_fp32 import fp32_buffers, keep_fp32_pattern
+
+    class Inner(nn.Module):
+        _keep_in_fp32_modules_strict = ["bias*"]
+        _keep_in_fp32_modules = ["norm"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            for name in ("bias_a", "norm", "other"):
+                self.register_buffer(name, torch.zeros(2))
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = Inner()
+            self.register_buffer("bias_top", torch.zeros(2))  # outside the submodule: not its name
+            self.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+
+    model = Outer()
+
+    def kept(setting: Any, dtype: torch.dtype | None) -> set[str]:
+        return set(fp32_buffers(model, keep_fp32_pattern(model, setting, dtype)).values())
+
+    assert kept(None, torch.bfloat16) == {"layer.bias_a"}
+    assert kept(None, torch.float16) == {"layer.bias_a", "layer.norm"}
+    assert kept(None, None) == set()                          # fp32 training keeps nothing special
+    assert kept(("bias*",), torch.bfloat16) == {"layer.bias_a", "bias_top"}
+    assert kept(("*",), torch.bfloat16) == {"layer.bias_a", "layer.norm", "layer.other", "bias_top"}  # not int
+    assert kept((), torch.float16) == set()

@@ -34,6 +34,7 @@ OFF_RULES: dict[str, tuple[Any, str]] = {
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
         False, "auto (off: initialize() did not enable it)"),
     "scheduler.params.warmup_min_lr": (0.0, "auto (0, as HF Trainer sets it)"),
+    "data_types.keep_in_fp32_modules": (None, "auto (the model's own Transformers fp32 lists)"),
 }
 """Keys whose "auto" means "off / zero" unless initialize() supplies a value."""
 

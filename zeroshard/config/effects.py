@@ -60,6 +60,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "fp16.auto_cast": ("runtime/engine.py::fp16.auto_cast",),
     "data_types.grad_accum_dtype": _BUILD,
     "data_types.buffer_dtype": ("runtime/initialize.py::cfg.data_types.buffer_dtype",),
+    "data_types.keep_in_fp32_modules": ("runtime/initialize.py::cfg.data_types.keep_in_fp32_modules",),
     # gradients and communication
     "gradient_clipping": _ENGINE, "communication_data_type": _BUILD, "prescale_gradients": _BUILD,
     "gradient_predivide_factor": _BUILD, "gradient_allreduce_op": _BUILD, _Z + "ignore_unused_parameters": _BUILD,

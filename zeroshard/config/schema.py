@@ -92,6 +92,14 @@ class DataTypesConfig:
     """Under bf16 / fp16: the dtype floating-point buffers are cast to. null (the default, as in
     DeepSpeed 0.19) keeps each buffer's own dtype, e.g. a rotary embedding's fp32 `inv_freq`,
     which bf16 would round. Unused under fp32."""
+    keep_in_fp32_modules: tuple[str, ...] | None = None
+    """Under bf16 / fp16: floating-point buffers kept in fp32 (upcast if they arrive in a lower
+    precision, and never cast by `buffer_dtype`), e.g. an MoE router's `e_score_correction_bias`,
+    whose values bf16 cannot tell apart. "auto" or null (the default, as in DeepSpeed 0.19.8):
+    the names the model's own Transformers lists give (`_keep_in_fp32_modules_strict` of every
+    submodule, plus `_keep_in_fp32_modules` under fp16); a list: name patterns, `*` for any
+    characters, each matching anywhere in a buffer's full name; []: none. Parameters always
+    follow the training dtype."""
 
 
 AutocastDType = Literal["torch.bfloat16", "bfloat16", "bf16", "torch.float16", "float16", "fp16", "half"]

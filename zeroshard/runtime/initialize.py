@@ -32,6 +32,7 @@ from zeroshard.runtime.checkpoint_state import Checkpointer
 from zeroshard.runtime.config_sync import check_same_config
 from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
+from zeroshard.runtime.keep_fp32 import fp32_buffers, keep_fp32_pattern
 from zeroshard.runtime.loss_scaler import build_loss_scaler
 from zeroshard.runtime.monitor import build_sinks, format_bytes, setup_logging
 from zeroshard.runtime.pipe_engine import PipelineEngine, PipeParts
@@ -245,10 +246,16 @@ def initialize(
             )
     # Parameters to the training dtype; buffers keep theirs unless data_types.buffer_dtype names one
     # (bf16/fp16 only: under fp32 every tensor keeps its dtype, as in DeepSpeed).
+    # data_types.keep_in_fp32_modules: the buffers the model's Transformers lists (or the
+    # config's patterns) name stay fp32 under bf16/fp16 (runtime/keep_fp32.py).
     named = cfg.data_types.buffer_dtype
     buffer_dtype = DTYPES[named] if named is not None and dtype is not None else None
+    kept = fp32_buffers(model, keep_fp32_pattern(model, cfg.data_types.keep_in_fp32_modules, dtype))
+    if kept:
+        logger.info(f"data_types.keep_in_fp32_modules: {len(kept)} buffer(s) kept in fp32 "
+                    f"({', '.join(sorted(kept.values())[:4])}{', ...' if len(kept) > 4 else ''})")
     if zero_init or dtype is not None:
-        move_unpartitioned(model, world.device, dtype, buffer_dtype)
+        move_unpartitioned(model, world.device, dtype, buffer_dtype, kept)
     else:
         model.to(world.device)
     comms = cfg.comms_logger

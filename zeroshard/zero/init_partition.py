@@ -8,7 +8,7 @@ shards into its unit layout and takes the state over.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -188,10 +188,11 @@ class InitPartitioner:
 
 
 def move_unpartitioned(module: nn.Module, device: torch.device, dtype: torch.dtype | None,
-                       buffer_dtype: torch.dtype | None = None) -> None:
+                       buffer_dtype: torch.dtype | None = None, fp32_buffers: Collection[int] = ()) -> None:
     """`module.to(device)` with floating-point parameters cast to `dtype` and floating-point
     buffers to `buffer_dtype` (None: each keeps its dtype, as DeepSpeed 0.19 keeps a rotary
-    embedding's fp32 `inv_freq` under bf16), that leaves `zero.Init` shards alone (casting the
+    embedding's fp32 `inv_freq` under bf16) except those in `fp32_buffers` (ids), which become
+    fp32 (`data_types.keep_in_fp32_modules`), that leaves `zero.Init` shards alone (casting the
     shards): moving a partitioned parameter with `.to` would materialise it whole."""
     for sub in module.modules():
         for _name, p in list(sub._parameters.items()):
@@ -210,6 +211,8 @@ def move_unpartitioned(module: nn.Module, device: torch.device, dtype: torch.dty
         for name, b in list(sub._buffers.items()):
             if b is not None:
                 cast = buffer_dtype if buffer_dtype is not None and b.is_floating_point() else None
+                if id(b) in fp32_buffers:
+                    cast = torch.float32
                 sub._buffers[name] = b.to(device=device, dtype=cast)
 
 
