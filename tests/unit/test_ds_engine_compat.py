@@ -60,14 +60,25 @@ def test_empty_save_dir_is_a_value_error(save_dir: str | None) -> None:
     assert isinstance(info.value, CheckpointError) and type(info.value) is CheckpointArgumentError
 
 
-def test_offload_states_is_refused_by_name() -> None:
-    from zeroshard.errors import NotSupportedError
-
+def test_offload_states_arguments_as_deepspeed_takes_them() -> None:
+    """On the CPU nothing needs to move, but the call's contract holds: bad states and devices
+    are refused by name, and the engine refuses training until reload_states()."""
     engine = _engine()
-    with pytest.raises(NotSupportedError, match=r"^engine\.offload_states\(\) .* not implemented"):
-        engine.offload_states(include=None, device="cpu", pin_memory=True, non_blocking=False)
-    with pytest.raises(NotSupportedError, match=r"^engine\.reload_states\(\)"):
-        engine.reload_states()
+    with pytest.raises(ValueError, match=r"unknown state 'params'; the states are optim_states, hp_params"):
+        engine.offload_states(include=["params"])
+    with pytest.raises(ValueError, match=r"only \"cpu\" is supported"):
+        engine.offload_states(device="nvme")
+    engine.offload_states(device="none")  # DeepSpeed: a warning, nothing moved
+    engine(torch.tensor([[1, 2], [3, 4]]))
+    engine.offload_states(include=None, device="cpu", pin_memory=True, non_blocking=False)
+    with pytest.raises(UsageError, match=r"^engine\.forward\(\) while the training states are offloaded"):
+        engine(torch.tensor([[1, 2], [3, 4]]))
+    with pytest.raises(UsageError, match="already offloaded"):
+        engine.offload_states()
+    engine.reload_states()
+    engine.backward(engine(torch.tensor([[1, 2], [3, 4]])).sum())
+    engine.step()
+    engine.reload_states()  # nothing offloaded: nothing to do
 
 
 def test_coalesce_grad_reduction_refuses_pipelines_and_exceptions_reduce_nothing() -> None:
@@ -81,3 +92,16 @@ def test_coalesce_grad_reduction_refuses_pipelines_and_exceptions_reduce_nothing
         engine.backward(engine(torch.tensor([[1, 2], [3, 4]])).sum())
         raise KeyError("the block failed")
     assert not engine.grads_ready and not engine._micro.no_sync
+
+
+def test_offload_states_takes_deepspeeds_enums() -> None:
+    from zeroshard.compat.alias.deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+    from zeroshard.runtime.offload_states import STATES
+
+    assert [s.value for s in OffloadStateTypeEnum] == list(STATES)
+    engine = _engine()
+    engine.offload_states(include=[OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params],
+                          device=OffloadDeviceEnum.cpu, pin_memory=False, non_blocking=True)
+    with pytest.raises(UsageError, match=r"\(hp_params, optim_states\): call engine.reload_states"):
+        engine.step()
+    engine.reload_states(non_blocking=True)

@@ -259,6 +259,7 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
     # -- training -------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_states("forward()")
         differentiating = bool(func_transforms() & {"Grad", "Jvp"})  # torch.func.grad, jacrev, jvp, ...
         if differentiating and self._config.zero_optimization.stage == 3:
             raise NotSupportedError(
@@ -327,6 +328,7 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         Returns:
             The loss divided by gradient_accumulation_steps (when `scale_wrt_gas`), as DeepSpeed.
         """
+        self._require_states("backward()")
         if loss.dim() != 0:
             raise LossError(
                 f"engine.backward expects the loss as a scalar tensor, got shape {tuple(loss.shape)}; "
@@ -358,6 +360,7 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         fp16 overflow (lowering the loss scale), otherwise step the optimizer and then the
         lr scheduler.
         """
+        self._require_states("step()")
         if self._coalescing:
             raise UsageError("engine.step() inside engine.coalesce_grad_reduction() (DeepSpeed: It is illegal "
                              "to call Engine.step() inside no_sync context manager): leave the block first; "
@@ -500,6 +503,7 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
 
             engine.save_checkpoint("ckpt", client_state={"epoch": 3})
         """
+        self._require_states("save_checkpoint()")
         if save_dir is None or str(save_dir) == "":
             raise CheckpointArgumentError(f"save_checkpoint: save_dir must name a directory, got {save_dir!r} "
                                           "(nothing was written)")
@@ -555,6 +559,7 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
             CheckpointError: the tag or a file is missing, truncated or foreign, or the
                 checkpoint does not match the model (names, shapes); nothing was changed.
         """
+        self._require_states("load_checkpoint()")
         if self.checkpointer is None:
             raise CheckpointError("this engine has no checkpointer; build it with zeroshard.initialize()")
         if custom_load_fn is not None:

@@ -1,5 +1,5 @@
 """The micro-batch accumulation controls of DeepSpeed's engine: the boundary flag, `no_sync()`,
-`coalesce_grad_reduction()`, and the refused `offload_states()` / `reload_states()`.
+`coalesce_grad_reduction()`, and `offload_states()` / `reload_states()` (runtime/offload_states.py).
 
 A mixin of `ZeroEngine` (runtime/engine.py), which owns the state these read and change: the
 micro-batch state (`_micro`, runtime/engine_state.py), the strategy and the timers. Kept apart so
@@ -8,16 +8,24 @@ engine.py holds the training step itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from zeroshard.errors import NotSupportedError, UsageError
+import torch
+
+from zeroshard.errors import UsageError
 from zeroshard.runtime.engine_state import MicroBatchState, Phase
+from zeroshard.runtime.offload_states import StateOffload, optimizer_state_tensors, resolve_device, resolve_include
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from zeroshard.runtime.monitor import Timers
     from zeroshard.zero.strategy import ZeroStrategy
+
+logger = logging.getLogger("zeroshard")
 
 
 class AccumulationControl:
@@ -29,6 +37,8 @@ class AccumulationControl:
     # is EngineQueries' (a stub here would shadow it: this class comes first in ZeroEngine's bases)
     micro_steps: int
     timers: "Timers"
+    optimizer: "torch.optim.Optimizer | None"
+    module: "nn.Module"
 
     def _init_accumulation(self, managed: bool) -> None:
         """`managed`: the config's managed_gradient_accumulation."""
@@ -36,6 +46,8 @@ class AccumulationControl:
         """The engine's micro-batch state (Note: [micro-batch phases] in runtime/engine_state.py)."""
         self._coalescing = False
         """Inside `coalesce_grad_reduction()` (which also sets `_micro.no_sync`)."""
+        self._offloaded = StateOffload()
+        """What `offload_states()` holds until `reload_states()`."""
 
     def managed_gradient_accumulation(self) -> bool:
         """The config's `managed_gradient_accumulation`: False when every `step()` is the boundary."""
@@ -124,18 +136,58 @@ class AccumulationControl:
         if self._micro.pending_backwards > before:
             self._reduce_accumulated()
 
-    def offload_states(self, *args: Any, **kwargs: Any) -> None:
-        """DeepSpeed's `offload_states`: not built (refused by name)."""
-        raise NotSupportedError(
-            "engine.offload_states() (DeepSpeed 0.16+) is not implemented in zeroshard: the optimizer "
-            "states, master weights and gradients stay where the config puts them. To keep them off the "
-            'accelerator, set "zero_optimization": {"offload_optimizer": {"device": "cpu"}} (and '
-            '"offload_param" at stage 3).')
+    def offload_states(self, include: Iterable[Any] | None = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Free the accelerator memory of the training states until `reload_states()` (DeepSpeed
+        0.16+'s call, for RLHF loops that generate between training phases).
 
-    def reload_states(self, *args: Any, **kwargs: Any) -> None:
-        """DeepSpeed's `reload_states`: not built (refused by name)."""
-        raise NotSupportedError("engine.reload_states() is not implemented in zeroshard (nor is offload_states()): "
-                                "there is nothing offloaded to bring back.")
+        Args:
+            include: which states (DeepSpeed's `OffloadStateTypeEnum` or their names):
+                "optim_states", "hp_params" (master weights), "lp_params" (the parameters and
+                stage-3 shards), "lp_grads", "contiguous_grad_buffer" (the staging pool); None:
+                all. A storage two states share moves only when both are included.
+            device: "cpu" (DeepSpeed's `OffloadDeviceEnum.cpu`); "none" does nothing.
+            pin_memory: host copies in pinned memory (with CUDA).
+            non_blocking: copies on the stream, not waited for.
+
+        Until `reload_states()`, forward, backward, step and checkpoints raise. States already
+        on the host (optimizer offload, CPU training) stay where they are (Note: [offload by
+        storage] in runtime/offload_states.py).
+        """
+        states, target = resolve_include(include), resolve_device(device)
+        if target is None:
+            logger.warning("offload_states(device=none): nothing was moved")
+            return
+        if self.optimizer is None:
+            raise UsageError("offload_states() on an engine without an optimizer: there are no training states "
+                             "to move (DeepSpeed asserts the same)")
+        self._offload_with(states, pin_memory=pin_memory, non_blocking=non_blocking, move_host_storages=False)
+
+    def _offload_with(self, states: set[str], *, pin_memory: bool, non_blocking: bool,
+                      move_host_storages: bool) -> int:
+        tensors = dict(self.strategy.state_tensors())
+        tensors["optim_states"] = optimizer_state_tensors(self.optimizer)
+        tensors["lp_params"] = [*tensors.get("lp_params", ()), *self.module.parameters()]
+        freed = self._offloaded.offload(tensors, states, pin_memory=pin_memory, non_blocking=non_blocking,
+                                        move_host_storages=move_host_storages)
+        if freed and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        logger.info(f"offload_states: {freed / 2**20:.1f} MiB moved to the host ({', '.join(sorted(states))})")
+        return freed
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what `offload_states()` moved, to where it was; without an offload, nothing."""
+        if self.optimizer is None:
+            raise UsageError("reload_states() on an engine without an optimizer (DeepSpeed asserts the same)")
+        back = self._offloaded.reload(non_blocking=non_blocking)
+        if back:
+            logger.info(f"reload_states: {back / 2**20:.1f} MiB back on the accelerator")
+
+    def _require_states(self, what: str) -> None:
+        """Refuse `what` while `offload_states()` holds the states (their storages are empty)."""
+        if self._offloaded.active:
+            raise UsageError(f"engine.{what} while the training states are offloaded "
+                             f"({', '.join(sorted(self._offloaded.states))}): call engine.reload_states() first")
 
     def _reduce_accumulated(self) -> None:
         """After `coalesce_grad_reduction`: reduce what its backward passes accumulated."""

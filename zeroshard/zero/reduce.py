@@ -236,6 +236,10 @@ class GradReducer:
         if block is not None:
             self._free.append(block)
 
+    def pool_blocks(self) -> list[Tensor]:
+        """The staging blocks the pool holds free (between steps: all of them)."""
+        return list(self._free)
+
     def pool_bytes(self) -> int:
         """Bytes of every staging block allocated (kept for reuse across steps)."""
         return self._pool_bytes

@@ -244,6 +244,15 @@ class OptimizerShard:
                                numel=f.numel, master=frag, values=v)
                 for f, frag, v in zip(self._fragments, self.fragment_params, staged)]
 
+    def state_tensors(self) -> dict[str, list[Tensor]]:
+        """The master shard ("hp_params": the fragments, views of the low-precision values when
+        there is no separate master) and the gradient shard ("lp_grads")."""
+        hp = [self.master] if self.master is not None else list(self.fragment_params)
+        grads = [self.grad_shard] if self.grad_shard is not None else []
+        if self._whole_grads is not None:
+            grads.append(self._whole_grads)
+        return {"hp_params": hp, "lp_grads": grads}
+
     def count_bytes(self, acc: BytesByHome, optimizer_state_bytes: int) -> None:
         """Add the gradient shard, master shard and optimizer state at the policy's home."""
         home = self._policy.label(self._device)

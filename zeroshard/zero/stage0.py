@@ -243,6 +243,10 @@ class Stage0Strategy(ZeroStrategy):
     def transient_bytes(self) -> int:
         return 0  # buckets are reduced in place in the flat gradient
 
+    def state_tensors(self) -> dict[str, list[Tensor]]:
+        return {"lp_params": list(self._params), "hp_params": list(self._master), "lp_grads": [self._grads.flat],
+                "contiguous_grad_buffer": self._reducer.pool_blocks()}
+
     # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpoint_state.py) -------------
 
     def checkpoint_fragments(self) -> list[MasterFragment]:

@@ -230,6 +230,10 @@ class PartitionedStrategy(ShardedStrategyBase):
         """Bytes kept for reuse beyond the model states: the reducer's staging pool."""
         return self._reducer.pool_bytes()
 
+    def state_tensors(self) -> dict[str, list[Tensor]]:
+        return {"lp_params": [self._flat_params], **self._shard.state_tensors(),
+                "contiguous_grad_buffer": self._reducer.pool_blocks()}
+
     # -- checkpoints (Note: [checkpoint fragments] in runtime/checkpoint_state.py) ---------------
 
     def param_pieces(self) -> list[ParamPiece] | None:

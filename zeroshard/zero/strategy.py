@@ -225,6 +225,14 @@ class ZeroStrategy(Protocol):
         """Bytes held beyond the model states and kept between steps (the staging pool)."""
         ...
 
+    def state_tensors(self) -> dict[str, list[Tensor]]:
+        """The tensors holding this strategy's states, under DeepSpeed's `offload_states` names:
+        "lp_params" (the low-precision values it keeps: flat buffer or shards), "hp_params"
+        (master weights), "lp_grads" (gradient buffers and shards), "contiguous_grad_buffer"
+        (the reducer's staging pool). Tensors of two names may share a storage (fp32 masters that
+        are views of the parameters). runtime/offload_states.py moves them."""
+        ...
+
     # -- checkpoints (runtime/checkpoint_state.py) ---------------------------------------------
 
     def checkpoint_fragments(self) -> list[MasterFragment]:
