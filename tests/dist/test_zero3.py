@@ -309,7 +309,7 @@ class LoraNet(nn.Module):
     """LoRA blocks under a frozen embedding, a frozen layer in the root after the blocks (its
     backward runs after the root's last trainable gradient), and a trainable head."""
 
-    def __init__(self, d: int = 32, checkpointed: bool = False) -> None:
+    def __init__(self, d: int = 32, checkpointed: str = "") -> None:
         super().__init__()
         self.emb = nn.Embedding(256, d)
         self.emb.requires_grad_(False)
@@ -323,16 +323,16 @@ class LoraNet(nn.Module):
         h = self.emb(x)
         for block in self.blocks:
             if self.checkpointed:
-                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.checkpointed == "reentrant")
             else:
                 h = block(h)
         logits = self.head(self.frozen(h))
         return F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
 
 
-@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("checkpointed", ["", "reentrant", "non-reentrant"])
 @pytest.mark.parametrize("reuse", [0, 10**9])
-def test_frozen_parameters_read_late_in_backward(groups, checkpointed: bool, reuse: int) -> None:
+def test_frozen_parameters_read_late_in_backward(groups, checkpointed: str, reuse: int) -> None:
     """LoRA at stage 3: a unit's last trainable gradient arrives before the backward of its
     frozen base weights, which still reads them. Releasing the unit then crashed ("setStorage
     ... out of bounds for storage of size 0"); now it matches stage 0, and the blocks are still
