@@ -111,6 +111,32 @@ def test_trainer_zero2_auto_config_resume_and_zero_to_fp32(tmp_path: Path) -> No
     assert set(saved) <= set(fp32) and all(torch.equal(fp32[k], saved[k].float()) for k in saved)
 
 
+def peft_lora(tmp: Path, engine: str, stage: int) -> dict[str, Any]:
+    results = tmp / engine / f"peft{stage}.json"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    run([str(SCRIPTS / "hf_peft_lora.py"), "--stage", str(stage), "--results", str(results)], engine, tmp, 2,
+        label=f"peft lora stage {stage}")
+    return json.loads(results.read_text())
+
+
+def test_peft_lora_zero3_equals_stage0_world2(tmp_path: Path) -> None:
+    """PEFT LoRA (frozen base weights, trainable adapters) at ZeRO-3 with every base weight
+    partitioned, 2 ranks: the losses are stage 0's. Before the fix in stage3.py the first
+    backward died with "setStorage ... out of bounds for storage of size 0"."""
+    stage0, stage3 = peft_lora(tmp_path, "zeroshard", 0), peft_lora(tmp_path, "zeroshard", 3)
+    assert stage3["trainable"] == stage0["trainable"] < 20_000
+    for a, b in zip(stage3["losses"], stage0["losses"], strict=True):
+        assert relative(a, b) <= TOL, (stage3["losses"], stage0["losses"])
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs DeepSpeed 0.19 (the [bench] extra)")
+def test_peft_lora_zero3_equals_deepspeed_world2(tmp_path: Path) -> None:
+    ours, theirs = peft_lora(tmp_path, "zeroshard", 3), peft_lora(tmp_path, "deepspeed", 3)
+    for a, b in zip(ours["losses"], theirs["losses"], strict=True):
+        assert relative(a, b) <= TOL, (ours["losses"], theirs["losses"])
+
+
 def test_trainer_hf_optimizer_offload_eval_world2(tmp_path: Path) -> None:
     """HF's own AdamW and scheduler (no optimizer section; zero_allow_untested_optimizer) with CPU
     optimizer offload at 2 ranks, then Trainer.evaluate()."""
