@@ -358,3 +358,38 @@ def test_frozen_parameters_read_late_in_backward(groups, checkpointed: str, reus
     everything = sum(u.numel() for u in engine._strategy._full)
     if reuse == 0:
         assert engine._strategy.peak_live_numel < everything, (engine._strategy.peak_live_numel, everything)
+
+
+class FrozenOnParameter(nn.Module):
+    """A frozen layer fed a trainable parameter directly (a learned prefix through a frozen projection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefix = nn.Parameter(torch.randn(2, 16))
+        self.proj = nn.Linear(16, 16)
+        self.proj.requires_grad_(False)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.proj(self.prefix) + x)).pow(2).mean()
+
+
+def test_a_parameter_fed_to_a_frozen_layer_gathers_no_hooks(groups) -> None:
+    """The inputs of modules holding frozen weights are watched per forward; a parameter passed
+    in is not (a hook per forward would pile up on it), and training still equals stage 0."""
+    torch.manual_seed(0)
+    base = FrozenOnParameter()
+    results = []
+    for zero in ({"stage": 0}, {"stage": 3, "stage3_param_persistence_threshold": 0}):
+        engine = init_engine(copy.deepcopy(base), make_config(zero_optimization=zero))
+        losses = []
+        for step in range(4):
+            x = torch.randn(2, 16, generator=torch.Generator().manual_seed(step + 10 * groups.rank))
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        with torch._C.DisableTorchFunctionSubclass():  # a partitioned parameter's metadata
+            assert not engine.module.prefix._backward_hooks, "hooks piled up on the parameter"
+        results.append(losses)
+    torch.testing.assert_close(torch.tensor(results[1]), torch.tensor(results[0]), rtol=1e-5, atol=0)

@@ -484,7 +484,9 @@ class Stage3Strategy(ShardedStrategyBase):
         if not torch.is_grad_enabled():
             return
         for t in tensors_in((args, kwargs or {})):
-            if t.requires_grad:
+            # A parameter passed in lives on: a hook per forward would pile up on it. Its
+            # gradient arrives after the nodes that read it, as its own unit's arrivals count.
+            if t.requires_grad and not isinstance(t, nn.Parameter):
                 self._inputs_pending[u] += 1
                 t.register_hook(lambda grad, u=u: self._input_grad_done(u))
 
