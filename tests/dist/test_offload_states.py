@@ -18,7 +18,7 @@ from torch._C import DisableTorchFunctionSubclass
 
 import zeroshard
 from zeroshard.errors import UsageError
-from zeroshard.runtime.offload_states import STATES, optimizer_state_tensors
+from zeroshard.runtime.offload_states import STATES
 
 
 class Net(nn.Module):
@@ -63,11 +63,8 @@ def train(engine: Any, rank: int, steps: range) -> list[float]:
 
 
 def storages(engine: Any) -> dict[str, list[torch.UntypedStorage]]:
-    tensors = dict(engine.strategy.state_tensors())
-    tensors["optim_states"] = optimizer_state_tensors(engine.optimizer)
-    tensors["lp_params"] = [*tensors.get("lp_params", ()), *engine.module.parameters()]
     with DisableTorchFunctionSubclass():
-        return {k: [t.untyped_storage() for t in ts] for k, ts in tensors.items()}
+        return {k: [t.untyped_storage() for t in ts] for k, ts in engine._state_tensors().items()}
 
 
 def weights(engine: Any) -> dict[str, torch.Tensor]:

@@ -163,12 +163,17 @@ class AccumulationControl:
                              "to move (DeepSpeed asserts the same)")
         self._offload_with(states, pin_memory=pin_memory, non_blocking=non_blocking, move_host_storages=False)
 
-    def _offload_with(self, states: set[str], *, pin_memory: bool, non_blocking: bool,
-                      move_host_storages: bool) -> int:
+    def _state_tensors(self) -> dict[str, list["torch.Tensor"]]:
+        """The tensors of each offloadable state: the strategy's, the optimizer's state, and the
+        module's parameters (frozen ones included) under "lp_params"."""
         tensors = dict(self.strategy.state_tensors())
         tensors["optim_states"] = optimizer_state_tensors(self.optimizer)
         tensors["lp_params"] = [*tensors.get("lp_params", ()), *self.module.parameters()]
-        freed = self._offloaded.offload(tensors, states, pin_memory=pin_memory, non_blocking=non_blocking,
+        return tensors
+
+    def _offload_with(self, states: set[str], *, pin_memory: bool, non_blocking: bool,
+                      move_host_storages: bool) -> int:
+        freed = self._offloaded.offload(self._state_tensors(), states, pin_memory=pin_memory, non_blocking=non_blocking,
                                         move_host_storages=move_host_storages)
         if freed and torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -40,16 +40,8 @@ most), user gathers (`GatheredParameters`: what a user reads, saves or modifies 
 re-gather when a unit a user gathers is already gathered quantised. `UnitBuffer.exact` says
 which kind a gathered unit holds; `UnitShards.gather_for` picks the route.
 
-Note: [frozen parameters in backward] A unit's gradients all arriving usually means its
-backward is over: every backward node that reads a trainable parameter also produces its
-gradient. A frozen parameter (LoRA's base weights, a frozen embedding) is read by nodes that
-produce only the gradient of their input, and autograd may run those after the unit's last
-trainable gradient arrived (an adapter's nodes are newer than the base matmul's). So a unit with
-frozen parameters is released only once, in addition, the gradient of every input that needed
-one was computed for each module holding such a parameter (hooks on those inputs, counted per
-forward; an input used elsewhere too only makes it later). A module whose inputs need no
-gradient never reads its frozen weights in backward. What never gets its gradient waits for the
-end of backward, as the persistent unit does.
+Frozen parameters hold their unit until backward has read them: zero/frozen_reads.py (Note:
+[frozen parameters in backward]).
 
 Note: [released storage] a released unit's flat buffer keeps its tensor object but its storage
 is resized to 0 bytes; parameters and any views autograd saved keep pointing at it and see the
@@ -71,6 +63,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition
+from zeroshard.zero.frozen_reads import FrozenReads
 from zeroshard.zero.gather import SecondaryPartition
 from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
 from zeroshard.zero.offload.policy import OffloadPolicy
@@ -278,8 +271,7 @@ class Stage3Strategy(ShardedStrategyBase):
         counts = [sum(self._trainable[a:b]) for a, b in self._plan.buckets]
         self._arrivals = LaunchOrder(self._unit_of, counts, in_order=False)
         # Note: [frozen parameters in backward]
-        self._inputs_pending = [0] * len(self._plan.buckets)
-        self._awaiting_inputs: set[int] = set()
+        self._frozen_reads = FrozenReads(len(self._plan.buckets), self._release)
 
     def _install_hooks(self) -> None:
         for u, module in enumerate(self._unit_modules):
@@ -290,13 +282,10 @@ class Stage3Strategy(ShardedStrategyBase):
         for i, p in enumerate(self._params):
             if self._trainable[i]:
                 p.register_post_accumulate_grad_hook(lambda t, i=i: self._on_grad_ready(i, t))
-        # After the units' hooks: on the root, its unit hook starts the forward first.
-        root = self._unit_modules[0]
-        for module in root.modules() if root is not None else ():
-            units = {self._unit_of[self._index_of[id(q)]] for q in module.parameters(recurse=False)
-                     if id(q) in self._index_of and not self._trainable[self._index_of[id(q)]]} - {self._persistent}
-            for u in units:  # Note: [frozen parameters in backward]
-                module.register_forward_pre_hook(lambda m, a, kw, u=u: self._watch_inputs(u, a, kw), with_kwargs=True)
+        if self._unit_modules[0] is not None:
+            self._frozen_reads.install(self._unit_modules[0], {
+                id(p): self._unit_of[i] for i, p in enumerate(self._params)
+                if not self._trainable[i] and self._unit_of[i] != self._persistent})
 
     def __repr__(self) -> str:
         first, last = self._plan.buckets[self._persistent]
@@ -419,8 +408,7 @@ class Stage3Strategy(ShardedStrategyBase):
             if self._pass is Pass.FORWARD:
                 self._arrivals.reset()
                 self._backward_started = set()  # units whose outputs' gradients arrived
-                self._inputs_pending = [0] * len(self._inputs_pending)
-                self._awaiting_inputs = set()
+                self._frozen_reads.reset()
                 self._recompute_tail = None  # the unit whose recompute finished last
                 self._reducer.end_micro_batch()
                 self._exec.start_forward()
@@ -472,29 +460,8 @@ class Stage3Strategy(ShardedStrategyBase):
         for ready in self._arrivals.arrive(index):
             if ready != self._persistent:
                 self._reduce(ready)
-                if self._inputs_pending[ready]:  # its frozen parameters are still to be read
-                    self._awaiting_inputs.add(ready)
-                else:
+                if self._frozen_reads.grads_arrived(ready):  # else its frozen weights' last read releases it
                     self._release(ready)
-
-    def _watch_inputs(self, u: int, args: Any, kwargs: Any) -> None:
-        """A module holding frozen parameters of unit `u` runs: count its inputs that need a
-        gradient; each one's gradient, once computed, says the backward is done with those
-        parameters (Note: [frozen parameters in backward])."""
-        if not torch.is_grad_enabled():
-            return
-        for t in tensors_in((args, kwargs or {})):
-            # A parameter passed in lives on: a hook per forward would pile up on it. Its
-            # gradient arrives after the nodes that read it, as its own unit's arrivals count.
-            if t.requires_grad and not isinstance(t, nn.Parameter):
-                self._inputs_pending[u] += 1
-                t.register_hook(lambda grad, u=u: self._input_grad_done(u))
-
-    def _input_grad_done(self, u: int) -> None:
-        self._inputs_pending[u] = max(0, self._inputs_pending[u] - 1)
-        if not self._inputs_pending[u] and u in self._awaiting_inputs:
-            self._awaiting_inputs.discard(u)
-            self._release(u)
 
     def _reduce(self, u: int) -> None:
         self._arrivals.mark_launched(u)
@@ -515,8 +482,7 @@ class Stage3Strategy(ShardedStrategyBase):
                 self._reduce(u)
         self._reducer.drain()
         self._unpin_all()
-        self._awaiting_inputs = set()
-        self._inputs_pending = [0] * len(self._inputs_pending)
+        self._frozen_reads.reset()
         for u in range(len(self._plan.buckets)):
             self._release(u)
         self._exec.finish_recording()
