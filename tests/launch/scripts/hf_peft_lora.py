@@ -5,7 +5,7 @@
 Only the adapters train; the base weights are frozen. With stage3_param_persistence_threshold 0
 every base weight is partitioned at stage 3, so each LoRA layer's frozen matmul reads its weight
 in backward after the adapter's gradients arrived (Note: [frozen parameters in backward] in
-zeroshard/zero/stage3.py). Writes the per-step losses (rank 0)."""
+zeroshard/zero/frozen_reads.py). Writes the per-step losses (rank 0)."""
 
 from __future__ import annotations
 
