@@ -71,3 +71,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.bench)
         if "bench" in item.keywords and not BENCH_TESTS:
             item.add_marker(skip_bench)
+
+
+@pytest.fixture
+def deepspeed_alias(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`import deepspeed` served by zeroshard's alias for one test, as ZEROSHARD_AS_DEEPSPEED=1 serves it to a
+    script; undone afterwards, so a real DeepSpeed (where installed) is what the next test imports.
+
+    The alias package is never imported by its file path (zeroshard.compat.alias.deepspeed...): its modules
+    import `deepspeed` themselves, which without the alias active is a real DeepSpeed or nothing."""
+    import importlib
+    import sys
+
+    from zeroshard import compat
+
+    def ours(name: str) -> bool:
+        return name == "deepspeed" or name.startswith("deepspeed.")
+
+    saved = {name: module for name, module in sys.modules.items() if ours(name)}
+    for name in saved:
+        del sys.modules[name]
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv(compat.ENV_VAR, "1")  # install() sets it too; monkeypatch restores the old value
+    monkeypatch.setenv("ZEROSHARD_ALIAS_QUIET", "1")
+    compat.install()
+    yield importlib.import_module("deepspeed")
+    for name in [name for name in sys.modules if ours(name)]:
+        del sys.modules[name]
+    sys.modules.update(saved)
+    importlib.invalidate_caches()

@@ -4,6 +4,8 @@ is the (empty) set of sparse-gradient embeddings, a fresh set per read."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -94,8 +96,9 @@ def test_coalesce_grad_reduction_refuses_pipelines_and_exceptions_reduce_nothing
     assert not engine.grads_ready and not engine._micro.no_sync
 
 
-def test_offload_states_takes_deepspeeds_enums() -> None:
-    from zeroshard.compat.alias.deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+def test_offload_states_takes_deepspeeds_enums(deepspeed_alias: Any) -> None:
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
     from zeroshard.runtime.offload_states import STATES
 
     assert [s.value for s in OffloadStateTypeEnum] == list(STATES)
