@@ -23,10 +23,12 @@ from zeroshard.pipe import (
     LayerSpec,
     PipeDataParallelTopology,
     PipelineModule,
+    PipelineParallelGrid,
     PipeModelDataParallelTopology,
     ProcessTopology,
     TiedLayerSpec,
 )
+from zeroshard.pipe.grid import default_topology
 from zeroshard.pipe.module import count_layer_params, partition_layers
 from zeroshard.pipe.partition import partition_min_max, partition_spread, partition_uniform
 
@@ -61,7 +63,14 @@ SIGNATURES = [
      "deepspeed.runtime.pipe.engine:PipelineEngine.set_dataiterator"),
 ] + [(f"zeroshard.pipe:ProcessTopology.{m}", f"deepspeed.runtime.pipe.topology:ProcessTopology.{m}")
      for m in ("get_rank", "get_axis_names", "get_rank_repr", "get_dim", "get_coord", "get_axis_comm_lists",
-               "filter_match", "get_axis_list", "world_size")]
+               "filter_match", "get_axis_list", "world_size")
+] + [(f"zeroshard.pipe:PipelineParallelGrid.{m}", f"deepspeed.runtime.pipe.topology:PipelineParallelGrid.{m}")
+     for m in ("__init__", "stage_to_global", "get_data_parallel_rank", "get_pipe_parallel_rank")]
+
+GRID_ATTRIBUTES = ("global_rank", "world_size", "data_parallel_size", "pipe_parallel_size", "model_parallel_size",
+                   "slice_parallel_size", "stage_id", "data_parallel_id", "is_first_stage", "is_last_stage",
+                   "dp_group", "pp_group", "p2p_groups")
+"""What DeepSpeed's grid sets in its constructor and scripts read as attributes."""
 
 
 @pytest.mark.parametrize(("ours", "theirs"), SIGNATURES, ids=[s[0].rpartition(":")[2] for s in SIGNATURES])
@@ -212,6 +221,26 @@ def test_partition_summary_counts_whole_layers_after_an_in_place_split() -> None
     layers[0].weight = nn.Parameter(torch.zeros(8, 8))  # as a column split to 2 ranks leaves it
     layers[0].bias = nn.Parameter(torch.zeros(8))
     assert net.describe_partition() == before
+
+
+def test_grid_has_every_public_method_of_deepspeeds(ds: Any) -> None:
+    theirs = {n for n in vars(ds.topology.PipelineParallelGrid) if not n.startswith("_")}
+    missing = sorted(n for n in theirs if not hasattr(PipelineParallelGrid, n))
+    assert not missing, f"PipelineParallelGrid lacks DeepSpeed's {missing}"
+
+
+def test_grid_at_world_size_one_without_a_process_group() -> None:
+    """`python train.py` with a one-stage PipelineModule: the grid answers with no group to build."""
+    net = PipelineModule([LayerSpec(nn.Linear, 2, 2)], num_stages=1)
+    grid = net._grid
+    assert net.mpu() is grid and grid.topology() is net.topology()
+    assert all(hasattr(grid, name) for name in GRID_ATTRIBUTES)
+    assert (grid.get_stage_id(), grid.get_data_parallel_rank(), grid.get_slice_parallel_rank()) == (0, 0, 0)
+    assert grid.is_first_stage and grid.is_last_stage and grid.p2p_groups == [[0, 0]]
+    assert grid.get_data_parallel_world_size() == grid.get_pipe_parallel_world_size() == 1
+    assert grid.stage_to_global(0) == 0 and grid.get_data_parallel_group_ranks() == [0]
+    assert [(t.get_dim("pipe"), t.get_dim("data")) for t in map(default_topology, (1, 2, 6, 8, 12))] == [
+        (1, 1), (2, 1), (2, 3), (4, 2), (6, 2)]  # DeepSpeed's prime factors, dealt pipe, data, pipe, ...
 
 
 def test_dualpipev_is_refused_by_name() -> None:

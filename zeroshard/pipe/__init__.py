@@ -7,6 +7,7 @@ the process topologies) on torch.distributed.pipelining's schedules; ZeRO runs i
     loss = engine.train_batch(data_iter)
 """
 
+from zeroshard.pipe.grid import PipelineParallelGrid
 from zeroshard.pipe.module import DualPipeVModule, LayerSpec, PipelineError, PipelineModule, TiedLayerSpec
 from zeroshard.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 
@@ -17,6 +18,7 @@ __all__ = [
     "PipeModelDataParallelTopology",
     "PipelineError",
     "PipelineModule",
+    "PipelineParallelGrid",
     "ProcessTopology",
     "TiedLayerSpec",
 ]

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from zeroshard.comm.groups import init_distributed
 from zeroshard.comm.topology import Topology
 from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.pipe.grid import PipelineParallelGrid
 from zeroshard.pipe.partition import partition_min_max, partition_spread, partition_uniform
 from zeroshard.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 from zeroshard.runtime.activation_checkpointing import checkpoint as _default_checkpoint
@@ -343,6 +344,19 @@ class PipelineModule(nn.Module):
 
     def topology(self) -> ProcessTopology:
         return self._topo
+
+    @property
+    def _grid(self) -> PipelineParallelGrid:
+        """DeepSpeed's `PipelineModule._grid`: the grid of the current topology, over the engine's groups
+        once `initialize` has built them (building them itself, on every rank, when read before)."""
+        grid = self.__dict__.get("_grid_view")
+        if grid is None or grid.topology() is not self._topo:
+            grid = self.__dict__["_grid_view"] = PipelineParallelGrid(self._topo)
+        return grid
+
+    def mpu(self) -> PipelineParallelGrid:
+        """The grid as a Megatron-style model-parallel unit (DeepSpeed's `PipelineModule.mpu()`)."""
+        return self._grid
 
     # -- 3D parallelism (runtime/initialize.py) ---------------------------------------------
 

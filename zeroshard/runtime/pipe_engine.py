@@ -25,6 +25,7 @@ from zeroshard.comm import Comm
 from zeroshard.comm.groups import subgroup
 from zeroshard.errors import NotSupportedError
 from zeroshard.pipe.failures import StageGuard, first_line
+from zeroshard.pipe.grid import PipelineParallelGrid
 from zeroshard.pipe.module import PipelineError, PipelineModule
 from zeroshard.pipe.schedules import GradCapture, StageRunner, build_schedule, last_outputs
 from zeroshard.runtime.activation_checkpointing import checkpoint, non_reentrant_checkpoint
@@ -129,6 +130,17 @@ class PipelineEngine(ZeroEngine):
         return StageRunner(build, guard, first_rank=topo.rank_at(pp=0, dp=coord["dp"], tp=coord["tp"]),
                            is_first=self.is_first_stage(), micro_batches=self.micro_batches,
                            dynamic=module.dynamic_shape, group=pp.dp_group)
+
+    @property
+    def grid(self) -> PipelineParallelGrid:
+        """DeepSpeed's `engine.grid`: stage, pipeline and tensor slice of this rank, and their groups
+        (the engine's own; scripts shard their data with `grid.get_data_parallel_rank()`)."""
+        return self._pipe.module._grid
+
+    @property
+    def mpu(self) -> PipelineParallelGrid:
+        """DeepSpeed's pipeline engine takes the module's grid as its `mpu`."""
+        return self.grid
 
     def global_rank_is_zero(self) -> bool:
         return self._pipe.mesh.world.rank == 0
