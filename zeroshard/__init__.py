@@ -31,16 +31,18 @@ _EXPORTS = {
     "LaunchError": "zeroshard.errors",
     "DeepSpeedEngine": "zeroshard.runtime.engine",
     "tp_model_init": "zeroshard.tensor",
+    "get_accelerator": "zeroshard.accelerator",
 }
 
 _SUBMODULES = ("comm", "zero", "utils", "runtime", "checkpoint", "config", "estimate", "accelerator", "moe",
-               "checkpointing", "tensor")
+               "checkpointing", "tensor", "ops", "compression")
 """DeepSpeed scripts reach these as attributes (`deepspeed.zero.Init`, `deepspeed.comm.get_rank`,
-`deepspeed.accelerator.get_accelerator()`, `deepspeed.checkpointing`)."""
+`deepspeed.accelerator.get_accelerator()`, `deepspeed.checkpointing`, `deepspeed.ops.adam`)."""
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from zeroshard.accelerator import get_accelerator
     from zeroshard.arguments import add_config_arguments
     from zeroshard.comm import init_distributed
     from zeroshard.config import Config, load_config

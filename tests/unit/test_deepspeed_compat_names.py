@@ -23,6 +23,9 @@ pydantic = pytest.importorskip("pydantic")
 
 # (alias module, name) pairs that must import under ZEROSHARD_AS_DEEPSPEED=1.
 SERVED = [
+    ("deepspeed", "get_accelerator"),
+    ("deepspeed.compression.helper", "recursive_getattr"),
+    ("deepspeed.compression.helper", "recursive_setattr"),
     ("deepspeed.accelerator", "is_current_accelerator_supported"),
     ("deepspeed.git_version_info", "torch_info"),
     ("deepspeed.moe.layer", "MoE"),
@@ -97,6 +100,11 @@ out["cpu_adam"] = deepspeed.ops.__compatible_ops__[CPUAdamBuilder.NAME]
 out["zre"] = ZeRORuntimeException is ZeroshardError
 from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
 out["leaf"] = DEFAULT_LEAF_MODULE_CLASSES
+from deepspeed import get_accelerator
+from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+import zeroshard.ops.adam
+out["accelerator"] = get_accelerator() is deepspeed.accelerator.get_accelerator()
+out["ops"] = (DeepSpeedCPUAdam, FusedAdam) == (zeroshard.ops.adam.DeepSpeedCPUAdam, zeroshard.ops.adam.FusedAdam)
 print("PROBE" + json.dumps(out))
 """
 
@@ -114,6 +122,7 @@ def test_alias_serves_the_names_and_refuses_the_internals_by_name() -> None:
         got = out["refusals"][name]
         assert got.startswith("NotSupportedError:") and name in got, f"{mod}.{name}: {got}"
     assert out["cpu_adam"] is True and out["zre"] is True
+    assert out["accelerator"] is True and out["ops"] is True  # one object each, ported or through the alias
     from zeroshard.zero.leaf import DEFAULT_LEAF_CLASSES
 
     assert out["leaf"] == list(DEFAULT_LEAF_CLASSES)

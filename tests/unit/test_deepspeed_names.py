@@ -19,7 +19,11 @@ import zeroshard
 
 NAMES = {
     "zeroshard": ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero", "comm",
-                  "utils"],
+                  "utils", "get_accelerator", "ops", "compression"],
+    "zeroshard.ops.adam": ["DeepSpeedCPUAdam", "FusedAdam"],
+    "zeroshard.ops.adagrad": ["DeepSpeedCPUAdagrad"],
+    "zeroshard.ops.lion": ["DeepSpeedCPULion", "FusedLion"],
+    "zeroshard.compression.helper": ["recursive_getattr", "recursive_setattr"],
     "zeroshard.zero": ["Init", "GatheredParameters", "register_external_parameter", "ZeroParamStatus"],
     "zeroshard.utils": ["safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad",
                         "safe_get_full_optimizer_state", "safe_set_full_optimizer_state",
@@ -51,6 +55,39 @@ def test_deepspeed_names_are_importable(module: str) -> None:
     mod = importlib.import_module(module)
     missing = [n for n in NAMES[module] if not hasattr(mod, n)]
     assert not missing, f"{module} lacks {missing}"
+
+
+def test_names_deepspeed_chat_imports_first() -> None:
+    """DeepSpeed-Chat's step 1, ported by its import line: `from deepspeed.ops.adam import
+    DeepSpeedCPUAdam, FusedAdam` and `from deepspeed import get_accelerator`, on the objects the
+    alias serves (one implementation)."""
+    from zeroshard import get_accelerator
+    from zeroshard.accelerator import get_accelerator as accelerator_module_get
+    from zeroshard.compat import optimizers
+    from zeroshard.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    assert get_accelerator is accelerator_module_get and get_accelerator() is accelerator_module_get()
+    assert (DeepSpeedCPUAdam, FusedAdam) == (optimizers.DeepSpeedCPUAdam, optimizers.FusedAdam)
+    assert zeroshard.ops.adam.FusedAdam is FusedAdam and zeroshard.ops.lion.FusedLion is optimizers.FusedLion
+    opt = FusedAdam(nn.Linear(2, 2).parameters(), lr=1e-3, betas=(0.9, 0.95))
+    assert isinstance(opt, torch.optim.Adam)
+
+
+def test_recursive_getattr_and_setattr_follow_module_names() -> None:
+    """deepspeed.compression.helper's helpers, as DeepSpeed-Chat's LoRA code uses them: find a
+    layer by its `named_modules()` name, put a replacement there (registered as a submodule)."""
+    from zeroshard.compression.helper import recursive_getattr, recursive_setattr
+
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 3), nn.ReLU()), nn.Linear(3, 1))
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert names == ["0.0", "1"] and recursive_getattr(model, "0.0") is model[0][0]
+    assert recursive_getattr(model, "0.0.weight") is model[0][0].weight
+    new = nn.Linear(2, 3, bias=False)
+    recursive_setattr(model, "0.0", new)
+    recursive_setattr(model, "1", nn.Identity())
+    assert model[0][0] is new and dict(model.named_modules())["0.0"] is new and isinstance(model[1], nn.Identity)
+    with pytest.raises(AttributeError):
+        recursive_getattr(model, "0.9")
 
 
 def test_zero_package_stays_light() -> None:

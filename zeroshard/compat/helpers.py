@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,3 +36,18 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") 
     if isinstance(item, Mapping):
         return {k: clone_tensors_for_torch_save(v, device) for k, v in item.items()}
     return item
+
+
+def recursive_getattr(model: Any, module_name: str) -> Any:
+    """The object at dotted path `module_name` below `model` ("layers.0.attn" is
+    model.layers[0].attn, as `named_modules()` spells it): DeepSpeed-Chat's LoRA code finds the
+    layers it replaces by their names."""
+    return functools.reduce(getattr, module_name.split("."), model)
+
+
+def recursive_setattr(model: Any, module_name: str, module: Any) -> None:
+    """Put `module` at dotted path `module_name` below `model`. Set on the parent with setattr,
+    so a module put in place of a submodule is registered as one (LoRA swaps its layers in)."""
+    parent_name, _, name = module_name.rpartition(".")
+    parent = recursive_getattr(model, parent_name) if parent_name else model
+    setattr(parent, name, module)

@@ -29,6 +29,7 @@ _ZERO3 = ["estimate_zero3_model_states_mem_needs", "estimate_zero3_model_states_
 _ZERO2 = ["estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_cold",
           "estimate_zero2_model_states_mem_needs_all_live"]
 _ACTIVATION_CHECKPOINTING = "zeroshard.runtime.activation_checkpointing"
+_OPTIMIZERS = "zeroshard.compat.optimizers"
 
 ALIASES: dict[str, str] = {
     "zeroshard.runtime.lr_schedules": "zeroshard.optim.lr_schedules",
@@ -48,6 +49,15 @@ VIEWS: dict[str, dict[str, str]] = {
     "zeroshard.runtime.zero": {},  # a package: its submodules below
     "zeroshard.runtime.zero.stage3": {n: f"{_ESTIMATE}:{n}" for n in _ZERO3},
     "zeroshard.runtime.zero.stage_1_and_2": {n: f"{_ESTIMATE}:{n}" for n in _ZERO2},
+    # deepspeed.ops: DeepSpeed's optimizer classes, the objects the alias's deepspeed.ops serves.
+    "zeroshard.ops": {n: f"zeroshard.ops.{n}" for n in ("adam", "adagrad", "lion")},
+    "zeroshard.ops.adam": {n: f"{_OPTIMIZERS}:{n}" for n in ("DeepSpeedCPUAdam", "FusedAdam")},
+    "zeroshard.ops.adagrad": {"DeepSpeedCPUAdagrad": f"{_OPTIMIZERS}:DeepSpeedCPUAdagrad"},
+    "zeroshard.ops.lion": {n: f"{_OPTIMIZERS}:{n}" for n in ("DeepSpeedCPULion", "FusedLion")},
+    # deepspeed.compression.helper: the attribute-path helpers DeepSpeed-Chat's LoRA code imports.
+    "zeroshard.compression": {"helper": "zeroshard.compression.helper"},
+    "zeroshard.compression.helper": {n: f"zeroshard.compat.helpers:{n}"
+                                     for n in ("recursive_getattr", "recursive_setattr")},
     "zeroshard.runtime.zero.partition_parameters": {
         **{n: f"zeroshard.zero.init:{n}" for n in ["GatheredParameters", "Init", "register_external_parameter"]},
         "ZeroParamStatus": "zeroshard.zero.units:ZeroParamStatus",
@@ -55,7 +65,7 @@ VIEWS: dict[str, dict[str, str]] = {
 }
 """DeepSpeed path -> {DeepSpeed's name: "zeroshard.module:attribute"}."""
 
-_PACKAGES = {"zeroshard.runtime.zero"}
+_PACKAGES = {"zeroshard.runtime.zero", "zeroshard.ops", "zeroshard.compression"}
 
 
 class _PathLoader(importlib.abc.Loader):

@@ -24,9 +24,23 @@ __getattr__, __dir__ = _reexport(__name__, {
     "DeepSpeedConfig": "zeroshard.config:Config",
     "DeepSpeedConfigError": "zeroshard.errors:ConfigError",
     "tp_model_init": "zeroshard.tensor:tp_model_init",
+    "get_accelerator": "zeroshard.accelerator:get_accelerator",  # DeepSpeed-Chat: from deepspeed import get_accelerator
 })
 
-from deepspeed import accelerator, checkpoint, checkpointing, comm, launcher, moe, ops, pipe, runtime, utils, zero
+from deepspeed import (
+    accelerator,
+    checkpoint,
+    checkpointing,
+    comm,
+    compression,
+    launcher,
+    moe,
+    ops,
+    pipe,
+    runtime,
+    utils,
+    zero,
+)
 
 if _os.environ.get("RANK", "0") == "0" and not _os.environ.get("ZEROSHARD_ALIAS_QUIET"):
     import zeroshard as _zs
