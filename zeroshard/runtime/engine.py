@@ -38,6 +38,7 @@ from zeroshard.zero.units import ZeroParameter
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, ProcessGroups
     from zeroshard.config import Config
+    from zeroshard.runtime.throughput import ThroughputTimer
     from zeroshard.tensor.setup import ParallelLayout
 
 logger = logging.getLogger("zeroshard")
@@ -145,6 +146,12 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
     last_samples_per_s = _KeptByProgress()
     """Throughput over all ranks between the last two progress reports (None before one)."""
     _sinks = _KeptByProgress("sinks")
+
+    @property
+    def tput_timer(self) -> ThroughputTimer:
+        """DeepSpeed's throughput timer (`avg_samples_per_sec()`, `update_epoch_count()`, ...):
+        started at each forward, stopped at each `step()` (runtime/throughput.py)."""
+        return self._progress.tput_timer
 
     def summary(self) -> dict[str, Any]:
         """End-of-run figures (steps, samples, final loss, throughput, peak memory per rank);

@@ -7,6 +7,9 @@ engine's `global_steps`, `micro_steps`, ... read these counters.
 
 `report` and `summary` are collective: each rank reaches them on the same step (the loss and
 the memory figures are reduced or gathered over the data-parallel group).
+
+It also drives `tput_timer` (runtime/throughput.py, DeepSpeed's `engine.tput_timer`) from the
+same calls, with the samples it counts per step.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import Tensor
 
 from zeroshard.runtime import activation_checkpointing
 from zeroshard.runtime.monitor import format_bytes, peak_memory_bytes
+from zeroshard.runtime.throughput import ThroughputTimer
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
@@ -64,13 +68,16 @@ class EngineProgress:
         self._window_samples = 0
         self._run_start: float | None = None
         self._run_samples = 0
+        self.tput_timer = ThroughputTimer(batch_size=train_batch_size)
+        """DeepSpeed's throughput timer; no lines of its own (the progress line reports samples/s)."""
 
     # -- fed by the engine -------------------------------------------------------------------
 
     def forward_started(self) -> None:
-        """A forward began: the first one starts the run's clock."""
+        """A forward began: the first one starts the run's clock; each starts the throughput timer's."""
         if self._run_start is None:
             self._run_start = time.perf_counter()
+        self.tput_timer.start()
 
     def add_loss(self, loss: Tensor) -> None:
         """A backward of `loss` (the micro-batch's unscaled loss) finished."""
@@ -87,6 +94,7 @@ class EngineProgress:
     def accumulation_step_done(self) -> None:
         """`engine.step()` ended a micro-batch inside gradient accumulation (no optimizer step)."""
         self.micro_steps += 1
+        self.tput_timer.stop(global_step=False)
 
     def optimizer_step_done(self, skipped: bool, micro_batches: int | None = None) -> bool:
         """The boundary step ran (`skipped`: for an fp16 overflow) after `micro_batches`
@@ -94,10 +102,11 @@ class EngineProgress:
         Returns True when a progress report is due (every `steps_per_print` steps)."""
         if skipped:
             self.skipped_steps += 1
+        samples = self._train_batch_size if micro_batches is None else self._micro_batch_samples * micro_batches
         self.global_steps += 1
-        self.global_samples += (self._train_batch_size if micro_batches is None
-                                else self._micro_batch_samples * micro_batches)
+        self.global_samples += samples
         self.micro_steps += 1
+        self.tput_timer.stop(global_step=True, samples=samples)
         every = self._steps_per_print
         return every is not None and self.global_steps % every == 0
 

@@ -305,6 +305,7 @@ class PipelineEngine(ZeroEngine):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
+        self._progress.forward_started()  # the run's clock and tput_timer, as ZeroEngine.forward
         self._micro_losses = []
         inputs, labels, error = self._draw()
         self._strategy.begin_micro_batch(False)
