@@ -151,9 +151,10 @@ def test_deprecated_cpu_offload_keys_map_as_deepspeed_does(key: str, target: str
     assert config_error(zero_optimization={key: "yes"}).startswith(f'zero_optimization.{key}: got "yes", expected')
 
 
-def test_cpu_offload_below_stage3_is_still_refused_for_params() -> None:
-    assert config_error(zero_optimization={"stage": 2, "cpu_offload_param": True}).startswith(
-        "zero_optimization.offload_param applies to stage 3 only")
+def test_cpu_offload_param_below_stage3_is_noted_like_offload_param() -> None:
+    cfg = make_config(zero_optimization={"stage": 2, "cpu_offload_param": True})
+    assert cfg.zero_optimization.offload_param.device == "cpu"
+    assert any("no effect at stage 2: offload_param (stage 3)" in n for n in cfg.notes), cfg.notes
 
 
 @pytest.mark.parametrize("flag, stage", [(True, 1), (False, 0)])
@@ -399,8 +400,6 @@ def test_batch_auto_is_derived_or_taken_from_initialize() -> None:
 
 
 @pytest.mark.parametrize("zero, message", [
-    ({"stage": 2, "offload_param": {"device": "cpu"}},
-     "zero_optimization.offload_param applies to stage 3 only; you chose stage 2. Remove it or set stage to 3."),
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}},
      "zero_optimization.offload_optimizer applies to stages 1, 2 and 3; you chose stage 0. "
      "Remove it or set stage to 1, 2 or 3."),
@@ -422,6 +421,10 @@ def test_stage_inapplicable_keys(zero: dict[str, Any], message: str) -> None:
      "reduce_scatter (stage 1/2), allgather_bucket_size (stage 1/2)"),
     ({"stage": 2, "stage3_model_persistence_threshold": 10, "stage3_allgather_sequential": True},
      "stage3_model_persistence_threshold (stage 3), stage3_allgather_sequential (stage 3)"),
+    # DeepSpeed-Chat's --offload writes offload_param at every stage; DeepSpeed ignores it below 3.
+    ({"stage": 2, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+     "offload_param (stage 3)"),
+    ({"stage": 1, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, "offload_param (stage 3)"),
 ])
 def test_tuning_keys_of_another_stage_give_one_note(zero: dict[str, Any], idle: str) -> None:
     """One template reused across stages loads (DeepSpeed ignores these keys there) with one note;
@@ -479,8 +482,58 @@ def test_not_supported_sections_load_at_their_defaults() -> None:
 
 def test_stage_checks_run_before_not_supported() -> None:
     with pytest.raises(ConfigError) as info:
-        make_config(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}})
+        make_config(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}})
     assert not isinstance(info.value, NotSupportedError)
+
+
+def test_offload_param_below_stage3_has_no_effect_on_the_estimate() -> None:
+    from zeroshard.estimate.states import Setup
+
+    cfg = make_config(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}})
+    assert Setup.from_config(cfg).offload_param == "none"
+
+
+# --- dotted top-level keys (TRL's reference-model config) -------------------------------------
+
+
+def test_dotted_top_level_keys_read_as_the_keys_they_name() -> None:
+    """TRL's prepare_deepspeed adds these at the top level; DeepSpeed drops them, zeroshard reads them."""
+    h = 64
+    cfg = make_config(**{
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 500},
+        "zero_optimization.reduce_bucket_size": h * h,
+        "zero_optimization.stage3_param_persistence_threshold": 10 * h,
+        "zero_optimization.stage3_prefetch_bucket_size": 0.9 * h * h,  # 3686.4: truncated, as Accelerate's int()
+    })
+    zero = cfg.zero_optimization
+    assert (zero.reduce_bucket_size, zero.stage3_param_persistence_threshold, zero.stage3_prefetch_bucket_size) == (
+        4096, 640, 3686)
+    source = cfg.source_of("zero_optimization.reduce_bucket_size")
+    assert source == "file (top-level 'zero_optimization.reduce_bucket_size')"
+    (note,) = cfg.notes
+    assert note == ("dotted top-level keys read as the keys they name (DeepSpeed ignores them): "
+                    "zero_optimization.reduce_bucket_size = 4096, over 500 in the section; "
+                    "zero_optimization.stage3_param_persistence_threshold = 640; "
+                    "zero_optimization.stage3_prefetch_bucket_size = 3686 (from 3686.4). "
+                    "Write them inside their sections.")
+    alias = make_config(**{"zero_optimization": {"stage": 3}, "zero_optimization.prefetch_bucket_size": 7})
+    assert alias.zero_optimization.stage3_prefetch_bucket_size == 7
+    section = make_config(**{"zero_optimization": {"stage": 3}, "zero_optimization.offload_param": {"device": "cpu"}})
+    assert section.zero_optimization.offload_param.device == "cpu"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"zero_optimization.reduce_bucket_sise": 5},
+     'zero_optimization.reduce_bucket_sise: unknown key. Did you mean "reduce_bucket_size"?'),
+    ({"zero_optimisation.stage": 2}, 'zero_optimisation.stage: unknown key. Did you mean "zero_optimization"?'),
+    ({"optimizer.params.lr": 1e-3}, 'optimizer.params.lr: unknown key. Did you mean "optimizer"?'),
+    ({"zero_optimization.stage.x": 1}, "zero_optimization.stage.x: unknown key; zero_optimization.stage takes a "
+                                       "value, not keys."),
+    ({"zero_optimization.reduce_bucket_size": "big"},
+     'zero_optimization.reduce_bucket_size: got "big", expected an integer >= 0. Default: 500000000.'),
+])
+def test_dotted_top_level_keys_that_name_no_key_are_refused(overrides: dict[str, Any], message: str) -> None:
+    assert config_error(**overrides) == message
 
 
 # --- provenance, describe, files --------------------------------------------------------------

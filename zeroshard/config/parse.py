@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,12 +149,16 @@ def parse_section(draft: Draft, cls: type, raw: Any, prefix: str) -> None:
     types = hints(cls)
     legacy = [old.rpartition(".")[2] for old in ALIASES if _parent(old) == prefix]
     deferred: list[tuple[str, Any]] = []
+    dotted: list[tuple[str, Any]] = []
     for key, value in raw.items():
         path = prefix + key
         if path in REMOVED:
             raise ConfigError(f"{path}: {REMOVED[path]}")
         if path in DEPRECATED_BOOLS:
             deferred.append((path, value))  # after the section, so the order of keys does not matter
+            continue
+        if prefix == "" and "." in key:
+            dotted.append((key, value))  # after the sections they name: the dotted key wins
             continue
         if path in ALIASES:
             current = ALIASES[path]
@@ -176,6 +181,8 @@ def parse_section(draft: Draft, cls: type, raw: Any, prefix: str) -> None:
             _leaf(draft, path, FieldSpec(tp, fields[key].metadata, default_of(fields[key])), value)
     for path, value in deferred:
         _deprecated_bool(draft, path, value)
+    if dotted:
+        _read_dotted(draft, cls, dotted, [*fields, *legacy])
 
 
 def _deprecated_bool(draft: Draft, path: str, value: Any) -> None:
@@ -191,6 +198,65 @@ def _deprecated_bool(draft: Draft, path: str, value: Any) -> None:
         if target in draft.values and draft.sources.get(target) == "file":
             raise ConfigError(f"{path} and {target} are both given; keep only {target} ({spelling}).")
         draft.set(target, True if target.endswith("pin_memory") else "cpu", f"file ({path.rpartition('.')[2]})")
+
+
+def _dotted_target(key: str, root: type, top_keys: list[str]) -> tuple[str, Any, FieldSpec | None]:
+    """The canonical path a dotted top-level key names, its schema type, and its spec (None for a
+    section).
+
+    Raises:
+        ConfigError: the path is not a key of the schema: the unknown-key error a misspelt key
+            gets (at the top level, or inside the section where the path leaves the schema).
+    """
+    path = ALIASES.get(key, key)
+    names = path.split(".")
+    cls = root
+    for depth, name in enumerate(names):
+        fields = {f.name: f for f in json_fields(cls)}
+        if name not in fields:
+            raise unknown_key(key, key, top_keys) if depth == 0 else unknown_key(key, name, fields)
+        tp = hints(cls)[name]
+        if depth == len(names) - 1:
+            return path, tp, None if is_section(tp) else FieldSpec(tp, fields[name].metadata, default_of(fields[name]))
+        if not is_section(tp):  # optimizer / scheduler (typed by their "type") or a value
+            raise unknown_key(key, key, top_keys) if depth == 0 else ConfigError(
+                f"{key}: unknown key; {'.'.join(names[:depth + 1])} takes a value, not keys.")
+        cls = tp
+    raise AssertionError("unreachable: a dotted key has at least two names")
+
+
+def _as_meant(value: Any, tp: Any) -> Any:
+    """A computed size for an integer key (TRL writes 0.9 * hidden_size**2) as the integer the
+    client meant, truncated as Accelerate's int(...) does for the same key; others unchanged."""
+    kinds = typing.get_args(tp) or (tp,)
+    if int in kinds and float not in kinds and isinstance(value, float) and math.isfinite(value):
+        return int(value)
+    return value
+
+
+def _read_dotted(draft: Draft, root: type, items: list[tuple[str, Any]], top_keys: list[str]) -> None:
+    """Top-level keys named by dotted paths ("zero_optimization.reduce_bucket_size": TRL's
+    reference-model overrides), read as the keys they name, over a value given in the section.
+    DeepSpeed drops them silently; the client meant the nested key. One note names them all."""
+    read: list[str] = []
+    for key, value in items:
+        path, tp, spec = _dotted_target(key, root, top_keys)
+        if spec is None:
+            parse_section(draft, tp, value, path + ".")
+            read.append(path)
+            continue
+        before = draft.values.get(path) if draft.sources.get(path) == "file" else None
+        meant = _as_meant(value, spec.tp)
+        _leaf(draft, path, spec, meant)
+        if path in draft.autos:  # "auto": resolved later, like the nested key
+            read.append(path)
+            continue
+        draft.sources[path] = f"file (top-level {key!r})"
+        was = f", over {show(before)} in the section" if before is not None and before != draft.values[path] else ""
+        cut = f" (from {show(value)})" if meant != value else ""
+        read.append(f"{path} = {show(draft.values[path])}{cut}{was}")
+    draft.notes.append(f"dotted top-level keys read as the keys they name (DeepSpeed ignores them): "
+                       f"{'; '.join(read)}. Write them inside their sections.")
 
 
 def parse_zero(draft: Draft, raw: Any) -> None:

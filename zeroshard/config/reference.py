@@ -33,16 +33,19 @@ hidden_size=None, auto_values=None)` parses it once into a frozen, typed `Config
 names are the JSON keys below; `zeroshard config check FILE` does the same from the shell.
 
 - **Unknown keys are errors** at every depth, with the nearest valid spelling
-  (`zero_optimization.overlap_comms: unknown key. Did you mean "overlap_comm"?`).
+  (`zero_optimization.overlap_comms: unknown key. Did you mean "overlap_comm"?`). A top-level key
+  that is the dotted path of a real key (`"zero_optimization.reduce_bucket_size": 4096`, as TRL
+  writes for its reference model) is read as that key, over the value in the section, with a
+  start-up note (DeepSpeed ignores it); a float for an integer key there is truncated.
 - **Types and ranges are checked**; integers may be written as `5e8`; booleans are not numbers.
 - **Stage applicability**: a key set to a non-default value at a ZeRO stage it does not apply to
   is an error that names the stage where it applies (column *stages*).
 - **Accepted means acted on** (column *effect*): every key is *acted on*, or *not supported yet*
   (a valid DeepSpeed value zeroshard does not implement raises `NotSupportedError`; the default
   always loads), or *accepted without effect*, with the reason (zeroshard/config/effects.py).
-- **One template for every stage**: a tuning key of another ZeRO stage is accepted with one
-  start-up note; a request the chosen stage cannot deliver (e.g. `offload_param` below stage 3) is
-  an error.
+- **One template for every stage**: a tuning key of another ZeRO stage, and `offload_param`
+  below stage 3, is accepted with one start-up note that it has no effect there; a request the
+  chosen stage cannot deliver (e.g. `offload_optimizer` at stage 0) is an error.
 - **Syntax**: JSON or hjson (as DeepSpeed reads it); a key given twice in one object, `Infinity` /
   `NaN` (except `steps_per_print`) and sizes beyond any real run are errors.
 - **Provenance**: `cfg.describe()` lists every value, marking non-defaults with their source

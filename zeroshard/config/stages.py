@@ -2,9 +2,11 @@
 
 Users keep one ds_config template for every stage, so a *tuning* key of another stage (bucket
 sizes, stage3_* thresholds, sub_group_size at stage 1/2, reduce_scatter at stage 3) is accepted
-with one start-up note listing what has no effect. A key that *requests* something the chosen stage
-cannot deliver (offload_param below stage 3, NVMe below stage 3, ZeRO++ below stage 3) is an error
-naming the stage where it applies: DeepSpeed ignores it silently and the user believes it works.
+with one start-up note listing what has no effect. So is `offload_param` below stage 3: real
+clients write it at every stage (DeepSpeed-Chat's `--offload`), DeepSpeed ignores it there, and
+the note says it has no effect. A key that *requests* something the chosen stage cannot deliver
+(offload_optimizer at stage 0, ZeRO++ below stage 3) is an error naming the stage where it
+applies: DeepSpeed ignores it silently and the user believes it works.
 Imports nothing of zeroshard but `errors` and `config.fields`.
 """
 
@@ -47,7 +49,8 @@ def _stage12(*names: str) -> tuple[StageRule, ...]:
 
 
 STAGE_RULES: tuple[StageRule, ...] = (
-    StageRule(key=_Z + "offload_param", trigger=_Z + "offload_param.device", stages=(3,), request=True),
+    # Noted, not refused: clients write it at every stage (DeepSpeed-Chat's --offload; DeepSpeed ignores it).
+    StageRule(key=_Z + "offload_param", trigger=_Z + "offload_param.device", stages=(3,)),
     StageRule(key=_Z + "offload_optimizer", trigger=_Z + "offload_optimizer.device", stages=(1, 2, 3),
               request=True),
     StageRule(key=_Z + "offload_optimizer.ratio", stages=(3,), request=True),
@@ -127,8 +130,8 @@ def check_stages(cfg: Any) -> tuple[str, ...]:
         () or one start-up note naming every tuning key set for another stage (no effect here).
 
     Raises:
-        ConfigError: e.g. "zero_optimization.offload_param applies to stage 3 only; you chose
-            stage 2. Remove it or set stage to 3."
+        ConfigError: e.g. "zero_optimization.zero_quantized_weights = true applies to stage 3
+            only; you chose stage 2. Remove it or set stage to 3."
     """
     stage = cfg.zero_optimization.stage
     optimizer = getattr(cfg, "optimizer", None)

@@ -138,7 +138,8 @@ class Setup:
         state_bytes = optimizer_state_bytes_per_param(opt.type if opt else "adamw", amsgrad)
         return cls(
             stage=zero.stage, offload_optimizer=zero.offload_optimizer.device, bf16_masters=bf16_masters,
-            offload_param=zero.offload_param.device, precision=cfg.precision,
+            # offload_param below stage 3 is accepted with a note and has no effect (config/stages.py)
+            offload_param=zero.offload_param.device if zero.stage == 3 else "none", precision=cfg.precision,
             grad_accum_dtype=cfg.data_types.grad_accum_dtype,
             optimizer_state_bytes=state_bytes // 2 if bf16_masters else state_bytes,
             bucket_numel=max(1, bucket), overlap_comm=bool(zero.overlap_comm),
