@@ -331,6 +331,7 @@ def main() -> int:
                     help="sequences per step, the same for every case (its micro-batch count derived); "
                          "default: --gas micro-batches per replica, so layouts with less DP train fewer tokens")
     ap.add_argument("--timeout-s", type=float, default=280)
+    ap.add_argument("--local_rank", type=int, default=-1, help="given by zeroshard launch, as DeepSpeed's launcher")
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.gas)

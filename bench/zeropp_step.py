@@ -37,6 +37,7 @@ def main() -> int:
     parser.add_argument("--qgz", action="store_true")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--preset", default="small")
+    parser.add_argument("--local_rank", type=int, default=-1, help="given by zeroshard launch, as DeepSpeed's launcher")
     args = parser.parse_args()
     torch.manual_seed(0)
     cfg = GPTConfig.preset(args.preset)

@@ -183,6 +183,7 @@ def test_single_node_runs_torchrun(tmp_path: Path) -> None:
     assert cmd.argv == [PY, "-m", "torch.distributed.run", "--nnodes", "1", "--node_rank", "0",
                         "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                         "--master_port", "29555", "--max_restarts", "0",
+                        "--module", "zeroshard.cli.launch_worker", "python",  # adds --local_rank=<i>
                         "train.py", "--deepspeed", "--lr", "1"]
     assert cmd.env == {"FROM_FILE": "1"}
 
@@ -190,8 +191,48 @@ def test_single_node_runs_torchrun(tmp_path: Path) -> None:
 def test_single_node_defaults_to_a_free_port_and_passes_module_flags() -> None:
     plan = plan_launch(["--num_gpus=1", "--module", "--dry-run", "pkg.train", "-x"])
     argv = plan.commands[0].argv
-    assert argv[-3:] == ["--module", "pkg.train", "-x"]
+    assert argv[-5:] == ["--module", "zeroshard.cli.launch_worker", "module", "pkg.train", "-x"]
     assert 0 < int(argv[argv.index("--master_port") + 1]) < 65536
+    plain = plan_launch(["--num_gpus=1", "--module", "--no_local_rank", "--dry-run", "pkg.train", "-x"])
+    assert plain.commands[0].argv[-3:] == ["--module", "pkg.train", "-x"]
+
+
+@pytest.mark.parametrize(("flags", "mode"), [([], "python"), (["--module"], "module"), (["--no_python"], "exec")])
+def test_workers_get_local_rank_as_deepspeeds_launcher_passes_it(flags: list[str], mode: str) -> None:
+    """DeepSpeed's launcher runs `python -u train.py --local_rank=<i> ARGS`; DeepSpeed-Chat reads only that."""
+    from zeroshard.cli.launch_worker import worker_argv
+
+    (cmd,) = plan_launch(["--dry_run", "--nproc_per_node", "2", *flags, "train.py", "--zero_stage", "2"]).commands
+    tail = cmd.argv[cmd.argv.index("--max_restarts") + 2:]
+    assert tail == ["--module", "zeroshard.cli.launch_worker", mode, "train.py", "--zero_stage", "2"]
+    head = {"python": [PY, "-u"], "module": [PY, "-u", "-m"], "exec": []}[mode]
+    assert worker_argv(mode, "train.py", ["--zero_stage", "2"], "1") == [
+        *head, "train.py", "--local_rank=1", "--zero_stage", "2"]
+    (off,) = plan_launch(["--dry_run", "--nproc_per_node", "2", *flags, "--no-local-rank", "train.py"]).commands
+    assert off.argv[off.argv.index("--max_restarts") + 2:] == [*flags, "train.py"]
+
+
+def test_launch_worker_execs_the_script_with_its_local_rank(tmp_path: Path) -> None:
+    """The module torchrun starts replaces itself with the script (same process, the one torchrun
+    watches), which sees --local_rank first."""
+    import json
+    import subprocess
+
+    script = tmp_path / "show.py"
+    script.write_text("import json, os, sys; print(json.dumps([sys.argv[1:], os.getpid()]))\n")
+    argv = [PY, "-m", "zeroshard.cli.launch_worker", "python", str(script), "--x"]
+    proc = subprocess.Popen(argv, env={**os.environ, "LOCAL_RANK": "3"}, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert json.loads(out) == [["--local_rank=3", "--x"], proc.pid]
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    bare = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert bare.returncode == 2 and "LOCAL_RANK is not set" in bare.stderr
+
+
+def test_per_node_launches_keep_no_local_rank(hostfile: Path) -> None:
+    plan = plan_launch(["--dry_run", "--hostfile", str(hostfile), "--no_local_rank", "train.py", "--a"])
+    assert all(c.argv[4].endswith("--no_env_file --watch_stdin --no_local_rank train.py --a") for c in plan.commands)
 
 
 def test_local_include_sets_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:

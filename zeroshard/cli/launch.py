@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no_python", "--no-python", action="store_true",
       help="run the script as an executable, without 'python'")
     a("-m", "--module", action="store_true", help="the script is a module name (python -m)")
+    a("--no_local_rank", "--no-local-rank", action="store_true",
+      help="do not pass --local_rank=<i> to the script (passed by default, right after the script, "
+      "as DeepSpeed's launcher does; LOCAL_RANK is set either way)")
     a("--as_deepspeed", "--as-deepspeed", action="store_true",
       help="serve `import deepspeed` from zeroshard in every worker (sets "
       "ZEROSHARD_AS_DEEPSPEED=1 for them; see docs/huggingface.md)")
@@ -295,7 +298,8 @@ def plan_launch(argv: list[str]) -> LaunchPlan:
     """
     args = build_parser().parse_args(argv)
     _check_numbers(args)
-    worker = WorkerSpec(args.script, list(args.script_args), args.module, args.no_python)
+    worker = WorkerSpec(args.script, list(args.script_args), args.module, args.no_python,
+                        local_rank=not args.no_local_rank)
     _check_script(worker)
     env_files = _env_files(args)
     file_env: dict[str, str] = {}

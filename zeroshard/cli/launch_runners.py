@@ -62,17 +62,29 @@ class NodeCommand:
 @dataclass(frozen=True)
 class WorkerSpec:
     """What every worker runs: ``python -u script args``, ``python -u -m module args`` or
-    ``script args`` (``no_python``)."""
+    ``script args`` (``no_python``); with ``local_rank``, ``--local_rank=<i>`` right after the
+    script, as DeepSpeed's launcher passes it (cli/launch_worker.py)."""
 
     script: str
     script_args: list[str]
     module: bool = False
     no_python: bool = False
+    local_rank: bool = True
+
+    def _how(self) -> list[str]:
+        return (["--module"] if self.module else []) + (["--no_python"] if self.no_python else [])
 
     def launcher_flags(self) -> list[str]:
-        """The ``--module``/``--no_python`` flags, then the script and its arguments."""
-        flags = (["--module"] if self.module else []) + (["--no_python"] if self.no_python else [])
-        return [*flags, self.script, *self.script_args]
+        """The ``--module``/``--no_python``/``--no_local_rank`` flags, then the script and its arguments."""
+        return [*self._how(), *([] if self.local_rank else ["--no_local_rank"]), self.script, *self.script_args]
+
+    def torchrun_args(self) -> list[str]:
+        """What torchrun runs per worker: the script itself, or (``local_rank``) the module that
+        execs it with ``--local_rank=$LOCAL_RANK``."""
+        if not self.local_rank:
+            return [*self._how(), self.script, *self.script_args]
+        mode = "exec" if self.no_python else "module" if self.module else "python"
+        return ["--module", "zeroshard.cli.launch_worker", mode, self.script, *self.script_args]
 
     def direct_argv(self, python: str) -> list[str]:
         """The worker's argv when nothing wraps it (srun starts each worker itself)."""
@@ -105,9 +117,7 @@ def torchrun_command(
         "--master_addr", master_addr,
         "--master_port", str(master_port),
         "--max_restarts", "0",
-        *(["--module"] if worker.module else []),
-        *(["--no_python"] if worker.no_python else []),
-        worker.script, *worker.script_args,
+        *worker.torchrun_args(),
     ]
     return NodeCommand(argv, dict(env))
 
