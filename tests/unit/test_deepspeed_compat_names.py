@@ -26,6 +26,8 @@ SERVED = [
     ("deepspeed", "get_accelerator"),
     ("deepspeed.compression.helper", "recursive_getattr"),
     ("deepspeed.compression.helper", "recursive_setattr"),
+    ("deepspeed.utils.module_utils", "recursive_getattr"),
+    ("deepspeed.utils.module_utils", "recursive_setattr"),
     ("deepspeed.accelerator", "is_current_accelerator_supported"),
     ("deepspeed.git_version_info", "torch_info"),
     ("deepspeed.moe.layer", "MoE"),
