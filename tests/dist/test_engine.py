@@ -187,7 +187,8 @@ def test_client_optimizer_and_scheduler_objects(groups) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     engine, got_opt, _, got_sched = __import__("zeroshard").initialize(
         model=client, optimizer=opt, lr_scheduler=sched, config=make_config(optimizer=None))
-    assert got_opt is opt and got_sched is sched
+    # initialize returns engine.optimizer (as DeepSpeed does), which wraps the client's own object
+    assert got_opt is engine.optimizer and got_opt.optimizer is opt and got_sched is sched
     _, params = train_engine(engine, batches, groups.rank, world)
     for step in range(3):
         assert_params_close(params[step], ref_params[step], 1e-5, f"step {step}")

@@ -47,7 +47,7 @@ def test_warmup_is_plain_adam_then_compression_stays_close(groups) -> None:
     plain = init_engine(copy.deepcopy(model), adam_config())
     plain_losses, plain_params = train_engine(plain, _batches(world), rank, world)
     onebit = init_engine(copy.deepcopy(model), onebit_config())
-    assert isinstance(onebit.optimizer, OneBitAdam)
+    assert isinstance(onebit.optimizer.optimizer, OneBitAdam)  # DeepSpeed's name for the wrapped one
     losses, params = train_engine(onebit, _batches(world), rank, world)
     # Warm-up: bitwise (same fused AdamW kernel, same all-reduced gradients).
     for step in range(FREEZE):
@@ -116,7 +116,7 @@ def test_checkpoint_resume_equals_uninterrupted_and_loads_into_adam(groups, shar
 
     first = init_engine(copy.deepcopy(model), onebit_config())
     train_engine(first, batches[: FREEZE + 3], rank, world)
-    ar = first.optimizer._allreduce
+    ar = first.optimizer.optimizer._allreduce
     errors = [t.clone() for t in ar.worker_errors + ar.server_errors_full]
     if world > 1:
         assert sum(float(e.abs().sum()) for e in errors) > 0, "the run compressed: its errors are not zero"
@@ -124,7 +124,7 @@ def test_checkpoint_resume_equals_uninterrupted_and_loads_into_adam(groups, shar
 
     resumed = init_engine(make_model(seed=5), onebit_config())
     resumed.load_checkpoint(str(shared_dir))
-    ar = resumed.optimizer._allreduce
+    ar = resumed.optimizer.optimizer._allreduce
     got_errors = ar.worker_errors + ar.server_errors_full
     assert all(torch.equal(a, b) for a, b in zip(got_errors, errors)), "this rank's own errors come back"
     assert resumed.optimizer.compressing

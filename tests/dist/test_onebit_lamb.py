@@ -74,7 +74,7 @@ def test_warmup_is_lamb_then_compression_stays_close(groups) -> None:
     ref = init_engine(copy.deepcopy(model), make_config(optimizer=None), optimizer=ReferenceLamb)
     ref_losses, ref_params = train_engine(ref, _batches(world), rank, world)
     engine = init_engine(copy.deepcopy(model), lamb1_config())
-    opt = engine.optimizer
+    opt = engine.optimizer.optimizer  # the torch optimizer engine.optimizer wraps
     assert isinstance(opt, OneBitLamb)
     losses, params = train_engine(engine, _batches(world, FREEZE), rank, world)
     # Warm-up: the same rule on the same all-reduced gradients. Not bitwise: the reference takes
@@ -137,10 +137,10 @@ def test_checkpoint_resume_is_bitwise_and_loads_into_lamb(groups, shared_dir: Pa
     first = init_engine(copy.deepcopy(model), lamb1_config())
     train_engine(first, batches[: FREEZE + 3], rank, world)
     first.save_checkpoint(str(shared_dir))
-    saved = first.optimizer.state[first.optimizer._params()[0]]
+    saved = first.optimizer.state[first.optimizer.optimizer._params()[0]]
     resumed = init_engine(make_model(seed=5), lamb1_config())
     resumed.load_checkpoint(str(shared_dir))
-    got_state = resumed.optimizer.state[resumed.optimizer._params()[0]]
+    got_state = resumed.optimizer.state[resumed.optimizer.optimizer._params()[0]]
     for key in ("lamb_coeff_freeze", "last_factor", "scaling_coeff"):
         assert got_state[key] == saved[key], key
     assert torch.equal(got_state["exp_avg_sq_fresh"], saved["exp_avg_sq_fresh"])

@@ -7,6 +7,8 @@ one rank) on the tied-weight GPT, at world sizes 1, 2 and 3.
 from __future__ import annotations
 
 import copy
+import io
+import warnings
 from typing import Any
 
 import pytest
@@ -25,8 +27,9 @@ from engine_helpers import (
 from test_zero12 import STEPS, config, run, stage0, tolerance
 from torch import nn
 
+from zeroshard.zero import units
 from zeroshard.zero.init import GatheredParameters
-from zeroshard.zero.units import PartitionedParameterError
+from zeroshard.zero.units import PartitionedParameterError, PartitionedParameterWarning
 
 OFFLOADS = {
     "plain": {},
@@ -148,8 +151,7 @@ def test_tensors_taken_inside_a_user_gather_keep_their_values(groups) -> None:
         assert torch.equal(taken[name], value), f"{name}: a view taken inside the block lost its values"
         assert torch.equal(state[name], value), f"{name}: the state_dict taken inside the block lost its values"
     w = module.blocks[0].mlp[0].weight
-    with pytest.raises(PartitionedParameterError):
-        w.sum()  # released again: the parameter itself is partitioned
+    assert w.detach().shape == (0,), "released again: a read gives DeepSpeed's empty placeholder"
     x, y = global_batches(1, 2)[0]
     for _ in range(engine.gradient_accumulation_steps()):
         engine.backward(engine(x, y))
@@ -167,10 +169,12 @@ def test_parameters_stay_honest(groups) -> None:
     assert [(n, p.shape, p.dtype) for n, p in engine.module.named_parameters()] == shapes
     w = engine.module.blocks[0].mlp[0].weight
     assert "partitioned" in repr(w)
+    x = torch.ones(2, 16)
     with pytest.raises(PartitionedParameterError, match=r"blocks\.0\.mlp\.0\.weight.*GatheredParameters"):
-        w.sum()
-    with pytest.raises(PartitionedParameterError, match="GatheredParameters"):
-        _ = w.data
+        F.linear(x, w)  # computing with the values needs them: it fails on the placeholder, by name
+    with pytest.raises(PartitionedParameterError, match=r"blocks\.0\.mlp\.0\.weight.*modifier_rank"):
+        with torch.no_grad():
+            w.fill_(0.5)  # a write outside a gather would be lost
     with GatheredParameters([w], modifier_rank=0):
         assert w.shape == (64, 16) and torch.isfinite(w).all()
         if groups.rank == 0:
@@ -186,6 +190,76 @@ def test_parameters_stay_honest(groups) -> None:
     with GatheredParameters(w):
         assert not torch.all(w == 0.5) and torch.allclose(w, torch.full_like(w, 0.5), atol=0.05), \
             "the optimizer stepped from the modified master weights"
+
+
+def test_partitioned_parameters_read_as_deepspeeds_placeholder(groups, monkeypatch) -> None:
+    # DeepSpeed 0.19.8 outside a gather: p.data, detach, clone, to(dtype) and state_dict() values
+    # are empty (shape (0,), the parameter's dtype and device); to() that changes nothing returns
+    # p. DeepSpeed-Chat step 1 calls state_dict() and moves LoRA modules holding the partitioned
+    # weight with .to(device).to(dtype). zeroshard warns once, and refuses the writes DeepSpeed
+    # silently loses.
+    engine = init_engine(make_model(), stage3_config("fp32", "plain"))
+    module = engine.module
+    w = module.blocks[0].mlp[0].weight
+    with GatheredParameters(list(module.parameters())):
+        before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    monkeypatch.setattr(units, "_placeholder_warned", False)
+    with pytest.warns(PartitionedParameterWarning, match=r"blocks\.0\.mlp\.0\.weight.*GatheredParameters"):
+        reads = {"data": w.data, "detach": w.detach(), "clone": w.clone(), "state_dict": module.state_dict()[
+            "blocks.0.mlp.0.weight"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        reads["to(fp16)"] = w.to(torch.float16)
+        for how, t in reads.items():
+            want_dtype = torch.float16 if how == "to(fp16)" else w.dtype
+            assert (t.shape, t.dtype, t.device) == ((0,), want_dtype, w.device), how
+        assert w.to(w.device) is w and w.to(w.dtype) is w and w.cpu() is w
+        assert (w.shape, w.numel(), w.ds_shape, w.ds_numel) == ((64, 16), 1024, (64, 16), 1024), "true shape"
+        lora = nn.Module()  # DeepSpeed-Chat's LinearLayer_LoRA keeps the original weight
+        lora.weight = w
+        lora.lora_right_weight = nn.Parameter(torch.zeros(16, 4))
+        assert lora.to(w.device).to(w.dtype).weight is w
+        buf = io.BytesIO()
+        torch.save(module.state_dict(), buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        assert type(saved["blocks.0.mlp.0.weight"]) is torch.Tensor and saved["blocks.0.mlp.0.weight"].numel() == 0
+    state = module.state_dict()
+    name = r"'blocks\.0\.mlp\.0\.weight'"
+    writes = [  # (the write, what the refusal names)
+        (lambda: w.zero_(), f"zero_ writes into parameter {name}"),
+        (lambda: w.copy_(torch.ones(64, 16)), f"copy_ writes into parameter {name}"),
+        (lambda: w.data.normal_(), f"normal_ writes into a placeholder taken from parameter {name}"),  # HF init
+        (lambda: state["blocks.0.mlp.0.weight"].fill_(1.0), f"fill_ writes into a placeholder .* {name}"),
+        (lambda: setattr(w, "data", torch.ones(64, 16)), f"setting .data of parameter {name}"),
+        (lambda: module.blocks[0].to(torch.float64), r"setting .data of parameter 'blocks\.0\."),
+        (lambda: module.load_state_dict({"blocks.0.mlp.0.weight": torch.zeros(64, 16)}, strict=False),
+         f"copy_ writes into parameter {name}"),
+    ]
+    for write, refusal in writes:
+        with pytest.raises(RuntimeError, match=f"{refusal}.*modifier_rank=0"), torch.no_grad():
+            write()  # load_state_dict wraps the refusal in its own RuntimeError
+    with pytest.raises(PartitionedParameterError, match=r"blocks\.0\.mlp\.0\.weight.*GatheredParameters"):
+        F.linear(torch.ones(2, 16), w)  # needs the values
+    with GatheredParameters(list(module.parameters())):
+        for n, p in module.named_parameters():
+            assert torch.equal(p, before[n]) and p.dtype == before[n].dtype, f"{n}: a refused write changed it"
+
+
+def test_ds_summary_and_partition_numel(groups) -> None:
+    engine = init_engine(make_model(), stage3_config("fp32", "plain"))
+    w = engine.module.blocks[0].mlp[0].weight
+    summary = w.ds_summary()
+    # DeepSpeed 0.19.8's keys; numel and shape are the true ones here, active_sub_modules always empty.
+    assert summary == {"id": w.ds_id, "status": "NOT_AVAILABLE", "numel": 1024, "ds_numel": 1024, "shape": (64, 16),
+                       "ds_shape": (64, 16), "requires_grad": True, "grad_shape": None, "persist": False,
+                       "active_sub_modules": set(), "ds_tensor.shape": w.ds_tensor.shape}
+    assert w.ds_summary(use_debug_name=True)["id"] == f"name=blocks.0.mlp.0.weight id={w.ds_id}"
+    total = torch.tensor([float(w.partition_numel())])
+    engine.comm.all_reduce(total)
+    assert w.partition_numel() == w.ds_tensor.numel() and int(total.item()) == w.ds_numel, "the shards add up"
+    with GatheredParameters([w]):
+        assert w.ds_summary()["status"] == "AVAILABLE"
 
 
 class Quirky(nn.Module):

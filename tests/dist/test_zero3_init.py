@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from engine_helpers import (
     assert_params_close,
     gathered_snapshot,
@@ -13,6 +14,7 @@ from engine_helpers import (
     make_model,
     train_engine,
 )
+from torch import nn
 
 from zeroshard.errors import ConfigError
 from zeroshard.zero.init import Init
@@ -28,8 +30,14 @@ def test_gpt_built_under_init_trains_like_the_whole_model(groups) -> None:
     w = cut.blocks[0].mlp[0].weight
     assert isinstance(w, ZeroParameter) and w.shape == (64, 16)
     assert w._zs.init_shard.numel() == -(-w.numel() // groups.world_size), "each rank holds 1/N"
+    assert w.detach().shape == (0,), "outside the block a read gives DeepSpeed's empty placeholder"
     with pytest.raises(PartitionedParameterError, match="GatheredParameters"):
-        w.sum()
+        F.linear(torch.ones(2, 16), w)
+    lora = nn.Module()  # DeepSpeed-Chat wraps a zero.Init weight in a LoRA module and moves it
+    lora.weight = w
+    assert lora.to(w.device).to(w.dtype).weight is w
+    with pytest.raises(PartitionedParameterError, match="normal_ writes into a placeholder.*modifier_rank=0"):
+        w.data.normal_()
     batches = global_batches(5, 2 * groups.world_size)
     _, want = train_engine(init_engine(whole, make_config(zero_optimization=STAGE3)), batches,
                            groups.rank, groups.world_size)
@@ -79,8 +87,8 @@ def test_gathered_parameters_before_initialize(groups) -> None:
         model = make_model(seed=1)
     want = make_model(seed=1)
     w = model.blocks[0].mlp[0].weight
-    with pytest.raises(PartitionedParameterError):
-        w.sum()
+    with pytest.raises(PartitionedParameterError, match="setting .data.*modifier_rank=0"):
+        w.data = torch.zeros(64, 16)  # outside a gather: lost at the next one
     with GatheredParameters([w, w]):  # a parameter named twice is gathered once
         assert torch.equal(w.detach(), want.blocks[0].mlp[0].weight.detach())
     assert not w._zs.gathered

@@ -90,7 +90,7 @@ def test_warmup_is_uncompressed_adam_then_loss_stays_close(groups, comm: Any) ->
     model = make_model()
     plain_losses, plain_params = train_engine(_reference_engine(copy.deepcopy(model)), _batches(world), rank, world)
     engine = init_engine(copy.deepcopy(model), zoadam_config())
-    assert isinstance(engine.optimizer, ZeroOneAdam)
+    assert isinstance(engine.optimizer.optimizer, ZeroOneAdam)  # DeepSpeed's name for the wrapped one
     losses, params = train_engine(engine, _batches(world), rank, world)
     for step in range(4):  # steps 1-4: full-precision gradients, variance updated: bitwise
         assert all(torch.equal(a, b) for a, b in zip(params[step], plain_params[step])), f"step {step + 1}"
@@ -168,7 +168,7 @@ def test_checkpoint_between_agreements_resumes_bitwise(groups, shared_dir: Path)
 
     first = init_engine(copy.deepcopy(model), zoadam_config())
     train_engine(first, batches[:cut], rank, world)
-    opt = first.optimizer
+    opt = first.optimizer.optimizer  # the torch optimizer engine.optimizer wraps
     acc = [opt.state[p]["momentum_accumulator"].clone() for p in opt._params()]
     assert sum(float(a.abs().sum()) for a in acc) > 0
     first.save_checkpoint(str(shared_dir))

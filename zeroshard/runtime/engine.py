@@ -31,6 +31,7 @@ from zeroshard.runtime.loss_scaler import LossScaler
 from zeroshard.runtime.model_export import ModelExport
 from zeroshard.runtime.monitor import MetricSink, Timers
 from zeroshard.runtime.param_access import forget_engine, register_engine, whole_weights
+from zeroshard.runtime.zero_optimizer import ZeroOptimizer
 from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.strategy import GradStats, ModelStateBytes, ZeroStrategy
 from zeroshard.zero.units import ZeroParameter
@@ -74,7 +75,8 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         config: the config as the user gave it (a dict; a file is read into one), like
             DeepSpeed's `engine.config`. The typed, validated Config is `engine.zs_config`.
         module: the wrapped model (in the training dtype).
-        optimizer: the optimizer stepping on the master parameters, or None.
+        optimizer: DeepSpeed's ZeRO optimizer surface (runtime/zero_optimizer.py) over the
+            torch optimizer stepping on the master parameters (`engine.optimizer.optimizer`), or None.
         lr_scheduler: the lr scheduler, stepped after every applied optimizer step, or None.
         global_steps: optimizer steps taken, skipped (overflow) steps included.
         global_samples: samples consumed over all ranks.
@@ -115,7 +117,8 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         self.module = module
         self._config = config
         self.config: Mapping[str, Any] = raw_config if raw_config is not None else {}
-        self.optimizer = optimizer
+        self.optimizer = None if optimizer is None else ZeroOptimizer(
+            optimizer, loss_scaler=loss_scaler, parameter_offload=strategy.parameter_offload())
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self._groups, self._comm, self._strategy = groups, comm, strategy
@@ -207,11 +210,9 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         return self.get_loss_scale()
 
     def _publish_loss_scale(self, overflow: bool) -> None:
-        # DeepSpeed's optimizer wrappers carry these; ours stays a plain torch optimizer that
-        # is given the same attributes, refreshed after every step and load.
+        # engine.optimizer reads the scale from the scaler; the overflow it is told.
         if self.optimizer is not None:
-            self.optimizer.loss_scale = self.optimizer.cur_scale = self.get_loss_scale()  # type: ignore[attr-defined]
-            self.optimizer.overflow = overflow  # type: ignore[attr-defined]
+            self.optimizer.overflow = overflow
 
     def get_global_grad_norm(self) -> float | None:
         """Pre-clip L2 norm of the averaged, unscaled gradient at the last step."""

@@ -156,8 +156,9 @@ def initialize(
             gathered together; default every block of a ModuleList plus the root.
 
     Returns:
-        `(engine, optimizer, dataloader, lr_scheduler)`; dataloader is None without
-        `training_data`, lr_scheduler None without one.
+        `(engine, optimizer, dataloader, lr_scheduler)`; optimizer is `engine.optimizer` (DeepSpeed's
+        ZeRO optimizer surface over the torch one, runtime/zero_optimizer.py), dataloader is None
+        without `training_data`, lr_scheduler None without one.
 
     Raises:
         ConfigError: the config is invalid, names an unsupported feature, or has an "auto"

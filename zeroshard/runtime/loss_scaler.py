@@ -70,6 +70,11 @@ class StaticLossScaler(LossScaler):
     def loss_scale(self) -> float:
         return self._scale
 
+    @property
+    def cur_scale(self) -> float:
+        """DeepSpeed's name for the scale (its `LossScaler.cur_scale`)."""
+        return self._scale
+
     def update(self, overflow: bool) -> None:
         pass
 
@@ -151,6 +156,11 @@ class DynamicLossScaler(LossScaler):
     @property
     def dynamic(self) -> bool:
         return True
+
+    @property
+    def delayed_shift(self) -> int:
+        """DeepSpeed's name for ``hysteresis`` (its `DynamicLossScaler.delayed_shift`)."""
+        return self.hysteresis
 
     def update(self, overflow: bool) -> None:
         if overflow:

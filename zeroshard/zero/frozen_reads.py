@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zeroshard.zero.units import tensors_in
 
@@ -36,13 +37,17 @@ class FrozenReads:
         self._awaiting: set[int] = set()
         self._release = release
 
-    def install(self, root: nn.Module, unit_of_frozen: Mapping[int, int]) -> None:
-        """Watch the inputs of every module holding a frozen parameter (by id -> its unit). Hooks
-        go after the units' own, so on the root the unit hook starts the forward first."""
+    def install(self, root: nn.Module, unit_of_frozen: Mapping[int, int]) -> list[RemovableHandle]:
+        """Watch the inputs of every module holding a frozen parameter (by id -> its unit); returns
+        the hooks' handles. Hooks go after the units' own, so on the root the unit hook starts the
+        forward first."""
+        handles = []
         for module in root.modules():
             units = {unit_of_frozen[id(q)] for q in module.parameters(recurse=False) if id(q) in unit_of_frozen}
             for u in units:
-                module.register_forward_pre_hook(lambda m, a, kw, u=u: self._watch(u, a, kw), with_kwargs=True)
+                handles.append(module.register_forward_pre_hook(lambda m, a, kw, u=u: self._watch(u, a, kw),
+                                                                with_kwargs=True))
+        return handles
 
     def reset(self) -> None:
         """A new forward, or the end of backward: nothing pending, nothing awaiting."""

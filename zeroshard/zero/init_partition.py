@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from zeroshard.zero.units import ZeroParameter, ZeroParamState, make_zero_parameter, zero_state
+from zeroshard.zero.units import ZeroParameter, ZeroParamState, assign_data, make_zero_parameter, zero_state
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
@@ -89,7 +89,7 @@ class InitPartitioner:
         """Replace `p`'s whole values on every rank by rank `src`'s (collective)."""
         data = p.detach().contiguous()
         self._comm.broadcast(data, src=src)
-        p.data = data
+        assign_data(p, data)
 
     def _cut(self, p: ZeroParameter) -> None:
         flat = p.detach().reshape(-1)
@@ -98,7 +98,7 @@ class InitPartitioner:
         padded[: flat.numel()] = flat
         shard = padded[self._rank * chunk : (self._rank + 1) * chunk].clone()
         p._zs.init_shard = shard.to(self._home) if self._home is not None else shard
-        p.data = placeholder(p.shape, p.dtype, p.device)
+        assign_data(p, placeholder(p.shape, p.dtype, p.device))
         p._zs.gathered = False
 
     def on_demand(self, params: list[ZeroParameter]) -> bool:
@@ -112,7 +112,7 @@ class InitPartitioner:
             if p._zs.gathered:
                 continue
             full = gather_init_shards(self._comm, p, self._world)
-            p.data = full.view(p.shape).clone()
+            assign_data(p, full.view(p.shape).clone())
             p._zs.gathered = True
             self._materialized.append(p)
         return True
@@ -129,7 +129,7 @@ class InitPartitioner:
             if p._zs.gathered:
                 continue
             full = gather_init_shards(self._comm, p, self._world)
-            p.data = full.view(p.shape).clone()
+            assign_data(p, full.view(p.shape).clone())
             p._zs.gathered = True
 
     @torch.no_grad()
@@ -203,7 +203,8 @@ def move_unpartitioned(module: nn.Module, device: torch.device, dtype: torch.dty
                 shard = state.init_shard
                 if dtype is not None and shard.is_floating_point():
                     state.init_shard = shard.to(dtype)
-                p.data = placeholder(p.shape, dtype if dtype is not None and p.is_floating_point() else p.dtype, device)
+                assign_data(p, placeholder(p.shape, dtype if dtype is not None and p.is_floating_point() else p.dtype,
+                                           device))
             else:
                 with torch.no_grad():
                     cast = dtype if dtype is not None and p.is_floating_point() else None

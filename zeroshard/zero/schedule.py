@@ -24,6 +24,10 @@ class ExecutionOrder:
     def start_forward(self) -> None:
         self._pos = 0
 
+    def reset(self) -> None:
+        """Forget the recorded order; the next training forward records it again."""
+        self.order, self.recording, self._pos = [], True, 0
+
     def record(self, unit: int) -> None:
         """Unit `unit` runs forward now (training forwards only)."""
         if self.recording:

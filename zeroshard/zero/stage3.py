@@ -61,12 +61,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from zeroshard.zero.flat import BucketedPartition
 from zeroshard.zero.frozen_reads import FrozenReads
 from zeroshard.zero.gather import SecondaryPartition
 from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
 from zeroshard.zero.offload.policy import OffloadPolicy
+from zeroshard.zero.parameter_offload import ParameterOffload
 from zeroshard.zero.reduce import GradReducer, LaunchOrder, ReduceMode, ReduceOptions
 from zeroshard.zero.schedule import ExecutionOrder, PrefetchPolicy
 from zeroshard.zero.shard import OptimizerShard, ShardedStrategyBase
@@ -76,6 +78,7 @@ from zeroshard.zero.unit_shards import InMemoryShard, UnitBuffer, UnitShards, op
 from zeroshard.zero.units import (
     ZeroParameter,
     ZeroParamState,
+    assign_data,
     assign_params,
     default_units,
     make_zero_parameter,
@@ -168,7 +171,7 @@ class Stage3Strategy(ShardedStrategyBase):
         self._prefetch = PrefetchPolicy(self._exec, [unit.full.numel() for unit in self._units],
                                         prefetch_numel=options.prefetch_numel, max_live_numel=options.max_live_numel,
                                         max_reuse_distance=options.max_reuse_distance)
-        self._install_hooks()
+        self._install_hooks(module)
         self.peak_live_numel = 0
 
     @property
@@ -242,7 +245,7 @@ class Stage3Strategy(ShardedStrategyBase):
                     p = self._params[i]
                     view.copy_(gather_init_shards(self._comm, p, self._world).view(p.shape)
                                if init_partitioned(p) else p.detach())  # zero.Init: only shards exist
-                    p.data = view
+                    assign_data(p, view)  # a zero.Init parameter is partitioned already
                     make_zero_parameter(p, ZeroParamState(name=names[i], owner=self, unit=u))
                 self._shards.fill(u, full)
             self._units.append(UnitBuffer(full))
@@ -273,19 +276,39 @@ class Stage3Strategy(ShardedStrategyBase):
         # Note: [frozen parameters in backward]
         self._frozen_reads = FrozenReads(len(self._plan.buckets), self._release)
 
-    def _install_hooks(self) -> None:
-        for u, module in enumerate(self._unit_modules):
-            if module is None:
-                continue
-            module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
-            module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+    def _install_hooks(self, module: nn.Module) -> None:
         for i, p in enumerate(self._params):
             if self._trainable[i]:
                 p.register_post_accumulate_grad_hook(lambda t, i=i: self._on_grad_ready(i, t))
+        self._offload = ParameterOffload(self, module, self.install_module_hooks(),
+                                         persistent_parameters=self._params[slice(*self._plan.buckets[self._persistent])])
+
+    def install_module_hooks(self) -> tuple[list[RemovableHandle], list[RemovableHandle]]:
+        """Register the units' gather/release hooks and the frozen-read hooks; returns their handles
+        (DeepSpeed's forward_hooks, backward_hooks), which `ParameterOffload` holds. The gradient
+        hooks stay installed for the strategy's life, as DeepSpeed's reduce hooks do."""
+        forward: list[RemovableHandle] = []
+        for u, module in enumerate(self._unit_modules):
+            if module is None:
+                continue
+            forward.append(module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
+            forward.append(module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
+        backward: list[RemovableHandle] = []
         if self._unit_modules[0] is not None:
-            self._frozen_reads.install(self._unit_modules[0], {
+            backward = self._frozen_reads.install(self._unit_modules[0], {
                 id(p): self._unit_of[i] for i, p in enumerate(self._params)
                 if not self._trainable[i] and self._unit_of[i] != self._persistent})
+        return forward, backward
+
+    def parameter_offload(self) -> ParameterOffload:
+        """DeepSpeed's `optimizer.parameter_offload`: the module hooks' handles (zero/parameter_offload.py)."""
+        return self._offload
+
+    def forget_order(self) -> None:
+        self._exec.reset()
+
+    def order_recorded(self) -> bool:
+        return bool(self._exec.order)
 
     def __repr__(self) -> str:
         first, last = self._plan.buckets[self._persistent]
@@ -359,7 +382,7 @@ class Stage3Strategy(ShardedStrategyBase):
     def _bind(self, u: int, full: Tensor) -> None:
         """Point unit `u`'s parameters at their places in the flat buffer `full`."""
         for i, view in self._param_views(u, full):
-            self._params[i].data = view
+            assign_data(self._params[i], view)
 
     def _is_released(self, u: int) -> bool:
         return self._units[u].released

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
+    from zeroshard.zero.parameter_offload import ParameterOffload
 
 _SQ_CHUNK_NUMEL = 1 << 16
 """Elements converted to float64 at a time: stays in cache, so the float64 sum costs ~2x the
@@ -274,6 +275,12 @@ class ZeroStrategy(Protocol):
         """The optimizer the engine steps in place of `optimizer`. Default: `optimizer` itself;
         an NVMe optimizer home swaps its states through files (zero/offload/nvme_optim.py)."""
         return optimizer
+
+    def parameter_offload(self) -> "ParameterOffload | None":
+        """DeepSpeed's `optimizer.parameter_offload`: the handles of the hooks that gather and
+        release partitioned parameters, which generation loops remove and register again
+        (zero/parameter_offload.py). Default None: no stage below 3 has such hooks."""
+        return None
 
     def hold_for_batch(self) -> None:
         """A pipeline stage's batch begins (runtime/pipe_engine.py): stage 3 gathers every unit and
