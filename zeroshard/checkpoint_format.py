@@ -103,6 +103,12 @@ class Manifest:
     node_ranks: list[int] | None = None
     """Saved with node-local storage: the ranks whose files this directory holds (the other
     ranks' files, listed in `files`, are on their nodes' disks). None: every file is here."""
+    checksums: dict[str, str] | None = None
+    """File name -> "crc32:<8 hex digits>" of its bytes, computed by the rank that wrote it while
+    writing (checkpoint/verify.py checks it). None: saved before checksums were recorded (sizes only)."""
+    train_batch_size: int | None = None
+    """Samples per optimizer step over all ranks when saved; auto-resume keeps it at another
+    data-parallel size (runtime/auto_resume.py). None: saved before it was recorded."""
 
     def param_index(self) -> dict[str, int]:
         return {p.name: i for i, p in enumerate(self.params)}

@@ -45,7 +45,7 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "checkpoint.tag_validation": "Warn", "checkpoint.load_universal": False,
     "checkpoint.use_node_local_storage": False, "checkpoint.parallel_write.pipeline_stage": False,
     # runtime/model_checkpointing/constants.py
-    "checkpoint.checkpoint_serialization": True,
+    "checkpoint.checkpoint_serialization": True, "checkpoint.auto_resume_dir": EXTENSION,
     # runtime/precision_config.py (the pydantic models DeepSpeedConfig uses, not constants.py's
     # BFLOAT16_* leftovers, which say immediate_grad_update=True and check_grad_overflow=False)
     "fp16.enabled": False, "fp16.auto_cast": False, "fp16.loss_scale": 0.0, "fp16.initial_scale_power": 16,

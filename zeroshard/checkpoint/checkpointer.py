@@ -16,6 +16,7 @@ from zeroshard.checkpoint.load import load_state
 from zeroshard.checkpoint.pipe_files import find_pipeline, load_pipeline_into_plain
 from zeroshard.checkpoint.recovery import write_recovery_script
 from zeroshard.checkpoint.save import reads_in_turn, save_state
+from zeroshard.checkpoint.verify import Resumable, newest_verified
 from zeroshard.checkpoint_format import EngineState, LoadedState
 
 if TYPE_CHECKING:
@@ -61,6 +62,11 @@ class ShardedCheckpointer:
         return load_state(target, self._comm, load_dir, tag, load_optimizer_states=load_optimizer_states,
                           load_module_only=load_module_only, strict=strict)
 
+    def newest_verified(self, load_dir: str | os.PathLike[str]) -> Resumable | None:
+        """The newest complete, verified tag under `load_dir`, agreed by every rank (auto-resume;
+        checkpoint/verify.py). Collective."""
+        return newest_verified(self._comm, load_dir)
+
 
 class InTurnCheckpointer:
     """`zero_optimization.pipeline_loading_checkpoint`: the checkpointer it wraps, with each
@@ -79,3 +85,6 @@ class InTurnCheckpointer:
         with reads_in_turn(True):
             return self._inner.load(target, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                     load_module_only=load_module_only, strict=strict)
+
+    def newest_verified(self, load_dir: str | os.PathLike[str]) -> Resumable | None:
+        return self._inner.newest_verified(load_dir)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -109,14 +110,46 @@ def fault_point(what: str) -> None:
 # -- writing --------------------------------------------------------------------------------
 
 
+CHECKSUM = "crc32"
+"""The checksum the manifest records per file (zlib.crc32: GB/s, computed while writing)."""
+
+_CHUNK_BYTES = 1 << 22
+"""Read size when a file's checksum is computed from disk (verify, or a writer that seeked)."""
+
+
+def format_checksum(crc: int) -> str:
+    return f"{CHECKSUM}:{crc & 0xFFFFFFFF:08x}"
+
+
+def file_checksum(path: Path) -> str:
+    """The checksum of the file at `path`, as the manifest records it (`crc32:<8 hex digits>`)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+    return format_checksum(crc)
+
+
 class _CountingWriter:
-    """A binary file whose every write is a fault point (torch.save writes record by record)."""
+    """A binary file whose every write is a fault point (torch.save writes record by record).
+
+    It also keeps the crc32 of what was written, while the bytes are still in the CPU's cache:
+    valid as long as the writes were sequential (`sequential`); a writer that seeks back is
+    checksummed from the file instead (`write_atomic`)."""
 
     def __init__(self, f: IO[bytes]) -> None:
         self._f = f
+        self.crc = 0
+        self.sequential = True
+        self._end = 0
 
     def write(self, data: Any) -> int:
+        if self._f.tell() != self._end:
+            self.sequential = False
         n = self._f.write(data)
+        if self.sequential:
+            self.crc = zlib.crc32(data, self.crc)
+            self._end += n
         fault_point("write")
         return n
 
@@ -147,22 +180,34 @@ def write_atomic(path: Path, write: Callable[[Any], None], *, per_process_tmp: b
     The caller fsyncs the directory once after its renames. `per_process_tmp`: the temporary
     name carries the process id (`path.<pid>.tmp`), for files several ranks may write at once
     (each rename then publishes a whole file; the last one stays)."""
+    return _write_atomic(path, write, per_process_tmp=per_process_tmp)[0]
+
+
+def _write_atomic(path: Path, write: Callable[[Any], None], *, per_process_tmp: bool = False) -> tuple[int, str]:
     suffix = f".{os.getpid()}{TMP_SUFFIX}" if per_process_tmp else TMP_SUFFIX
     tmp = path.with_name(path.name + suffix)
     with open(tmp, "wb") as f:
         fault_point("open")
-        write(_CountingWriter(f))
+        writer = _CountingWriter(f)
+        write(writer)
         f.flush()
         os.fsync(f.fileno())
         fault_point("fsync")
     size = tmp.stat().st_size
+    checksum = (format_checksum(writer.crc) if writer.sequential and writer._end == size
+                else file_checksum(tmp))
     os.replace(tmp, path)
     fault_point("rename")
-    return size
+    return size, checksum
 
 
 def save_torch(path: Path, obj: Any) -> int:
     return write_atomic(path, lambda f: torch.save(obj, f))
+
+
+def save_torch_checked(path: Path, obj: Any) -> tuple[int, str]:
+    """`save_torch`, also returning the file's checksum (`crc32:<8 hex digits>`)."""
+    return _write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def write_text_atomic(path: Path, text: str) -> int:

@@ -66,7 +66,9 @@ def from_json(text: str, path: Path) -> Manifest:
             frozen_saved=bool(d["frozen_saved"]), has_optimizer_states=bool(d["has_optimizer_states"]),
             global_steps=int(d["global_steps"]), format_version=version, tag=str(d["tag"]),
             files={str(k): int(v) for k, v in d["files"].items()},
-            node_ranks=None if d.get("node_ranks") is None else [int(r) for r in d["node_ranks"]])
+            node_ranks=None if d.get("node_ranks") is None else [int(r) for r in d["node_ranks"]],
+            checksums=None if d.get("checksums") is None else {str(k): str(v) for k, v in d["checksums"].items()},
+            train_batch_size=None if d.get("train_batch_size") is None else int(d["train_batch_size"]))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: manifest field missing or malformed ({type(e).__name__}: {e})") from e
 

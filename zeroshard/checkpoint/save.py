@@ -43,12 +43,13 @@ from zeroshard.checkpoint.files import (
     WRITER_TOKEN,
     begin_save,
     fault_point,
+    format_checksum,
     fsync_dir,
     optim_file,
     pieces_file,
     retired_dir,
     rng_file,
-    save_torch,
+    save_torch_checked,
     staging_dir,
     write_text_atomic,
 )
@@ -280,21 +281,27 @@ def _state_bytes(state: EngineState) -> int:
 
 def _write_rank_files(state: EngineState, staging: Path, client_state: Mapping[str, Any] | None,
                       save_optimizer_states: bool, bar: Progress, writer: bool) -> list[int]:
-    """This rank's files; returns [optim, rng, pieces, model] sizes (0: not written)."""
+    """This rank's files; returns [optim, rng, pieces, model] sizes (0: not written), then their
+    crc32 checksums (computed while writing; Note: [checkpoint checksums] in verify.py)."""
     rank = state.rank
-    sizes = [0, 0, 0, 0]
+    sizes, crcs = [0, 0, 0, 0], [0, 0, 0, 0]
+
+    def put(i: int, path: Path, obj: Any) -> None:
+        sizes[i], checksum = save_torch_checked(path, obj)
+        crcs[i] = int(checksum.partition(":")[2], 16)
+
     if save_optimizer_states:
-        sizes[0] = save_torch(staging / optim_file(rank), _optim_payload(state))
+        put(0, staging / optim_file(rank), _optim_payload(state))
         bar.advance(1, f"{optim_file(rank)} ({sizes[0] / 2**20:,.0f} MiB)")
-    sizes[1] = save_torch(staging / rng_file(rank), state.rng)
+    put(1, staging / rng_file(rank), state.rng)
     if state.manifest.weight_pieces is not None:
-        sizes[2] = save_torch(staging / pieces_file(rank), {"pieces": [_own(t) for t in state.weight_pieces]})
+        put(2, staging / pieces_file(rank), {"pieces": [_own(t) for t in state.weight_pieces]})
         bar.advance(1, f"{pieces_file(rank)} ({sizes[2] / 2**20:,.0f} MiB)")
     if writer:
-        sizes[3] = save_torch(staging / MODEL_FILE, _model_payload(state, client_state))
+        put(3, staging / MODEL_FILE, _model_payload(state, client_state))
         bar.advance(1, f"{MODEL_FILE} ({sizes[3] / 2**20:,.0f} MiB)")
     fsync_dir(staging)
-    return sizes
+    return sizes + crcs
 
 
 def _publish(root: Path, staging: Path, tag: str, save_latest: bool) -> None:
@@ -348,7 +355,7 @@ def save_state(state: EngineState, comm: "Comm", save_dir: str | os.PathLike[str
     staging = staging_dir(root, tag)
     writers = _prepare_writers(comm, root, tag, staging, rank, node_leader)
     writer = writers[rank] == rank
-    sizes: list[int] = [0, 0, 0, 0]
+    sizes: list[int] = [0] * 8  # 4 sizes, 4 checksums
     stages = int(save_optimizer_states) + int(state.manifest.weight_pieces is not None) + int(writer) + 1
     bar = Progress(stages, f"save {tag} (rank 0's files)", rank == 0 and _state_bytes(state) >= PROGRESS_MIN_BYTES,
                    unit="stage", expected_updates=stages)
@@ -366,7 +373,7 @@ def save_state(state: EngineState, comm: "Comm", save_dir: str | os.PathLike[str
         present = [r for r in range(comm.world_size) if writers[r] == rank]
         try:
             _finish(state, rows, root, staging, tag, save_latest, save_optimizer_states,
-                    node_ranks=None if len(present) == comm.world_size else present, model_bytes=sizes[3])
+                    node_ranks=None if len(present) == comm.world_size else present, model_file=(sizes[3], sizes[7]))
         except OSError as e:
             error = f"publishing {root / tag}: {e}"
     agree(comm, error, "publishing the checkpoint")
@@ -416,20 +423,23 @@ def _prepare_writers(comm: "Comm", root: Path, tag: str, staging: Path, rank: in
 
 def _finish(state: EngineState, rows: list[list[int]], root: Path, staging: Path, tag: str,
             save_latest: bool, save_optimizer_states: bool, *, node_ranks: list[int] | None = None,
-            model_bytes: int = 0) -> None:
+            model_file: tuple[int, int] = (0, 0)) -> None:
     m = state.manifest
     files: dict[str, int] = {}
+    checksums: dict[str, str] = {}
     fragments, pieces = [], []
     for r, row in enumerate(rows):
-        optim, rng, piece, model, n_frag, n_piece = row[:6]
-        for name, size in ((optim_file(r), optim), (rng_file(r), rng), (pieces_file(r), piece), (MODEL_FILE, model)):
+        n_frag, n_piece = row[8:10]
+        names = (optim_file(r), rng_file(r), pieces_file(r), MODEL_FILE)
+        for name, size, crc in zip(names, row[:4], row[4:8]):
             if size:
-                files[name] = size
-        fragments.append(_unflatten(row[6 : 6 + 3 * n_frag]))
-        pieces.append(_unflatten(row[6 + 3 * n_frag : 6 + 3 * (n_frag + n_piece)]))
+                files[name], checksums[name] = size, format_checksum(crc)
+        fragments.append(_unflatten(row[10 : 10 + 3 * n_frag]))
+        pieces.append(_unflatten(row[10 + 3 * n_frag : 10 + 3 * (n_frag + n_piece)]))
     if node_ranks is not None:  # this directory's own model file (each node's writer wrote one)
-        files[MODEL_FILE] = model_bytes
+        files[MODEL_FILE], checksums[MODEL_FILE] = model_file[0], format_checksum(model_file[1])
     m.fragments, m.files, m.tag, m.node_ranks = fragments, files, tag, node_ranks
+    m.checksums = checksums
     m.has_optimizer_states = save_optimizer_states
     (staging / WRITER_TOKEN).unlink(missing_ok=True)
     if m.weight_pieces is not None:

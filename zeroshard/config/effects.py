@@ -121,6 +121,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "bf16.bf16_master_weights_and_grads": ("zero/build.py::cfg.bf16.bf16_master_weights_and_grads",),
     "bf16.bf16_optimizer_states": ("zero/build.py::cfg.bf16.bf16_optimizer_states",),
     "checkpoint.use_node_local_storage": ("runtime/initialize.py::cfg.checkpoint.use_node_local_storage",),
+    "checkpoint.auto_resume_dir": ("runtime/initialize.py::cfg.checkpoint.auto_resume_dir",),
     "tensor_parallel.autotp_size": ("runtime/initialize.py::cfg.tensor_parallel.size",),
     "tensor_parallel.tensor_parallel.tp_size": ("runtime/initialize.py::cfg.tensor_parallel.size",),
     "tensor_parallel.preset_model": ("tensor/tp_plan.py::config.preset_model",),

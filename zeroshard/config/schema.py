@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from zeroshard.config.describe import describe_config
@@ -255,6 +256,12 @@ class CheckpointConfig:
     """Parallel writing options."""
     checkpoint_serialization: bool = True
     """Use torch.save's serialization format."""
+    auto_resume_dir: Path | None = None
+    """zeroshard's extension: a checkpoint root (the `save_dir` the script saves into). When set,
+    `initialize()` loads the newest complete and verified checkpoint there (skipping damaged or
+    half-written tags with a warning), with the random generators and the data loader's position,
+    and keeps its train_batch_size by recomputing gradient_accumulation_steps for this
+    data-parallel size. Nothing there: training starts fresh. null: off (scripts load themselves)."""
 
 
 PipeSchedule = Literal["1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble"]

@@ -154,7 +154,8 @@ def collect_state(engine: "ZeroEngine", strategy: ZeroStrategy, *, include_froze
         optimizer=type(optimizer).__name__ if optimizer is not None else None,
         param_groups=len(optimizer.param_groups) if optimizer is not None else 0,
         fragments=[ranges if r == rank else [] for r in range(world)], weight_pieces=piece_ranges,
-        frozen_saved=include_frozen, global_steps=engine.global_steps)
+        frozen_saved=include_frozen, global_steps=engine.global_steps,
+        train_batch_size=engine.zs_config.train_batch_size)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
     return EngineState(rank=rank, manifest=manifest, masters=masters, optimizer_states=states,
                        elementwise_keys=elementwise, param_groups=groups, module=whole,
@@ -224,10 +225,10 @@ def apply_state(engine: "ZeroEngine", strategy: ZeroStrategy, loaded: LoadedStat
     opt = engine.optimizer
     if opt is not None and loaded.optimizer_states is not None and loaded.param_groups is not None:
         states = loaded.optimizer_states
-        if not isinstance(opt, OneBitOptimizer) and any(k in s for s in states for k in ONEBIT_STATE_KEYS):
+        if not isinstance(opt.optimizer, OneBitOptimizer) and any(k in s for s in states for k in ONEBIT_STATE_KEYS):
             # A 1-bit optimizer's checkpoint resumed with plain Adam/Lamb: their state carries over,
             # the 1-bit state (errors, 1-bit Lamb's frozen ratios) is dropped.
-            logger.info(f"load: the checkpoint's 1-bit Adam error buffers are dropped ({type(opt).__name__} "
+            logger.info(f"load: the checkpoint's 1-bit Adam error buffers are dropped ({type(opt.optimizer).__name__} "
                         "keeps exp_avg, exp_avg_sq and step)")
             states = [drop_onebit_state(s) for s in states]
         opt.load_state_dict(_optimizer_state_dict(opt, frags, states, loaded.param_groups))

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from zeroshard.checkpoint_format import EngineState, LoadedState
 from zeroshard.errors import CheckpointArgumentError, CheckpointError, LossError, NotSupportedError, UsageError
 from zeroshard.optim.factory import optimizer_state_bytes
+from zeroshard.runtime.auto_resume import auto_resume as resume_newest
 from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
 from zeroshard.runtime.checkpoint_state import Checkpointer, apply_state, collect_state
 from zeroshard.runtime.direct_backward import DirectBackward, func_transforms
@@ -586,6 +587,23 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         self._publish_loss_scale(overflow=False)
         logger.info(f"loaded checkpoint {loaded.path} (step {self.global_steps})")
         return loaded.path, loaded.client_state if loaded.client_state is not None else {}
+
+    def auto_resume(self, load_dir: str | os.PathLike[str]) -> tuple[str | None, dict[str, Any] | None]:
+        """Load the newest complete, verified checkpoint under `load_dir` for an exact resume
+        (also the RNG streams and data position); every rank must call it. Damaged or half-written
+        tags are skipped with a warning; see docs/checkpoints.md and runtime/auto_resume.py.
+
+        Returns:
+            As `load_checkpoint`; `(None, None)` when there is nothing to resume from.
+
+        Raises:
+            CheckpointError: the checkpoint's train_batch_size differs from this engine's.
+
+        Example::
+
+            engine.auto_resume("ckpt")  # then train; save_checkpoint("ckpt") every N steps
+        """
+        return resume_newest(self, load_dir)
 
     def _load_with_custom_fn(self, load_dir: str | os.PathLike[str], tag: str | None,
                              custom_load_fn: Callable[..., Any]) -> tuple[str | None, dict[str, Any] | None]:

@@ -27,6 +27,7 @@ from zeroshard.optim.lr_schedules import build_scheduler
 from zeroshard.optim.onebit_adam import OneBitOptimizer
 from zeroshard.pipe.module import PipelineModule
 from zeroshard.runtime.activation_checkpointing import configure_from_config
+from zeroshard.runtime.auto_resume import find_resumable, keep_global_batch, load_resumable
 from zeroshard.runtime.autocast import autocast_dtype, safe_module_classes
 from zeroshard.runtime.checkpoint_state import Checkpointer
 from zeroshard.runtime.config_sync import check_same_config
@@ -263,6 +264,12 @@ def initialize(
     world_comm = Comm(world, log=CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
                       if comms.enabled else None)
     check_same_config(cfg, world_comm)  # the first collective: before anything trains on it
+    resume_dir, resumable = cfg.checkpoint.auto_resume_dir, None
+    if resume_dir is not None:  # before the engine: the saved global batch may change gradient accumulation
+        plain = pipe_module is None and tp_size == 1 and mpu is None
+        resumable = find_resumable(_checkpointer(world_comm, cfg.checkpoint.use_node_local_storage) if plain
+                                   else None, resume_dir)
+        cfg = keep_global_batch(cfg, resumable)
     layout = _parallel_layout(world, world_comm, model, cfg, tp_size, mpu, pipe_module)
     groups = layout.dp  # ZeRO, the batch and the data loader run over the data-parallel ranks
     comm = world_comm if groups is world else Comm(groups, log=world_comm.log, label="dp")
@@ -316,7 +323,9 @@ def initialize(
 
         engine.checkpointer = InTurnCheckpointer(engine.checkpointer)
     _log_start(engine, groups)
-    return engine, opt, loader, sched
+    if resumable is not None:  # checkpoint.auto_resume_dir (runtime/auto_resume.py)
+        load_resumable(engine, resumable)
+    return engine, engine.optimizer, loader, sched  # DeepSpeed returns engine.optimizer too
 
 
 def _parallel_layout(world: ProcessGroups, world_comm: Comm, model: nn.Module, cfg: Config, tp_size: int,
