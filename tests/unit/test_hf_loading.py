@@ -44,3 +44,36 @@ def test_save_on_each_node_is_accepted_and_reaches_the_checkpointer() -> None:
     cfg["checkpoint"]["use_node_local_storage"] = False
     engine, *_ = zeroshard.initialize(model=GPT(GPTConfig.preset("tiny")), config=cfg)
     assert engine.checkpointer._node_leader is None
+
+
+def test_sharded_load_hook_leaves_transformers_4_loader_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 4.x's `_load_pretrained_model` is a classmethod with another argument list
+    (DeepSpeed-Chat pins 4.x): wrapping it broke every ZeRO-3 from_pretrained there (TypeError on
+    ignore_mismatched_sizes). The hook installs only over transformers 5's static loader."""
+    import sys
+    import types
+
+    from zeroshard.compat.hf_loading import install_transformers_hook
+
+    class PreTrainedModel:  # transformers 4.57's shape
+        @classmethod
+        def _load_pretrained_model(cls, model, state_dict, checkpoint_files, pretrained_model_name_or_path,
+                                   ignore_mismatched_sizes=False, sharded_metadata=None):
+            return "4.x loader"
+
+    fake = types.ModuleType("transformers.modeling_utils")
+    fake.PreTrainedModel = PreTrainedModel
+    monkeypatch.setitem(sys.modules, "transformers.modeling_utils", fake)
+    before = PreTrainedModel.__dict__["_load_pretrained_model"]
+    assert install_transformers_hook() is False
+    assert PreTrainedModel.__dict__["_load_pretrained_model"] is before
+    assert PreTrainedModel._load_pretrained_model(None, None, None, "x", ignore_mismatched_sizes=True) == "4.x loader"
+
+    class PreTrainedModel5:  # transformers 5's shape: wrapped
+        @staticmethod
+        def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
+            return "5.x loader"
+
+    fake.PreTrainedModel = PreTrainedModel5
+    assert install_transformers_hook() is True
+    assert PreTrainedModel5.__dict__["_load_pretrained_model"].__func__.__wrapped__ is not None

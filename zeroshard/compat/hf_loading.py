@@ -58,6 +58,8 @@ def install_transformers_hook() -> bool:
     original = current.__func__ if isinstance(current, staticmethod) else current
     if getattr(original, _HOOK_MARK, False):
         return True
+    if not _loader_takes_load_config(current):
+        return False  # transformers 4.x's classmethod loader: its own ZeRO-3 path, untouched
 
     def _load_pretrained_model(model: nn.Module, state_dict: dict | None, checkpoint_files: list[str] | None,
                                load_config: Any, expected_keys: list[str] | None = None) -> Any:
@@ -79,6 +81,19 @@ def install_transformers_hook() -> bool:
 
 
 _NOT_ZERO3 = "ZeRO-3 is not enabled"
+
+
+def _loader_takes_load_config(loader: Any) -> bool:
+    """True for the loader this wrapper is written against, transformers 5's static
+    `_load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys)`;
+    transformers 4.x has a classmethod with another argument list (ignore_mismatched_sizes, ...),
+    which the [hf] extra's range still admits (DeepSpeed-Chat pins 4.x)."""
+    import inspect
+
+    if not isinstance(loader, staticmethod):
+        return False
+    names = list(inspect.signature(loader.__func__).parameters)
+    return names[:4] == ["model", "state_dict", "checkpoint_files", "load_config"]
 
 
 @contextmanager
