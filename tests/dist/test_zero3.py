@@ -246,6 +246,28 @@ def test_partitioned_parameters_read_as_deepspeeds_placeholder(groups, monkeypat
             assert torch.equal(p, before[n]) and p.dtype == before[n].dtype, f"{n}: a refused write changed it"
 
 
+def test_data_assignment_inside_a_modifier_gather_reaches_every_rank(groups) -> None:
+    """DeepSpeed-Chat fuses LoRA with `weight.data += scale * (left @ right)` inside
+    GatheredParameters(modifier_rank=0) (Python ends that with `weight.data = <the same tensor>`), and
+    scripts assign `p.data = new` there: both land in the parameter on every rank, as in DeepSpeed.
+    Another shape is still refused by name."""
+    engine = init_engine(make_model(), stage3_config("fp32", "plain"))
+    w = engine.module.blocks[0].mlp[0].weight
+    with GatheredParameters([w]):
+        start = w.detach().clone()
+    delta = torch.full_like(start, 0.25)
+    with GatheredParameters([w], modifier_rank=0):
+        w.data += delta if groups.rank == 0 else 100 * delta  # the modifier's values win
+    with GatheredParameters([w]):
+        assert torch.equal(w.detach(), start + delta)
+    with GatheredParameters([w], modifier_rank=0):
+        w.data = 2 * w.data
+        with pytest.raises(PartitionedParameterError, match="setting .data of parameter"):
+            w.data = torch.zeros(3)
+    with GatheredParameters([w]):
+        assert torch.equal(w.detach(), 2 * (start + delta))
+
+
 def test_ds_summary_and_partition_numel(groups) -> None:
     engine = init_engine(make_model(), stage3_config("fp32", "plain"))
     w = engine.module.blocks[0].mlp[0].weight

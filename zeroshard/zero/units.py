@@ -140,11 +140,8 @@ class ZeroParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func == _SET_DATA:
-            if args[1] is args[0]:
-                return None  # `p.data = p`: what `module.to(...)` does when `p.to(...)` changed nothing
-            if isinstance(args[0]._zs.owner, ShardHolder):
-                raise PartitionedParameterError(_rebind_message(args[0]._zs.name))
+        if func == _SET_DATA and _set_data(args[0], args[1]):
+            return None
         if func not in _METADATA:
             released = [a for a in _params_in(args, kwargs) if not a._zs.gathered]
             if released and not released[0]._zs.owner.on_demand(released):
@@ -333,8 +330,8 @@ def _rebind_message(name: str) -> str:
     return (
         f"setting .data of parameter {name!r}: at ZeRO stage 3 the parameter is a view of the buffers that "
         f"hold its values (partitioned across ranks, or kept whole when it is small), so a new tensor would be "
-        f"lost at the next gather or step. Change the values in place inside `with "
-        f"zeroshard.zero.GatheredParameters([param], modifier_rank=0): param.copy_(value)`."
+        f"lost at the next gather or step. Assign (a tensor of the same shape and dtype) or change the values "
+        f"in place inside `with zeroshard.zero.GatheredParameters([param], modifier_rank=0)`."
     )
 
 
@@ -379,6 +376,31 @@ def _as_placeholders(out: Any, name: str) -> Any:
 def _flat(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
     values = list(args) + list(kwargs.values())
     return values + [x for a in values if isinstance(a, (list, tuple)) for x in a]
+
+
+def _set_data(p: ZeroParameter, new: Tensor) -> bool:
+    """`p.data = new` by a user; True when handled here, False for the plain rebind (an owner that is
+    not stage 3's, e.g. zero.Init before `initialize`, which re-cuts its shard at the next gather).
+
+    A no-op when `new` is `p` or its own data (`module.to(...)` when nothing changed; `p.data += x`,
+    which Python ends with `p.data = <the same tensor>`). At stage 3 the data is a view of the
+    strategy's buffers, so a gathered parameter takes `new`'s values in place (what a
+    `GatheredParameters(modifier_rank=...)` block then hands to every rank, as DeepSpeed-Chat's LoRA
+    fusion does); a released one, or another shape or dtype, is refused by name (it would be lost)."""
+    with DisableTorchFunctionSubclass():
+        if new is p or _same_view(p.data, new):
+            return True
+        if not isinstance(p._zs.owner, ShardHolder):
+            return False
+        if p._zs.gathered and new.shape == p.shape and new.dtype == p.dtype:
+            p.data.copy_(new)
+            return True
+    raise PartitionedParameterError(_rebind_message(p._zs.name))
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
 
 
 def assign_data(p: nn.Parameter, data: Tensor) -> None:
