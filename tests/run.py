@@ -65,7 +65,7 @@ STAGES: dict[str, list[str]] = {
     # need 4 ranks; the rest of tests/dist runs at 1-3 ranks, so this stage runs only those files,
     # and the shared-memory collectives (a sum of 4 terms, 4 rows of the arena).
     "dist4": torchrun(4, *PYTEST, "tests/dist/test_pipeline.py", "tests/dist/test_pipe_grid.py",
-                      "tests/dist/test_pipeline_failures.py",
+                      "tests/dist/test_ulysses.py", "tests/dist/test_pipeline_failures.py",
                       "tests/dist/test_tensor_parallel.py", "tests/dist/test_3d.py",
                       "tests/dist/test_memory_census_3d.py", "tests/dist/test_shm.py", rank0_output=True),
     # 3D at PP 2 x DP 2 x TP 2 (dist4 runs PP 2 x TP 2): the claim "equal to one process at 8 ranks"

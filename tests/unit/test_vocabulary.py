@@ -30,6 +30,9 @@ SAME_MEANING: dict[frozenset[str], str] = {
         "model-state checkpoints: tensor/checkpoint.py keys a tensor-parallel run's files by global names",
     frozenset({"comm/topology.py", "pipe/topology.py"}):
         "the rank layout over (pp, dp, tp): pipe/topology.py serves DeepSpeed's topology classes as views of it",
+    frozenset({"sequence/", "tensor/sequence.py"}):
+        "sequence parallelism, each rank holding a slice of the sequence: over the tensor-parallel group "
+        "between its regions (tensor/sequence.py, Megatron's), over the sequence-parallel group (sequence/, Ulysses)",
     frozenset({"moe/utils.py", "utils/"}):
         "DeepSpeed's paths deepspeed.moe.utils and deepspeed.utils: the helpers scripts import from each",
 }

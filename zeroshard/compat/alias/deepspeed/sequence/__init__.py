@@ -1,0 +1,1 @@
+"""deepspeed.sequence: sequence-parallel attention (`deepspeed.sequence.layer`), served by zeroshard.sequence."""
