@@ -164,7 +164,8 @@ def test_client_adam_is_moved_to_cpu_kernel(groups, stage: int) -> None:
     cfg = make_config(optimizer=None, zero_force_ds_cpu_optimizer=True,
                       zero_optimization={"stage": stage, "offload_optimizer": {"device": "cpu"}})
     engine, got_opt, _, _ = __import__("zeroshard").initialize(model=model, optimizer=opt, config=cfg)
-    assert got_opt.optimizer is opt and all(g["fused"] for g in opt.param_groups)  # initialize returns the ZeRO optimizer
+    # initialize() returns engine.optimizer (DeepSpeed's ZeRO optimizer surface) over the client's optimizer
+    assert got_opt.optimizer is opt and all(g["fused"] for g in opt.param_groups)
     owned = sum(p.numel() for g in opt.param_groups for p in g["params"])
     total = sum(p.numel() for p in model.parameters())
     assert owned < total or groups.world_size == 1, "each rank steps on its shard only"
