@@ -7,6 +7,9 @@
   and resuming reproduces the next step bit for bit.
 - scripts/ckpt_kill_rank.py (2 ranks): rank 1 is SIGKILLed while writing its optimizer file;
   torchrun ends the job; a new 2-rank job loads `latest` and resumes exactly.
+- The same two with `checkpoint.async_save`: the kill lands in the snapshot's preparation, in the
+  background writer while the next step trains, or in the join's publish; `latest` still loads
+  the previous checkpoint (or the new one, holding the state at the save, never a later step).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from torchrun_cmd import torchrun
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -36,8 +40,10 @@ def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[st
                           stderr=subprocess.STDOUT, timeout=timeout)
 
 
-def test_kill_at_many_points_during_save(tmp_path: Path) -> None:
-    proc = _run([sys.executable, str(SCRIPTS / "ckpt_fault.py"), str(tmp_path), str(RANDOM_WRITES), "1234"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_at_many_points_during_save(tmp_path: Path, mode: str) -> None:
+    proc = _run([sys.executable, str(SCRIPTS / "ckpt_fault.py"), str(tmp_path), str(RANDOM_WRITES), "1234",
+                 *(["async"] if mode == "async" else [])])
     assert proc.returncode == 0, proc.stdout[-6000:]
     m = re.search(r"FAULT OK (\d+) kill points \((\d+) protocol steps, (\d+) random writes\)", proc.stdout)
     assert m, proc.stdout[-4000:]
@@ -47,9 +53,10 @@ def test_kill_at_many_points_during_save(tmp_path: Path) -> None:
     assert m2 and int(m2.group(1)) >= 15, proc.stdout[-4000:]
 
 
-def test_kill_one_rank_of_two_during_save(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_one_rank_of_two_during_save(tmp_path: Path, mode: str) -> None:
     script = str(SCRIPTS / "ckpt_kill_rank.py")
-    killed = _run(torchrun(2, script, "save", str(tmp_path), "10", "1"))
+    killed = _run(torchrun(2, script, "save", str(tmp_path), "10", "1", *(["async"] if mode == "async" else [])))
     assert killed.returncode != 0 and "SAVE COMPLETED" not in killed.stdout, killed.stdout[-4000:]
     assert "Signal 9 (SIGKILL)" in killed.stdout or "SIGKILL" in killed.stdout, killed.stdout[-4000:]
     resumed = _run(torchrun(2, script, "resume", str(tmp_path)))

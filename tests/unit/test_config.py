@@ -449,7 +449,7 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
     ({"checkpoint__load_universal": True}, "not supported yet: checkpoint.load_universal=true."),
     ({"zero_optimization": {"stage": 3, "stage3_use_all_reduce_for_fetch_params": True}},
      "not supported yet: zero_optimization.stage3_use_all_reduce_for_fetch_params=true."),
-    ({"compile": {"deepcompile": True}}, 'not supported yet: compile={"deepcompile": true}.'),
+    ({"compile": {"deepcompile": True}}, "not supported yet: compile.deepcompile=true."),
     ({"tensor_parallel": {"autotp_size": 2, "preset_model": "bloom"}},
      'not supported yet: tensor_parallel.preset_model="bloom".'),
     ({"tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True}},

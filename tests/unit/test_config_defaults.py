@@ -46,6 +46,8 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "checkpoint.use_node_local_storage": False, "checkpoint.parallel_write.pipeline_stage": False,
     # runtime/model_checkpointing/constants.py
     "checkpoint.checkpoint_serialization": True, "checkpoint.auto_resume_dir": EXTENSION,
+    "checkpoint.async_save": EXTENSION, "checkpoint.save_dir": EXTENSION, "checkpoint.save_interval_steps": EXTENSION,
+    "checkpoint.save_interval_minutes": EXTENSION, "checkpoint.keep_last": EXTENSION,
     # runtime/precision_config.py (the pydantic models DeepSpeedConfig uses, not constants.py's
     # BFLOAT16_* leftovers, which say immediate_grad_update=True and check_grad_overflow=False)
     "fp16.enabled": False, "fp16.auto_cast": False, "fp16.loss_scale": 0.0, "fp16.initial_scale_power": 16,
@@ -119,6 +121,15 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "pipeline.stages": "auto", "pipeline.partition": "best", "pipeline.seed_layers": False,
     "pipeline.activation_checkpoint_interval": 0, "pipeline.pipe_partitioned": True,
     "pipeline.grad_partitioned": True, "pipeline.use_reentrant": True, "pipeline.schedule": EXTENSION,
+    # compile/config.py CompileConfig
+    **{f"compile.{k}": v for k, v in (
+        ("deepcompile", False), ("autoep_non_moe", False), ("free_activation", False),
+        ("free_activation_threshold", 10 * 1024 * 1024), ("offload_activation", False),
+        ("offload_activation_pin_memory", True), ("offload_opt_states", False), ("double_buffer", True),
+        ("symmetric_memory", False), ("debug_log", False), ("offload_parameters", False),
+        ("sync_before_reduce", False), ("sync_after_reduce", False), ("sync_before_allgather", False),
+        ("sync_after_allgather", False), ("keep_int_input_tensors", True), ("keep_all_input_tensors", False),
+        ("passes", None))},
     # runtime/swap_tensor/constants.py
     "aio.block_size": 1_048_576, "aio.queue_depth": 8, "aio.intra_op_parallelism": 1, "aio.single_submit": False,
     "aio.overlap_events": True, "aio.use_gds": False,
@@ -340,6 +351,8 @@ def _deepspeed_values() -> dict[str, Any]:
         got[f"tensor_parallel.partition_config.{key}"] = getattr(part, key)
     got["tensor_parallel.partition_config.layer_specs"] = tuple(part.layer_specs)
     got["tensor_parallel.partition_config.lm_head_patterns"] = tuple(part.lm_head_patterns)
+    from deepspeed.compile.config import CompileConfig
+    got.update(model("compile.", CompileConfig()))
     got["torch_autocast.enabled"] = c.TORCH_AUTOCAST_ENABLED_DEFAULT
     from deepspeed.runtime.config import get_lower_precision_safe_modules, get_torch_autocast_dtype
     got["torch_autocast.dtype"] = get_torch_autocast_dtype({})

@@ -121,6 +121,7 @@ SIGNATURES = [
      "deepspeed.runtime.engine:DeepSpeedEngine.save_16bit_model"),
     ("zeroshard.runtime.engine:ZeroEngine._zero3_consolidated_16bit_state_dict",
      "deepspeed.runtime.engine:DeepSpeedEngine._zero3_consolidated_16bit_state_dict"),
+    ("zeroshard.runtime.engine:ZeroEngine.compile", "deepspeed.runtime.engine:DeepSpeedEngine.compile"),
     ("zeroshard:initialize", "deepspeed:initialize"),
     ("zeroshard.comm:init_distributed", "deepspeed.comm:init_distributed"),
     ("zeroshard.utils.zero_to_fp32:get_fp32_state_dict_from_zero_checkpoint",

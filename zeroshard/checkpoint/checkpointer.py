@@ -10,11 +10,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from zeroshard.checkpoint.async_save import AsyncSaver
 from zeroshard.checkpoint.ds_autotp import is_autotp, load_autotp
 from zeroshard.checkpoint.ds_import import find_deepspeed, load_deepspeed
 from zeroshard.checkpoint.load import load_state
 from zeroshard.checkpoint.pipe_files import find_pipeline, load_pipeline_into_plain
 from zeroshard.checkpoint.recovery import write_recovery_script
+from zeroshard.checkpoint.retention import prune
 from zeroshard.checkpoint.save import reads_in_turn, save_state
 from zeroshard.checkpoint.verify import Resumable, newest_verified
 from zeroshard.checkpoint_format import EngineState, LoadedState
@@ -31,22 +33,56 @@ class ShardedCheckpointer:
         node_leader: with `checkpoint.use_node_local_storage`, the first rank of this rank's
             node, which writes the node's directory (Note: [node-local storage] in save.py);
             None: one directory every rank shares.
+        async_save: `checkpoint.async_save`: `save` snapshots the state to host memory and
+            returns; a background thread writes, and the next join publishes (Note: [async
+            save] in async_save.py). A join is the next `save`, `wait`, `load` or
+            `newest_verified`.
+        keep_last: `checkpoint.keep_last`: after each publish, keep the newest K complete tags
+            of the directory saved into (checkpoint/retention.py); 0 keeps all.
     """
 
-    def __init__(self, comm: "Comm", node_leader: int | None = None) -> None:
+    def __init__(self, comm: "Comm", node_leader: int | None = None, *, async_save: bool = False,
+                 keep_last: int = 0) -> None:
         self._comm = comm
         self._node_leader = node_leader
+        self._async = AsyncSaver(comm, node_leader) if async_save else None
+        self._keep_last = keep_last
 
     def save(self, state: EngineState, save_dir: str | os.PathLike[str], tag: str,
              client_state: Mapping[str, Any] | None, save_latest: bool, save_optimizer_states: bool = True) -> str:
+        if self._async is not None:
+            self.wait()  # one save in flight at a time: the previous one is published (or raises) first
+            self._async.start(state, save_dir, tag, client_state, save_latest, save_optimizer_states)
+            return str(Path(save_dir) / tag)
         published = save_state(state, self._comm, save_dir, tag, client_state, save_latest, save_optimizer_states,
                                node_leader=self._node_leader)
         if published:
-            write_recovery_script(save_dir)  # DeepSpeed's zero_to_fp32.py, for its documented workflow
+            self._after_publish(save_dir)
         return str(Path(save_dir) / tag)
+
+    def wait(self) -> str | None:
+        """Join the asynchronous save in flight, if any: wait for every rank's writer, then
+        publish (collective). Returns the published checkpoint's directory, None when none was
+        in flight.
+
+        Raises:
+            CheckpointError: on every rank, naming the ranks whose writer failed and why;
+                nothing was published and `latest` names the previous checkpoint.
+        """
+        target = self._async.join() if self._async is not None else None
+        if target is None:
+            return None
+        if target.writer:
+            self._after_publish(target.root)
+        return str(target.root / target.tag)
+
+    def _after_publish(self, save_dir: str | os.PathLike[str]) -> None:
+        write_recovery_script(save_dir)  # DeepSpeed's zero_to_fp32.py, for its documented workflow
+        prune(save_dir, self._keep_last)
 
     def load(self, target: EngineState, load_dir: str | os.PathLike[str], tag: str | None, *,
              load_optimizer_states: bool, load_module_only: bool, strict: bool = True) -> LoadedState | None:
+        self.wait()  # a save in flight is published first: `latest` may be about to name it
         pipe = find_pipeline(load_dir, tag)
         if pipe is not None:  # a pipeline's checkpoint into this model without a pipeline (pipe_files.py)
             return load_pipeline_into_plain(target, self._comm, *pipe, load_optimizer_states=load_optimizer_states,
@@ -65,6 +101,7 @@ class ShardedCheckpointer:
     def newest_verified(self, load_dir: str | os.PathLike[str]) -> Resumable | None:
         """The newest complete, verified tag under `load_dir`, agreed by every rank (auto-resume;
         checkpoint/verify.py). Collective."""
+        self.wait()
         return newest_verified(self._comm, load_dir)
 
 
@@ -88,3 +125,6 @@ class InTurnCheckpointer:
 
     def newest_verified(self, load_dir: str | os.PathLike[str]) -> Resumable | None:
         return self._inner.newest_verified(load_dir)
+
+    def wait(self) -> str | None:
+        return self._inner.wait()

@@ -31,6 +31,7 @@ import shutil
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -255,8 +256,11 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if whole else t.detach().clone()
 
 
-def _model_payload(state: EngineState, client_state: Mapping[str, Any] | None) -> dict[str, Any]:
+def _model_payload(state: EngineState, client_state: Mapping[str, Any] | bytes | None) -> dict[str, Any]:
+    """`client_state` as given, or already pickled (an asynchronous save pickles it at the call)."""
     m = state.manifest
+    if client_state is not None and not isinstance(client_state, bytes):
+        client_state = pickle_bytes(dict(client_state))
     return {
         "module": state.module,
         "buffer_names": [b.name for b in m.buffers],
@@ -266,7 +270,7 @@ def _model_payload(state: EngineState, client_state: Mapping[str, Any] | None) -
         "dp_world_size": m.world_size,
         "zero_stage": m.stage,
         **state.run_state,
-        "client_state": pickle_bytes(dict(client_state)) if client_state is not None else None,
+        "client_state": client_state,
     }
 
 
@@ -279,7 +283,7 @@ def _state_bytes(state: EngineState) -> int:
             + sum(map(nbytes, state.weight_pieces)) + sum(map(nbytes, state.module.values())))
 
 
-def _write_rank_files(state: EngineState, staging: Path, client_state: Mapping[str, Any] | None,
+def _write_rank_files(state: EngineState, staging: Path, client_state: Mapping[str, Any] | bytes | None,
                       save_optimizer_states: bool, bar: Progress, writer: bool) -> list[int]:
     """This rank's files; returns [optim, rng, pieces, model] sizes (0: not written), then their
     crc32 checksums (computed while writing; Note: [checkpoint checksums] in verify.py)."""
@@ -346,6 +350,39 @@ def save_state(state: EngineState, comm: "Comm", save_dir: str | os.PathLike[str
         Whether this rank published a directory (rank 0; with node-local storage, also the
         first rank of each node whose disk rank 0 does not share).
     """
+    target = begin_save_state(state, comm, save_dir, tag, node_leader)
+    stages = int(save_optimizer_states) + int(state.manifest.weight_pieces is not None) + int(target.writer) + 1
+    bar = Progress(stages, f"save {tag} (rank 0's files)",
+                   state.rank == 0 and _state_bytes(state) >= PROGRESS_MIN_BYTES, unit="stage", expected_updates=stages)
+    sizes, error = write_rank_files(target, state, client_state, save_optimizer_states, bar)
+    end_save_state(target, state, comm, sizes, error, save_latest, save_optimizer_states)
+    bar.advance(1, f"published {target.root / tag}")
+    bar.close()
+    return target.writer
+
+
+@dataclass(frozen=True)
+class SaveTarget:
+    """A save whose staging directories exist (steps 1 of Note: [save order]): where this rank
+    writes, and which rank publishes each rank's directory."""
+
+    root: Path
+    tag: str
+    staging: Path
+    writers: list[int]
+    """For every rank, the rank that publishes the directory its files go to."""
+    rank: int
+
+    @property
+    def writer(self) -> bool:
+        """Whether this rank publishes a directory (writes the model file and the manifest)."""
+        return self.writers[self.rank] == self.rank
+
+
+def begin_save_state(state: EngineState, comm: "Comm", save_dir: str | os.PathLike[str], tag: str,
+                     node_leader: int | None) -> SaveTarget:
+    """Step 1 of Note: [save order]: check the target on every rank, prepare the staging
+    directories. Collective."""
     check_same_target(comm, save_dir, tag, node_leader)  # first: the checks below then fail alike everywhere
     if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(f"tag {tag!r}: use a plain directory name (no '/', not starting with '.', "
@@ -354,32 +391,39 @@ def save_state(state: EngineState, comm: "Comm", save_dir: str | os.PathLike[str
     begin_save(rank)
     staging = staging_dir(root, tag)
     writers = _prepare_writers(comm, root, tag, staging, rank, node_leader)
-    writer = writers[rank] == rank
-    sizes: list[int] = [0] * 8  # 4 sizes, 4 checksums
-    stages = int(save_optimizer_states) + int(state.manifest.weight_pieces is not None) + int(writer) + 1
-    bar = Progress(stages, f"save {tag} (rank 0's files)", rank == 0 and _state_bytes(state) >= PROGRESS_MIN_BYTES,
-                   unit="stage", expected_updates=stages)
-    error = None
+    return SaveTarget(root=root, tag=tag, staging=staging, writers=writers, rank=rank)
+
+
+def write_rank_files(target: SaveTarget, state: EngineState, client_state: Mapping[str, Any] | bytes | None,
+                     save_optimizer_states: bool, bar: Progress | None = None) -> tuple[list[int], str | None]:
+    """Step 2: this rank's files, durable (fsync). Not collective: the asynchronous writer runs
+    it on its own thread. Returns the sizes and checksums, and the error (None: written)."""
+    bar = bar if bar is not None else Progress(1, enabled=False)
     try:
-        sizes = _write_rank_files(state, staging, client_state, save_optimizer_states, bar, writer)
+        return _write_rank_files(state, target.staging, client_state, save_optimizer_states, bar, target.writer), None
     except (OSError, RuntimeError) as e:
-        error = f"writing to {staging}: {e}"
-    agree(comm, error, "writing checkpoint files")
-    m = state.manifest
+        return [0] * 8, f"writing to {target.staging}: {e}"
+
+
+def end_save_state(target: SaveTarget, state: EngineState, comm: "Comm", sizes: list[int], error: str | None,
+                   save_latest: bool, save_optimizer_states: bool, what: str = "writing checkpoint files") -> None:
+    """Steps 3-6: agree that every rank's files are durable, gather the layouts, and publish
+    (manifest, rename, `latest`). Collective; every rank raises if any rank failed, and then
+    nothing is published (the previous checkpoint and `latest` stay)."""
+    agree(comm, error, what)
+    m, rank = state.manifest, target.rank
     mine = m.fragments[rank]
     pieces = m.weight_pieces[rank] if m.weight_pieces is not None else []
     rows = gather_rows(comm, [*sizes, len(mine), len(pieces), *_flatten(mine), *_flatten(pieces)])
-    if writer:
-        present = [r for r in range(comm.world_size) if writers[r] == rank]
+    error = None
+    if target.writer:
+        present = [r for r in range(comm.world_size) if target.writers[r] == rank]
         try:
-            _finish(state, rows, root, staging, tag, save_latest, save_optimizer_states,
+            _finish(state, rows, target.root, target.staging, target.tag, save_latest, save_optimizer_states,
                     node_ranks=None if len(present) == comm.world_size else present, model_file=(sizes[3], sizes[7]))
         except OSError as e:
-            error = f"publishing {root / tag}: {e}"
+            error = f"publishing {target.root / target.tag}: {e}"
     agree(comm, error, "publishing the checkpoint")
-    bar.advance(1, f"published {root / tag}")
-    bar.close()
-    return writer
 
 
 def _prepare_writers(comm: "Comm", root: Path, tag: str, staging: Path, rank: int,

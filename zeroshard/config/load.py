@@ -19,11 +19,11 @@ from zeroshard.config.auto import resolve_autos
 from zeroshard.config.batch import GAS, MICRO, TBS, solve_batch
 from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, describe_type, hints, is_section, json_fields, show
 from zeroshard.config.parse import Draft, FieldSpec, parse_document, parse_section
-from zeroshard.config.schema import Config, FP16Config
+from zeroshard.config.schema import CheckpointConfig, Config, FP16Config
 from zeroshard.config.schema_optim import LambParams, OptimizerConfig, SchedulerConfig
 from zeroshard.config.schema_tp import check_tensor_parallel
 from zeroshard.config.stages import check_stages, idle_keys
-from zeroshard.config.support import check_supported, is_inactive
+from zeroshard.config.support import check_supported
 from zeroshard.errors import ConfigConflictError, ConfigError, NotSupportedError
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
@@ -205,6 +205,7 @@ def _check_cross_fields(cfg: Config) -> None:
             )
     check_bf16_master(cfg)
     check_tensor_parallel(cfg.tensor_parallel)
+    check_periodic_save(cfg.checkpoint)
     stated = cfg.data_types.param_dtype
     if stated is not None and stated != cfg.precision:
         raise ConfigConflictError(
@@ -216,6 +217,16 @@ def _check_cross_fields(cfg: Config) -> None:
             f"managed_gradient_accumulation=False supports ZeRO overlap_comm only with ZeRO stage 2 or 3 (as in "
             f"DeepSpeed): at stage {zero.stage} the gradients are reduced in step(), with no backward to overlap; "
             "set zero_optimization.overlap_comm to false, or managed_gradient_accumulation to true.")
+
+
+def check_periodic_save(ckpt: CheckpointConfig) -> None:
+    """A periodic save needs a directory to save into."""
+    for key, value in (("save_interval_steps", ckpt.save_interval_steps),
+                       ("save_interval_minutes", ckpt.save_interval_minutes)):
+        if value and ckpt.save_dir is None:
+            raise ConfigError(f"checkpoint.{key}: got {show(value)}, but checkpoint.save_dir is not set; set "
+                              'checkpoint.save_dir to the checkpoint root (e.g. "checkpoints"), or set '
+                              f"checkpoint.{key} to 0.")
 
 
 def check_fp16_scaling(fp16: FP16Config) -> None:
@@ -289,7 +300,7 @@ def check_allreduce_op(cfg: Config, unmodelled: Mapping[str, Any]) -> None:
     if "zero_optimization.zenflow" in unmodelled:
         raise ConfigError(f"gradient_allreduce_op='sum' is not supported with ZenFlow (as in DeepSpeed); {fix} "
                           "remove zero_optimization.zenflow.")
-    if not is_inactive(unmodelled.get("compile"), "compile"):
+    if cfg.compile.deepcompile:
         raise ConfigError(f"gradient_allreduce_op='sum' is not supported with DeepCompile (as in DeepSpeed); {fix} "
                           "remove compile.deepcompile.")
     if cfg.optimizer is not None and cfg.optimizer.type.lower() in _ONEBIT:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from zeroshard.config.describe import describe_config
 from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, spec
+from zeroshard.config.schema_compile import CompileConfig
 from zeroshard.config.schema_optim import OptimizerConfig, SchedulerConfig
 from zeroshard.config.schema_tp import TensorParallelConfig
 from zeroshard.config.schema_zero import ZeroConfig
@@ -262,6 +263,26 @@ class CheckpointConfig:
     half-written tags with a warning), with the random generators and the data loader's position,
     and keeps its train_batch_size by recomputing gradient_accumulation_steps for this
     data-parallel size. Nothing there: training starts fresh. null: off (scripts load themselves)."""
+    async_save: bool = False
+    """zeroshard's extension: `save_checkpoint` copies this rank's state to host memory and returns;
+    a background thread writes the files while training continues. The manifest and `latest` follow
+    once every rank's files are on disk, at the next join: the next save, `engine.wait_for_checkpoint()`,
+    a load or `engine.destroy()` (call one before exiting). Costs one host copy of the rank's state.
+    Not with a PipelineModule or tensor parallelism yet. false: every save writes before returning."""
+    save_dir: Path | None = None
+    """zeroshard's extension: the checkpoint root of the periodic saves (`save_interval_steps`,
+    `save_interval_minutes`); tags are `global_step{N}`. null: no periodic saves."""
+    save_interval_steps: int = spec(0, ge=0)
+    """zeroshard's extension: save to `save_dir` after every this many optimizer steps (at the end of
+    `engine.step()`). 0: off. Needs `save_dir`."""
+    save_interval_minutes: float = spec(0.0, ge=0.0)
+    """zeroshard's extension: save to `save_dir` at the first optimizer step this many minutes after
+    the last periodic save (or the start). Ranks agree by rank 0's clock (one 1-element all-reduce
+    per step while set). 0: off. Needs `save_dir`."""
+    keep_last: int = spec(0, ge=0)
+    """zeroshard's extension: after each save, remove all but the newest this many complete
+    checkpoints of the directory saved into (ordered by saved step; the tag `latest` names is always
+    kept, directories without a manifest are never touched). 0: keep every checkpoint."""
 
 
 PipeSchedule = Literal["1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble"]
@@ -370,6 +391,9 @@ class Config:
     """Pipeline parallelism (a PipelineModule given to initialize())."""
     tensor_parallel: TensorParallelConfig = spec(default_factory=TensorParallelConfig)
     """AutoTP tensor parallelism (zeroshard/tensor/); ZeRO partitions over the data-parallel ranks."""
+    compile: CompileConfig = spec(default_factory=CompileConfig)
+    """DeepSpeed's DeepCompile options, each refused unless at its default; `engine.compile()`
+    compiles the model without them (runtime/compile.py)."""
     zero_allow_untested_optimizer: bool = spec(False, int_as_bool=True)
     """DeepSpeed refuses client optimizers it has not tested with ZeRO unless true. zeroshard
     partitions any torch.optim optimizer, so the flag is accepted and has no effect. An integer

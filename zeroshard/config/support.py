@@ -77,6 +77,14 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 "weights from the fp32 master copy.", fix="Remove the key."),
     Unsupported(key="zero_optimization.offload_optimizer.ratio", why="partial optimizer offload (a ratio "
                 "below 1.0) is not implemented.", fix="Remove the key (the whole optimizer step is offloaded)."),
+    Unsupported(key="compile.deepcompile", why="DeepCompile (DeepSpeed's own compiler passes for ZeRO, "
+                "GPU-oriented) is not implemented; engine.compile() compiles the model with torch.compile and "
+                "keeps zeroshard's ZeRO hooks and collectives eager.",
+                fix="Remove the key (or set it to false) and call engine.compile()."),
+    Unsupported(key="compile.autoep_non_moe", why="AutoEP (expert parallelism) is not implemented, so there are "
+                "no AutoEP layers to keep eager.", fix="Remove the key; engine.compile() compiles the whole model."),
+    Unsupported(key="compile", why="It tunes DeepCompile, which is not implemented (DeepSpeed reads it only "
+                "with compile.deepcompile true).", fix="Remove the key; engine.compile() needs none."),
     *(Unsupported(key=f"zero_optimization.{k}", why=why, fix="Remove the key.") for k, why in (
         ("stage3_use_all_reduce_for_fetch_params", "stage 3 always gathers parameters with all-gather."),
         ("stage3_allgather_sequential", "stage 3 always issues one all-gather per unit."),
@@ -94,7 +102,7 @@ UNMODELLED: dict[str, str] = {
     name: f"DeepSpeed's {name} feature is not implemented." for name in (
         "amp", "flops_profiler", "autotuning", "eigenvalue", "progressive_layer_drop",
         "curriculum_learning", "data_efficiency", "sparse_attention", "compression_training",
-        "hybrid_engine", "nebula", "datastates", "elasticity", "weight_quantization", "compile",
+        "hybrid_engine", "nebula", "datastates", "elasticity", "weight_quantization",
         "comet", "quantize_training", "graph_harvesting", "timers",
         "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "vocabulary_size",
         "disable_python_gc", "expert_parallel", "log_level",
@@ -112,8 +120,6 @@ def _all_off(value: Any, gates: Mapping[str, tuple[Any, ...]]) -> bool:
 
 
 OFF_VALUES: dict[str, Callable[[Any], bool]] = {
-    # DeepSpeed's `compile` options all tune DeepCompile; deepcompile false asks for nothing.
-    "compile": lambda v: _all_off(v, {"deepcompile": (False,)}),
     # Sequence parallelism is not built; its communication dtype at DeepSpeed's default asks nothing.
     "seq_parallel_communication_data_type": lambda v: v in ("fp32", "float32", "torch.float32"),
     "vocabulary_size": lambda v: v is None,
@@ -124,7 +130,6 @@ key -> predicate that is true when the value asks for nothing."""
 
 
 OFF_HINTS: dict[str, str] = {
-    "compile": 'Remove it, or set "deepcompile": false.',
     "seq_parallel_communication_data_type": 'Remove it, or set it to "fp32" (DeepSpeed\'s default).',
     "log_level": 'Remove it, and set the level of the "zeroshard" logger in the script '
                  '(logging.getLogger("zeroshard").setLevel(...)).',
@@ -134,7 +139,7 @@ OFF_HINTS: dict[str, str] = {
 
 def is_inactive(value: Any, key: str = "") -> bool:
     """True for the spellings of "feature off": null, false, {}, [], {"enabled": false}, or
-    the key's own off values (OFF_VALUES), e.g. `"compile": {"deepcompile": false}`."""
+    the key's own off values (OFF_VALUES), e.g. `"expert_parallel": {"enabled": false}`."""
     if value is None or value is False or value == {} or value == []:
         return True
     if key in OFF_VALUES:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -56,6 +56,16 @@ class Checkpointer(Protocol):
              load_module_only: bool, strict: bool = True) -> LoadedState | None:
         """Read what `target` needs from a checkpoint; None when `load_dir` has no `latest`.
         `strict=False` tolerates parameter names missing on either side."""
+        ...
+
+
+@runtime_checkable
+class AsyncCheckpointer(Protocol):
+    """A checkpointer whose saves may finish in the background (`checkpoint.async_save`)."""
+
+    def wait(self) -> str | None:
+        """Publish the save in flight once every rank's files are durable (collective); its
+        directory, or None when none was in flight. Raises on every rank if any writer failed."""
         ...
 
 

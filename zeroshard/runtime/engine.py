@@ -21,7 +21,8 @@ from zeroshard.errors import CheckpointArgumentError, CheckpointError, LossError
 from zeroshard.optim.factory import optimizer_state_bytes
 from zeroshard.runtime.auto_resume import auto_resume as resume_newest
 from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
-from zeroshard.runtime.checkpoint_state import Checkpointer, apply_state, collect_state
+from zeroshard.runtime.checkpoint_state import AsyncCheckpointer, Checkpointer, apply_state, collect_state
+from zeroshard.runtime.compile import CompileStats, compile_model
 from zeroshard.runtime.direct_backward import DirectBackward, func_transforms
 from zeroshard.runtime.engine_accumulation import AccumulationControl
 from zeroshard.runtime.engine_progress import EngineProgress
@@ -32,6 +33,7 @@ from zeroshard.runtime.loss_scaler import LossScaler
 from zeroshard.runtime.model_export import ModelExport
 from zeroshard.runtime.monitor import MetricSink, Timers
 from zeroshard.runtime.param_access import forget_engine, register_engine, whole_weights
+from zeroshard.runtime.periodic_save import SaveSchedule
 from zeroshard.runtime.zero_optimizer import ZeroOptimizer
 from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.strategy import GradStats, ModelStateBytes, ZeroStrategy
@@ -229,7 +231,9 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
 
     def destroy(self) -> None:
         """Forget this engine's parameters in `zeroshard.utils.safe_*` look-ups (DeepSpeed's
-        `destroy` releases its optimizer's buffers). The engine stays usable for inference."""
+        `destroy` releases its optimizer's buffers). The engine stays usable for inference.
+        An asynchronous save in flight is published first (collective: every rank calls it)."""
+        self.wait_for_checkpoint()
         forget_engine(self)
 
     @property
@@ -431,11 +435,56 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         samples = None if self._micro.managed else micro_batches  # None: train_batch_size
         if self._progress.optimizer_step_done(skipped=stats.overflow, micro_batches=samples):  # steps_per_print
             self._report()
+        if self.save_schedule is not None and self.save_schedule.due(self.global_steps):
+            self.save_checkpoint(self.save_schedule.save_dir)  # checkpoint.save_interval_steps / _minutes
 
     def _prepare_step(self) -> GradStats:
         """Reduced gradients -> unscaled, clipped, with the global norm (the pipeline engine
         sums the norm over its stages)."""
         return self._strategy.prepare_step(1.0 / self.get_loss_scale(), self._config.gradient_clipping)
+
+    # -- torch.compile (runtime/compile.py) -------------------------------------------------
+
+    _compile_stats: CompileStats | None = None
+
+    def compile(self, backend: str | Callable[..., Any] = "inductor",
+                compile_kwargs: Mapping[str, Any] = {},  # DeepSpeed's default; never mutated
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """Compile the wrapped model with torch.compile, in place (DeepSpeed 0.19.8's signature).
+
+        The ZeRO hooks stay eager (at stage 3 the graph breaks at each unit's gather and release);
+        the number of graphs and graph breaks, and later recompiles, are logged and kept in
+        `engine.compile_stats`. A second call does nothing, as in DeepSpeed.
+
+        Args:
+            backend: torch.compile's backend; "inductor" is DeepSpeed's default on every accelerator
+                zeroshard runs on.
+            compile_kwargs: more torch.compile arguments (`mode`, `dynamic`, `fullgraph`, ...).
+            schedule: DeepCompile's pass schedule; only None (DeepCompile is not implemented).
+            compiled_autograd_enabled: only False (compiled autograd would trace the gradient hooks).
+
+        Raises:
+            NotSupportedError: a schedule, compiled autograd, a pipeline or tensor parallelism.
+
+        Example::
+
+            engine, *_ = zeroshard.initialize(model=model, config=cfg)
+            engine.compile()
+            loss = engine(batch)  # the first forward compiles (and logs the graph breaks)
+        """
+        if self._compile_stats is None:
+            self._compile_stats = compile_model(self, backend, compile_kwargs, schedule, compiled_autograd_enabled)
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether `compile()` ran (DeepSpeed's `engine.is_compiled`)."""
+        return self._compile_stats is not None
+
+    @property
+    def compile_stats(self) -> CompileStats | None:
+        """Graphs, graph breaks (with reasons), recompiles and first-forward time of the compiled
+        model; None before `compile()`. zeroshard's extension."""
+        return self._compile_stats
 
     # -- inference ------------------------------------------------------------------------
 
@@ -461,6 +510,8 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
 
     checkpointer: Checkpointer | None = None
     """Writes and reads checkpoints; set by `zeroshard.initialize` (a ShardedCheckpointer)."""
+    save_schedule: SaveSchedule | None = None
+    """Periodic saves (checkpoint.save_interval_steps / save_interval_minutes); set by `initialize`."""
     parallel: "ParallelLayout | None" = None
     """The data- and model-parallel groups (zeroshard/tensor/setup.py); set by `zeroshard.initialize`."""
 
@@ -497,6 +548,10 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
             save_optimizer_states: False writes weights only (no master weights, no optimizer
                 state); such a checkpoint loads with `load_optimizer_states=False`.
 
+        With `checkpoint.async_save` the call returns once this rank's state is copied to host
+        memory; the files are written in the background and published at the next save or
+        `wait_for_checkpoint()` (docs/checkpoints.md, "Asynchronous and periodic saves").
+
         Returns:
             The checkpoint's directory.
 
@@ -528,6 +583,21 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
                                       tag, client_state, save_latest, save_optimizer_states)
         logger.info(f"saved checkpoint {path}")
         return path
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Finish the asynchronous save in flight (`checkpoint.async_save`): wait until every
+        rank's files are on disk, then write the manifest and switch `latest`. Collective: every
+        rank calls it; a no-op without a save in flight. Call it (or `destroy()`) before the
+        script exits, or the last asynchronous save stays unpublished.
+
+        Returns:
+            The published checkpoint's directory, or None when no save was in flight.
+
+        Raises:
+            CheckpointError: on every rank, naming the ranks whose background writer failed and
+                why; nothing was published, `latest` names the previous checkpoint.
+        """
+        return self.checkpointer.wait() if isinstance(self.checkpointer, AsyncCheckpointer) else None
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,

@@ -49,6 +49,13 @@ class FrozenReads:
                                                                 with_kwargs=True))
         return handles
 
+    def keep_eager(self) -> None:
+        """Run the input watch outside compiled graphs (Note: [hooks under torch.compile] in
+        zero/stage3.py): it registers tensor hooks, which a traced graph would not keep."""
+        import torch._dynamo  # only a compiled engine imports it
+
+        self._watch = torch._dynamo.disable(self._watch)  # type: ignore[method-assign]
+
     def reset(self) -> None:
         """A new forward, or the end of backward: nothing pending, nothing awaiting."""
         self._pending = [0] * len(self._pending)

@@ -300,6 +300,21 @@ class Stage3Strategy(ShardedStrategyBase):
                 if not self._trainable[i] and self._unit_of[i] != self._persistent})
         return forward, backward
 
+    def keep_hooks_eager(self) -> None:
+        """Note: [hooks under torch.compile] the gather/release hooks rebind parameter storage,
+        resize flat buffers and run collectives on the ZeRO group: Dynamo must not trace them. They
+        run eagerly under `torch._dynamo.disable`, so a compiled model breaks its graph at each
+        unit's pre- and post-forward hook (one graph per unit boundary; the count is logged by
+        runtime/compile.py). FSDP2 does the same for its hooks (`_fsdp_state.py`,
+        `disable_if_config_true`). The hooks registered as lambdas look these attributes up at call
+        time, so re-registered hooks (ParameterOffload) keep them. Imports torch._dynamo, which only
+        a compiled engine pays for."""
+        import torch._dynamo  # 2-4 s to import: only engines that compile pay for it
+
+        self._pre_forward = torch._dynamo.disable(self._pre_forward)  # type: ignore[method-assign]
+        self._post_forward = torch._dynamo.disable(self._post_forward)  # type: ignore[method-assign]
+        self._frozen_reads.keep_eager()
+
     def parameter_offload(self) -> ParameterOffload:
         """DeepSpeed's `optimizer.parameter_offload`: the module hooks' handles (zero/parameter_offload.py)."""
         return self._offload

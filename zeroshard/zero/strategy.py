@@ -282,6 +282,12 @@ class ZeroStrategy(Protocol):
         (zero/parameter_offload.py). Default None: no stage below 3 has such hooks."""
         return None
 
+    def keep_hooks_eager(self) -> None:
+        """`engine.compile()` is about to compile the model: make the module hooks this strategy
+        registered run outside the compiled graphs (Note: [hooks under torch.compile] in
+        zero/stage3.py). Default: nothing to do, no stage below 3 has module hooks (the gradient
+        hooks run in the autograd engine, outside any graph)."""
+
     def hold_for_batch(self) -> None:
         """A pipeline stage's batch begins (runtime/pipe_engine.py): stage 3 gathers every unit and
         keeps it across the batch's micro-batches. Default: nothing to hold."""

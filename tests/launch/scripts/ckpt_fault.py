@@ -1,8 +1,14 @@
 """Launch-test worker: SIGKILL inside save_checkpoint at many points; the last complete
 checkpoint must load every time, and training must resume from it.
 
-    ckpt_fault.py DIR POINTS SEED     world size 1, plain python (no process group); kills at
+    ckpt_fault.py DIR POINTS SEED [async]
+                                      world size 1, plain python (no process group); kills at
                                       every non-write file event and at POINTS random writes
+
+With `async` (checkpoint.async_save), the child saves, trains step 4 while the background thread
+writes, then joins (engine.wait_for_checkpoint): a kill lands in the snapshot's preparation, in
+the writer thread while training runs, or in the join's publish. A published global_step3 must
+hold step 3's weights, not step 4's.
 
 The parent trains 2 steps and saves `global_step2` (complete). For each kill point k, a forked
 child (the same engine state, no re-import) trains step 3 and saves `global_step3` into a copy
@@ -31,9 +37,11 @@ from engine_helpers import global_batches, init_engine, make_config, make_model,
 from zeroshard.checkpoint import files
 from zeroshard.errors import CheckpointError
 
+ASYNC = len(sys.argv) > 4 and sys.argv[4] == "async"
 CONFIG = make_config(bf16={"enabled": True}, zero_optimization={
-    "stage": 2, "reduce_bucket_size": 300, "offload_optimizer": {"device": "cpu"}})
-BATCHES = global_batches(3, 2)
+    "stage": 2, "reduce_bucket_size": 300, "offload_optimizer": {"device": "cpu"}},
+    **({"checkpoint": {"async_save": True}} if ASYNC else {}))
+BATCHES = global_batches(4, 2)  # the 4th: trained while an asynchronous save writes
 
 
 def snapshot(engine: Any) -> list[torch.Tensor]:
@@ -50,10 +58,14 @@ def child_save(engine: Any, where: Path, fault_at: int | None, report: Path | No
     try:
         if fault_at is not None:
             os.environ[files.FAULT_ENV] = str(fault_at)
-        train_engine(engine, BATCHES[2:], 0, 1)
+        train_engine(engine, BATCHES[2:3], 0, 1)
+        step3 = snapshot(engine)
         engine.save_checkpoint(where, tag=tag)
+        if ASYNC:  # training goes on while the writer thread works; then the join publishes
+            train_engine(engine, BATCHES[3:4], 0, 1)
+            engine.wait_for_checkpoint()
         if report is not None:
-            torch.save({"events": files.events(), "params": snapshot(engine)}, report)
+            torch.save({"events": files.events(), "params": step3}, report)
     except BaseException as e:  # report anything, exit non-zero
         print(f"child failed: {type(e).__name__}: {e}", flush=True)
         code = 3
@@ -75,6 +87,7 @@ def main(out: Path, points: int, seed: int) -> None:
     train_engine(engine, BATCHES[:2], 0, 1)
     base = out / "base"
     engine.save_checkpoint(base)
+    engine.wait_for_checkpoint()  # asynchronous: publish the base before forking
     step2 = snapshot(engine)
     status = fork_save(engine, out / "dry", None, out / "dry.pt")
     if status != 0:
@@ -101,7 +114,7 @@ def main(out: Path, points: int, seed: int) -> None:
         if tag == "global_step2":
             if not same(snapshot(fresh), step2):
                 raise AssertionError(f"point {k}: global_step2 loaded with other weights")
-            train_engine(fresh, BATCHES[2:], 0, 1)
+            train_engine(fresh, BATCHES[2:3], 0, 1)
             if not same(snapshot(fresh), step3):
                 raise AssertionError(f"point {k}: resuming from global_step2 does not reproduce step 3")
         elif tag == "global_step3" or tag == ".global_step3.old":
@@ -150,4 +163,4 @@ def resave(engine: Any, base: Path, out: Path, step2: list[torch.Tensor], step3:
           f"{old} times, new {new} times", flush=True)
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))  # sys.argv[4] == "async": see ASYNC

@@ -1,0 +1,85 @@
+"""The `compile` section (DeepSpeed 0.19.8's keys: each accepted at its default, refused by name
+otherwise) and `engine.compile()`'s refusals, at world size 1 without compiling anything."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import pytest
+import torch
+
+import zeroshard
+from zeroshard.config import load_config
+from zeroshard.config.schema_compile import CompileConfig
+from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.runtime.engine import ZeroEngine
+
+BASE = {"train_batch_size": 2}
+FEATURES = ("deepcompile", "autoep_non_moe")
+DEEPCOMPILE_ONLY = [f.name for f in dataclasses.fields(CompileConfig) if f.name not in FEATURES]
+
+
+def _other(value: Any) -> Any:
+    return {bool: lambda v: not v, int: lambda v: v + 1}.get(type(value), lambda v: ["z1"])(value)
+
+
+def test_defaults_spelled_out_load() -> None:
+    spelled = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+               for f in dataclasses.fields(CompileConfig)}
+    assert load_config({**BASE, "compile": spelled}, dp_world_size=1).compile == CompileConfig()
+    assert load_config({**BASE, "compile": {}}, dp_world_size=1).compile == CompileConfig()
+
+
+@pytest.mark.parametrize("key, why", [
+    ("deepcompile", "DeepCompile .* is not implemented; engine.compile"),
+    ("autoep_non_moe", "AutoEP .* is not implemented"),
+])
+def test_feature_keys_refused_by_name(key: str, why: str) -> None:
+    with pytest.raises(NotSupportedError, match=rf"^not supported yet: compile\.{key}=true\. {why}"):
+        load_config({**BASE, "compile": {key: True}}, dp_world_size=1)
+
+
+@pytest.mark.parametrize("key", DEEPCOMPILE_ONLY)
+def test_deepcompile_tuning_keys_refused_by_name(key: str) -> None:
+    value = _other(getattr(CompileConfig(), key))
+    with pytest.raises(NotSupportedError, match=rf"^not supported yet: compile\.{key}=.* It tunes DeepCompile"):
+        load_config({**BASE, "compile": {key: value}}, dp_world_size=1)
+
+
+def test_typos_and_bad_values_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match=re.escape('compile.deep_compile: unknown key. Did you mean "deepcompile"?')):
+        load_config({**BASE, "compile": {"deep_compile": False}}, dp_world_size=1)
+    with pytest.raises(ConfigError, match=r"^compile\.passes: got \[\"z9\"\]"):
+        load_config({**BASE, "compile": {"passes": ["z9"]}}, dp_world_size=1)
+
+
+@pytest.fixture(scope="module")
+def engine() -> ZeroEngine:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
+                                      config={**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    return engine
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"schedule": [(0, ["z3"])]}, r"engine\.compile\(schedule=\.\.\.\) is not supported: .*DeepCompile"),
+    ({"compiled_autograd_enabled": True}, r"engine\.compile\(compiled_autograd_enabled=True\) is not supported yet"),
+])
+def test_compile_arguments_refused_by_name(engine: ZeroEngine, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(NotSupportedError, match=message):
+        engine.compile(**kwargs)
+    assert not engine.is_compiled and engine.compile_stats is None
+
+
+def test_pipeline_and_tensor_parallel_refused_by_name(engine: ZeroEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "pipeline_parallelism", True)
+    with pytest.raises(NotSupportedError, match=r"engine\.compile\(\) with a pipeline \(PipelineModule\)"):
+        engine.compile()
+    monkeypatch.setattr(engine, "pipeline_parallelism", False)
+    monkeypatch.setattr(ZeroEngine, "mp_world_size", property(lambda self: 2))
+    with pytest.raises(NotSupportedError, match=r"engine\.compile\(\) with tensor parallelism \(AutoTP"):
+        engine.compile()
+    assert not engine.is_compiled
