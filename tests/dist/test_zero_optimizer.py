@@ -1,15 +1,14 @@
 """engine.optimizer as DeepSpeed's ZeRO optimizer (runtime/zero_optimizer.py), and the stage-3 hook
 removal and re-registration TRL's GRPO makes around generation (zero/parameter_offload.py).
 
-TRL's calls are written out below as TRL 1.16 makes them (trl/models/utils.py: `remove_hooks`,
-`add_hooks`, `_unwrap_model_for_generation` with `gather_deepspeed3_params=True`), so the suite
-needs no TRL.
+The hooks are removed and put back by TRL's own `remove_hooks` / `add_hooks` (trl/models/utils.py),
+around a generation inside `GatheredParameters` as TRL's `_unwrap_model_for_generation` does with
+`gather_deepspeed3_params=True`.
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -42,50 +41,9 @@ def _engine(stage: int, **extra: Any) -> Any:
     return engine
 
 
-# -- TRL 1.16, trl/models/utils.py, as it calls DeepSpeed ----------------------------------------
+# -- TRL's own hook removal and re-registration (trl/models/utils.py, TRL 1.16, the [test] extra) ---------
 
-
-def trl_iter_params(module: torch.nn.Module, recurse: bool = False) -> list[torch.nn.Parameter]:
-    """TRL's `iter_params` / `get_all_parameters`."""
-    return [param for _, param in itertools.chain(module.named_parameters(recurse=recurse),
-                                                  module.ds_external_parameters())]
-
-
-def trl_remove_hooks(model: Any) -> None:
-    """TRL's `remove_hooks(model)`."""
-    if not hasattr(model, "optimizer"):
-        return
-    if model.optimizer is not None and hasattr(model.optimizer, "parameter_offload"):
-        optimizer_offload = model.optimizer.parameter_offload
-    elif model.optimizer is not None:
-        optimizer_offload = model.optimizer
-    else:
-        raise RuntimeError("The model optimizer is None, which is not yet supported.")
-    for param in trl_iter_params(optimizer_offload.module, recurse=True):
-        param.ds_active_sub_modules.clear()
-    for hook in optimizer_offload.forward_hooks:
-        hook.remove()
-    for hook in optimizer_offload.backward_hooks:
-        hook.remove()
-    optimizer_offload.forward_hooks = []
-    optimizer_offload.backward_hooks = []
-
-
-def trl_add_hooks(model: Any) -> None:
-    """TRL's `add_hooks(model)`."""
-    if not hasattr(model, "optimizer"):
-        return
-    if model.optimizer is not None and hasattr(model.optimizer, "parameter_offload"):
-        optimizer_offload = model.optimizer.parameter_offload
-    elif model.optimizer is not None:
-        optimizer_offload = model.optimizer
-    else:
-        raise RuntimeError("The model optimizer is None, which is not yet supported.")
-    if hasattr(optimizer_offload, "param_coordinator"):
-        coordinator = optimizer_offload.param_coordinator
-        if not coordinator.is_invalid_trace():
-            coordinator._invalidate_trace()
-    optimizer_offload._register_deepspeed_module(optimizer_offload.module)
+trl_utils = pytest.importorskip("trl.models.utils", reason="TRL is not installed (the [test] extra has it)")
 
 
 @contextmanager
@@ -93,9 +51,9 @@ def trl_unwrap_for_generation(model: Any) -> Iterator[torch.nn.Module]:
     """TRL's `_unwrap_model_for_generation(model, accelerator, gather_deepspeed3_params=True)` at
     ZeRO-3 (accelerator.unwrap_model(engine) is engine.module)."""
     with GatheredParameters(model.parameters()):
-        trl_remove_hooks(model)
+        trl_utils.remove_hooks(model)
         yield model.module
-        trl_add_hooks(model)
+        trl_utils.add_hooks(model)
 
 
 # -- tests ----------------------------------------------------------------------------------------
@@ -160,7 +118,7 @@ def test_removed_hooks_really_stop_gathering(groups: ProcessGroups) -> None:
     counts = len(offload.forward_hooks), len(offload.backward_hooks)
     assert counts[0] > 0
     assert [p for _, p in engine.module.ds_external_parameters()] == []
-    trl_remove_hooks(engine)
+    trl_utils.remove_hooks(engine)
     assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.module.modules()) == 0
     # No hook gathers: the weights are partitioned (refused, or DeepSpeed's empty placeholders
     # that the embedding cannot index).
