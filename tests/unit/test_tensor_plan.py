@@ -136,8 +136,9 @@ def test_global_segments(dim: int, shape: tuple[int, ...], rank: int, offset: in
 
 def test_sizes_read_before_the_config_and_tp_model_init() -> None:
     import zeroshard
+    from zeroshard.comm.parallel_dims import resolve_dims
     from zeroshard.config import tensor_parallel_size
-    from zeroshard.tensor.setup import resolve_tp_size
+    from zeroshard.tensor.setup import check_recorded_dtype, recorded_tp_size
 
     assert tensor_parallel_size({}) == 1 and tensor_parallel_size({"tensor_parallel": {"autotp_size": 0}}) == 1
     assert tensor_parallel_size({"tensor_parallel": {"tp": {"tp_size": 4}}}) == 4
@@ -145,11 +146,13 @@ def test_sizes_read_before_the_config_and_tp_model_init() -> None:
         tensor_parallel_size({"tensor_parallel": {"autotp_size": "2"}})
     model = zeroshard.tp_model_init(model=_llama(), tp_size=2, dtype=torch.bfloat16,
                                     config={"tensor_parallel": {"autotp_size": 2}})
-    assert resolve_tp_size(model, 1, torch.bfloat16) == 2
+    assert resolve_dims(4, config_tp=1, recorded_tp=recorded_tp_size(model)).tp == 2
+    assert recorded_tp_size(_llama()) == 1
     with pytest.raises(ConfigError, match=r"tp_model_init\(tp_size=2\) and tensor_parallel.autotp_size \(4\)"):
-        resolve_tp_size(model, 4, torch.bfloat16)
+        resolve_dims(4, config_tp=4, recorded_tp=recorded_tp_size(model))
+    check_recorded_dtype(model, torch.bfloat16)
     with pytest.raises(ConfigError, match="does not match the config's precision"):
-        resolve_tp_size(model, 2, torch.float32)
+        check_recorded_dtype(model, torch.float32)
     with pytest.raises(ConfigError, match="disagree"):
         zeroshard.tp_model_init(_llama(), 2, None, config={"tensor_parallel": {"autotp_size": 4}})
     with pytest.raises(NotSupportedError, match="tp_group"):

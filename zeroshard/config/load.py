@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroshard.config.auto import resolve_autos
-from zeroshard.config.batch import GAS, MICRO, TBS, solve_batch
+from zeroshard.config.batch import GAS, MICRO, TBS, BatchSizes, solve_batch
 from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, describe_type, hints, is_section, json_fields, show
 from zeroshard.config.parse import Draft, FieldSpec, parse_document, parse_section
 from zeroshard.config.schema import CheckpointConfig, Config, FP16Config
@@ -341,6 +341,7 @@ def load_config(
     dp_world_size: int,
     hidden_size: int | None = None,
     auto_values: Mapping[str, Any] | None = None,
+    other_batch_world_sizes: tuple[int, ...] = (),
 ) -> Config:
     """Parse and validate a DeepSpeed ds_config into a frozen `Config`.
 
@@ -351,6 +352,10 @@ def load_config(
         auto_values: dotted key -> value that initialize() knows (e.g. the script's optimizer lr,
             `{"optimizer.params.lr": 1e-3, "gradient_clipping": 1.0}`); used only where the file
             says "auto".
+        other_batch_world_sizes: rank counts the batch triad may also be written for, tried in
+            order when it does not hold over `dp_world_size` (AutoTP without an mpu: every rank, as
+            DeepSpeed 0.19.8 counts them; comm/parallel_dims.py's `batch_world_sizes`). The count
+            that holds becomes `cfg.dp_world_size`.
 
     Returns:
         The Config; `cfg.describe()` shows every value and where it came from.
@@ -378,7 +383,7 @@ def load_config(
         raise ConfigError(f"config: got a {type(source).__name__}, expected a path to a JSON file or a dict.")
     draft = parse_document(raw, Config)
     resolve_autos(draft, hidden_size=hidden_size, auto_values=auto_values or {})
-    batch = solve_batch(draft.values.get(TBS), draft.values.get(MICRO), draft.values.get(GAS), dp_world_size)
+    batch, dp_world_size = _solve_batch_over(draft, (dp_world_size, *other_batch_world_sizes))
     for key in (TBS, MICRO, GAS):
         draft.values[key] = getattr(batch, key)
         if key in batch.derived:
@@ -400,6 +405,20 @@ def load_config(
     notes = check_stages(cfg)
     check_supported(cfg, draft.unmodelled, draft.pending, skip=idle_keys(cfg))
     return dataclasses.replace(cfg, notes=(*draft.notes, *notes))
+
+
+def _solve_batch_over(draft: Draft, counts: tuple[int, ...]) -> tuple[BatchSizes, int]:
+    """The batch triad solved over the first rank count it holds for; the first count's error when none."""
+    triad = (draft.values.get(TBS), draft.values.get(MICRO), draft.values.get(GAS))
+    first: ConfigError | None = None
+    for count in counts:
+        try:
+            return solve_batch(*triad, count), count
+        except ConfigError as e:
+            first = first or e
+    if first is None:
+        raise ConfigError("no data-parallel world size to count the batch over")
+    raise first
 
 
 def tensor_parallel_size(raw: Mapping[str, Any]) -> int:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.comm.groups import init_distributed
+from zeroshard.comm.parallel_dims import PipeShape
 from zeroshard.comm.topology import Topology
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.pipe.grid import PipelineParallelGrid
@@ -360,35 +361,28 @@ class PipelineModule(nn.Module):
 
     # -- 3D parallelism (runtime/initialize.py) ---------------------------------------------
 
-    def set_tensor_parallel(self, tp: int) -> Topology:
-        """Lay the job out as pipeline x data x tensor parallelism with `tp` tensor-parallel ranks
-        (Note: [3D layout] in docs/tensor-parallel.md): the stages stay where they are (a stage is a
-        contiguous block of ranks either way), the data-parallel size becomes what is left. A
-        topology with a model axis and `tp` 1 is kept as it is: the script's own tensor-parallel
-        layers split the stages (DeepSpeed's 3D with Megatron's layers; runtime/initialize.py).
+    @property
+    def shape(self) -> PipeShape:
+        """What the module's topology asks of the job's parallel dimensions (comm/parallel_dims.py):
+        its stages and its model axis (more than 1 when the script split its own layers)."""
+        return PipeShape(pp=self.mesh_topology.pp, model_axis=self.mesh_topology.tp)
 
-        Returns:
-            The (pp, dp, tp) Topology, also kept as `mesh_topology`.
+    def adopt_topology(self, topology: Topology) -> None:
+        """Take the job's (pp, dp, tp) layout decided by comm/parallel_dims.py (Note: [3D layout] in
+        docs/tensor-parallel.md): with AutoTP the stages stay where they are (a stage is a contiguous
+        block of ranks either way) and the data-parallel size becomes what is left, so `topology()`
+        and `_grid` answer DeepSpeed's 3D queries.
 
         Raises:
-            ConfigError: the topology's model axis disagrees with a `tp` > 1, or pp * tp does not
-                divide the world size.
+            ConfigError: `topology` has other stages or another world size than the module.
         """
-        t = self.mesh_topology
-        if t.tp == tp or tp == 1:  # tp 1 with a model axis: the script split its layers itself (Megatron's)
-            return t
-        if t.tp > 1:
-            raise ConfigError(
-                f"the PipelineModule's topology has a model (tensor-parallel) axis of {t.tp}, but the "
-                f"tensor-parallel size is {tp}; make tensor_parallel.autotp_size equal num_mp, or build the "
-                "PipelineModule with num_stages= / a PipeDataParallelTopology.")
-        try:
-            new = Topology.for_world(self.world_size, pp=t.pp, tp=tp)
-        except ValueError as e:
-            raise ConfigError(f"tensor_parallel.autotp_size {tp} with a {t.pp}-stage PipelineModule: {e}") from e
-        self.mesh_topology = new
-        self._topo = PipeModelDataParallelTopology(num_pp=new.pp, num_mp=new.tp, num_dp=new.dp)
-        return new
+        if topology == self.mesh_topology:
+            return
+        if topology.pp != self.mesh_topology.pp or topology.world_size != self.world_size:
+            raise ConfigError(f"the job's layout {topology} does not keep the PipelineModule's "
+                              f"{self.mesh_topology.pp} stages over {self.world_size} ranks")
+        self.mesh_topology = topology
+        self._topo = PipeModelDataParallelTopology(num_pp=topology.pp, num_mp=topology.tp, num_dp=topology.dp)
 
     def adopt_replaced_layers(self) -> None:
         """Run the modules now registered under each local layer's index: tensor parallelism

@@ -14,7 +14,8 @@ from torch import nn
 from zeroshard.arguments import config_path_from_args
 from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
 from zeroshard.comm.groups import node_leader
-from zeroshard.comm.topology import Topology, build_mesh
+from zeroshard.comm.parallel_dims import ParallelDims, resolve_dims
+from zeroshard.comm.topology import build_mesh
 from zeroshard.config import CheckpointConfig, Config, load_config, read_config_file, tensor_parallel_size
 from zeroshard.errors import ConfigConflictError, ConfigError, InitializeArgumentError, NotSupportedError
 from zeroshard.optim.factory import (
@@ -40,12 +41,12 @@ from zeroshard.runtime.periodic_save import SaveSchedule
 from zeroshard.runtime.pipe_engine import PipelineEngine, PipeParts
 from zeroshard.tensor.setup import (
     ParallelLayout,
-    check_mpu,
+    check_recorded_dtype,
     layout_for_model_axis,
     layout_for_mpu,
     layout_for_tensor_parallel,
-    recorded_tp,
-    resolve_tp_size,
+    mpu_shape,
+    recorded_tp_size,
 )
 from zeroshard.zero import ZeroStrategy, broadcast_module_state
 from zeroshard.zero.build import DTYPES, build_strategy
@@ -94,24 +95,6 @@ def _param_groups(model: nn.Module, model_parameters: Iterable[Any] | None) -> l
         g["params"] = [p for p in g["params"] if p.requires_grad]
     return [g for g in groups if g["params"]]
 
-
-def _load_with_tp_batch(source: Any, dp_world: int, world: int, **kwargs: Any) -> Config:
-    """The config, its batch triad counted over the data-parallel ranks; with AutoTP (no mpu)
-    also DeepSpeed 0.19.8's count over every rank, which its config checks when it sees no
-    data-parallel group (and Hugging Face's Trainer fills "auto" with): the same batch per rank."""
-    try:
-        return load_config(source, dp_world_size=dp_world, **kwargs)
-    except ConfigError as e:
-        if world == dp_world or "train_batch_size" not in str(e):
-            raise
-        try:
-            cfg = load_config(source, dp_world_size=world, **kwargs)
-        except ConfigError:
-            raise e from None
-    logger.warning(f"train_batch_size {cfg.train_batch_size} counts all {world} ranks, as DeepSpeed's AutoTP does; "
-                   f"the {dp_world} data-parallel rank(s) x tensor_parallel.autotp_size {world // dp_world} see "
-                   f"{cfg.train_batch_size // (world // dp_world)} different samples per step")
-    return cfg
 
 def initialize(
     args: Any = None,
@@ -185,7 +168,7 @@ def initialize(
     if model is None:
         raise InitializeArgumentError("initialize() needs model=: the nn.Module (or PipelineModule) to train")
     if mpu is not None:
-        check_mpu(mpu)
+        mpu_shape(mpu)  # a missing query is named before anything else happens
     if mesh_param is not None:
         raise NotSupportedError(
             f"initialize(mesh_param={mesh_param!r}): device meshes (sequence / tensor parallelism) "
@@ -199,26 +182,14 @@ def initialize(
     world = init_distributed()
     setup_logging(world.rank)
     pipe_module = model if isinstance(model, PipelineModule) else None
-    tp_size = max(tensor_parallel_size(raw_config), (recorded_tp(model) or (1, None))[0])
-    if mpu is not None and tp_size > 1:
-        raise NotSupportedError(
-            "not supported yet: initialize(mpu=...) together with tensor_parallel (AutoTP over an mpu's "
-            "groups); drop mpu= to let zeroshard build the groups, or drop the tensor_parallel section.")
-    if pipe_module is not None and mpu is not None:
-        raise NotSupportedError(
-            "not supported: a PipelineModule together with mpu= (DeepSpeed refuses it too); drop mpu= and give "
-            "the PipelineModule topology=PipeModelDataParallelTopology(num_pp, num_mp, num_dp) for Megatron-style "
-            "layers (split parameters marked tensor_model_parallel = True), or let AutoTP split the stages "
-            "(tensor_parallel.autotp_size with a preset_model or partition_config).")
-    if mpu is not None:
-        dp_world = int(mpu.get_data_parallel_world_size())
-    elif pipe_module is not None:  # 3D when tp_size > 1 (Note: [3D layout] in docs/tensor-parallel.md)
-        dp_world = pipe_module.set_tensor_parallel(tp_size).dp
-    else:
-        dp_world = max(world.world_size // tp_size, 1)
-    auto = dict(client_auto_values(optimizer))
-    cfg = _load_with_tp_batch(source, dp_world, world.world_size if tp_size > 1 and mpu is None else dp_world,
-                              hidden_size=model_hidden_size(model), auto_values=auto)
+    dims = resolve_dims(world.world_size, config_tp=tensor_parallel_size(raw_config),
+                        recorded_tp=recorded_tp_size(model), pipe=pipe_module.shape if pipe_module else None,
+                        mpu=mpu_shape(mpu) if mpu is not None else None)
+    cfg = load_config(source, dp_world_size=dims.dp, other_batch_world_sizes=dims.batch_world_sizes[1:],
+                      hidden_size=model_hidden_size(model), auto_values=dict(client_auto_values(optimizer)))
+    if cfg.zero_optimization.stage == 3:  # hpZ's secondary copy exists at stage 3 only
+        dims = dims.with_hpz(cfg.zero_optimization.zero_hpz_partition_size)
+    _log_dims(dims, cfg)
     logger.info(
         "resolved config (values not at their DeepSpeed default, with their source; "
         "`zeroshard config check FILE` lists every key):\n" + cfg.describe(non_default_only=True)
@@ -238,7 +209,7 @@ def initialize(
 
     configure_from_config(cfg)
     dtype = DTYPES[cfg.precision] if cfg.precision != "fp32" else None
-    tp_size = resolve_tp_size(model, cfg.tensor_parallel.size, dtype or torch.float32)
+    check_recorded_dtype(model, dtype or torch.float32)
     zero_init = any(init_partitioned(p) for p in model.parameters())
     if zero_init:
         if cfg.zero_optimization.stage != 3:
@@ -267,11 +238,11 @@ def initialize(
     check_same_config(cfg, world_comm)  # the first collective: before anything trains on it
     resume_dir, resumable = cfg.checkpoint.auto_resume_dir, None
     if resume_dir is not None:  # before the engine: the saved global batch may change gradient accumulation
-        plain = pipe_module is None and tp_size == 1 and mpu is None
+        plain = dims.pp == 1 and dims.tp == 1 and not dims.from_mpu
         resumable = find_resumable(_checkpointer(world_comm, cfg.checkpoint.use_node_local_storage) if plain
                                    else None, resume_dir)
         cfg = keep_global_batch(cfg, resumable)
-    layout = _parallel_layout(world, world_comm, model, cfg, tp_size, mpu, pipe_module)
+    layout = _parallel_layout(world, world_comm, model, cfg, dims, mpu, pipe_module)
     groups = layout.dp  # ZeRO, the batch and the data loader run over the data-parallel ranks
     comm = world_comm if groups is world else Comm(groups, log=world_comm.log, label="dp")
     broadcast_module_state(model, comm)
@@ -330,27 +301,38 @@ def initialize(
     return engine, engine.optimizer, loader, sched  # DeepSpeed returns engine.optimizer too
 
 
-def _parallel_layout(world: ProcessGroups, world_comm: Comm, model: nn.Module, cfg: Config, tp_size: int,
+def _parallel_layout(world: ProcessGroups, world_comm: Comm, model: nn.Module, cfg: Config, dims: ParallelDims,
                      mpu: Any, pipe_module: PipelineModule | None) -> ParallelLayout:
-    """The groups this rank trains with, all from comm/topology.py's mesh (or an `mpu`): plain data
-    parallelism, pipeline x data (the PipelineModule's topology), AutoTP (the model is split over
-    the mesh's tp axis here), pipeline x data x AutoTP (each stage split), or a Megatron `mpu`'s groups."""
-    if mpu is not None:
+    """The groups this rank trains with, all from `dims` (comm/parallel_dims.py) over comm/topology.py's
+    mesh, or an `mpu`'s: plain data parallelism, pipeline x data (the PipelineModule's topology),
+    AutoTP (the model is split over the mesh's tp axis here), pipeline x data x AutoTP (each stage
+    split), a pipeline whose layers the script split (its topology's model axis), or an mpu's groups."""
+    if dims.from_mpu:
         return layout_for_mpu(world, world_comm, mpu)
-    if tp_size > 1:
+    if pipe_module is not None:
+        pipe_module.adopt_topology(dims.topology)  # its topology() and _grid answer DeepSpeed's 3D queries
+    if dims.tp_split == "autotp":
         if pipe_module is None:
-            return layout_for_tensor_parallel(world, world_comm, model, cfg.tensor_parallel, tp_size)
+            return layout_for_tensor_parallel(world, world_comm, model, cfg.tensor_parallel, dims.topology)
         # 3D: AutoTP splits this rank's stage; a tied weight (held by several stages) stays whole.
         layout = layout_for_tensor_parallel(
-            world, world_comm, model, cfg.tensor_parallel, tp_size, topology=pipe_module.set_tensor_parallel(tp_size),
+            world, world_comm, model, cfg.tensor_parallel, dims.topology,
             keep_whole=frozenset(id(p) for p in pipe_module.tied_modules.parameters()))
         pipe_module.adopt_replaced_layers()
         return layout
-    topology = pipe_module.mesh_topology if pipe_module is not None else Topology.for_world(world.world_size)
-    mesh = build_mesh(world, topology)
-    if topology.tp > 1:  # a PipelineModule with a model axis: its layers are split by the script (Megatron's)
+    mesh = build_mesh(world, dims.topology)
+    if dims.tp_split == "script":  # a PipelineModule with a model axis: its layers are split by the script (Megatron's)
         return layout_for_model_axis(world, world_comm, mesh, model)
     return ParallelLayout(world=world, dp=mesh.axis("dp"), mp_comm=None, mp_rank=0, mesh=mesh)
+
+
+def _log_dims(dims: ParallelDims, cfg: Config) -> None:
+    logger.info(f"parallel dimensions: {dims.describe()}")
+    if cfg.dp_world_size != dims.dp:  # the batch triad holds over every rank only (AutoTP, DeepSpeed's count)
+        share = cfg.dp_world_size // dims.dp
+        logger.warning(f"train_batch_size {cfg.train_batch_size} counts all {cfg.dp_world_size} ranks, as DeepSpeed's "
+                       f"AutoTP does; the {dims.dp} data-parallel rank(s) x tensor_parallel.autotp_size {share} see "
+                       f"{cfg.train_batch_size // share} different samples per step")
 
 
 def _check_optimizer_present(cfg: Config, optimizer: Any, model_parameters: Any,

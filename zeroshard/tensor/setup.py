@@ -20,6 +20,7 @@ from torch import nn
 
 from zeroshard.comm import Comm, ProcessGroups
 from zeroshard.comm.groups import wrap_process_group
+from zeroshard.comm.parallel_dims import MpuShape
 from zeroshard.comm.topology import MeshGroups, Topology, build_mesh
 from zeroshard.config.schema_tp import TensorParallelConfig
 from zeroshard.errors import ConfigError, NotSupportedError
@@ -75,23 +76,23 @@ def recorded_tp(model: nn.Module) -> tuple[int, torch.dtype | None] | None:
     return _RECORDED.get(model)
 
 
-def resolve_tp_size(model: nn.Module, config_size: int, precision_dtype: torch.dtype) -> int:
-    """The tensor-parallel size from the config and `tp_model_init` (the config wins; they must agree).
+def recorded_tp_size(model: nn.Module) -> int:
+    """The tensor-parallel size `tp_model_init` recorded for `model` (1 when it was not called), one
+    of the sources comm/parallel_dims.py's `resolve_dims` decides the size from."""
+    rec = _RECORDED.get(model)
+    return rec[0] if rec is not None else 1
+
+
+def check_recorded_dtype(model: nn.Module, precision_dtype: torch.dtype) -> None:
+    """`tp_model_init`'s dtype, when it named one, is the config's precision.
 
     Raises:
-        ConfigError: the two disagree, or tp_model_init's dtype is not the config's precision.
+        ConfigError: they differ.
     """
-    rec = recorded_tp(model)
-    if rec is None:
-        return config_size
-    size, dtype = rec
-    if config_size > 1 and size != config_size:
-        raise ConfigError(f"tp_model_init(tp_size={size}) and tensor_parallel.autotp_size ({config_size}) disagree; "
-                          "make them equal (or drop one).")
-    if dtype is not None and dtype != precision_dtype:
-        raise ConfigError(f"tp_model_init(dtype={dtype}) does not match the config's precision ({precision_dtype}); "
+    rec = _RECORDED.get(model)
+    if rec is not None and rec[1] is not None and rec[1] != precision_dtype:
+        raise ConfigError(f"tp_model_init(dtype={rec[1]}) does not match the config's precision ({precision_dtype}); "
                           "set fp16 / bf16 in the config to match, or pass that dtype.")
-    return max(size, config_size)
 
 
 @dataclass
@@ -121,19 +122,19 @@ class ParallelLayout:
 
 
 def layout_for_tensor_parallel(world: ProcessGroups, world_comm: Comm, model: nn.Module,
-                               config: TensorParallelConfig, tp_size: int, *, topology: Topology | None = None,
+                               config: TensorParallelConfig, topology: Topology, *,
                                keep_whole: frozenset[int] = frozenset()) -> ParallelLayout:
     """Mesh (pp, dp, tp), the model made equal on every rank of its stage and then split over tp
     (collective).
 
     Args:
-        topology: the (pp, dp, tp) layout; default: (1, world / tp_size, tp_size). With a pipeline
+        topology: the (pp, dp, tp) layout (comm/parallel_dims.py's `ParallelDims.topology`). With a pipeline
             (pp > 1) `model` is this rank's stage (Note: [3D layout] in docs/tensor-parallel.md):
             its weights are made equal over the stage's ranks only.
         keep_whole: ids of parameters that must not be split (a pipeline's tied weights, which
             several stages hold).
     """
-    topology = topology or Topology.for_world(world.world_size, tp=tp_size)
+    tp_size = topology.tp
     mesh = build_mesh(world, topology)
     tp_groups = mesh.axis("tp")
     tp_comm = Comm(tp_groups, timeout_s=world_comm.timeout_s, log=world_comm.log, label="tp")
@@ -181,17 +182,17 @@ def check_mpu(mpu: Any) -> None:
                           "(megatron.core.parallel_state) or an object with those methods.")
 
 
-def layout_for_mpu(world: ProcessGroups, world_comm: Comm, mpu: Any) -> ParallelLayout:
-    """The groups of a Megatron-style `mpu` (get_model_parallel_* and get_data_parallel_*).
-
-    Raises:
-        ConfigError: the object lacks a query, or its sizes do not multiply to the world size.
-    """
+def mpu_shape(mpu: Any) -> MpuShape:
+    """An mpu's sizes for `resolve_dims`, after checking it has every query zeroshard reads."""
     check_mpu(mpu)
+    return MpuShape(model_parallel=int(mpu.get_model_parallel_world_size()),
+                    data_parallel=int(mpu.get_data_parallel_world_size()))
+
+
+def layout_for_mpu(world: ProcessGroups, world_comm: Comm, mpu: Any) -> ParallelLayout:
+    """The groups of a Megatron-style `mpu` (get_model_parallel_* and get_data_parallel_*), whose sizes
+    comm/parallel_dims.py's `resolve_dims` has checked (`mpu_shape`)."""
     mp_size, dp_size = int(mpu.get_model_parallel_world_size()), int(mpu.get_data_parallel_world_size())
-    if mp_size * dp_size != world.world_size:
-        raise ConfigError(f"initialize(mpu=...): model-parallel size {mp_size} x data-parallel size {dp_size} "
-                          f"!= world size {world.world_size}; the mpu's groups must cover every rank once.")
     dp = wrap_process_group(world, mpu.get_data_parallel_group(), int(mpu.get_data_parallel_rank()), dp_size)
     mp = wrap_process_group(world, mpu.get_model_parallel_group(), int(mpu.get_model_parallel_rank()), mp_size)
     mp_comm = Comm(mp, timeout_s=world_comm.timeout_s, log=world_comm.log, label="mp") if mp_size > 1 else None

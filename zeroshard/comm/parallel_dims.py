@@ -1,0 +1,224 @@
+"""Every parallel dimension of a job, decided in one place: pipeline (pp), data (dp, with ZeRO++
+hpZ's replicate x shard split), tensor (tp), expert (ep) and sequence (sp).
+
+:func:`resolve_dims` is a pure function of integers (no process group, no module): the world size
+and what each source asks for (the config's parallel sizes read before parsing, a recorded
+``tp_model_init``, a ``PipelineModule``'s topology, an ``mpu``'s sizes) in, one frozen
+:class:`ParallelDims` out, or an error that names the sources that disagree and how to fix them.
+``initialize`` calls it once; the process groups (comm/topology.py's mesh), the batch triad's
+rank count, the pipeline module's 3D topology and the checkpointer's piece count all read it.
+
+Where ``ep`` and ``sp`` sit (DeepSpeed's layouts, which torchtitan's ``ParallelDims`` shares):
+both subdivide the ranks that are not pipeline or tensor-parallel ranks. An expert-parallel group
+is ``ep`` consecutive data-parallel ranks, and an expert's gradients are reduced over the
+``dp / ep`` ranks holding the same expert (the expert-data-parallel group). A sequence-parallel
+group is ``sp`` consecutive ranks sharing one sample, so the batch is split over ``dp`` =
+world / (pp x tp x sp) ranks. Both are validated here and are 1 until the layers that use them
+ask for more.
+
+Imports `comm.topology` and `errors` only; never a process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from zeroshard.comm.topology import Topology
+from zeroshard.errors import ConfigError, NotSupportedError
+
+
+@dataclass(frozen=True)
+class PipeShape:
+    """A PipelineModule's topology: its stages and its model (tensor-parallel) axis, which is more
+    than 1 when the script split its own layers (Megatron's layers in DeepSpeed's 3D)."""
+
+    pp: int
+    model_axis: int = 1
+
+
+@dataclass(frozen=True)
+class MpuShape:
+    """A Megatron-style mpu's sizes (`get_model_parallel_world_size`, `get_data_parallel_world_size`)."""
+
+    model_parallel: int
+    data_parallel: int
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The sizes of every dimension of one job and who asked for them.
+
+    >>> d = resolve_dims(8, config_tp=2, pipe=PipeShape(pp=2))
+    >>> (d.pp, d.dp, d.tp, d.ep, d.sp), d.tp_split, d.batch_world_sizes
+    ((2, 2, 2, 1, 1), 'autotp', (2, 8))
+    >>> d.topology
+    Topology(pp=2, dp=2, tp=2)
+    """
+
+    world_size: int
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+    sp: int = 1
+    dp_shard: int = 1
+    """ZeRO++ hpZ: the data-parallel ranks that hold one secondary copy (1: no split)."""
+    tp_split: str | None = None
+    """Who splits the tensor-parallel layers: "autotp" (zeroshard, from the config or tp_model_init),
+    "script" (the script's own Megatron-style layers: an mpu or a PipelineModule's model axis), or
+    None without tensor parallelism."""
+    from_mpu: bool = False
+    """The data- and model-parallel groups are an mpu's, not zeroshard's mesh."""
+    sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    """(dimension, what set it) for every dimension larger than 1, for messages and logs."""
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "pp", "dp", "tp", "ep", "sp", "dp_shard"):
+            size = getattr(self, name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"ParallelDims.{name}: expected a positive integer, got {size!r}")
+        if self.pp * self.dp * self.tp * self.sp != self.world_size:
+            raise ValueError(f"{self}: pp x dp x tp x sp must be the world size")
+        if self.dp % self.ep or self.dp % self.dp_shard:
+            raise ValueError(f"{self}: ep and dp_shard must divide dp")
+
+    @property
+    def topology(self) -> Topology:
+        """The (pp, dp, tp) rank grid the mesh is built on (ep and sp subdivide its dp axis)."""
+        return Topology(pp=self.pp, dp=self.dp * self.sp, tp=self.tp)
+
+    @property
+    def expert_dp(self) -> int:
+        """The ranks an expert's gradients are reduced over: dp / ep."""
+        return self.dp // self.ep
+
+    @property
+    def dp_replicate(self) -> int:
+        """hpZ: how many secondary copies of the parameters the data-parallel ranks hold."""
+        return self.dp // self.dp_shard
+
+    @property
+    def batch_world_sizes(self) -> tuple[int, ...]:
+        """The rank counts the config's batch triad may be written for, preferred first: the
+        data-parallel ranks; with AutoTP and no mpu also every rank (DeepSpeed 0.19.8's count when
+        it sees no data-parallel group, which Hugging Face's Trainer fills "auto" with)."""
+        if self.tp_split == "autotp" and self.world_size != self.dp:
+            return (self.dp, self.world_size)
+        return (self.dp,)
+
+    def with_hpz(self, size: int) -> ParallelDims:
+        """These dims with ZeRO++ hpZ's shard of `size` data-parallel ranks (0 and 1: off), read from
+        the parsed config after the sizes the batch triad needed.
+
+        Raises:
+            ConfigError: `size` does not divide the data-parallel size.
+        """
+        shard = size if size > 1 else 1
+        if self.dp % shard:
+            raise ConfigError(f"zero_optimization.zero_hpz_partition_size: got {size}, but it must divide the "
+                              f"data-parallel world size ({self.dp}); set it to a divisor (the ranks per node) "
+                              "or to 1.")
+        return replace(self, dp_shard=shard)
+
+    def describe(self) -> str:
+        """One line for the start-up log: every size, and who asked for those above 1."""
+        sizes = " x ".join(f"{n} {getattr(self, n)}" for n in ("pp", "dp", "tp", "ep", "sp"))
+        why = "; ".join(f"{d} from {s}" for d, s in self.sources)
+        return f"{sizes} = {self.world_size} rank(s)" + (f" ({why})" if why else "")
+
+
+def resolve_dims(world_size: int, *, config_tp: int = 1, recorded_tp: int = 1, pipe: PipeShape | None = None,
+                 mpu: MpuShape | None = None, ep: int = 1, sp: int = 1, hpz: int = 1) -> ParallelDims:
+    """Decide every dimension of a `world_size`-rank job from what each source asks for.
+
+    Args:
+        config_tp: the config's `tensor_parallel` size (1 without the section).
+        recorded_tp: what `tp_model_init(model, tp_size=...)` recorded (1 when not called).
+        pipe: the PipelineModule's topology, when the model is one.
+        mpu: an mpu's sizes, when initialize() got one.
+        ep: the expert-parallel size (1 until expert parallelism is built).
+        sp: the sequence-parallel size (1 until the config can ask for more).
+        hpz: `zero_optimization.zero_hpz_partition_size` (0 and 1: off).
+
+    Raises:
+        ConfigError: sizes that do not fit the world or disagree, naming both sources and a fix.
+        NotSupportedError: an mpu together with AutoTP or a PipelineModule.
+
+    >>> resolve_dims(4, mpu=MpuShape(model_parallel=2, data_parallel=2)).tp_split
+    'script'
+    >>> resolve_dims(4, config_tp=2, recorded_tp=4)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    zeroshard.errors.ConfigError: tp_model_init(tp_size=4) and tensor_parallel.autotp_size (2) disagree; ...
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world size: got {world_size!r}, expected an integer >= 1")
+    if config_tp > 1 and recorded_tp > 1 and config_tp != recorded_tp:
+        raise ConfigError(f"tp_model_init(tp_size={recorded_tp}) and tensor_parallel.autotp_size ({config_tp}) "
+                          "disagree; make them equal (or drop one).")
+    autotp = max(config_tp, recorded_tp)
+    sources = []
+    if autotp > 1:
+        sources.append(("tp", "tensor_parallel.autotp_size" if config_tp > 1 else "tp_model_init"))
+    if mpu is not None:
+        return _from_mpu(world_size, mpu, autotp, pipe, ep, sp, hpz, sources)
+    pp, tp, split = 1, autotp, "autotp" if autotp > 1 else None
+    if pipe is not None:
+        pp = pipe.pp
+        if pp > 1:
+            sources.append(("pp", "the PipelineModule's topology"))
+        if pipe.model_axis > 1:
+            if autotp > 1 and autotp != pipe.model_axis:
+                raise ConfigError(
+                    f"the PipelineModule's topology has a model (tensor-parallel) axis of {pipe.model_axis}, but the "
+                    f"tensor-parallel size is {autotp}; make tensor_parallel.autotp_size equal num_mp, or build the "
+                    "PipelineModule with num_stages= / a PipeDataParallelTopology.")
+            if autotp == 1:  # the script split its own layers (Megatron's in DeepSpeed's 3D)
+                tp, split = pipe.model_axis, "script"
+                sources.append(("tp", "the PipelineModule's topology (num_mp)"))
+    if world_size % (pp * tp * sp):
+        what = " x ".join(f"{n} {s}" for n, s in (("pipeline size", pp), ("tensor-parallel size", tp),
+                                                  ("sequence-parallel size", sp)) if s > 1)
+        raise ConfigError(
+            f"a world of {world_size} ranks cannot hold {what or 'this layout'}: their product ({pp * tp * sp}) must "
+            f"divide the world size; start a multiple of {pp * tp * sp} ranks or change the sizes.")
+    dp = world_size // (pp * tp * sp)
+    return _finish(ParallelDims, world_size=world_size, pp=pp, dp=dp, tp=tp, ep=ep, sp=sp, hpz=hpz,
+                   tp_split=split, sources=sources)
+
+
+def _from_mpu(world_size: int, mpu: MpuShape, autotp: int, pipe: PipeShape | None, ep: int, sp: int, hpz: int,
+              sources: list[tuple[str, str]]) -> ParallelDims:
+    if autotp > 1:
+        raise NotSupportedError(
+            "not supported yet: initialize(mpu=...) together with tensor_parallel (AutoTP over an mpu's "
+            "groups); drop mpu= to let zeroshard build the groups, or drop the tensor_parallel section.")
+    if pipe is not None:
+        raise NotSupportedError(
+            "not supported: a PipelineModule together with mpu= (DeepSpeed refuses it too); drop mpu= and give "
+            "the PipelineModule topology=PipeModelDataParallelTopology(num_pp, num_mp, num_dp) for Megatron-style "
+            "layers (split parameters marked tensor_model_parallel = True), or let AutoTP split the stages "
+            "(tensor_parallel.autotp_size with a preset_model or partition_config).")
+    mp, dp = mpu.model_parallel, mpu.data_parallel
+    if mp < 1 or dp < 1 or mp * dp * sp != world_size:
+        raise ConfigError(f"initialize(mpu=...): model-parallel size {mp} x data-parallel size {dp} "
+                          f"!= world size {world_size}; the mpu's groups must cover every rank once.")
+    if mp > 1:
+        sources.append(("tp", "the mpu"))
+    return _finish(ParallelDims, world_size=world_size, pp=1, dp=dp, tp=mp, ep=ep, sp=sp, hpz=hpz,
+                   tp_split="script" if mp > 1 else None, from_mpu=True, sources=sources)
+
+
+def _finish(cls: type[ParallelDims], *, dp: int, ep: int, sp: int, hpz: int, sources: list[tuple[str, str]],
+            **sizes: object) -> ParallelDims:
+    """Validate the slots that subdivide dp (ep, the hpZ shard) and build the frozen description."""
+    for name, size in (("expert-parallel size", ep), ("sequence-parallel size", sp)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"{name}: got {size!r}, expected an integer >= 1")
+    if dp % ep:
+        raise ConfigError(f"the expert-parallel size {ep} must divide the data-parallel size {dp} (expert-parallel "
+                          "groups are made of data-parallel ranks); choose an ep that divides it.")
+    if ep > 1:
+        sources.append(("ep", "the expert-parallel size"))
+    if sp > 1:
+        sources.append(("sp", "the sequence-parallel size"))
+    return cls(dp=dp, ep=ep, sp=sp, sources=tuple(sources), **sizes).with_hpz(hpz)  # type: ignore[arg-type]
