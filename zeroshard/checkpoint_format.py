@@ -4,7 +4,9 @@ tensor-parallel piece's elements sit in the whole parameter (`global_segments`: 
 saves by it, checkpoint/ds_autotp.py reads DeepSpeed's AutoTP pieces by it).
 
 One home that the runtime (which fills them), `checkpoint/` (which writes and reads them) and
-the offline tools (`to-fp32`, resharding) all import without pulling in the runtime. Imports
+the offline tools (`to-fp32`, resharding) all import without pulling in the runtime, and the
+`Checkpointer` protocol every checkpointer (checkpoint/, tensor/checkpoint.py) implements and the
+engine saves through. Imports
 only torch; see docs/checkpoints.md for the files on disk and Note: [checkpoint fragments] in
 runtime/checkpoint_state.py for what a fragment is.
 """
@@ -12,8 +14,9 @@ runtime/checkpoint_state.py for what a fragment is.
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -164,3 +167,31 @@ def pickle_bytes(obj: Any) -> bytes:
 def unpickle_bytes(data: bytes) -> Any:
     # Written by this run's own save; unpickled only by engine.load_checkpoint (never by to-fp32).
     return torch.load(io.BytesIO(data), weights_only=False)
+
+
+# -- the protocol the engine saves and loads through ---------------------------------------
+
+
+class Checkpointer(Protocol):
+    """Moves engine state to and from a directory. `zeroshard.checkpoint.ShardedCheckpointer`."""
+
+    def save(self, state: EngineState, save_dir: str, tag: str, client_state: Mapping[str, Any] | None,
+             save_latest: bool, save_optimizer_states: bool) -> str:
+        """Write `state` (every rank calls it) and return the checkpoint's directory."""
+        ...
+
+    def load(self, target: EngineState, load_dir: str, tag: str | None, *, load_optimizer_states: bool,
+             load_module_only: bool, strict: bool = True) -> LoadedState | None:
+        """Read what `target` needs from a checkpoint; None when `load_dir` has no `latest`.
+        `strict=False` tolerates parameter names missing on either side."""
+        ...
+
+
+@runtime_checkable
+class AsyncCheckpointer(Protocol):
+    """A checkpointer whose saves may finish in the background (`checkpoint.async_save`)."""
+
+    def wait(self) -> str | None:
+        """Publish the save in flight once every rank's files are durable (collective); its
+        directory, or None when none was in flight. Raises on every rank if any writer failed."""
+        ...

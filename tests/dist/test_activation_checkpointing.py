@@ -17,8 +17,8 @@ from engine_helpers import TINY, global_batches, init_engine, make_config, rank_
 from torch import Tensor, nn
 
 import zeroshard.checkpointing as ckpt
+from zeroshard.activation_checkpointing import _unconfigure
 from zeroshard.examples.gpt import GPT, GPTConfig
-from zeroshard.runtime.activation_checkpointing import _unconfigure
 from zeroshard.zero.init import Init
 
 Region = Callable[..., Tensor]

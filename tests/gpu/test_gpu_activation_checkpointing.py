@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import zeroshard.checkpointing as ckpt
-from zeroshard.runtime.activation_checkpointing import _unconfigure
+from zeroshard.activation_checkpointing import _unconfigure
 
 
 def _blocks() -> nn.ModuleList:

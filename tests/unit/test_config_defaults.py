@@ -133,7 +133,7 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     # runtime/swap_tensor/constants.py
     "aio.block_size": 1_048_576, "aio.queue_depth": 8, "aio.intra_op_parallelism": 1, "aio.single_submit": False,
     "aio.overlap_events": True, "aio.use_gds": False,
-    # runtime/activation_checkpointing/config.py
+    # activation_checkpointing/config.py
     "activation_checkpointing.partition_activations": False, "activation_checkpointing.cpu_checkpointing": False,
     "activation_checkpointing.contiguous_memory_optimization": False,
     "activation_checkpointing.number_checkpoints": None,

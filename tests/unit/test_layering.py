@@ -232,3 +232,64 @@ def test_no_import_cycles() -> None:
                     seen.add(nxt)
                     stack.append((nxt, [*path, nxt]))
     assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles))[:10])
+
+
+LAYERS: dict[str, int] = {
+    # 0: no layer of ours below them
+    "errors": 0, "progress": 0, "arguments": 0, "checkpoint_format": 0, "config": 0,
+    "comm": 1,  # the only importer of torch.distributed
+    "accelerator": 2, "activation_checkpointing": 2, "optim": 2, "zero": 2, "sequence": 2, "moe": 2,
+    "tensor": 3, "pipe": 3,  # model parallelism over zero/'s strategies and comm/'s groups
+    "runtime": 4,
+    "checkpoint": 5, "utils": 5,
+    "examples": 6, "estimate": 6,
+    "cli": 7, "compat": 7, "zeroshard": 7,
+}
+"""DESIGN.md's layers as package ranks: a module imports only packages of a lower rank (or its own)."""
+
+COMPOSITION_ROOT: dict[tuple[str, str], str] = {
+    ("zeroshard.runtime.initialize", "zeroshard.checkpoint"):
+        "initialize() composes the engine with a Checkpointer; in functions only, so the engine and the rest of "
+        "runtime/ never import the checkpoint layer",
+}
+"""Upward imports allowed, each with its reason (and each must still exist)."""
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _all_edges(module: str) -> set[str]:
+    """Every zeroshard module `module` names in an import (functions and TYPE_CHECKING included)."""
+    return {i for i in real_imports(MODULES[module]).anywhere if i in MODULES} - {module}
+
+
+def test_every_package_has_a_layer() -> None:
+    assert {_package(m) for m in MODULES} <= LAYERS.keys(), sorted({_package(m) for m in MODULES} - LAYERS.keys())
+
+
+def test_no_upward_imports() -> None:
+    """No module imports a higher layer (type-only imports included: a type is a dependency too),
+    outside the composition roots listed with their reasons."""
+    upward, used = [], set()
+    for module in MODULES:
+        mine = LAYERS[_package(module)]
+        for dep in _all_edges(module):
+            if LAYERS[_package(dep)] <= mine:
+                continue
+            root = next((k for k in COMPOSITION_ROOT if module == k[0] and _covered(dep, {k[1]})), None)
+            if root is None:
+                upward.append(f"{module} -> {dep}")
+            else:
+                used.add(root)
+    assert not upward, "upward imports:\n" + "\n".join(sorted(upward))
+    assert used == COMPOSITION_ROOT.keys(), f"stale composition roots: {sorted(COMPOSITION_ROOT.keys() - used)}"
+
+
+def test_no_type_level_cycles() -> None:
+    """No two modules name each other in imports, even for types only (TYPE_CHECKING): a helper that
+    needs the engine's type reads a protocol (runtime/engine_api.py) instead."""
+    graph = {m: _all_edges(m) for m in MODULES}
+    pairs = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if a < b and a in graph.get(b, ()))
+    assert not pairs, "modules that import each other:\n" + "\n".join(pairs)

@@ -120,7 +120,7 @@ def test_deepspeed_path_aliases_are_the_module_itself() -> None:
 
     assert served is lr_schedules and served.__spec__.name == "zeroshard.optim.lr_schedules"
     import zeroshard.checkpointing as ckpt
-    from zeroshard.runtime import activation_checkpointing
+    from zeroshard import activation_checkpointing
 
     assert ckpt.CudaRNGStatesTracker is activation_checkpointing.RNGStatesTracker
     assert ckpt.settings is activation_checkpointing.settings

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm import groups as _groups
+import zeroshard.comm.groups as _groups
 from zeroshard.comm.checked import PendingIssue, checked_issue, wait_checked
 from zeroshard.comm.divergence import tracker_of
 

@@ -37,7 +37,7 @@ import platform
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -47,7 +47,15 @@ from zeroshard.errors import CommError
 if TYPE_CHECKING:
     import mmap
 
-    from zeroshard.comm.board import Board
+
+class PeerLiveness(Protocol):
+    """What an arena asks of the board it lives in (comm/board.py's `Board`): whether this process
+    closed it, and whether a peer has exited (its pid, or None while it lives)."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def peer_gone(self, rank: int) -> int | None: ...
 
 HALF_BYTES = 4 << 20
 """Bytes of one half of a rank's row: a piece moves at most this much per rank (less past 2
@@ -100,7 +108,7 @@ class Arena:
     """One group's shared-memory data arena on this rank (Note: [shared-memory collectives])."""
 
     def __init__(self, mm: mmap.mmap, offset: int, rank: int, world_size: int, half_bytes: int,
-                 board: Board) -> None:
+                 board: PeerLiveness) -> None:
         self.rank, self.world_size, self.half_bytes = rank, world_size, half_bytes
         self._board = board
         self._counters = memoryview(mm)[offset:offset + 4096].cast("q")

@@ -3,7 +3,7 @@
 
 A script ported by its import line (`import zeroshard as deepspeed`) imports DeepSpeed's paths.
 zeroshard's code lives where its layering puts it (optimizers and schedules in `optim/`, the
-activation-checkpointing API in `runtime/activation_checkpointing.py`, the estimators in
+activation-checkpointing API in `activation_checkpointing.py`, the estimators in
 `estimate/`), so these paths are names, not files: `serve()` (called by `zeroshard/__init__.py`)
 puts a finder first on `sys.meta_path` that answers only the paths below (first, so that an
 older zeroshard tree on the path, where some of them were files, never answers for them). A path in
@@ -28,7 +28,7 @@ _ZERO3 = ["estimate_zero3_model_states_mem_needs", "estimate_zero3_model_states_
           "estimate_zero3_model_states_mem_needs_all_live"]
 _ZERO2 = ["estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_cold",
           "estimate_zero2_model_states_mem_needs_all_live"]
-_ACTIVATION_CHECKPOINTING = "zeroshard.runtime.activation_checkpointing"
+_ACTIVATION_CHECKPOINTING = "zeroshard.activation_checkpointing"
 _OPTIMIZERS = "zeroshard.compat.optimizers"
 
 ALIASES: dict[str, str] = {

@@ -112,7 +112,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "wandb.enabled": ("runtime/monitor.py::wandb.enabled",), "wandb.group": ("runtime/monitor.py::wandb.group",),
     "wandb.team": ("runtime/monitor.py::wandb.team",), "wandb.project": ("runtime/monitor.py::wandb.project",),
     # activation checkpointing (initialize() -> configure_from_config)
-    **{f"activation_checkpointing.{k}": ("runtime/activation_checkpointing.py",) for k in (
+    **{f"activation_checkpointing.{k}": ("activation_checkpointing.py",) for k in (
         "cpu_checkpointing", "synchronize_checkpoint_boundary", "profile")},
     "comms_logger.enabled": ("runtime/initialize.py::comms.enabled",),
     "comms_logger.verbose": ("runtime/initialize.py::comms.verbose",),

@@ -4,7 +4,7 @@ DeepSpeed's `deepspeed.pipe` API. Each rank builds only its stage's layers, regi
 their global layer index (`"3.weight"`), tied layers once under `tied_modules.<key>`, so names
 do not depend on the stage count. The schedule (runtime/pipe_engine.py) runs the stage through
 `chunks()`, one module per stage this rank holds. Imports comm/ and pipe/ only, and
-runtime/activation_checkpointing (DeepSpeed's `activation_checkpoint_func` default).
+activation_checkpointing (DeepSpeed's `activation_checkpoint_func` default).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from zeroshard.activation_checkpointing import checkpoint as _default_checkpoint
+from zeroshard.activation_checkpointing import non_reentrant_checkpoint
 from zeroshard.comm.groups import init_distributed
 from zeroshard.comm.parallel_dims import PipeShape
 from zeroshard.comm.topology import Topology
@@ -26,8 +28,6 @@ from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.pipe.grid import PipelineParallelGrid
 from zeroshard.pipe.partition import partition_min_max, partition_spread, partition_uniform
 from zeroshard.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
-from zeroshard.runtime.activation_checkpointing import checkpoint as _default_checkpoint
-from zeroshard.runtime.activation_checkpointing import non_reentrant_checkpoint
 
 logger = logging.getLogger("zeroshard")
 

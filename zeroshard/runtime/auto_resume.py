@@ -20,7 +20,7 @@ from zeroshard.config import Config
 from zeroshard.errors import CheckpointError, ConfigError, NotSupportedError
 
 if TYPE_CHECKING:
-    from zeroshard.runtime.engine import ZeroEngine
+    from zeroshard.runtime.engine_api import EngineView
 
 logger = logging.getLogger("zeroshard")
 
@@ -88,7 +88,7 @@ def keep_global_batch(cfg: Config, found: Any) -> Config:
     return dataclasses.replace(cfg, train_batch_size=saved, gradient_accumulation_steps=gas)
 
 
-def load_resumable(engine: "ZeroEngine", found: Any) -> tuple[str | None, dict[str, Any] | None]:
+def load_resumable(engine: "EngineView", found: Any) -> tuple[str | None, dict[str, Any] | None]:
     """Load `found` into `engine` as an exact resume: model, optimizer, scheduler, loss scaler,
     counters, every random generator and the built-in data loader's position."""
     if found is None:
@@ -108,6 +108,6 @@ def load_resumable(engine: "ZeroEngine", found: Any) -> tuple[str | None, dict[s
     return path, client
 
 
-def auto_resume(engine: "ZeroEngine", load_dir: str | os.PathLike[str]) -> tuple[str | None, dict[str, Any] | None]:
+def auto_resume(engine: "EngineView", load_dir: str | os.PathLike[str]) -> tuple[str | None, dict[str, Any] | None]:
     """`engine.auto_resume(load_dir)`: find (collective) and load the newest verified checkpoint."""
     return load_resumable(engine, find_resumable(engine.checkpointer, load_dir))

@@ -1,6 +1,6 @@
-"""The engine's side of checkpoints: how it collects what it saves (`collect_state`), how it
-applies what was loaded (`apply_state`), and the `Checkpointer` protocol that moves both to and
-from disk. The format types (`Manifest`, `EngineState`, ...) live in zeroshard/checkpoint_format.py,
+"""The engine's side of checkpoints: how it collects what it saves (`collect_state`) and how it
+applies what was loaded (`apply_state`). The format types (`Manifest`, `EngineState`, ...) and the
+`Checkpointer` protocol that moves both to and from disk live in zeroshard/checkpoint_format.py,
 which the offline tools import without the runtime.
 
 The engine does not import zeroshard.checkpoint (STYLE §1): `collect_state` returns tensors
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -40,34 +40,9 @@ from zeroshard.optim.onebit_adam import OneBitOptimizer, drop_onebit_state
 from zeroshard.zero.strategy import MasterFragment, ZeroStrategy
 
 if TYPE_CHECKING:
-    from zeroshard.runtime.engine import ZeroEngine
+    from zeroshard.runtime.engine_api import EngineView
 
 logger = logging.getLogger("zeroshard")
-
-class Checkpointer(Protocol):
-    """Moves engine state to and from a directory. `zeroshard.checkpoint.ShardedCheckpointer`."""
-
-    def save(self, state: EngineState, save_dir: str, tag: str, client_state: Mapping[str, Any] | None,
-             save_latest: bool, save_optimizer_states: bool) -> str:
-        """Write `state` (every rank calls it) and return the checkpoint's directory."""
-        ...
-
-    def load(self, target: EngineState, load_dir: str, tag: str | None, *, load_optimizer_states: bool,
-             load_module_only: bool, strict: bool = True) -> LoadedState | None:
-        """Read what `target` needs from a checkpoint; None when `load_dir` has no `latest`.
-        `strict=False` tolerates parameter names missing on either side."""
-        ...
-
-
-@runtime_checkable
-class AsyncCheckpointer(Protocol):
-    """A checkpointer whose saves may finish in the background (`checkpoint.async_save`)."""
-
-    def wait(self) -> str | None:
-        """Publish the save in flight once every rank's files are durable (collective); its
-        directory, or None when none was in flight. Raises on every rank if any writer failed."""
-        ...
-
 
 # -- collecting ---------------------------------------------------------------------------
 
@@ -106,7 +81,7 @@ def _fragment_state(optimizer: torch.optim.Optimizer | None, frag: MasterFragmen
     return state, sorted(elementwise)
 
 
-def run_state_of(engine: "ZeroEngine") -> dict[str, Any]:
+def run_state_of(engine: "EngineView") -> dict[str, Any]:
     """Counters, scheduler, loss scaler, data loader: small, plain, saved by rank 0."""
     sched = engine.lr_scheduler
     loader = engine.training_dataloader
@@ -124,7 +99,7 @@ def run_state_of(engine: "ZeroEngine") -> dict[str, Any]:
     }
 
 
-def collect_state(engine: "ZeroEngine", strategy: ZeroStrategy, *, include_frozen: bool) -> EngineState:
+def collect_state(engine: "EngineView", strategy: ZeroStrategy, *, include_frozen: bool) -> EngineState:
     """This rank's state for a checkpoint: views of the live tensors plus the Manifest."""
     module, optimizer = engine.module, engine.optimizer
     named, aliases = _param_tables(module)
@@ -202,7 +177,7 @@ def _optimizer_state_dict(optimizer: torch.optim.Optimizer, frags: list[MasterFr
 
 
 @torch.no_grad()
-def apply_state(engine: "ZeroEngine", strategy: ZeroStrategy, loaded: LoadedState, *,
+def apply_state(engine: "EngineView", strategy: ZeroStrategy, loaded: LoadedState, *,
                 load_lr_scheduler_states: bool, load_module_only: bool, load_rng_state: bool = False) -> None:
     """Copy what was loaded into the engine. Everything was read and checked before: this
     step does not fail halfway (Note: [no partial load] in checkpoint/load.py).
@@ -248,7 +223,7 @@ def apply_state(engine: "ZeroEngine", strategy: ZeroStrategy, loaded: LoadedStat
         set_rng_state(loaded.rng)
 
 
-def _apply_run_state(engine: "ZeroEngine", run: Mapping[str, Any], load_lr_scheduler_states: bool,
+def _apply_run_state(engine: "EngineView", run: Mapping[str, Any], load_lr_scheduler_states: bool,
                      load_data_loader_state: bool) -> None:
     engine.global_steps = int(run["global_steps"])
     engine.global_samples = int(run["global_samples"])

@@ -1,8 +1,8 @@
 """`engine.compile()`: torch.compile of the wrapped model, zeroshard's hooks and collectives kept eager,
 and a count of what the compiler split or compiled again, said once and whenever it changes.
 
-Imports nothing of zeroshard but `errors` and `runtime.engine` (for annotations only). torch._dynamo
-(2-4 s to import) is imported only when an engine compiles.
+Imports nothing of zeroshard but `errors` and `runtime.engine_api` (for annotations only).
+torch._dynamo (2-4 s to import) is loaded only when something compiles.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 from zeroshard.errors import NotSupportedError
 
 if TYPE_CHECKING:
-    from zeroshard.runtime.engine import ZeroEngine
+    from zeroshard.runtime.engine_api import EngineView
 
 logger = logging.getLogger("zeroshard")
 
@@ -120,7 +120,7 @@ class CompiledCall:
                         "(a new input shape or grad mode; TORCH_LOGS=recompiles says why)")
 
 
-def _refuse(engine: "ZeroEngine", schedule: Any, compiled_autograd_enabled: bool) -> None:
+def _refuse(engine: "EngineView", schedule: Any, compiled_autograd_enabled: bool) -> None:
     """The combinations engine.compile() does not build, refused by name before anything changes."""
     if schedule is not None:
         raise NotSupportedError(
@@ -150,7 +150,7 @@ def _backend_name(backend: str | Callable[..., Any]) -> str:
     return backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
 
 
-def compile_model(engine: "ZeroEngine", backend: str | Callable[..., Any], compile_kwargs: Mapping[str, Any],
+def compile_model(engine: "EngineView", backend: str | Callable[..., Any], compile_kwargs: Mapping[str, Any],
                   schedule: Any, compiled_autograd_enabled: bool) -> CompileStats:
     """Compile `engine.module` in place (as DeepSpeed's `module.compile(...)`); see `ZeroEngine.compile`.
 

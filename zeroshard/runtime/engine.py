@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from zeroshard.checkpoint_format import EngineState, LoadedState
+from zeroshard.checkpoint_format import AsyncCheckpointer, Checkpointer, EngineState, LoadedState
 from zeroshard.errors import CheckpointArgumentError, CheckpointError, LossError, NotSupportedError, UsageError
 from zeroshard.optim.factory import optimizer_state_bytes
 from zeroshard.runtime.auto_resume import auto_resume as resume_newest
 from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
-from zeroshard.runtime.checkpoint_state import AsyncCheckpointer, Checkpointer, apply_state, collect_state
+from zeroshard.runtime.checkpoint_state import apply_state, collect_state
 from zeroshard.runtime.compile import CompileStats, compile_model
 from zeroshard.runtime.direct_backward import DirectBackward, func_transforms
 from zeroshard.runtime.engine_accumulation import AccumulationControl

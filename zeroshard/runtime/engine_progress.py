@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from zeroshard.runtime import activation_checkpointing
+import zeroshard.activation_checkpointing as activation_checkpointing
 from zeroshard.runtime.monitor import format_bytes, peak_memory_bytes
 from zeroshard.runtime.throughput import ThroughputTimer
 

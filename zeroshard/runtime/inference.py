@@ -19,11 +19,11 @@ from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.units import ZeroParameter
 
 if TYPE_CHECKING:
-    from zeroshard.runtime.engine import ZeroEngine
+    from zeroshard.runtime.engine_api import EngineView
 
 
 @torch.no_grad()
-def generate_tokens(engine: "ZeroEngine", input_ids: Tensor, max_new_tokens: int,
+def generate_tokens(engine: "EngineView", input_ids: Tensor, max_new_tokens: int,
                     eos_token_id: int | None = None, block_size: int | None = None) -> Tensor:
     """Greedy decoding with a model whose forward maps token ids (B, T) to logits (B, T, V).
 
@@ -58,7 +58,7 @@ def generate_tokens(engine: "ZeroEngine", input_ids: Tensor, max_new_tokens: int
         steps += 1
 
 
-def hf_generate(engine: "ZeroEngine", **kwargs: Any) -> Any:
+def hf_generate(engine: "EngineView", **kwargs: Any) -> Any:
     """`model.generate(**kwargs)` of a Hugging Face model, with `synced_gpus` on when the
     ranks must step together (world size > 1): ranks may then ask for different lengths."""
     if engine.world_size > 1:

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.activation_checkpointing import configure_from_config
 from zeroshard.arguments import config_path_from_args
+from zeroshard.checkpoint_format import Checkpointer
 from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
 from zeroshard.comm.groups import node_leader
 from zeroshard.comm.parallel_dims import ParallelDims, resolve_dims
@@ -27,10 +29,8 @@ from zeroshard.optim.factory import (
 from zeroshard.optim.lr_schedules import build_scheduler
 from zeroshard.optim.onebit_adam import OneBitOptimizer
 from zeroshard.pipe.module import PipelineModule
-from zeroshard.runtime.activation_checkpointing import configure_from_config
 from zeroshard.runtime.auto_resume import find_resumable, keep_global_batch, load_resumable
 from zeroshard.runtime.autocast import autocast_dtype, safe_module_classes
-from zeroshard.runtime.checkpoint_state import Checkpointer
 from zeroshard.runtime.config_sync import check_same_config
 from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine

@@ -31,16 +31,16 @@ from zeroshard.zero.strategy import MasterFragment
 
 if TYPE_CHECKING:
     from zeroshard.checkpoint_format import LoadedState
-    from zeroshard.runtime.engine import ZeroEngine
+    from zeroshard.runtime.engine_api import EngineView
 
-_ENGINE_OF: dict[int, tuple[weakref.ref[nn.Parameter], weakref.ref["ZeroEngine"]]] = {}
+_ENGINE_OF: dict[int, tuple[weakref.ref[nn.Parameter], weakref.ref["EngineView"]]] = {}
 """id(model parameter) -> (the parameter, its engine), both weak (an engine may be dropped)."""
 
 
-_OWNERSHIP: "weakref.WeakKeyDictionary[ZeroEngine, _Ownership]" = weakref.WeakKeyDictionary()
+_OWNERSHIP: "weakref.WeakKeyDictionary[EngineView, _Ownership]" = weakref.WeakKeyDictionary()
 
 
-def register_engine(engine: "ZeroEngine", module: nn.Module) -> None:
+def register_engine(engine: "EngineView", module: nn.Module) -> None:
     """Let the safe_* functions find `engine` from any parameter of `module`. Collective (one
     small all-reduce), so that later queries at stage 0 need no collective at all."""
     ref = weakref.ref(engine)
@@ -49,13 +49,13 @@ def register_engine(engine: "ZeroEngine", module: nn.Module) -> None:
     _OWNERSHIP[engine] = _count_ownership(engine)
 
 
-def forget_engine(engine: "ZeroEngine") -> None:
+def forget_engine(engine: "EngineView") -> None:
     _OWNERSHIP.pop(engine, None)
     for key in [k for k, (_, e) in _ENGINE_OF.items() if e() is engine or e() is None]:
         del _ENGINE_OF[key]
 
 
-def engine_of(param: nn.Parameter) -> "ZeroEngine | None":
+def engine_of(param: nn.Parameter) -> "EngineView | None":
     """The live engine that trains `param`, or None (not given to zeroshard.initialize)."""
     entry = _ENGINE_OF.get(id(param))
     if entry is None or entry[0]() is not param:
@@ -69,13 +69,13 @@ class _Ownership:
     """id(param) -> True when every rank holds all of it (nothing to send)."""
 
 
-def _ownership(engine: "ZeroEngine") -> _Ownership:
+def _ownership(engine: "EngineView") -> _Ownership:
     if engine not in _OWNERSHIP:
         _OWNERSHIP[engine] = _count_ownership(engine)
     return _OWNERSHIP[engine]
 
 
-def _count_ownership(engine: "ZeroEngine") -> _Ownership:
+def _count_ownership(engine: "EngineView") -> _Ownership:
     params = list(engine.module.parameters())
     index = {id(p): i for i, p in enumerate(params)}
     owned = torch.zeros(len(params), dtype=torch.float64, device=engine.device)
@@ -87,7 +87,7 @@ def _count_ownership(engine: "ZeroEngine") -> _Ownership:
     return _Ownership(replicated)
 
 
-def _fragments(engine: "ZeroEngine", param: nn.Parameter) -> list[tuple[int, MasterFragment]]:
+def _fragments(engine: "EngineView", param: nn.Parameter) -> list[tuple[int, MasterFragment]]:
     """(position in checkpoint_fragments(), fragment) of `param` on this rank."""
     return [(i, f) for i, f in enumerate(engine.strategy.checkpoint_fragments()) if f.param is param]
 
@@ -96,7 +96,7 @@ Piece = tuple[int, Tensor]
 """(offset in the flattened parameter, 1-D values)."""
 
 
-def _assemble(engine: "ZeroEngine", param: nn.Parameter, pieces: list[Piece] | None, dtype: torch.dtype,
+def _assemble(engine: "EngineView", param: nn.Parameter, pieces: list[Piece] | None, dtype: torch.dtype,
               ) -> Tensor | None:
     """The whole parameter from every rank's pieces; None when no rank had any (`pieces` None)."""
     numel = param.numel()
@@ -117,7 +117,7 @@ def _assemble(engine: "ZeroEngine", param: nn.Parameter, pieces: list[Piece] | N
     return buf[:-1].to(dtype).view(param.shape)
 
 
-def _engine_or_raise(param: nn.Parameter) -> "ZeroEngine":
+def _engine_or_raise(param: nn.Parameter) -> "EngineView":
     engine = engine_of(param)
     if engine is None:
         raise ValueError(
@@ -162,7 +162,7 @@ def set_full_fp32_param(param: nn.Parameter, value: Tensor) -> None:
 # -- gradients --------------------------------------------------------------------------------
 
 
-def _grads(engine: "ZeroEngine") -> list[Tensor] | None:
+def _grads(engine: "EngineView") -> list[Tensor] | None:
     if not engine.grads_ready:
         return None
     return engine.strategy.fragment_grads(1.0 / engine.get_loss_scale())
@@ -192,7 +192,7 @@ def get_local_grad(param: nn.Parameter) -> Tensor | None:
         torch.empty(0, dtype=torch.float32, device=engine.device)
 
 
-def _grads_or_raise(engine: "ZeroEngine", what: str) -> None:
+def _grads_or_raise(engine: "EngineView", what: str) -> None:
     if not engine.grads_ready:
         raise ValueError(
             f"{what}: there is no reduced gradient to write now; call it after the backward that "
@@ -262,7 +262,7 @@ def set_local_fp32_param(param: nn.Parameter, value: Tensor) -> None:
 # -- optimizer state --------------------------------------------------------------------------
 
 
-def _state_piece(engine: "ZeroEngine", f: MasterFragment, key: str) -> Tensor | None:
+def _state_piece(engine: "EngineView", f: MasterFragment, key: str) -> Tensor | None:
     opt = engine.optimizer
     if opt is None or f.master not in opt.state or key not in opt.state[f.master]:
         return None
@@ -351,7 +351,7 @@ SAFE_FUNCTIONS: dict[str, Callable[..., Any]] = {
 # -- checkpoints --------------------------------------------------------------------------------
 
 
-def whole_weights(engine: "ZeroEngine", loaded: "LoadedState") -> dict[str, Tensor]:
+def whole_weights(engine: "EngineView", loaded: "LoadedState") -> dict[str, Tensor]:
     """The whole state_dict of a weights-only load (`load_checkpoint(custom_load_fn=...)`):
     stage-3 pieces are gathered over the ranks. Collective."""
     src = dict(loaded.module)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from zeroshard.activation_checkpointing import checkpoint, non_reentrant_checkpoint
 from zeroshard.comm import Comm
 from zeroshard.comm.groups import subgroup
 from zeroshard.errors import NotSupportedError
@@ -28,7 +29,6 @@ from zeroshard.pipe.failures import StageGuard, first_line
 from zeroshard.pipe.grid import PipelineParallelGrid
 from zeroshard.pipe.module import PipelineError, PipelineModule
 from zeroshard.pipe.schedules import GradCapture, StageRunner, build_schedule, last_outputs
-from zeroshard.runtime.activation_checkpointing import checkpoint, non_reentrant_checkpoint
 from zeroshard.runtime.engine import ZeroEngine
 from zeroshard.zero.strategy import GradStats
 

@@ -6,8 +6,8 @@ before a save, every range of a split parameter's local piece is rewritten as ra
 (global) parameter (a column split is one contiguous range; a row split of a [out, in] weight is
 one range per row), the manifest lists the global shapes, and rank 0's model file gets the whole
 weights (gathered over tp). A load asks for the same global ranges and joins what comes back into
-the local pieces. Imports torch, checkpoint_format, tensor/ and runtime/checkpoint_state (the
-Checkpointer protocol) only.
+the local pieces. Imports torch, checkpoint_format (the format and the Checkpointer protocol) and
+tensor/ only.
 """
 
 from __future__ import annotations
@@ -15,16 +15,21 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from zeroshard.checkpoint_format import EngineState, LoadedState, Range, Segment, TensorInfo, global_segments
+from zeroshard.checkpoint_format import (
+    Checkpointer,
+    EngineState,
+    LoadedState,
+    Range,
+    Segment,
+    TensorInfo,
+    global_segments,
+)
 from zeroshard.tensor.tp_plan import TensorParallelState
-
-if TYPE_CHECKING:
-    from zeroshard.runtime.checkpoint_state import Checkpointer
 
 __all__ = ["Segment", "TensorParallelCheckpointer", "global_segments"]  # global_segments: checkpoint_format.py
 
