@@ -87,8 +87,10 @@ def data(steps: int, dp: int) -> list[list[list[tuple[Tensor, Tensor]]]]:
     return out
 
 
-def train_reference(blocks: int, tied: bool, steps: int, dp: int, clip: float, lr: float = 1e-2
-                    ) -> tuple[list[float], dict[str, Tensor]]:
+def train_reference(blocks: int, tied: bool, steps: int, dp: int, clip: float, lr: float = 1e-2,
+                    norms: list[float] | None = None) -> tuple[list[float], dict[str, Tensor]]:
+    """Per-step losses and the final weights in one process (with `norms`: each step's global
+    gradient norm before clipping appended to it)."""
     model = reference_model(blocks, tied)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     losses = []
@@ -99,8 +101,9 @@ def train_reference(blocks: int, tied: bool, steps: int, dp: int, clip: float, l
                 loss = loss_fn(reference_forward(model, blocks, tied, ids), labels)
                 (loss / (GAS * dp)).backward()
                 total += loss.item() / (GAS * dp)
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
+        if norms is not None:
+            norms.append(float(norm))
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -181,6 +184,29 @@ def test_clipping_uses_the_global_norm_over_every_stage(groups: ProcessGroups, z
     unclipped, _ = train_reference(blocks, True, 3, groups.world_size // stages, clip=0.0)
     assert abs(unclipped[-1] - losses[-1]) > 1e-4
     assert engine.get_global_grad_norm() > 0.05
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_global_norm_counts_tied_weights_once(groups: ProcessGroups, zero: int) -> None:
+    """The norm every rank reports is one process's, step by step: the tied embedding, summed over
+    the two stages holding it, counted once (Note: [norm groups] in zero/strategy.py)."""
+    stages = stage_layouts(groups.world_size)[0]
+    blocks, dp = 2 * stages, groups.world_size // stages
+    net = PipelineModule(specs(blocks, True), num_stages=stages, loss_fn=loss_fn, seed_layers=True,
+                         base_seed=BASE_SEED)
+    engine, *_ = zeroshard.initialize(model=net, model_parameters=list(net.parameters()),
+                                      config=pipe_config(zero, clip=0.05))
+    got = []
+    for batch in data(3, dp):
+        engine.train_batch(iter(batch[groups.rank % dp]))
+        got.append(float(engine.get_global_grad_norm()))
+    want: list[float] = []
+    train_reference(blocks, True, 3, dp, clip=0.05, norms=want)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert math.isclose(a, b, rel_tol=1e-6), f"step {step}: global norm {a} != one process {b}"
+    assert min(want) > 0.05  # clipped every step: the norm decided each update
+    # The last stage holds the tied head and leaves it out of the norm; the first counts it.
+    assert bool(net.tied_duplicates()) == (stages > 1 and net.stage_id == stages - 1)
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

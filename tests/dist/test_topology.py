@@ -119,16 +119,16 @@ def test_gradient_norm_sums_over_tp(groups: ProcessGroups, stage: int, restore_m
     grad = torch.arange(1.0, 9.0) * (tp_rank + 1)  # this tp slice's gradient, equal on its dp ranks
     whole = torch.cat([torch.arange(1.0, 9.0) * (r + 1) for r in range(topo.tp)])
     param = nn.Parameter(torch.zeros(8))
+    # every rank holds a different slice: nothing replicated to drop
+    norm_group = ModelParallelNorm(Comm(tp), frozenset()) if tp.world_size > 1 else None
     if stage == 0:
         strategy: Stage0Strategy | Stage1Strategy = Stage0Strategy(
             [param], comm=Comm(dp), world_size=dp.world_size, grad_dtype=torch.float32, comm_dtype=None,
-            reduce_bucket_numel=1 << 20)
+            reduce_bucket_numel=1 << 20, norm_group=norm_group)
     else:
         strategy = Stage1Strategy([param], comm=Comm(dp), rank=dp.rank, world_size=dp.world_size,
                                   options=PartitionOptions(grad_dtype=torch.float32, comm_dtype=None,
-                                                           bucket_numel=1 << 20))
-    if tp.world_size > 1:  # every rank holds a different slice: nothing replicated to drop
-        strategy.set_model_parallel_norm(ModelParallelNorm(Comm(tp), frozenset()))
+                                                           bucket_numel=1 << 20), norm_group=norm_group)
     norm = _norm_after_backward(strategy, param, grad)
     assert math.isclose(norm, whole.norm().item(), rel_tol=1e-6), (norm, whole.norm().item())
     if topo.tp > 1:  # without the second sum a rank would see only its own slice

@@ -407,6 +407,13 @@ class PipelineModule(nn.Module):
                 owners.setdefault(layer.key, set()).add(self.stage_owner(idx) % self.num_stages)
         return {k: sorted(v) for k, v in sorted(owners.items()) if len(v) > 1}
 
+    def tied_duplicates(self) -> frozenset[int]:
+        """ids of this rank's tied weights whose key a lower stage also holds: after the tied
+        gradients are summed over their stages, only the first holder counts them in the gradient
+        norm (Note: [norm groups] in zero/strategy.py)."""
+        return frozenset(id(p) for key, stages in self.tied_stage_ranks().items()
+                         if self.stage_id in stages[1:] for p in self.tied_parameters(key))
+
     def tied_parameters(self, key: str) -> list[nn.Parameter]:
         """The tied weights of `key` on this rank (the attributes its TiedLayerSpec names)."""
         out = []

@@ -252,10 +252,9 @@ def initialize(
         swap, layout.tp.replaced = layout.tp.replaced, {}
         param_groups = [{**g, "params": [swap.get(id(p), p) for p in g["params"]]} for g in param_groups]
     params = list({id(p): p for g in param_groups for p in g["params"]}.values())
-    strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units)
-    norm = layout.norm(model)
-    if norm is not None:
-        strategy.set_model_parallel_norm(norm)
+    norm_group = layout.norm_group(model, world_comm, tied_duplicates=pipe_module.tied_duplicates()
+                                   if pipe_module is not None else frozenset())
+    strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units, norm_group=norm_group)
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
     if isinstance(opt, OneBitOptimizer) and layout.mp_comm is not None:
         raise NotSupportedError(f"not supported yet: optimizer {type(opt).__name__} with tensor parallelism or an "

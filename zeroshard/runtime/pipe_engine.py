@@ -3,16 +3,15 @@
 DeepSpeed's `PipelineEngine` API on torch's schedules (pipe/schedules.py). ZeRO partitions over
 the data-parallel group of each stage, exactly as without a pipeline: the engine's strategy is
 built on the stage's parameters and `MeshGroups.axis("dp")`. What the pipeline adds is here:
-the batch's gradients handed to the strategy once (Note: [pipeline gradient capture]), tied
-weights summed over the stages that hold them, and one global gradient norm over all stages
-(Note: [pipeline gradient norm]).
+the batch's gradients handed to the strategy once (Note: [pipeline gradient capture]) and tied
+weights summed over the stages that hold them. The gradient norm over all stages is the strategy's
+(its norm group spans the stages: Note: [norm groups] in zero/strategy.py).
 """
 
 from __future__ import annotations
 
 import io
 import logging
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -30,7 +29,6 @@ from zeroshard.pipe.grid import PipelineParallelGrid
 from zeroshard.pipe.module import PipelineError, PipelineModule
 from zeroshard.pipe.schedules import GradCapture, StageRunner, build_schedule, last_outputs
 from zeroshard.runtime.engine import ZeroEngine
-from zeroshard.zero.strategy import GradStats
 
 if TYPE_CHECKING:
     from zeroshard.comm.topology import MeshGroups
@@ -101,7 +99,6 @@ class PipelineEngine(ZeroEngine):
         self.micro_batches = self._config.gradient_accumulation_steps
         self.data_iterator: Iterator[Any] | None = None
         self._micro_losses: list[Tensor] = []
-        self._tied_dup_sq = 0.0
         self.agg_train_loss: Tensor | None = None
         self._schedule: Any = None
         self._runner: StageRunner | None = None
@@ -355,41 +352,14 @@ class PipelineEngine(ZeroEngine):
             self._strategy.release_batch()
 
     def _reduce_tied(self, grads: dict[int, Tensor]) -> None:
-        """Sum tied weights' gradients over the stages holding them; note what the non-first
-        holders would count twice in the norm (Note: [pipeline gradient norm])."""
-        self._tied_dup_sq = 0.0
-        scale = 1.0 / (self.get_loss_scale() * self.world_size)
+        """Sum tied weights' gradients over the stages holding them (the gradient norm counts them
+        at their first holder only: Note: [norm groups] in zero/strategy.py)."""
         for key, comm in self._pipe.tied.items():
             for p in self._pipe.module.tied_parameters(key):
                 g = grads.get(id(p))
                 if g is None:
                     g = grads[id(p)] = torch.zeros_like(p, dtype=torch.float32 if p.dtype != torch.float64 else p.dtype)
                 comm.all_reduce(g)
-                if comm.rank != 0:
-                    full = g.detach().float().clone()
-                    self._comm.all_reduce(full)  # the data-parallel sum, as the strategy will have it
-                    self._tied_dup_sq += float(full.double().pow(2).sum()) * scale * scale
-
-    def _prepare_step(self) -> GradStats:
-        """Note: [pipeline gradient norm]. The strategy returns its stage's norm (every data-parallel
-        shard counted); the squares are summed over the stages, tied weights once (their first
-        holder), and the clip coefficient is applied to what the optimizer steps on. An overflow on
-        any stage skips the step on every rank."""
-        stats = self._strategy.prepare_step(1.0 / self.get_loss_scale(), 0.0)
-        sq = stats.norm ** 2 - self._tied_dup_sq if math.isfinite(stats.norm) else math.inf
-        vote = torch.tensor([0.0 if math.isinf(sq) else sq, 1.0 if math.isinf(sq) else 0.0], dtype=torch.float64,
-                            device=self.device)
-        self._pipe.pp_comm.all_reduce(vote)
-        if vote[1].item() > 0 or not math.isfinite(vote[0].item()):
-            return GradStats(norm=math.inf, overflow=True)
-        norm = math.sqrt(max(vote[0].item(), 0.0))
-        max_norm = self._config.gradient_clipping
-        coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
-        if coef < 1.0 and self.optimizer is not None:
-            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, coef)
-        return GradStats(norm=norm, overflow=False)
 
     def _aggregate_loss(self) -> Tensor:
         """DeepSpeed's reported loss: the mean over micro-batches, averaged over data-parallel

@@ -108,17 +108,24 @@ class ParallelLayout:
     mesh: MeshGroups | None = None
     tp: TensorParallelState | None = None
 
-    def norm(self, model: nn.Module) -> ModelParallelNorm | None:
-        """How the gradient norm spans the model-parallel group: parameters not split over it are
-        counted by its first rank only."""
-        if self.mp_comm is None:
+    def norm_group(self, model: nn.Module, world_comm: Comm, *,
+                   tied_duplicates: frozenset[int] = frozenset()) -> ModelParallelNorm | None:
+        """The group the gradient norm sums over beyond ZeRO's data-parallel ranks, and what this rank
+        leaves out of it (Note: [norm groups] in zero/strategy.py): the tensor-parallel ranks, and with
+        pipeline stages the stages too (``axes("pp", "tp")``); a parameter not split over tp is counted
+        by tp rank 0 only, a tied weight by the first stage holding it (`tied_duplicates`: this rank's
+        tied weights when its stage is not their first holder). None without model parallelism."""
+        stages = self.mesh.topology.pp if self.mesh is not None else 1
+        if self.mp_comm is None and stages == 1:
             return None
-        if self.mp_rank == 0:
-            return ModelParallelNorm(self.mp_comm, frozenset())
-        split = set(self.tp.split) if self.tp is not None else set()
-        dup = frozenset(id(p) for n, p in model.named_parameters()
-                        if n not in split and not getattr(p, "tensor_model_parallel", False))
-        return ModelParallelNorm(self.mp_comm, dup)
+        comm = self.mp_comm if stages == 1 else Comm(self.mesh.axes("pp", "tp"), timeout_s=world_comm.timeout_s,
+                                                     log=world_comm.log, label="norm")
+        dup = set(tied_duplicates)
+        if self.mp_rank != 0:
+            split = set(self.tp.split) if self.tp is not None else set()
+            dup |= {id(p) for n, p in model.named_parameters()
+                    if n not in split and not getattr(p, "tensor_model_parallel", False)}
+        return ModelParallelNorm(comm, frozenset(dup))
 
 
 def layout_for_tensor_parallel(world: ProcessGroups, world_comm: Comm, model: nn.Module,

@@ -16,7 +16,7 @@ from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.stage0 import Stage0Strategy
 from zeroshard.zero.stage3 import Stage3Options, Stage3Strategy
 from zeroshard.zero.stage12 import PartitionOptions, Stage1Strategy, Stage2Strategy
-from zeroshard.zero.strategy import ZeroStrategy
+from zeroshard.zero.strategy import ModelParallelNorm, ZeroStrategy
 from zeroshard.zero.units import default_units
 
 if TYPE_CHECKING:
@@ -81,11 +81,12 @@ def _names(module: nn.Module, params: Sequence[nn.Parameter]) -> tuple[str, ...]
 
 def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
                    groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None = None,
-                   ) -> ZeroStrategy:
+                   norm_group: ModelParallelNorm | None = None) -> ZeroStrategy:
     """The strategy for `cfg.zero_optimization.stage` over the trainable `params`.
 
     `comm` and `groups` are the data-parallel group (``MeshGroups.axis("dp")``, comm/topology.py);
-    the norm's model-parallel sum is set afterwards (`set_model_parallel_norm`, Note: [norm groups]).
+    `norm_group` sums the gradient norm over the ranks holding the other parts of the model
+    (tensor-parallel ranks and pipeline stages), each parameter counted once (Note: [norm groups]).
 
     `units` (stage 3): modules or module classes gathered as one; default: every block of a
     ModuleList, plus the root.
@@ -107,7 +108,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     if zero.stage == 0:
         return Stage0Strategy(params, comm=comm, world_size=groups.world_size, grad_dtype=grad_dtype,
                               comm_dtype=comm_dtype, reduce_bucket_numel=int(zero.reduce_bucket_size),
-                              prescale_factor=prescale, average=average)
+                              prescale_factor=prescale, average=average, norm_group=norm_group)
     if zero.stage in (1, 2):
         options = PartitionOptions(
             grad_dtype=grad_dtype,
@@ -125,7 +126,8 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
             param_names=_names(module, params) if not zero.ignore_unused_parameters else (),
         )
         cls = Stage1Strategy if zero.stage == 1 else Stage2Strategy
-        return cls(params, comm=comm, rank=groups.rank, world_size=groups.world_size, options=options)
+        return cls(params, comm=comm, rank=groups.rank, world_size=groups.world_size, options=options,
+                   norm_group=norm_group)
     if zero.stage == 3:
         options3 = Stage3Options(
             grad_dtype=grad_dtype,
@@ -155,7 +157,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
         if zero.stage3_module_granularity_threshold > 0:
             chosen = _coarsened(module, chosen, int(zero.stage3_module_granularity_threshold))
         return Stage3Strategy(module, params, comm=comm, rank=groups.rank, world_size=groups.world_size,
-                              options=options3, units=leaf_units(module, chosen))
+                              options=options3, units=leaf_units(module, chosen), norm_group=norm_group)
     raise AssertionError(f"stage {zero.stage} passed config validation but has no strategy")
 
 

@@ -60,7 +60,7 @@ class OptimizerShard:
                  trainable: Sequence[bool], lp: Tensor, lp_is_flat: bool, device: torch.device,
                  policy: OffloadPolicy, lp_policy: OffloadPolicy = OffloadPolicy(),
                  grad_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32,
-                 whole_grads: Tensor | None = None) -> None:
+                 whole_grads: Tensor | None = None, norm_group: ModelParallelNorm | None = None) -> None:
         self._plan, self._comm, self._rank = plan, comm, comm.rank
         self._params, self._policy = list(params), policy
         self._device = device  # the model's device (collectives, the norm)
@@ -71,7 +71,7 @@ class OptimizerShard:
         if policy.nvme is not None:  # the master lives in swap files; fragments alias `lp`
             self._separate = False
         self._swap_optimizer: "SwapAdam | None" = None
-        self.model_parallel: ModelParallelNorm | None = None  # set by the engine's builder under TP
+        self.model_parallel = norm_group  # Note: [norm groups] in zero/strategy.py
         self.master: Tensor | None = None  # 1D master_dtype, shard_numel, at the policy's home
         if self._separate:
             self.master = policy.allocate(plan.shard_numel, master_dtype, self._device, zero=False)
@@ -284,10 +284,6 @@ class ShardedStrategyBase(ZeroStrategy):
 
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
         return self._shard.prepare_step(grad_scale, max_norm, self.reduced_mult)
-
-    def set_model_parallel_norm(self, norm: ModelParallelNorm) -> None:
-        """Span the gradient norm over the model-parallel group too (zero/strategy.py)."""
-        self._shard.model_parallel = norm
 
     def checkpoint_fragments(self) -> list[MasterFragment]:
         return self._shard.checkpoint_fragments()

@@ -81,6 +81,7 @@ class Stage0Strategy(ZeroStrategy):
         reduce_bucket_numel: int,
         prescale_factor: float = 1.0,
         average: bool = True,
+        norm_group: ModelParallelNorm | None = None,
     ) -> None:
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
@@ -106,7 +107,7 @@ class Stage0Strategy(ZeroStrategy):
         self._boundary = False
         self._reduce_grads = True  # set_grad_reduction: the 1-bit optimizers' compression stage
         self._reducing = True  # latched per micro-batch: whether this step's gradients are reduced
-        self._model_parallel: ModelParallelNorm | None = None
+        self._model_parallel = norm_group  # Note: [norm groups] in zero/strategy.py
         for index, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(lambda t, i=index: self._on_grad_ready(i, t))
 
@@ -152,10 +153,6 @@ class Stage0Strategy(ZeroStrategy):
 
     def reduces_at_boundary_only(self) -> bool:
         return True
-
-    def set_model_parallel_norm(self, norm: ModelParallelNorm) -> None:
-        """Span the gradient norm over the model-parallel group too (zero/strategy.py)."""
-        self._model_parallel = norm
 
     def set_grad_reduction(self, enabled: bool) -> None:
         """Reduce gradients across ranks (True, the default) or keep each rank's own (False).

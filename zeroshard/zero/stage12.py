@@ -29,7 +29,7 @@ from zeroshard.zero.flat import BucketedPartition
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.reduce import GradAccumulator, GradReducer, LaunchOrder, ReduceMode, ReduceOptions
 from zeroshard.zero.shard import OptimizerShard, ShardedStrategyBase
-from zeroshard.zero.strategy import BytesByHome, ModelStateBytes, ParamPiece
+from zeroshard.zero.strategy import BytesByHome, ModelParallelNorm, ModelStateBytes, ParamPiece
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, Handle
@@ -73,7 +73,7 @@ class PartitionedStrategy(ShardedStrategyBase):
     _reduces_every_micro_batch: bool
 
     def __init__(self, params: Sequence[nn.Parameter], *, comm: "Comm", rank: int,
-                 world_size: int, options: PartitionOptions) -> None:
+                 world_size: int, options: PartitionOptions, norm_group: ModelParallelNorm | None = None) -> None:
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         dtypes = {p.dtype for p in params}
@@ -92,7 +92,8 @@ class PartitionedStrategy(ShardedStrategyBase):
         self._shard = OptimizerShard(self._plan, comm, self._params, trainable=[True] * len(self._params),
                                      lp=self._flat_params, lp_is_flat=True, device=self._device,
                                      policy=options.offload, grad_dtype=options.grad_dtype,
-                                     master_dtype=options.master_dtype, whole_grads=self._whole_grads())
+                                     master_dtype=options.master_dtype, whole_grads=self._whole_grads(),
+                                     norm_group=norm_group)
         bucket_of = [b for b, (first, last) in enumerate(self._plan.buckets) for _ in range(first, last)]
         self._order = LaunchOrder(bucket_of, [last - first for first, last in self._plan.buckets], in_order=True)
         self._reducer = GradReducer(comm, ReduceOptions(

@@ -73,7 +73,7 @@ from zeroshard.zero.reduce import GradReducer, LaunchOrder, ReduceMode, ReduceOp
 from zeroshard.zero.schedule import ExecutionOrder, PrefetchPolicy
 from zeroshard.zero.shard import OptimizerShard, ShardedStrategyBase
 from zeroshard.zero.stage12 import ALIGN_NUMEL
-from zeroshard.zero.strategy import BytesByHome, ModelStateBytes, ParamPiece
+from zeroshard.zero.strategy import BytesByHome, ModelParallelNorm, ModelStateBytes, ParamPiece
 from zeroshard.zero.unit_shards import InMemoryShard, UnitBuffer, UnitShards, open_shard_home
 from zeroshard.zero.units import (
     ZeroParameter,
@@ -153,7 +153,8 @@ class Stage3Strategy(ShardedStrategyBase):
     (`ParamOwner`, `UserGatherable` in zero/units.py) of every parameter it partitions."""
 
     def __init__(self, module: nn.Module, params: Sequence[nn.Parameter], *, comm: "Comm", rank: int,
-                 world_size: int, options: Stage3Options, units: Sequence[nn.Module] | None = None) -> None:
+                 world_size: int, options: Stage3Options, units: Sequence[nn.Module] | None = None,
+                 norm_group: ModelParallelNorm | None = None) -> None:
         self._comm, self._rank, self._world, self._opt = comm, rank, world_size, options
         self._backward_started: set[int] = set()  # units whose outputs' gradients arrived
         self._recompute_tail: int | None = None  # the unit whose recompute finished last
@@ -165,7 +166,7 @@ class Stage3Strategy(ShardedStrategyBase):
         self._shard = OptimizerShard(self._plan, comm, self._params, trainable=self._trainable, lp=self._shards.shard,
                                      lp_is_flat=False, device=self._device, policy=options.offload_optimizer,
                                      lp_policy=options.offload_param, grad_dtype=options.grad_dtype,
-                                     master_dtype=options.master_dtype)
+                                     master_dtype=options.master_dtype, norm_group=norm_group)
         self._init_reduction()
         self._exec = ExecutionOrder()
         self._prefetch = PrefetchPolicy(self._exec, [unit.full.numel() for unit in self._units],

@@ -77,12 +77,14 @@ class ModelParallelNorm:
 
     Note: [norm groups] The gradient norm is global. ZeRO's strategy sums squares over its
     data-parallel group (the ranks holding the other parts of the same parameters); then this
-    rank drops the squares of `duplicates` (parameters replicated across the model-parallel
-    group, counted by its first rank only) and the sum runs over `comm`, the tensor-parallel
-    group (``MeshGroups.axis("tp")``, comm/topology.py) or an `mpu`'s model-parallel group.
-    Pipeline stages are summed by the pipeline engine (Note: [pipeline gradient norm] in
-    runtime/pipe_engine.py), tied weights once. An inf/nan anywhere makes the sum non-finite on
-    every rank of the world, so the fp16 overflow vote spans the world too.
+    rank drops the squares of `duplicates` and the sum runs over `comm`, the norm group: the ranks
+    holding different parts of one model replica, ``MeshGroups.axes("pp", "tp")`` (comm/topology.py)
+    or an `mpu`'s model-parallel group. One rule for what is counted once: a parameter several
+    ranks of the norm group hold whole (a weight AutoTP or the script did not split, held by every
+    tensor-parallel rank; a tied weight held by several pipeline stages, its gradient summed over
+    them before the step) is counted by its first holder only. The strategy is built with it
+    (`build_strategy(norm_group=...)`) and clips by the global norm itself. An inf/nan anywhere
+    makes the sum non-finite on every rank of the world, so the fp16 overflow vote spans the world.
     """
 
     comm: "Comm"
@@ -212,11 +214,6 @@ class ZeroStrategy(Protocol):
     def after_backward(self) -> None: ...
 
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats: ...
-
-    def set_model_parallel_norm(self, norm: ModelParallelNorm) -> None:
-        """Under tensor (or pipeline) parallelism: sum the norm's squares over the model-parallel
-        group as `norm` says, after the data-parallel sum."""
-        ...
 
     def after_step(self, applied: bool) -> None: ...
 
