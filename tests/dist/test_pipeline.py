@@ -209,6 +209,20 @@ def test_global_norm_counts_tied_weights_once(groups: ProcessGroups, zero: int) 
     assert bool(net.tied_duplicates()) == (stages > 1 and net.stage_id == stages - 1)
 
 
+def test_a_batch_counts_its_micro_batches_and_samples(groups: ProcessGroups) -> None:
+    """train_batch ends gradient_accumulation_steps micro-batches in one optimizer step: the
+    counters and the throughput's sample count say so (the pipeline once counted one micro-batch
+    of samples per batch towards samples/s)."""
+    stages = stage_layouts(groups.world_size)[0]
+    engine, _ = train_pipeline(groups, stages, 2 * stages, False, 3, pipe_config(1, clip=0.0))
+    dp = groups.world_size // stages
+    assert (engine.global_steps, engine.micro_steps) == (3, 3 * GAS)
+    assert engine.global_samples == 3 * GAS * MICRO * dp == 3 * engine.train_batch_size()
+    summary = engine.summary()
+    assert math.isclose(summary["samples_per_s"] * summary["elapsed_s"], summary["samples"], rel_tol=1e-9)
+    assert engine.is_gradient_accumulation_boundary() is False  # no boundary left set after the batch
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_activation_checkpointing_by_interval(groups: ProcessGroups, reentrant: bool) -> None:
     stages = stage_layouts(groups.world_size)[0]

@@ -397,19 +397,22 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         if self._micro.managed and not self.is_gradient_accumulation_boundary():
             self._progress.accumulation_step_done()
             return
-        if self.optimizer is None:
-            raise RuntimeError(
-                "engine.step() needs an optimizer: add an \"optimizer\" section to the config "
-                "or pass optimizer= to zeroshard.initialize()"
-            )
         self._micro.stepping = True  # the boundary while step() runs (unmanaged accumulation)
         try:
             self._optimizer_step(micro_batches)
         finally:
             self._micro.stepping = False
 
-    def _optimizer_step(self, micro_batches: int) -> None:
-        """The boundary's optimizer step; `micro_batches` accumulated since the last one."""
+    def _optimizer_step(self, micro_batches: int, micro_steps: int = 1) -> None:
+        """The boundary's optimizer step, in one place for both drivers (`step()` here, the
+        pipeline's `train_batch`): prepare (reduce, unscale, norm, clip) -> optimizer -> strategy ->
+        loss scaler -> scheduler -> progress -> periodic save. `micro_batches` accumulated since the
+        last step; `micro_steps` of them are counted here (1 when step() counted the others)."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "engine.step() needs an optimizer: add an \"optimizer\" section to the config "
+                "or pass optimizer= to zeroshard.initialize()"
+            )
         if not self._micro.managed and self._micro.pending_backwards and not self._micro.grads_ready:
             self._reduce_accumulated()  # no backward reduced (managed_gradient_accumulation false)
         self.timers.start("step")
@@ -433,7 +436,8 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         if not stats.overflow and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         samples = None if self._micro.managed else micro_batches  # None: train_batch_size
-        if self._progress.optimizer_step_done(skipped=stats.overflow, micro_batches=samples):  # steps_per_print
+        if self._progress.optimizer_step_done(skipped=stats.overflow, micro_batches=samples,  # steps_per_print
+                                              micro_steps=micro_steps):
             self._report()
         if self.save_schedule is not None and self.save_schedule.due(self.global_steps):
             self.save_checkpoint(self.save_schedule.save_dir)  # checkpoint.save_interval_steps / _minutes

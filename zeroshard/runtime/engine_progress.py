@@ -96,16 +96,18 @@ class EngineProgress:
         self.micro_steps += 1
         self.tput_timer.stop(global_step=False)
 
-    def optimizer_step_done(self, skipped: bool, micro_batches: int | None = None) -> bool:
+    def optimizer_step_done(self, skipped: bool, micro_batches: int | None = None, micro_steps: int = 1) -> bool:
         """The boundary step ran (`skipped`: for an fp16 overflow) after `micro_batches`
-        micro-batches (None: gradient_accumulation_steps of them, train_batch_size samples).
+        micro-batches (None: gradient_accumulation_steps of them, train_batch_size samples);
+        `micro_steps`: the micro-batches it ends that no `accumulation_step_done` counted (a
+        pipeline's batch ends all of them at once).
         Returns True when a progress report is due (every `steps_per_print` steps)."""
         if skipped:
             self.skipped_steps += 1
         samples = self._train_batch_size if micro_batches is None else self._micro_batch_samples * micro_batches
         self.global_steps += 1
         self.global_samples += samples
-        self.micro_steps += 1
+        self.micro_steps += micro_steps
         self.tput_timer.stop(global_step=True, samples=samples)
         every = self._steps_per_print
         return every is not None and self.global_steps % every == 0

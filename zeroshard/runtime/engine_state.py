@@ -101,6 +101,12 @@ class MicroBatchState:
         self.phase = Phase.REDUCED if self.phase is Phase.BACKWARD_AT_BOUNDARY else Phase.IDLE
         self.pending_backwards += 1
 
+    def batch_reduced(self, micro_batches: int) -> None:
+        """A pipeline batch's backward passes ran and its gradients were reduced (the pipeline
+        driver hands them to the strategy at once): reduced gradients wait for the step."""
+        self.phase = Phase.REDUCED
+        self.pending_backwards += micro_batches
+
     def stepped(self) -> None:
         """The optimizer step ran, or a checkpoint load replaced every state: no gradients wait
         (a training forward awaiting its backward still does)."""

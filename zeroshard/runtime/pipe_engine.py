@@ -329,15 +329,10 @@ class PipelineEngine(ZeroEngine):
             self._strategy.begin_delivered_backward()  # stage 3: start its arrivals afresh
             self._pipe.capture.deliver(last)
             self._strategy.after_backward()
-        self._micro.begin_backward(reduces=True)  # the delivered backward reduced the batch's gradients
-        self._micro.end_backward()
+        self._micro.batch_reduced(self.micro_batches)  # the delivered backward reduced the batch's gradients
         loss = self._aggregate_loss()
-        self.micro_steps += self.micro_batches - 1
-        self._micro.boundary_override = True
-        try:
-            ZeroEngine.step(self)
-        finally:
-            self._micro.boundary_override = None
+        self._progress.micro_batch_done(self.micro_batches)  # the batch's samples, for samples/s
+        self._optimizer_step(self.micro_batches, micro_steps=self.micro_batches)
         self.agg_train_loss = loss
         return loss
 
