@@ -30,12 +30,12 @@ _EXPORTS = {
     "CommError": "zeroshard.errors",
     "LaunchError": "zeroshard.errors",
     "DeepSpeedEngine": "zeroshard.runtime.engine",
-    "tp_model_init": "zeroshard.tensor",
+    "tp_model_init": "zeroshard.tensor_parallel",
     "get_accelerator": "zeroshard.accelerator",
 }
 
 _SUBMODULES = ("comm", "zero", "utils", "runtime", "checkpoint", "config", "estimate", "accelerator", "moe",
-               "checkpointing", "tensor", "ops", "compression")
+               "checkpointing", "tensor_parallel", "ops", "compression")
 """DeepSpeed scripts reach these as attributes (`deepspeed.zero.Init`, `deepspeed.comm.get_rank`,
 `deepspeed.accelerator.get_accelerator()`, `deepspeed.checkpointing`, `deepspeed.ops.adam`)."""
 
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from zeroshard.errors import CommError, ConfigError, LaunchError, NotSupportedError, ZeroshardError
     from zeroshard.runtime.engine import ZeroEngine
     from zeroshard.runtime.initialize import initialize
-    from zeroshard.tensor import tp_model_init
+    from zeroshard.tensor_parallel import tp_model_init
 
 
 def __getattr__(name: str) -> Any:

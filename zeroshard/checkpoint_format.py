@@ -5,7 +5,7 @@ saves by it, checkpoint/ds_autotp.py reads DeepSpeed's AutoTP pieces by it).
 
 One home that the runtime (which fills them), `checkpoint/` (which writes and reads them) and
 the offline tools (`to-fp32`, resharding) all import without pulling in the runtime, and the
-`Checkpointer` protocol every checkpointer (checkpoint/, tensor/checkpoint.py) implements and the
+`Checkpointer` protocol every checkpointer (checkpoint/, tensor_parallel/checkpoint.py) implements and the
 engine saves through. Imports
 only torch; see docs/checkpoints.md for the files on disk and Note: [checkpoint fragments] in
 runtime/checkpoint_state.py for what a fragment is.

@@ -23,7 +23,7 @@ import zeroshard
 from zeroshard.comm import Comm, ProcessGroups
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.pipe import LayerSpec, PipelineModule, PipeModelDataParallelTopology, TiedLayerSpec
-from zeroshard.tensor import ColumnParallelLinear, RowParallelLinear
+from zeroshard.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 VOCAB, DIM, HEADS, SEQ = 16, 16, 4, 6
 MICRO, GAS, STEPS = 2, 2, 4
@@ -298,7 +298,7 @@ def _split_by_hand(groups: ProcessGroups, seed: int) -> tuple[PipelineModule, An
     from zeroshard.comm.groups import subgroup
     from zeroshard.comm.topology import Topology
     from zeroshard.config import load_config
-    from zeroshard.tensor import resolve_plan, shard_model
+    from zeroshard.tensor_parallel import resolve_plan, shard_model
 
     dp = groups.world_size // (PP * TP)
     tp_groups = subgroup(groups, Topology(pp=PP, dp=dp, tp=TP).axis_groups("tp"))

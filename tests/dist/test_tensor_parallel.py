@@ -14,7 +14,7 @@ from tp_helpers import batches, lm_loss, reference, tiny_llama, tp_config
 
 import zeroshard
 from zeroshard.comm import Comm, ProcessGroups
-from zeroshard.tensor import ColumnParallelLinear, RowParallelLinear
+from zeroshard.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 STEPS, LR, CLIP = 4, 1e-3, 0.5
 # Tolerances: each test's reference(...) measures them (Note: [tolerances from measured round-off]).
@@ -166,7 +166,7 @@ def test_mpu_drives_the_groups(groups: ProcessGroups) -> None:
     from zeroshard.comm.groups import subgroup
     from zeroshard.comm.topology import Topology
     from zeroshard.config import load_config
-    from zeroshard.tensor import Plan, resolve_plan, shard_model
+    from zeroshard.tensor_parallel import Plan, resolve_plan, shard_model
 
     tp = _tp(groups.world_size)
     dp = groups.world_size // tp

@@ -239,7 +239,7 @@ LAYERS: dict[str, int] = {
     "errors": 0, "progress": 0, "arguments": 0, "checkpoint_format": 0, "config": 0,
     "comm": 1,  # the only importer of torch.distributed
     "accelerator": 2, "activation_checkpointing": 2, "optim": 2, "zero": 2, "sequence": 2, "moe": 2,
-    "tensor": 3, "pipe": 3,  # model parallelism over zero/'s strategies and comm/'s groups
+    "tensor_parallel": 3, "pipe": 3,  # model parallelism over zero/'s strategies and comm/'s groups
     "runtime": 4,
     "checkpoint": 5, "utils": 5,
     "examples": 6, "estimate": 6,

@@ -9,9 +9,9 @@ from zeroshard.comm import Comm, ProcessGroups
 from zeroshard.comm.topology import Topology
 from zeroshard.config import load_config
 from zeroshard.errors import ConfigError, NotSupportedError
-from zeroshard.tensor import ColumnParallelLinear, RowParallelLinear, Style, resolve_plan, shard_model
-from zeroshard.tensor.checkpoint import global_segments
-from zeroshard.tensor.tp_plan import hf_tp_plan, plan_from_hf
+from zeroshard.tensor_parallel import ColumnParallelLinear, RowParallelLinear, Style, resolve_plan, shard_model
+from zeroshard.tensor_parallel.checkpoint import global_segments
+from zeroshard.tensor_parallel.tp_plan import hf_tp_plan, plan_from_hf
 
 
 def _tp(**section: object):
@@ -138,7 +138,7 @@ def test_sizes_read_before_the_config_and_tp_model_init() -> None:
     import zeroshard
     from zeroshard.comm.parallel_dims import resolve_dims
     from zeroshard.config import tensor_parallel_size
-    from zeroshard.tensor.setup import check_recorded_dtype, recorded_tp_size
+    from zeroshard.tensor_parallel.setup import check_recorded_dtype, recorded_tp_size
 
     assert tensor_parallel_size({}) == 1 and tensor_parallel_size({"tensor_parallel": {"autotp_size": 0}}) == 1
     assert tensor_parallel_size({"tensor_parallel": {"tp": {"tp_size": 4}}}) == 4

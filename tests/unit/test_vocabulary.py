@@ -26,13 +26,14 @@ SAME_MEANING: dict[frozenset[str], str] = {
         "load = read the package's subject from its files (a ds_config; a checkpoint), the same verb",
     frozenset({"compat/comm.py", "comm/"}):
         "process-group set-up: compat/comm.py is comm/'s init_distributed as the `deepspeed` alias serves it",
-    frozenset({"checkpoint/", "tensor/checkpoint.py"}):
-        "model-state checkpoints: tensor/checkpoint.py keys a tensor-parallel run's files by global names",
+    frozenset({"checkpoint/", "tensor_parallel/checkpoint.py"}):
+        "model-state checkpoints: tensor_parallel/checkpoint.py keys a tensor-parallel run's files by global names",
     frozenset({"comm/topology.py", "pipe/topology.py"}):
         "the rank layout over (pp, dp, tp): pipe/topology.py serves DeepSpeed's topology classes as views of it",
-    frozenset({"sequence/", "tensor/sequence.py"}):
+    frozenset({"sequence/", "tensor_parallel/sequence.py"}):
         "sequence parallelism, each rank holding a slice of the sequence: over the tensor-parallel group "
-        "between its regions (tensor/sequence.py, Megatron's), over the sequence-parallel group (sequence/, Ulysses)",
+        "between its regions (tensor_parallel/sequence.py, Megatron's), over the sequence-parallel group "
+        "(sequence/, Ulysses)",
     frozenset({"moe/utils.py", "utils/"}):
         "DeepSpeed's paths deepspeed.moe.utils and deepspeed.utils: the helpers scripts import from each",
 }

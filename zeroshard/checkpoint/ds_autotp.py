@@ -8,10 +8,10 @@ one `mp_rank_{t:02d}_model_states.pt` per TP rank (its local pieces under the gl
 its dp group. Each TP rank's files are therefore a data-parallel DeepSpeed checkpoint of its local
 model, which ds_import.py already decodes (`layout_of`); this module reads one per TP rank and
 rewrites every fragment of a split parameter's piece as ranges of the whole parameter
-(`global_segments`, the rule tensor/checkpoint.py saves by, in checkpoint_format.py). Replicated parameters (norms, the
-embedding AutoTP leaves whole) are taken from TP rank 0. The split dimension of each parameter is
-read off the model being loaded (its global shape against the saved piece's). The load itself is
-zeroshard's (checkpoint/load.py), resharding to the loading layout.
+(`global_segments`, the rule tensor_parallel/checkpoint.py saves by, in checkpoint_format.py).
+Replicated parameters (norms, the embedding AutoTP leaves whole) are taken from TP rank 0. The split
+dimension of each parameter is read off the model being loaded (its global shape against the saved
+piece's). The load itself is zeroshard's (checkpoint/load.py), resharding to the loading layout.
 """
 
 from __future__ import annotations

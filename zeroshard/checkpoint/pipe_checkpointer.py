@@ -60,7 +60,7 @@ class PipelineCheckpointer:
         tp_rank: this rank's tensor-parallel coordinate when the model is split over tp (3D): the
             layer files then hold its pieces under DeepSpeed's model-axis name. None without tp.
             With AutoTP, `inner` runs over the stage's dp x tp ranks and this checkpointer sits
-            inside tensor/checkpoint.py's, so everything it sees is already in global names.
+            inside tensor_parallel/checkpoint.py's, so everything it sees is already in global names.
     """
 
     def __init__(self, inner: StageCheckpointer, world_comm: Comm, layout: PipeLayout, stage_id: int, dp_rank: int,

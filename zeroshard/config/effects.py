@@ -129,12 +129,12 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "checkpoint.save_interval_minutes": ("runtime/periodic_save.py::section.save_interval_minutes",),
     "tensor_parallel.autotp_size": ("runtime/initialize.py::config_tp=tensor_parallel_size(raw_config)",),
     "tensor_parallel.tensor_parallel.tp_size": ("runtime/initialize.py::config_tp=tensor_parallel_size(raw_config)",),
-    "tensor_parallel.preset_model": ("tensor/tp_plan.py::config.preset_model",),
-    "tensor_parallel.vocab_parallel_lm_head": ("tensor/tp_plan.py::config.vocab_parallel_lm_head",),
-    "tensor_parallel.partition_config.layer_specs": ("tensor/tp_plan.py::part.layer_specs",),
-    "tensor_parallel.partition_config.use_default_specs": ("tensor/tp_plan.py::part.use_default_specs",),
-    "tensor_parallel.partition_config.strict_mode": ("tensor/tp_plan.py::part.strict_mode",),
-    "tensor_parallel.partition_config.lm_head_patterns": ("tensor/tp_plan.py::part.lm_head_patterns",),
+    "tensor_parallel.preset_model": ("tensor_parallel/tp_plan.py::config.preset_model",),
+    "tensor_parallel.vocab_parallel_lm_head": ("tensor_parallel/tp_plan.py::config.vocab_parallel_lm_head",),
+    "tensor_parallel.partition_config.layer_specs": ("tensor_parallel/tp_plan.py::part.layer_specs",),
+    "tensor_parallel.partition_config.use_default_specs": ("tensor_parallel/tp_plan.py::part.use_default_specs",),
+    "tensor_parallel.partition_config.strict_mode": ("tensor_parallel/tp_plan.py::part.strict_mode",),
+    "tensor_parallel.partition_config.lm_head_patterns": ("tensor_parallel/tp_plan.py::part.lm_head_patterns",),
     "torch_autocast.enabled": ("runtime/autocast.py::section.enabled",),
     "pipeline.activation_checkpoint_interval": ("runtime/pipe_engine.py",),
     "pipeline.use_reentrant": ("runtime/pipe_engine.py",),
@@ -237,7 +237,7 @@ NO_EFFECT: dict[str, str] = {
     "pipeline.grad_partitioned": "splits stage-to-stage gradients over tensor-parallel ranks in DeepSpeed; "
     "zeroshard's pipelines have no tensor parallelism, so there is nothing to split.",
     "tensor_parallel.tp_overlap_comm": "the all-reduce of a row-parallel layer's output feeds the next "
-    "operation directly, so there is no computation to overlap it with (zeroshard/tensor/layers.py).",
+    "operation directly, so there is no computation to overlap it with (zeroshard/tensor_parallel/layers.py).",
     "tensor_parallel.tensor_parallel.tp_grain_size": "DeepSpeed's granularity of uneven splits (inactive in its "
     "training path too); zeroshard splits evenly and refuses a dimension the size does not divide.",
     "tensor_parallel.partition_config.tp_size": "overwritten by autotp_size, as in DeepSpeed "

@@ -390,7 +390,7 @@ class Config:
     pipeline: PipelineConfig = spec(default_factory=PipelineConfig)
     """Pipeline parallelism (a PipelineModule given to initialize())."""
     tensor_parallel: TensorParallelConfig = spec(default_factory=TensorParallelConfig)
-    """AutoTP tensor parallelism (zeroshard/tensor/); ZeRO partitions over the data-parallel ranks."""
+    """AutoTP tensor parallelism (zeroshard/tensor_parallel/); ZeRO partitions over the data-parallel ranks."""
     compile: CompileConfig = spec(default_factory=CompileConfig)
     """DeepSpeed's DeepCompile options, each refused unless at its default; `engine.compile()`
     compiles the model without them (runtime/compile.py)."""

@@ -1,4 +1,4 @@
-"""`tensor_parallel`: DeepSpeed 0.19.8's AutoTP training section, typed (see zeroshard/tensor/).
+"""`tensor_parallel`: DeepSpeed 0.19.8's AutoTP training section, typed (see zeroshard/tensor_parallel/).
 
 Key names and defaults follow DeepSpeed's `TPTrainingConfig`, `TPConfig` and the
 `partition_config` dictionary its `AutoTPConfig.from_dict` reads. Imports nothing of zeroshard

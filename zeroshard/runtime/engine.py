@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from zeroshard.comm import Comm, ProcessGroups
     from zeroshard.config import Config
     from zeroshard.runtime.throughput import ThroughputTimer
-    from zeroshard.tensor.setup import ParallelLayout
+    from zeroshard.tensor_parallel.setup import ParallelGroups
 
 logger = logging.getLogger("zeroshard")
 
@@ -516,8 +516,8 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
     """Writes and reads checkpoints; set by `zeroshard.initialize` (a ShardedCheckpointer)."""
     save_schedule: SaveSchedule | None = None
     """Periodic saves (checkpoint.save_interval_steps / save_interval_minutes); set by `initialize`."""
-    parallel: "ParallelLayout | None" = None
-    """The data- and model-parallel groups (zeroshard/tensor/setup.py); set by `zeroshard.initialize`."""
+    parallel: "ParallelGroups | None" = None
+    """The data- and model-parallel groups (zeroshard/tensor_parallel/setup.py); set by `zeroshard.initialize`."""
 
     def state(self, *, include_frozen: bool = False) -> EngineState:
         """This rank's state for a checkpoint: views of the live tensors plus the Manifest."""

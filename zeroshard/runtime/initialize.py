@@ -39,8 +39,8 @@ from zeroshard.runtime.loss_scaler import build_loss_scaler
 from zeroshard.runtime.monitor import build_sinks, format_bytes, setup_logging
 from zeroshard.runtime.periodic_save import SaveSchedule
 from zeroshard.runtime.pipe_engine import PipelineEngine, PipeParts
-from zeroshard.tensor.setup import (
-    ParallelLayout,
+from zeroshard.tensor_parallel.setup import (
+    ParallelGroups,
     check_recorded_dtype,
     layout_for_model_axis,
     layout_for_mpu,
@@ -301,7 +301,7 @@ def initialize(
 
 
 def _parallel_layout(world: ProcessGroups, world_comm: Comm, model: nn.Module, cfg: Config, dims: ParallelDims,
-                     mpu: Any, pipe_module: PipelineModule | None) -> ParallelLayout:
+                     mpu: Any, pipe_module: PipelineModule | None) -> ParallelGroups:
     """The groups this rank trains with, all from `dims` (comm/parallel_dims.py) over comm/topology.py's
     mesh, or an `mpu`'s: plain data parallelism, pipeline x data (the PipelineModule's topology),
     AutoTP (the model is split over the mesh's tp axis here), pipeline x data x AutoTP (each stage
@@ -322,7 +322,7 @@ def _parallel_layout(world: ProcessGroups, world_comm: Comm, model: nn.Module, c
     mesh = build_mesh(world, dims.topology)
     if dims.tp_split == "script":  # a PipelineModule with a model axis: its layers are split by the script (Megatron's)
         return layout_for_model_axis(world, world_comm, mesh, model)
-    return ParallelLayout(world=world, dp=mesh.axis("dp"), mp_comm=None, mp_rank=0, mesh=mesh)
+    return ParallelGroups(world=world, dp=mesh.axis("dp"), mp_comm=None, mp_rank=0, mesh=mesh)
 
 
 def _log_dims(dims: ParallelDims, cfg: Config) -> None:
@@ -369,9 +369,9 @@ def _checkpointer(comm: Comm, node_local: bool, section: CheckpointConfig | None
                                keep_last=section.keep_last if section is not None else 0)
 
 
-def _engine_checkpointer(cfg: Config, layout: ParallelLayout, world_comm: Comm, comm: Comm,
+def _engine_checkpointer(cfg: Config, layout: ParallelGroups, world_comm: Comm, comm: Comm,
                          pipe_module: PipelineModule | None) -> Checkpointer:
-    """The engine's checkpointer, composed outside in: tensor/checkpoint.py's (AutoTP pieces as ranges
+    """The engine's checkpointer, composed outside in: tensor_parallel/checkpoint.py's (AutoTP pieces as ranges
     of global parameters) around checkpoint/pipe_checkpointer.py's (a directory per stage, layer
     files, pipeline.json) around the sharded one over the ranks that hold pieces of the same layers
     (the data-parallel group; with AutoTP the dp x tp ranks of the world or of the stage). Every
@@ -391,7 +391,7 @@ def _engine_checkpointer(cfg: Config, layout: ParallelLayout, world_comm: Comm, 
         if pipe_module is None:
             return inner
         return _pipe_checkpointer(inner, world_comm, pipe_module, comm.rank, tp_rank, model_parallel=tp_size)
-    from zeroshard.tensor.checkpoint import TensorParallelCheckpointer
+    from zeroshard.tensor_parallel.checkpoint import TensorParallelCheckpointer
 
     pieces = world_comm if pipe_module is None or mesh is None or mesh.topology.pp == 1 else Comm(
         mesh.axes("dp", "tp"), log=world_comm.log, label="stage")

@@ -18,7 +18,7 @@ from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.units import ZeroParameter
 
 if TYPE_CHECKING:
-    from zeroshard.tensor.setup import ParallelLayout
+    from zeroshard.tensor_parallel.setup import ParallelGroups
 
 logger = logging.getLogger("zeroshard")
 
@@ -30,7 +30,7 @@ class ModelExport:
     # Provided by ZeroEngine and EngineQueries: `module`, `rank`, `zero_gather_16bit_weights_on_model_save()`.
     module: nn.Module
     rank: int
-    parallel: "ParallelLayout | None"
+    parallel: "ParallelGroups | None"
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Tensor] | None:
         """The whole model's state_dict in its training dtype, on CPU, on rank 0 (None on the

@@ -23,7 +23,7 @@ __getattr__, __dir__ = _reexport(__name__, {
     "DeepSpeedEngine": "zeroshard.runtime.engine:ZeroEngine",
     "DeepSpeedConfig": "zeroshard.config:Config",
     "DeepSpeedConfigError": "zeroshard.errors:ConfigError",
-    "tp_model_init": "zeroshard.tensor:tp_model_init",
+    "tp_model_init": "zeroshard.tensor_parallel:tp_model_init",
     "get_accelerator": "zeroshard.accelerator:get_accelerator",  # DeepSpeed-Chat: from deepspeed import get_accelerator
 })
 

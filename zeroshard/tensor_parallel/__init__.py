@@ -6,13 +6,13 @@ layers (plain local parameters, see Note: [why not DTensor parameters]); `setup.
 groups initialize() trains with (the `tensor_parallel` section, or a Megatron `mpu`).
 """
 
-from zeroshard.tensor.layers import ColumnParallelLinear, RowParallelLinear
-from zeroshard.tensor.setup import ParallelLayout, tp_model_init
-from zeroshard.tensor.tp_plan import Plan, Style, TensorParallelState, resolve_plan, shard_model, tp_state_of
+from zeroshard.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from zeroshard.tensor_parallel.setup import ParallelGroups, tp_model_init
+from zeroshard.tensor_parallel.tp_plan import Plan, Style, TensorParallelState, resolve_plan, shard_model, tp_state_of
 
 __all__ = [
     "ColumnParallelLinear",
-    "ParallelLayout",
+    "ParallelGroups",
     "Plan",
     "RowParallelLinear",
     "Style",

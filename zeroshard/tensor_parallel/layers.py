@@ -12,7 +12,7 @@ maths is the same as torch's styles: a column-parallel layer copies its input (a
 input gradient in backward) and keeps its output sharded (or gathers it, `gather_output`); a
 row-parallel layer takes sharded input and all-reduces its output (identity in backward).
 
-Imports torch, zeroshard.comm (types) and tensor/sequence only.
+Imports torch, zeroshard.comm (types) and tensor_parallel/sequence only.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zeroshard.tensor.sequence import reduce_scatter_seq
+from zeroshard.tensor_parallel.sequence import reduce_scatter_seq
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
@@ -121,9 +121,9 @@ class ColumnParallelLinear(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         # Under sequence parallelism the block's input is gathered (and its gradient reduce-scattered)
-        # where the attention / MLP module starts (tensor/sequence.py): no collective here.
+        # where the attention / MLP module starts (tensor_parallel/sequence.py): no collective here.
         self.sequence_parallel = sequence_parallel
-        self.gathers_sequence = sequence_parallel  # tensor/sequence.py gathers this module's input
+        self.gathers_sequence = sequence_parallel  # tensor_parallel/sequence.py gathers this module's input
         tp, r = comm.world_size, comm.rank
         out = linear.out_features
         self.comm, self.gather_output = comm, gather_output

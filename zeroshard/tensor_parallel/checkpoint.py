@@ -7,7 +7,7 @@ before a save, every range of a split parameter's local piece is rewritten as ra
 one range per row), the manifest lists the global shapes, and rank 0's model file gets the whole
 weights (gathered over tp). A load asks for the same global ranges and joins what comes back into
 the local pieces. Imports torch, checkpoint_format (the format and the Checkpointer protocol) and
-tensor/ only.
+tensor_parallel/ only.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from zeroshard.checkpoint_format import (
     TensorInfo,
     global_segments,
 )
-from zeroshard.tensor.tp_plan import TensorParallelState
+from zeroshard.tensor_parallel.tp_plan import TensorParallelState
 
 __all__ = ["Segment", "TensorParallelCheckpointer", "global_segments"]  # global_segments: checkpoint_format.py
 

@@ -119,7 +119,7 @@ def enable_sequence_parallel(model: nn.Module, comm: "Comm", split: set[str]) ->
 
     for block in layers:
         for child in block.children():
-            # a column-parallel layer under sequence parallelism (tensor/layers.py) marks itself
+            # a column-parallel layer under sequence parallelism (tensor_parallel/layers.py) marks itself
             if any(getattr(m, "gathers_sequence", False) for m in child.modules()):
                 child.register_forward_pre_hook(gather, with_kwargs=True)
     norm.register_forward_hook(lambda _m, _a, out: _join(_first(out), comm))

@@ -4,7 +4,7 @@
 A plan is an ordered list of rules (first match wins): a regular expression over module names
 and a `Style`. Sources, in DeepSpeed 0.19.8's order of precedence: `partition_config` and
 `preset_model` (its configurable AutoTP), else the model's HF plan (`config.base_model_tp_plan`,
-the class's and the instance's `_tp_plan`). Imports torch, zeroshard.config, errors, tensor/ and comm (types).
+the class's and the instance's `_tp_plan`). Imports torch, zeroshard.config, errors, tensor_parallel/ and comm (types).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from zeroshard.config.schema_tp import TensorParallelConfig
 from zeroshard.errors import ConfigError, NotSupportedError
-from zeroshard.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from zeroshard.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
@@ -219,7 +219,7 @@ def shard_model(model: nn.Module, plan: Plan, comm: Comm, *, sequence_parallel: 
 
     Every tensor-parallel rank must hold the same whole model (initialize broadcasts it first).
     `sequence_parallel`: keep the residual stream cut along the sequence between the split layers
-    (tensor/sequence.py; Hugging Face layouts). `keep_whole`: ids of parameters shared beyond
+    (tensor_parallel/sequence.py; Hugging Face layouts). `keep_whole`: ids of parameters shared beyond
     `model` (a pipeline's tied weights, held by several stages), treated as tied.
 
     Raises:
@@ -277,7 +277,7 @@ def shard_model(model: nn.Module, plan: Plan, comm: Comm, *, sequence_parallel: 
         raise ConfigError(f"tensor_parallel: {plan.source} matches no linear layer of {type(model).__name__}; "
                           "check the patterns against model.named_modules().")
     if sequence_parallel:
-        from zeroshard.tensor.sequence import enable_sequence_parallel
+        from zeroshard.tensor_parallel.sequence import enable_sequence_parallel
 
         enable_sequence_parallel(model, comm, set(state.split))
     state.sequence_parallel = sequence_parallel

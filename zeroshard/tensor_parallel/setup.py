@@ -2,9 +2,9 @@
 the model-parallel group the gradient norm spans, and the model sharded for tensor parallelism.
 
 Two sources: the `tensor_parallel` section (AutoTP: groups from `comm/topology.py`'s (pp, dp, tp)
-mesh, the model split by `tensor/tp_plan.py`), or a Megatron-style `mpu` object (the script built
+mesh, the model split by `tensor_parallel/tp_plan.py`), or a Megatron-style `mpu` object (the script built
 its own tensor-parallel layers and groups; parameters it split carry Megatron's
-`tensor_model_parallel = True`). Imports torch, comm, config, errors, zero and tensor/.
+`tensor_model_parallel = True`). Imports torch, comm, config, errors, zero and tensor_parallel/.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from zeroshard.comm.parallel_dims import MpuShape
 from zeroshard.comm.topology import MeshGroups, Topology, build_mesh
 from zeroshard.config.schema_tp import TensorParallelConfig
 from zeroshard.errors import ConfigError, NotSupportedError
-from zeroshard.tensor.tp_plan import TensorParallelState, resolve_plan, shard_model, tp_state_of
+from zeroshard.tensor_parallel.tp_plan import TensorParallelState, resolve_plan, shard_model, tp_state_of
 from zeroshard.zero.stage0 import broadcast_module_state
 from zeroshard.zero.strategy import ModelParallelNorm
 
@@ -46,7 +46,7 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
         config: the ds_config (a mapping, as Transformers' Trainer passes it) or None; its
             `tensor_parallel.autotp_size`, when set, must equal `tp_size`.
         sequence_parallel: zeroshard's option: keep the residual stream cut along the sequence
-            between tensor-parallel regions (tensor/sequence.py; Hugging Face layouts).
+            between tensor-parallel regions (tensor_parallel/sequence.py; Hugging Face layouts).
         kwargs: DeepSpeed's other arguments (`tp_group`, ...): anything given raises NotSupportedError.
 
     Returns:
@@ -96,7 +96,7 @@ def check_recorded_dtype(model: nn.Module, precision_dtype: torch.dtype) -> None
 
 
 @dataclass
-class ParallelLayout:
+class ParallelGroups:
     """The groups one rank trains with."""
 
     world: ProcessGroups
@@ -130,7 +130,7 @@ class ParallelLayout:
 
 def layout_for_tensor_parallel(world: ProcessGroups, world_comm: Comm, model: nn.Module,
                                config: TensorParallelConfig, topology: Topology, *,
-                               keep_whole: frozenset[int] = frozenset()) -> ParallelLayout:
+                               keep_whole: frozenset[int] = frozenset()) -> ParallelGroups:
     """Mesh (pp, dp, tp), the model made equal on every rank of its stage and then split over tp
     (collective).
 
@@ -158,11 +158,11 @@ def layout_for_tensor_parallel(world: ProcessGroups, world_comm: Comm, model: nn
     elif state.size != tp_size:
         raise ConfigError(f"the model is already split over {state.size} tensor-parallel ranks; the config asks "
                           f"for {tp_size}.")
-    return ParallelLayout(world=world, dp=mesh.axis("dp"), mp_comm=tp_comm, mp_rank=tp_groups.rank,
+    return ParallelGroups(world=world, dp=mesh.axis("dp"), mp_comm=tp_comm, mp_rank=tp_groups.rank,
                           mesh=mesh, tp=state)
 
 
-def layout_for_model_axis(world: ProcessGroups, world_comm: Comm, mesh: MeshGroups, model: nn.Module) -> ParallelLayout:
+def layout_for_model_axis(world: ProcessGroups, world_comm: Comm, mesh: MeshGroups, model: nn.Module) -> ParallelGroups:
     """A PipelineModule whose topology has a model axis and whose layers the script split itself
     (Megatron's layers in DeepSpeed's 3D): ZeRO over `dp`, the norm over `tp`; parameters the script
     split carry Megatron's `tensor_model_parallel = True`, the others are counted once."""
@@ -172,7 +172,7 @@ def layout_for_model_axis(world: ProcessGroups, world_comm: Comm, mesh: MeshGrou
                        "parameter of this stage is marked tensor_model_parallel = True: the tensor-parallel ranks "
                        "hold replicas. Split the layers (Megatron's) or set tensor_parallel.autotp_size.")
     tp_comm = Comm(tp, timeout_s=world_comm.timeout_s, log=world_comm.log, label="tp")
-    return ParallelLayout(world=world, dp=mesh.axis("dp"), mp_comm=tp_comm, mp_rank=tp.rank, mesh=mesh)
+    return ParallelGroups(world=world, dp=mesh.axis("dp"), mp_comm=tp_comm, mp_rank=tp.rank, mesh=mesh)
 
 
 def check_mpu(mpu: Any) -> None:
@@ -196,11 +196,11 @@ def mpu_shape(mpu: Any) -> MpuShape:
                     data_parallel=int(mpu.get_data_parallel_world_size()))
 
 
-def layout_for_mpu(world: ProcessGroups, world_comm: Comm, mpu: Any) -> ParallelLayout:
+def layout_for_mpu(world: ProcessGroups, world_comm: Comm, mpu: Any) -> ParallelGroups:
     """The groups of a Megatron-style `mpu` (get_model_parallel_* and get_data_parallel_*), whose sizes
     comm/parallel_dims.py's `resolve_dims` has checked (`mpu_shape`)."""
     mp_size, dp_size = int(mpu.get_model_parallel_world_size()), int(mpu.get_data_parallel_world_size())
     dp = wrap_process_group(world, mpu.get_data_parallel_group(), int(mpu.get_data_parallel_rank()), dp_size)
     mp = wrap_process_group(world, mpu.get_model_parallel_group(), int(mpu.get_model_parallel_rank()), mp_size)
     mp_comm = Comm(mp, timeout_s=world_comm.timeout_s, log=world_comm.log, label="mp") if mp_size > 1 else None
-    return ParallelLayout(world=world, dp=dp, mp_comm=mp_comm, mp_rank=mp.rank)
+    return ParallelGroups(world=world, dp=dp, mp_comm=mp_comm, mp_rank=mp.rank)
