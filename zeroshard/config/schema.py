@@ -432,6 +432,25 @@ class Config:
             return "bf16"
         return "fp32"
 
+    @property
+    def bf16_masters(self) -> bool:
+        """bf16.bf16_master_weights_and_grads with bf16.bf16_optimizer_states: the master shard and
+        the gradients are bf16 (config/load.py's check refuses bf16 masters beside fp32 states)."""
+        return self.bf16.bf16_master_weights_and_grads and self.bf16.bf16_optimizer_states
+
+    @property
+    def accumulation_dtype(self) -> DType | None:
+        """The dtype micro-batch gradients are summed in, decided once for the strategies and the
+        pipeline's gradient capture: bf16 with bf16 masters, else `data_types.grad_accum_dtype`,
+        else fp32 under bf16/fp16 training; None in fp32 training with no grad_accum_dtype (the
+        parameters' own dtype)."""
+        if self.bf16_masters:
+            return "bf16"
+        named = self.data_types.grad_accum_dtype
+        if named is not None:
+            return named
+        return "fp32" if self.precision != "fp32" else None
+
     def source_of(self, key: str) -> str:
         """Where the value of dotted `key` came from; "default" when the file did not set it."""
         return self.sources.get(key, "default")

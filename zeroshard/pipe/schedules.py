@@ -111,8 +111,8 @@ def build_schedule(name: str, chunks: Sequence[nn.Module], stage_ids: Sequence[i
     """torch's PipelineStages for this rank's chunks and the schedule `name` running them.
 
     Raises:
-        ConfigError: the schedule does not fit the stages (e.g. "1f1b" with several stages per
-            rank) or torch refuses the micro-batch count.
+        ConfigError: torch refuses the micro-batch count for the schedule (config/pipeline.py
+            refused a one-stage-per-rank schedule with several stages per rank at initialize).
     """
     from torch.distributed import pipelining
 
@@ -121,12 +121,7 @@ def build_schedule(name: str, chunks: Sequence[nn.Module], stage_ids: Sequence[i
     stages = [pipelining.PipelineStage(chunk, stage_index=s, num_stages=num_stages, device=device, group=group)
               for chunk, s in zip(chunks, stage_ids)]
     try:
-        if name in SINGLE_STAGE:
-            if len(stages) != 1:
-                raise ConfigError(
-                    f'pipeline.schedule: "{name}" runs one stage per rank, but the PipelineModule has '
-                    f"virtual_stages={len(stages)}. Use \"interleaved_1f1b\" or \"interleaved_zero_bubble\", "
-                    "or build the module with virtual_stages=1")
+        if name in SINGLE_STAGE:  # one stage per rank: config/pipeline.py checked it at initialize
             cls = getattr(pipelining, SINGLE_STAGE[name])
             return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
         cls = getattr(pipelining, MULTI_STAGE[name])

@@ -19,7 +19,8 @@ from zeroshard.comm.groups import node_leader
 from zeroshard.comm.parallel_dims import ParallelDims, resolve_dims
 from zeroshard.comm.topology import build_mesh
 from zeroshard.config import CheckpointConfig, Config, load_config, read_config_file, tensor_parallel_size
-from zeroshard.errors import ConfigConflictError, ConfigError, InitializeArgumentError, NotSupportedError
+from zeroshard.config.pipeline import check_for_pipeline
+from zeroshard.errors import ConfigError, InitializeArgumentError, NotSupportedError
 from zeroshard.optim.factory import (
     adopt_client_optimizer,
     build_optimizer,
@@ -35,7 +36,7 @@ from zeroshard.runtime.config_sync import check_same_config
 from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
 from zeroshard.runtime.keep_fp32 import fp32_buffers, keep_fp32_pattern
-from zeroshard.runtime.loss_scaler import build_loss_scaler
+from zeroshard.runtime.loss_scaler import LossScaler, build_loss_scaler
 from zeroshard.runtime.monitor import build_sinks, format_bytes, setup_logging
 from zeroshard.runtime.periodic_save import SaveSchedule
 from zeroshard.runtime.pipe_engine import PipelineEngine, PipeParts
@@ -161,20 +162,7 @@ def initialize(
             engine.backward(loss)
             engine.step()
     """
-    if model is None and isinstance(args, nn.Module):
-        raise InitializeArgumentError(
-            f"initialize() got the model ({type(args).__name__}) as its first positional argument, which is `args` "
-            "in DeepSpeed's signature initialize(args=None, model=None, ...); pass it as model=...")
-    if model is None:
-        raise InitializeArgumentError("initialize() needs model=: the nn.Module (or PipelineModule) to train")
-    if mpu is not None:
-        mpu_shape(mpu)  # a missing query is named before anything else happens
-    if mesh_param is not None:
-        raise NotSupportedError(
-            f"initialize(mesh_param={mesh_param!r}): device meshes (sequence / tensor parallelism) "
-            "are not supported by zeroshard yet; drop mesh_param=")
-    if config is not None and config_params is not None:
-        raise ConfigError("pass the config once: config= or config_params=, not both")
+    model = _check_arguments(args, model, mpu, mesh_param, config, config_params)
     source = _resolve_config_source(args, config if config is not None else config_params)
     raw_config = source if isinstance(source, Mapping) else read_config_file(source)
     if distributed_port is not None:
@@ -182,56 +170,13 @@ def initialize(
     world = init_distributed()
     setup_logging(world.rank)
     pipe_module = model if isinstance(model, PipelineModule) else None
-    dims = resolve_dims(world.world_size, config_tp=tensor_parallel_size(raw_config),
-                        recorded_tp=recorded_tp_size(model), pipe=pipe_module.shape if pipe_module else None,
-                        mpu=mpu_shape(mpu) if mpu is not None else None)
-    cfg = load_config(source, dp_world_size=dims.dp, other_batch_world_sizes=dims.batch_world_sizes[1:],
-                      hidden_size=model_hidden_size(model), auto_values=dict(client_auto_values(optimizer)))
-    if cfg.zero_optimization.stage == 3:  # hpZ's secondary copy exists at stage 3 only
-        dims = dims.with_hpz(cfg.zero_optimization.zero_hpz_partition_size)
-    _log_dims(dims, cfg)
-    logger.info(
-        "resolved config (values not at their DeepSpeed default, with their source; "
-        "`zeroshard config check FILE` lists every key):\n" + cfg.describe(non_default_only=True)
-    )
-    for note in cfg.notes:  # deprecated spellings mapped, other stages' tuning keys: once, at start-up
-        logger.warning(note)
+    cfg, dims = _config_and_dims(source, raw_config, world.world_size, model, pipe_module, mpu, optimizer)
     _check_optimizer_present(cfg, optimizer, model_parameters, training_data, lr_scheduler)
-    if pipe_module is not None and not cfg.managed_gradient_accumulation:
-        raise ConfigConflictError(
-            "managed_gradient_accumulation=False is not supported with pipeline parallelism (as in DeepSpeed): "
-            "train_batch() runs gradient_accumulation_steps micro-batches and steps once; remove the key (or set "
-            "it to true), or train the model without pipeline stages.")
-    if pipe_module is not None and cfg.gradient_allreduce_op == "sum":
-        raise NotSupportedError(
-            "not supported yet: gradient_allreduce_op='sum' with a PipelineModule (the pipeline engine averages "
-            'its gradients over the data-parallel ranks); use "mean", or train the model without pipeline stages.')
+    if pipe_module is not None:
+        check_for_pipeline(cfg, pipe_module.virtual_stages)
 
     configure_from_config(cfg)
-    dtype = DTYPES[cfg.precision] if cfg.precision != "fp32" else None
-    check_recorded_dtype(model, dtype or torch.float32)
-    zero_init = any(init_partitioned(p) for p in model.parameters())
-    if zero_init:
-        if cfg.zero_optimization.stage != 3:
-            raise ConfigError(
-                f"the model was built under zeroshard.zero.Init (its parameters are partitioned), "
-                f"which needs zero_optimization.stage 3; the config says stage "
-                f"{cfg.zero_optimization.stage}. Set stage to 3, or build the model without zero.Init."
-            )
-    # Parameters to the training dtype; buffers keep theirs unless data_types.buffer_dtype names one
-    # (bf16/fp16 only: under fp32 every tensor keeps its dtype, as in DeepSpeed).
-    # data_types.keep_in_fp32_modules: the buffers the model's Transformers lists (or the
-    # config's patterns) name stay fp32 under bf16/fp16 (runtime/keep_fp32.py).
-    named = cfg.data_types.buffer_dtype
-    buffer_dtype = DTYPES[named] if named is not None and dtype is not None else None
-    kept = fp32_buffers(model, keep_fp32_pattern(model, cfg.data_types.keep_in_fp32_modules, dtype))
-    if kept:
-        logger.info(f"data_types.keep_in_fp32_modules: {len(kept)} buffer(s) kept in fp32 "
-                    f"({', '.join(sorted(kept.values())[:4])}{', ...' if len(kept) > 4 else ''})")
-    if zero_init or dtype is not None:
-        move_unpartitioned(model, world.device, dtype, buffer_dtype, kept)
-    else:
-        model.to(world.device)
+    _place_model(model, cfg, world.device)
     comms = cfg.comms_logger
     world_comm = Comm(world, log=CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
                       if comms.enabled else None)
@@ -255,28 +200,9 @@ def initialize(
     norm_group = layout.norm_group(model, world_comm, tied_duplicates=pipe_module.tied_duplicates()
                                    if pipe_module is not None else frozenset())
     strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units, norm_group=norm_group)
-    opt = _make_optimizer(cfg, optimizer, param_groups, strategy)
-    if isinstance(opt, OneBitOptimizer) and layout.mp_comm is not None:
-        raise NotSupportedError(f"not supported yet: optimizer {type(opt).__name__} with tensor parallelism or an "
-                                "mpu (its compressed stage computes the norm of local gradients only); use Adam/AdamW.")
-    if isinstance(opt, OneBitOptimizer):  # it all-reduces the momentum itself, after its warm-up
-        opt.attach(comm, strategy)
-    if opt is not None:
-        opt = strategy.wrap_optimizer(opt)  # an NVMe home swaps the optimizer's states
+    opt = _make_optimizer(cfg, optimizer, param_groups, strategy, comm, model_parallel=layout.mp_comm is not None)
     sched = _make_scheduler(cfg, lr_scheduler, opt)
-    scaler = None
-    safe_module_classes(cfg.torch_autocast)  # a bad class name fails here, before training
-    if cfg.precision == "fp32" and autocast_dtype(cfg.torch_autocast, groups.device.type) == torch.float16:
-        # fp16 autocast on fp32 parameters: dynamic loss scaling as torch's GradScaler (DeepSpeed's
-        # choice in this mode): 2**16 to start, halve on overflow, double after 2000 good steps.
-        scaler = build_loss_scaler(loss_scale=0.0, initial_scale_power=16, loss_scale_window=2000,
-                                   hysteresis=1, consecutive_hysteresis=False, min_loss_scale=2.0**-24)
-    elif cfg.precision == "fp16":
-        f = cfg.fp16
-        scaler = build_loss_scaler(
-            loss_scale=f.loss_scale, initial_scale_power=f.initial_scale_power,
-            loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis,
-            consecutive_hysteresis=f.consecutive_hysteresis, min_loss_scale=f.min_loss_scale)
+    scaler = _loss_scaler(cfg, groups.device.type)
     loader = None
     if training_data is not None:
         loader = DistributedDataLoader(
@@ -290,14 +216,94 @@ def initialize(
     engine.parallel = layout
     engine.checkpointer = _engine_checkpointer(cfg, layout, world_comm, comm, pipe_module)
     engine.save_schedule = SaveSchedule.from_config(cfg.checkpoint, world_comm)
-    if cfg.zero_optimization.pipeline_loading_checkpoint:
-        from zeroshard.checkpoint import InTurnCheckpointer  # composition root (see _checkpointer)
-
-        engine.checkpointer = InTurnCheckpointer(engine.checkpointer)
     _log_start(engine, groups)
     if resumable is not None:  # checkpoint.auto_resume_dir (runtime/auto_resume.py)
         load_resumable(engine, resumable)
     return engine, engine.optimizer, loader, sched  # DeepSpeed returns engine.optimizer too
+
+
+def _check_arguments(args: Any, model: nn.Module | None, mpu: Any, mesh_param: Any, config: Any,
+                     config_params: Any) -> nn.Module:
+    """initialize()'s arguments that are wrong on their own, refused before anything starts."""
+    if model is None and isinstance(args, nn.Module):
+        raise InitializeArgumentError(
+            f"initialize() got the model ({type(args).__name__}) as its first positional argument, which is `args` "
+            "in DeepSpeed's signature initialize(args=None, model=None, ...); pass it as model=...")
+    if model is None:
+        raise InitializeArgumentError("initialize() needs model=: the nn.Module (or PipelineModule) to train")
+    if mpu is not None:
+        mpu_shape(mpu)  # a missing query is named before anything else happens
+    if mesh_param is not None:
+        raise NotSupportedError(
+            f"initialize(mesh_param={mesh_param!r}): device meshes (sequence / tensor parallelism) "
+            "are not supported by zeroshard yet; drop mesh_param=")
+    if config is not None and config_params is not None:
+        raise ConfigError("pass the config once: config= or config_params=, not both")
+    return model
+
+
+def _config_and_dims(source: Any, raw_config: Mapping[str, Any], world_size: int, model: nn.Module,
+                     pipe_module: PipelineModule | None, mpu: Any, optimizer: Any) -> tuple[Config, ParallelDims]:
+    """Every parallel dimension decided once (comm/parallel_dims.py), then the config parsed once
+    with the batch triad counted over the data-parallel ranks the dims name; both logged."""
+    dims = resolve_dims(world_size, config_tp=tensor_parallel_size(raw_config), recorded_tp=recorded_tp_size(model),
+                        pipe=pipe_module.shape if pipe_module else None,
+                        mpu=mpu_shape(mpu) if mpu is not None else None)
+    cfg = load_config(source, dp_world_size=dims.dp, other_batch_world_sizes=dims.batch_world_sizes[1:],
+                      hidden_size=model_hidden_size(model), auto_values=dict(client_auto_values(optimizer)))
+    if cfg.zero_optimization.stage == 3:  # hpZ's secondary copy exists at stage 3 only
+        dims = dims.with_hpz(cfg.zero_optimization.zero_hpz_partition_size)
+    _log_dims(dims, cfg)
+    logger.info(
+        "resolved config (values not at their DeepSpeed default, with their source; "
+        "`zeroshard config check FILE` lists every key):\n" + cfg.describe(non_default_only=True)
+    )
+    for note in cfg.notes:  # deprecated spellings mapped, other stages' tuning keys: once, at start-up
+        logger.warning(note)
+    return cfg, dims
+
+
+def _place_model(model: nn.Module, cfg: Config, device: torch.device) -> None:
+    """Parameters to the training dtype and device; buffers keep their dtype unless
+    data_types.buffer_dtype names one (bf16/fp16 only: under fp32 every tensor keeps its dtype, as
+    in DeepSpeed); data_types.keep_in_fp32_modules: the buffers the model's Transformers lists (or
+    the config's patterns) name stay fp32 under bf16/fp16 (runtime/keep_fp32.py)."""
+    dtype = DTYPES[cfg.precision] if cfg.precision != "fp32" else None
+    check_recorded_dtype(model, dtype or torch.float32)
+    zero_init = any(init_partitioned(p) for p in model.parameters())
+    if zero_init and cfg.zero_optimization.stage != 3:
+        raise ConfigError(
+            f"the model was built under zeroshard.zero.Init (its parameters are partitioned), "
+            f"which needs zero_optimization.stage 3; the config says stage "
+            f"{cfg.zero_optimization.stage}. Set stage to 3, or build the model without zero.Init."
+        )
+    named = cfg.data_types.buffer_dtype
+    buffer_dtype = DTYPES[named] if named is not None and dtype is not None else None
+    kept = fp32_buffers(model, keep_fp32_pattern(model, cfg.data_types.keep_in_fp32_modules, dtype))
+    if kept:
+        logger.info(f"data_types.keep_in_fp32_modules: {len(kept)} buffer(s) kept in fp32 "
+                    f"({', '.join(sorted(kept.values())[:4])}{', ...' if len(kept) > 4 else ''})")
+    if zero_init or dtype is not None:
+        move_unpartitioned(model, device, dtype, buffer_dtype, kept)
+    else:
+        model.to(device)
+
+
+def _loss_scaler(cfg: Config, device_type: str) -> LossScaler | None:
+    """fp16's dynamic loss scaler (or torch_autocast to fp16 over fp32 parameters); None otherwise."""
+    safe_module_classes(cfg.torch_autocast)  # a bad class name fails here, before training
+    if cfg.precision == "fp32" and autocast_dtype(cfg.torch_autocast, device_type) == torch.float16:
+        # fp16 autocast on fp32 parameters: dynamic loss scaling as torch's GradScaler (DeepSpeed's
+        # choice in this mode): 2**16 to start, halve on overflow, double after 2000 good steps.
+        return build_loss_scaler(loss_scale=0.0, initial_scale_power=16, loss_scale_window=2000,
+                                 hysteresis=1, consecutive_hysteresis=False, min_loss_scale=2.0**-24)
+    if cfg.precision == "fp16":
+        f = cfg.fp16
+        return build_loss_scaler(
+            loss_scale=f.loss_scale, initial_scale_power=f.initial_scale_power,
+            loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis,
+            consecutive_hysteresis=f.consecutive_hysteresis, min_loss_scale=f.min_loss_scale)
+    return None
 
 
 def _parallel_layout(world: ProcessGroups, world_comm: Comm, model: nn.Module, cfg: Config, dims: ParallelDims,
@@ -371,6 +377,18 @@ def _checkpointer(comm: Comm, node_local: bool, section: CheckpointConfig | None
 
 def _engine_checkpointer(cfg: Config, layout: ParallelGroups, world_comm: Comm, comm: Comm,
                          pipe_module: PipelineModule | None) -> Checkpointer:
+    """The engine's checkpointer (`_layered_checkpointer`); with zero_optimization.pipeline_loading_checkpoint
+    its loads run one rank at a time."""
+    found = _layered_checkpointer(cfg, layout, world_comm, comm, pipe_module)
+    if cfg.zero_optimization.pipeline_loading_checkpoint:
+        from zeroshard.checkpoint import InTurnCheckpointer  # composition root (see _checkpointer)
+
+        return InTurnCheckpointer(found)
+    return found
+
+
+def _layered_checkpointer(cfg: Config, layout: ParallelGroups, world_comm: Comm, comm: Comm,
+                          pipe_module: PipelineModule | None) -> Checkpointer:
     """The engine's checkpointer, composed outside in: tensor_parallel/checkpoint.py's (AutoTP pieces as ranges
     of global parameters) around checkpoint/pipe_checkpointer.py's (a directory per stage, layer
     files, pipeline.json) around the sharded one over the ranks that hold pieces of the same layers
@@ -413,8 +431,21 @@ def _pipe_checkpointer(inner: Checkpointer, world_comm: Comm, module: PipelineMo
                                 lambda: [(i, layer.state_dict()) for i, layer in module.local_layers()], tp_rank)
 
 
-def _make_optimizer(cfg: Config, client: Any, param_groups: list[dict[str, Any]],
-                    strategy: ZeroStrategy) -> torch.optim.Optimizer | None:
+def _make_optimizer(cfg: Config, client: Any, param_groups: list[dict[str, Any]], strategy: ZeroStrategy,
+                    comm: Comm, *, model_parallel: bool) -> torch.optim.Optimizer | None:
+    """The client's or the config's optimizer over the strategy's master parameters, wrapped by the
+    strategy (an NVMe home swaps its states); a 1-bit optimizer attached to the data-parallel group."""
+    opt = _optimizer_over_masters(cfg, client, param_groups, strategy)
+    if isinstance(opt, OneBitOptimizer) and model_parallel:
+        raise NotSupportedError(f"not supported yet: optimizer {type(opt).__name__} with tensor parallelism or an "
+                                "mpu (its compressed stage computes the norm of local gradients only); use Adam/AdamW.")
+    if isinstance(opt, OneBitOptimizer):  # it all-reduces the momentum itself, after its warm-up
+        opt.attach(comm, strategy)
+    return strategy.wrap_optimizer(opt) if opt is not None else None
+
+
+def _optimizer_over_masters(cfg: Config, client: Any, param_groups: list[dict[str, Any]],
+                            strategy: ZeroStrategy) -> torch.optim.Optimizer | None:
     if client is not None:
         if cfg.optimizer is not None:
             logger.info("a client optimizer was passed; the config's \"optimizer\" section is ignored")

@@ -29,6 +29,7 @@ from zeroshard.pipe.grid import PipelineParallelGrid
 from zeroshard.pipe.module import PipelineError, PipelineModule
 from zeroshard.pipe.schedules import GradCapture, StageRunner, build_schedule, last_outputs
 from zeroshard.runtime.engine import ZeroEngine
+from zeroshard.zero.build import DTYPES
 
 if TYPE_CHECKING:
     from zeroshard.comm.topology import MeshGroups
@@ -60,7 +61,8 @@ class PipeParts:
             # the same regions recomputed from the same saved inputs and RNG states, the same numbers.
             module.activation_checkpoint_func = non_reentrant_checkpoint
         params = [p for p in module.parameters() if p.requires_grad]
-        self.capture = GradCapture(params, accum_dtype=_grad_accum_dtype(cfg))
+        named = cfg.accumulation_dtype  # decided once, in config/, for the strategies too
+        self.capture = GradCapture(params, accum_dtype=DTYPES[named] if named is not None else None)
 
     @staticmethod
     def _tie_comms(module: PipelineModule, mesh: MeshGroups) -> dict[str, Comm]:
@@ -430,15 +432,3 @@ def _serialize(state: Mapping[str, Tensor]) -> Tensor:
     buf = io.BytesIO()
     torch.save(dict(state), buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
-def _grad_accum_dtype(cfg: Config) -> torch.dtype | None:
-    """The dtype micro-batch gradients are summed in under bf16/fp16 (as zero/build.py resolves it
-    for the strategies: `data_types.grad_accum_dtype`, fp32 by default, bf16 with bf16 master
-    weights and gradients); None (the parameter dtype) in fp32 training."""
-    if not (cfg.bf16.enabled or cfg.fp16.enabled):
-        return None
-    if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads and cfg.bf16.bf16_optimizer_states:
-        return torch.bfloat16
-    named = cfg.data_types.grad_accum_dtype
-    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[named] if named else torch.float32

@@ -92,14 +92,10 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     ModuleList, plus the root.
     """
     zero = cfg.zero_optimization
-    grad_dtype = _dtype(cfg.data_types.grad_accum_dtype) or torch.float32
-    # bf16.bf16_master_weights_and_grads with bf16.bf16_optimizer_states (config/load.py::
-    # check_bf16_master refuses bf16 masters beside fp32 states): the master shard and the gradients
-    # are bf16, and torch optimizers keep their states in their (bf16) parameters' dtype.
-    bf16_masters = cfg.bf16.bf16_master_weights_and_grads and cfg.bf16.bf16_optimizer_states
-    master_dtype = torch.bfloat16 if bf16_masters else torch.float32
-    if bf16_masters:
-        grad_dtype = torch.bfloat16
+    grad_dtype = _dtype(cfg.accumulation_dtype) or torch.float32
+    # bf16 masters (cfg.bf16_masters): the master shard and the gradients are bf16, and torch
+    # optimizers keep their states in their (bf16) parameters' dtype.
+    master_dtype = torch.bfloat16 if cfg.bf16_masters else torch.float32
     comm_dtype = _dtype(cfg.communication_data_type)
     # "sum" reduces without any division, as DeepSpeed's (its predivide factor is unused then);
     # stage 3 with "sum" is refused at config load (config/load.py::check_allreduce_op).
