@@ -1,4 +1,5 @@
-"""Exception hierarchy. Every error zeroshard raises on purpose derives from ZeroshardError."""
+"""Exception hierarchy. Every error zeroshard raises on purpose derives from ZeroshardError. Also
+the exit status of a preempted worker, which the workers and `zeroshard launch` share."""
 
 from __future__ import annotations
 
@@ -55,3 +56,15 @@ class LossError(ZeroshardError, ValueError, AssertionError):
 class InitializeArgumentError(ZeroshardError, TypeError, AssertionError):
     """`initialize()` called without a model, or with the model where DeepSpeed's signature puts
     `args`. A TypeError (wrong arguments) and an AssertionError, as DeepSpeed asserts these."""
+
+
+PREEMPTED_EXIT_CODE = 75
+"""The exit status of a worker that was preempted (SIGTERM or SIGUSR1 with `checkpoint.preemption_save`):
+it saved an emergency checkpoint, or says why not, and asks to be restarted rather than given up
+on. sysexits.h's EX_TEMPFAIL ("temporary failure; the user is invited to retry"). `zeroshard
+launch` exits with it too, after a summary (docs/checkpoints.md, "Preemption")."""
+
+PREEMPTION_NOTES_ENV = "ZEROSHARD_PREEMPTION_NOTES"
+"""Set by `zeroshard launch` for its local workers: a directory where each preempted rank leaves
+`rank{N}.json` (step, checkpoint, seconds), which the launcher summarizes (torchrun's own exit
+status is 1 whatever its workers' were)."""

@@ -48,6 +48,7 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "checkpoint.checkpoint_serialization": True, "checkpoint.auto_resume_dir": EXTENSION,
     "checkpoint.async_save": EXTENSION, "checkpoint.save_dir": EXTENSION, "checkpoint.save_interval_steps": EXTENSION,
     "checkpoint.save_interval_minutes": EXTENSION, "checkpoint.keep_last": EXTENSION,
+    "checkpoint.preemption_save": EXTENSION, "checkpoint.preemption_grace_seconds": EXTENSION,
     # runtime/precision_config.py (the pydantic models DeepSpeedConfig uses, not constants.py's
     # BFLOAT16_* leftovers, which say immediate_grad_update=True and check_grad_overflow=False)
     "fp16.enabled": False, "fp16.auto_cast": False, "fp16.loss_scale": 0.0, "fp16.initial_scale_power": 16,

@@ -5,17 +5,21 @@ helpers; torch is imported only to count CUDA devices when ``--nproc_per_node`` 
 
 Every check (script, hostfile, filters, env files, ranks, master port) runs before anything
 starts; a problem raises `LaunchError`, which `main` prints as one line and turns into exit
-status 2. See docs/launch.md for the user guide.
+status 2. A preempted job (its workers saved an emergency checkpoint on SIGTERM / SIGUSR1,
+runtime/preemption.py) ends with `PREEMPTED_EXIT_CODE` (75) and a summary, not as a failure.
+See docs/launch.md for the user guide.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import shutil
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -32,9 +36,9 @@ from zeroshard.cli.launch_runners import (
     ssh_commands,
     torchrun_command,
 )
-from zeroshard.errors import LaunchError
+from zeroshard.errors import PREEMPTED_EXIT_CODE, PREEMPTION_NOTES_ENV, LaunchError
 
-__all__ = ["DEFAULT_MASTER_PORT", "LaunchPlan", "build_parser", "main", "plan_launch"]
+__all__ = ["DEFAULT_MASTER_PORT", "LaunchPlan", "build_parser", "main", "plan_launch", "preemption_summary"]
 
 DEFAULT_MASTER_PORT = 29500
 """torchrun's and DeepSpeed's default; used whenever more than one node must agree on it."""
@@ -322,8 +326,63 @@ def plan_launch(argv: list[str]) -> LaunchPlan:
     return dataclasses.replace(plan, dry_run=args.dry_run)
 
 
+def preemption_summary(notes: list[dict[str, object]]) -> str:
+    """One paragraph from the preempted ranks' notes (runtime/preemption.py writes them): the
+    emergency checkpoint and its slowest rank's seconds, or the ranks that exited without one."""
+    signals = sorted({str(n.get("signal")) for n in notes})
+    failed = sorted(int(str(n["rank"])) for n in notes if not n.get("checkpoint"))
+    saved = [n for n in notes if n.get("checkpoint")]
+    head = f"zeroshard launch: preempted ({', '.join(signals)}); "
+    if failed:
+        return (head + f"rank(s) {', '.join(map(str, failed))} exited without an emergency checkpoint (see their "
+                "log lines); `latest` names the last complete checkpoint, which a restart resumes from. "
+                f"Exit status {PREEMPTED_EXIT_CODE}: restart the job.")
+    where = sorted({str(n["checkpoint"]) for n in saved})
+    save_s = max(float(str(n["save_s"])) for n in saved)
+    since_s = max(float(str(n["since_signal_s"])) for n in saved)
+    return (head + f"emergency checkpoint {', '.join(where)} after step {saved[0]['step']}, saved in {save_s:.2f} s "
+            f"({since_s:.2f} s after the signal, grace {float(str(saved[0]['grace_s'])):g} s; notes from "
+            f"{len(saved)} rank(s)). Exit status {PREEMPTED_EXIT_CODE}: restart the job to resume (with "
+            "checkpoint.auto_resume_dir it resumes by itself).")
+
+
+def _read_notes(notes_dir: Path) -> list[dict[str, object]]:
+    notes = []
+    for path in sorted(notes_dir.glob("rank*.json")):
+        try:
+            notes.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # a note cut short: the others (and the exit status) still tell
+    return notes
+
+
+def _run(plan: LaunchPlan) -> int:
+    """Run the plan's commands; a preempted job exits with PREEMPTED_EXIT_CODE and a summary.
+
+    Local workers leave notes in a directory named by PREEMPTION_NOTES_ENV: torchrun exits 1
+    whatever its workers' statuses were. A remote node's own launch exits 75 through ssh, and srun
+    passes on its tasks' highest status."""
+    notes_dir = Path(tempfile.mkdtemp(prefix="zeroshard-launch-")) if plan.mode == "local" else None
+    commands = plan.commands if notes_dir is None else [
+        dataclasses.replace(c, env={**c.env, PREEMPTION_NOTES_ENV: str(notes_dir)}) for c in plan.commands]
+    try:
+        code = run_commands(commands, watch_stdin=plan.watch_stdin)
+        notes = _read_notes(notes_dir) if notes_dir is not None else []
+    finally:
+        if notes_dir is not None:
+            shutil.rmtree(notes_dir, ignore_errors=True)
+    if notes:
+        print(preemption_summary(notes), file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
+    if code == PREEMPTED_EXIT_CODE:
+        print(f"zeroshard launch: preempted: a node's workers exited with {PREEMPTED_EXIT_CODE} (see their log "
+              f"lines). Exit status {PREEMPTED_EXIT_CODE}: restart the job to resume.", file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run ``zeroshard launch``; return the job's exit status (2 for a launch error).
+    """Run ``zeroshard launch``; return the job's exit status (2 for a launch error, 75 when the
+    workers were preempted: restart the job).
 
     Example::
 
@@ -337,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             for cmd in plan.commands:
                 print(cmd.shell(), flush=True)
             return 0
-        return run_commands(plan.commands, watch_stdin=plan.watch_stdin)
+        return _run(plan)
     except LaunchError as e:
         print(f"zeroshard launch: error: {e}", file=sys.stderr)
         return 2

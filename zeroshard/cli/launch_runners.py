@@ -310,7 +310,10 @@ def run_commands(commands: Sequence[NodeCommand], *, watch_stdin: bool = False,
     """Start every command, wait, and return the first non-zero exit code (else 0).
 
     When one command fails the others are terminated at once; SIGTERM / SIGHUP received by the
-    launcher are passed on to the children, so killing the launcher kills the job.
+    launcher are passed on to the children, so killing the launcher kills the job. SIGUSR1 (SLURM's
+    `--signal=USR1@T` before a time limit) is passed on as SIGTERM: torchrun has no handler for it
+    and would die leaving its workers running, and the workers save an emergency checkpoint on
+    either (`checkpoint.preemption_save`, runtime/preemption.py).
 
     Note: [lost connection]. Without a terminal, a remote process does not notice that its ssh
     connection is gone. So the launching host holds a pipe on each ssh's stdin, and the remote
@@ -323,11 +326,11 @@ def run_commands(commands: Sequence[NodeCommand], *, watch_stdin: bool = False,
     def forward(signum: int, frame: FrameType | None) -> None:
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signum)
+                p.send_signal(signal.SIGTERM if signum == signal.SIGUSR1 else signum)
 
     # Handlers can only be installed from the main thread (an embedding caller may differ).
     in_main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)} if in_main else {}
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)} if in_main else {}
     try:
         for s in previous:
             signal.signal(s, forward)

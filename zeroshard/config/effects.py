@@ -128,6 +128,8 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "checkpoint.save_dir": ("runtime/periodic_save.py::section.save_dir",),
     "checkpoint.save_interval_steps": ("runtime/periodic_save.py::section.save_interval_steps",),
     "checkpoint.save_interval_minutes": ("runtime/periodic_save.py::section.save_interval_minutes",),
+    "checkpoint.preemption_save": ("runtime/preemption.py::section.preemption_save",),
+    "checkpoint.preemption_grace_seconds": ("runtime/preemption.py::section.preemption_grace_seconds",),
     "tensor_parallel.autotp_size": ("runtime/initialize.py::config_tp=tensor_parallel_size(raw_config)",),
     "tensor_parallel.tensor_parallel.tp_size": ("runtime/initialize.py::config_tp=tensor_parallel_size(raw_config)",),
     "tensor_parallel.preset_model": ("tensor_parallel/tp_plan.py::config.preset_model",),

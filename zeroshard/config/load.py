@@ -206,6 +206,7 @@ def _check_cross_fields(cfg: Config) -> None:
     check_bf16_master(cfg)
     check_tensor_parallel(cfg.tensor_parallel)
     check_periodic_save(cfg.checkpoint)
+    check_preemption_save(cfg)
     stated = cfg.data_types.param_dtype
     if stated is not None and stated != cfg.precision:
         raise ConfigConflictError(
@@ -217,6 +218,17 @@ def _check_cross_fields(cfg: Config) -> None:
             f"managed_gradient_accumulation=False supports ZeRO overlap_comm only with ZeRO stage 2 or 3 (as in "
             f"DeepSpeed): at stage {zero.stage} the gradients are reduced in step(), with no backward to overlap; "
             "set zero_optimization.overlap_comm to false, or managed_gradient_accumulation to true.")
+
+
+def check_preemption_save(cfg: Config) -> None:
+    """An explicit `preemption_save: true` needs a directory to save into (its default acts only
+    where there is one)."""
+    ckpt = cfg.checkpoint
+    if ("checkpoint.preemption_save" in cfg.sources and ckpt.preemption_save and ckpt.save_dir is None
+            and ckpt.auto_resume_dir is None):
+        raise ConfigError("checkpoint.preemption_save: got true, but neither checkpoint.save_dir nor "
+                          "checkpoint.auto_resume_dir is set, so there is nowhere to save the emergency checkpoint; "
+                          'set checkpoint.save_dir (e.g. "checkpoints"), or remove checkpoint.preemption_save.')
 
 
 def check_periodic_save(ckpt: CheckpointConfig) -> None:

@@ -283,6 +283,18 @@ class CheckpointConfig:
     """zeroshard's extension: after each save, remove all but the newest this many complete
     checkpoints of the directory saved into (ordered by saved step; the tag `latest` names is always
     kept, directories without a manifest are never touched). 0: keep every checkpoint."""
+    preemption_save: bool = True
+    """zeroshard's extension: on SIGTERM or SIGUSR1 (SLURM's `--signal=USR1@T` warning before a time
+    limit), every rank finishes the optimizer step in progress, saves an emergency checkpoint to
+    `save_dir` (else `auto_resume_dir`) after the same step, and exits with status 75 ("preempted:
+    restart me"; docs/checkpoints.md). Acts when one of those directories is set; costs a 2-element
+    all-reduce per optimizer step. false: the signals keep their default action (the process dies,
+    and a restart resumes from the last checkpoint saved)."""
+    preemption_grace_seconds: float = spec(25.0, gt=0.0)
+    """zeroshard's extension: the most seconds from the first preemption signal (on any rank) to the
+    exit. A rank whose emergency checkpoint is not written by then exits without it (status 75, and
+    says so); `latest` keeps naming the last complete checkpoint. 25 s: inside the 30 s that SLURM
+    (KillWait), Kubernetes (terminationGracePeriodSeconds) and torchrun give before they kill."""
 
 
 PipeSchedule = Literal["1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble"]

@@ -34,6 +34,7 @@ from zeroshard.runtime.model_export import ModelExport
 from zeroshard.runtime.monitor import MetricSink, Timers
 from zeroshard.runtime.param_access import forget_engine, register_engine, whole_weights
 from zeroshard.runtime.periodic_save import SaveSchedule
+from zeroshard.runtime.preemption import Preemption
 from zeroshard.runtime.zero_optimizer import ZeroOptimizer
 from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.strategy import GradStats, ModelStateBytes, ZeroStrategy
@@ -406,8 +407,9 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
     def _optimizer_step(self, micro_batches: int, micro_steps: int = 1) -> None:
         """The boundary's optimizer step, in one place for both drivers (`step()` here, the
         pipeline's `train_batch`): prepare (reduce, unscale, norm, clip) -> optimizer -> strategy ->
-        loss scaler -> scheduler -> progress -> periodic save. `micro_batches` accumulated since the
-        last step; `micro_steps` of them are counted here (1 when step() counted the others)."""
+        loss scaler -> scheduler -> progress -> periodic save -> preemption. `micro_batches`
+        accumulated since the last step; `micro_steps` of them are counted here (1 when step()
+        counted the others)."""
         if self.optimizer is None:
             raise RuntimeError(
                 "engine.step() needs an optimizer: add an \"optimizer\" section to the config "
@@ -439,8 +441,11 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         if self._progress.optimizer_step_done(skipped=stats.overflow, micro_batches=samples,  # steps_per_print
                                               micro_steps=micro_steps):
             self._report()
-        if self.save_schedule is not None and self.save_schedule.due(self.global_steps):
+        saved = self.save_schedule is not None and self.save_schedule.due(self.global_steps)
+        if saved:
             self.save_checkpoint(self.save_schedule.save_dir)  # checkpoint.save_interval_steps / _minutes
+        if self.preemption is not None and self.preemption.requested():  # Note: [preemption]
+            self.preemption.save_and_exit(self, saved=saved)  # SystemExit(75) after the emergency save
 
     def _prepare_step(self) -> GradStats:
         """Reduced gradients -> unscaled, clipped, with the global norm (the pipeline engine
@@ -516,6 +521,8 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
     """Writes and reads checkpoints; set by `zeroshard.initialize` (a ShardedCheckpointer)."""
     save_schedule: SaveSchedule | None = None
     """Periodic saves (checkpoint.save_interval_steps / save_interval_minutes); set by `initialize`."""
+    preemption: Preemption | None = None
+    """The emergency save on SIGTERM / SIGUSR1 (checkpoint.preemption_save); set by `initialize`."""
     parallel: "ParallelGroups | None" = None
     """The data- and model-parallel groups (zeroshard/tensor_parallel/setup.py); set by `zeroshard.initialize`."""
 

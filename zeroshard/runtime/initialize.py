@@ -40,6 +40,7 @@ from zeroshard.runtime.loss_scaler import LossScaler, build_loss_scaler
 from zeroshard.runtime.monitor import build_sinks, format_bytes, setup_logging
 from zeroshard.runtime.periodic_save import SaveSchedule
 from zeroshard.runtime.pipe_engine import PipelineEngine, PipeParts
+from zeroshard.runtime.preemption import Preemption
 from zeroshard.tensor_parallel.setup import (
     ParallelGroups,
     check_recorded_dtype,
@@ -216,6 +217,7 @@ def initialize(
     engine.parallel = layout
     engine.checkpointer = _engine_checkpointer(cfg, layout, world_comm, comm, pipe_module)
     engine.save_schedule = SaveSchedule.from_config(cfg.checkpoint, world_comm)
+    engine.preemption = Preemption.from_config(cfg.checkpoint, world_comm)  # SIGTERM / SIGUSR1: save, exit 75
     _log_start(engine, groups)
     if resumable is not None:  # checkpoint.auto_resume_dir (runtime/auto_resume.py)
         load_resumable(engine, resumable)
