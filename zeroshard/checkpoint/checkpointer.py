@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from zeroshard.checkpoint.agreed import reads_in_turn
 from zeroshard.checkpoint.async_save import AsyncSaver
 from zeroshard.checkpoint.ds_autotp import is_autotp, load_autotp
 from zeroshard.checkpoint.ds_import import find_deepspeed, load_deepspeed
@@ -17,7 +18,7 @@ from zeroshard.checkpoint.load import load_state
 from zeroshard.checkpoint.pipe_files import find_pipeline, load_pipeline_into_plain
 from zeroshard.checkpoint.recovery import write_recovery_script
 from zeroshard.checkpoint.retention import prune
-from zeroshard.checkpoint.save import reads_in_turn, save_state
+from zeroshard.checkpoint.save import save_state
 from zeroshard.checkpoint.verify import Resumable, newest_verified
 from zeroshard.checkpoint_format import EngineState, LoadedState
 

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from zeroshard.checkpoint.agreed import read_agreed
 from zeroshard.checkpoint.ds_files import check_parallelism, list_files, load_ds, model_name
 from zeroshard.checkpoint.ds_import import DeepSpeedReader, DsLayout, layout_of
 from zeroshard.checkpoint.load import read_checked
-from zeroshard.checkpoint.save import read_agreed
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, TensorInfo, global_segments
 from zeroshard.errors import CheckpointError
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from zeroshard.checkpoint.agreed import read_agreed
 from zeroshard.checkpoint.ds_files import (
     DS_MODEL_FILE,
     DsFiles,
@@ -48,7 +49,6 @@ from zeroshard.checkpoint.ds_files import (
 from zeroshard.checkpoint.files import MODEL_FILE
 from zeroshard.checkpoint.load import CheckpointReader, read_checked
 from zeroshard.checkpoint.reshard import RangeIndex
-from zeroshard.checkpoint.save import read_agreed
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, TensorInfo, pickle_bytes
 from zeroshard.errors import CheckpointError
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from zeroshard.checkpoint.agreed import agree_found, read_agreed
 from zeroshard.checkpoint.files import MANIFEST, MODEL_FILE, load_torch, optim_file, pieces_file, rng_file
 from zeroshard.checkpoint.manifest import check_compatible, resolve
 from zeroshard.checkpoint.reshard import RangeIndex
-from zeroshard.checkpoint.save import agree_found, read_agreed
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, Range, unpickle_bytes
 from zeroshard.errors import CheckpointError
 from zeroshard.progress import PROGRESS_MIN_BYTES, Progress

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor
 
+from zeroshard.checkpoint.agreed import agree, agree_found, read_agreed
 from zeroshard.checkpoint.ds_pipe import deepspeed_pipeline_sources, is_deepspeed_pipeline, offline_deepspeed_pipeline
 from zeroshard.checkpoint.files import LATEST, MANIFEST, save_torch, write_text_atomic
 from zeroshard.checkpoint.load import CheckpointReader
@@ -32,7 +33,6 @@ from zeroshard.checkpoint.pipe_files import (
     resolve_tag,
     stage_dir,
 )
-from zeroshard.checkpoint.save import agree, agree_found, read_agreed
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest
 from zeroshard.errors import CheckpointError
 

@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from zeroshard.checkpoint.agreed import read_agreed
 from zeroshard.checkpoint.files import LATEST, read_latest_tag
 from zeroshard.checkpoint.load import CheckpointReader, read_checked
 from zeroshard.checkpoint.manifest import read_manifest
-from zeroshard.checkpoint.save import read_agreed
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, TensorInfo
 from zeroshard.errors import CheckpointError
 

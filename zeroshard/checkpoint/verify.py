@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from zeroshard.checkpoint.agreed import read_agreed
 from zeroshard.checkpoint.files import MANIFEST, MODEL_FILE, file_checksum
 from zeroshard.checkpoint.manifest import read_manifest
-from zeroshard.checkpoint.save import gather_rows, read_agreed
+from zeroshard.checkpoint.save import gather_rows
 from zeroshard.checkpoint_format import Manifest
 from zeroshard.errors import CheckpointError
 

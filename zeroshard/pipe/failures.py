@@ -1,7 +1,7 @@
 """Pipeline failures that name themselves: a stage that raises, a stage whose activations change
 shape or dtype, or a stage whose process is gone is reported on every rank, never a hang.
 
-Imports comm/ and pipe/ only.
+Imports comm/ and pipe/ only; the vote is comm/agreement.py's.
 
 Note: [pipeline failure vote]
 torch's schedules move activations with point-to-point sends whose shapes were agreed once, when
@@ -34,13 +34,12 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.comm import Comm
+from zeroshard.comm.agreement import exchange_outcomes, failures
 from zeroshard.comm.divergence import exited_peers
 from zeroshard.pipe.module import PipelineError
 
 Meta = tuple[tuple[tuple[int, ...], str], ...]
 """The (shape, dtype) of each tensor a stage sends."""
-_SLOT = 1024
-"""Bytes each rank contributes to the vote (its failure's first lines, UTF-8)."""
 
 
 def metas(x: Any) -> Meta:
@@ -58,7 +57,7 @@ def shape_key(inputs: tuple[Tensor, ...] | None, micro_batches: int) -> int:
     if inputs is None:
         return 0
     text = f"{micro_batches}|{describe(metas(inputs))}"
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little") + 1
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little") % ((1 << 56) - 1) + 1
 
 
 def _placeholder(meta: Meta, anchors: list[Tensor]) -> Any:
@@ -140,29 +139,20 @@ class StageGuard:
 
     def _exchange(self, what: str, failure: str | None, key: int,
                   cause: BaseException | None = None) -> list[tuple[str | None, int]]:
-        mine = torch.zeros(_SLOT + 8, dtype=torch.uint8)
-        if failure is not None:
-            text = failure.encode()[:_SLOT - 1]
-            mine[0] = 1
-            mine[8:8 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        mine[1:8] = torch.tensor(list(key.to_bytes(7, "little")), dtype=torch.uint8)
-        everyone = torch.zeros(self.world.world_size * mine.numel(), dtype=torch.uint8)
+        """comm/agreement.py's vote over the world: every rank's failure and key, then the same
+        PipelineError on every rank when any stage failed."""
         try:
-            self.world.all_gather(everyone, mine)
+            outcomes = exchange_outcomes(self.world, failure, key)
         except Exception as e:
             raise PipelineError(self.lost(what, e)) from (cause or e)
-        out: list[tuple[str | None, int]] = []
-        for row in everyone.view(self.world.world_size, -1):
-            text = bytes(row[8:].tolist()).rstrip(b"\0").decode(errors="replace") if row[0] else None
-            out.append((text, int.from_bytes(bytes(row[1:8].tolist()), "little")))
-        failed = [(r, text) for r, (text, _) in enumerate(out) if text is not None]
+        failed = failures(outcomes)
         if failed:
             lines = [f"pipeline {what} failed on rank {r} (stage {self.stage_of_rank(r)}): {text}"
                      for r, text in failed]
             raise PipelineError(f"{lines[0]}\n" + "\n".join(lines[1:] + [
                 f"(reported on every rank; rank {self.world.rank} is stage {self.stage_of_rank(self.world.rank)}; "
                 "this batch's optimizer step was skipped)"])) from cause
-        return out
+        return [(o.error, o.key) for o in outcomes]
 
     def lost(self, what: str, error: BaseException) -> str:
         """The message for a rank whose peer stopped answering (its process is gone)."""
