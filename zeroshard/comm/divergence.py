@@ -123,6 +123,34 @@ def format_call(call: dict[str, Any]) -> str:
     return f"seq {call['seq']} {call['op']}{args} at {call['where']}"
 
 
+_UNTRIED = object()
+"""`CollectiveTracker._check_board` before the first `shared_board` call."""
+
+
+class _InFlight:
+    """A count of checks in flight that a closing tracker can wait to reach zero."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._cv = threading.Condition()
+
+    def started(self) -> None:
+        with self._cv:
+            self._count += 1
+
+    def ended(self) -> None:
+        with self._cv:
+            self._count -= 1
+            if self._count == 0:
+                self._cv.notify_all()
+
+    def wait_idle(self, timeout: float) -> tuple[bool, int]:
+        """Wait until none is in flight, at most `timeout` seconds: (reached zero, still in flight)."""
+        with self._cv:
+            ended = self._cv.wait_for(lambda: self._count == 0, timeout=timeout)
+            return ended, self._count
+
+
 class CollectiveTracker:
     """Sequence numbers and call sites of one process group's collectives on this rank.
 
@@ -151,14 +179,12 @@ class CollectiveTracker:
         """Set after a collective failed: the group can no longer be trusted."""
         self._check_pg: dist.ProcessGroup | None = None
         """The side group the signature checks run on (Note: [collective signature check])."""
-        self._check_board: Board | None = None
-        self._board_tried = False
+        self._check_board: Board | None | object = _UNTRIED
         """Or the shared-memory board, when every rank is on this host (Note: [signature board])."""
         self.mismatch: CallRecord | None = None
         """The first collective whose signature differed across ranks (set by the check's
         callback thread; read by the caller's)."""
-        self._checks_in_flight = 0
-        self._checks_cv = threading.Condition()
+        self._checks = _InFlight()
         # A deque: appended by the caller's thread, rotated by the watcher's (both atomic).
         self._stream_works: deque[tuple[CallRecord, dist.Work, float]] = deque()
         self._stuck_reported: set[int] = set()
@@ -220,12 +246,12 @@ class CollectiveTracker:
         [shared-memory collectives] in shm.py), built at the first call (a collective: every
         rank's first collective on this group reaches it), or None where the ranks cannot
         share one (several hosts, no store, ``ZEROSHARD_COMM_CHECK_BOARD=0``)."""
-        if self._check_board is not None or self._board_tried or self._store is None:
-            return self._check_board
-        self._board_tried = True
-        store = self._build_store("board")
-        self._check_board = Board.create(store, self.rank, self.world_size, timeout.total_seconds())
-        return self._check_board
+        if self._check_board is _UNTRIED:
+            self._check_board = None  # one try: a board that cannot be built is not tried again
+            if self._store is not None:
+                self._check_board = Board.create(self._build_store("board"), self.rank, self.world_size,
+                                                 timeout.total_seconds())
+        return self._board
 
     def _build_store(self, what: str) -> dist.PrefixStore:
         base = f"{_PREFIX}check/{getattr(self._group, 'group_name', '')}/{what}"
@@ -234,19 +260,20 @@ class CollectiveTracker:
         return dist.PrefixStore(f"{base}/{generation}/", self._store)
 
     @property
+    def _board(self) -> Board | None:
+        """The board, once `shared_board` built it (None before, or where it cannot be built)."""
+        return self._check_board if isinstance(self._check_board, Board) else None
+
+    @property
     def group(self) -> dist.ProcessGroup:
         """The process group this tracker sequences."""
         return self._group
 
     def check_started(self) -> None:
-        with self._checks_cv:
-            self._checks_in_flight += 1
+        self._checks.started()
 
     def check_ended(self) -> None:
-        with self._checks_cv:
-            self._checks_in_flight -= 1
-            if self._checks_in_flight == 0:
-                self._checks_cv.notify_all()
+        self._checks.ended()
 
     def note_mismatch(self, rec: CallRecord) -> None:
         """The ranks' collective ``rec.seq`` differed: no later collective's data may move."""
@@ -353,18 +380,15 @@ class CollectiveTracker:
         their own report's wait (RESPONSE_S), so this waits twice that; a check still in
         flight then would outlive finalization, so the process ends here, hard, with status 1
         (it is leaving on an error, and its report is already out)."""
-        with self._checks_cv:
-            ended = self._checks_cv.wait_for(lambda: self._checks_in_flight == 0,
-                                             timeout=2 * RESPONSE_S + 1.0)
-            stranded = self._checks_in_flight
+        ended, stranded = self._checks.wait_idle(2 * RESPONSE_S + 1.0)
         if ended:
             # Destroy the side group now, while the interpreter is whole: left to finalization,
             # its worker thread could drop the last reference to a check's tensor or callback,
             # which needs the GIL (the same hazard as Note: [watcher shutdown]).
             if self._check_pg is not None and self._check_pg is not self._group:
                 self._check_pg = None
-            if self._check_board is not None:
-                self._check_board.close()
+            if self._board is not None:
+                self._board.close()
             return
         print(f"rank {self.rank}: {stranded} collective signature check(s) still in flight at exit; "
               "ending the process now (Note: [stranded checks] in comm/divergence.py)",
@@ -562,8 +586,8 @@ def forget_tracker(group: dist.ProcessGroup, state: str = "left the process grou
     tracker = _TRACKERS.pop(id(group), None)
     if tracker is not None:
         tracker.close(state)
-        if tracker._check_board is not None:  # its poller thread ends; the mapping goes with the object
-            tracker._check_board.close()
+        if tracker._board is not None:  # its poller thread ends; the mapping goes with the object
+            tracker._board.close()
 
 
 def exited_peers(group: dist.ProcessGroup | None) -> dict[int, str]:
