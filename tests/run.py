@@ -44,6 +44,7 @@ DIST3_SKIP = (
     "test_nvme.py", "test_nvme_params.py",  # the swap path is per rank; partition sizes come from zero/
     "test_deepspeed_api.py", "test_safe_accessors.py",  # API shape and accessors (uneven: test_zero*.py)
     "test_estimate_engine.py", "test_engine.py",  # the estimator's and progress lines' plumbing
+    "test_moe.py",  # EP = world size needs an even world; the 4-rank layout is unit-tested (test_moe_utils.py)
 )
 
 STAGES: dict[str, list[str]] = {

@@ -31,6 +31,9 @@ SERVED = [
     ("deepspeed.accelerator", "is_current_accelerator_supported"),
     ("deepspeed.git_version_info", "torch_info"),
     ("deepspeed.moe.layer", "MoE"),
+    ("deepspeed.moe.utils", "split_params_into_different_moe_groups_for_optimizer"),
+    ("deepspeed.utils.groups", "_get_expert_parallel_group"),
+    ("deepspeed.utils.groups", "_get_expert_data_parallel_world_size"),
     ("deepspeed.utils.torch", "required_torch_version"),
     ("deepspeed.utils", "set_z3_leaf_modules_by_name"),
     ("deepspeed.utils", "set_z3_leaf_modules_by_suffix"),
@@ -75,7 +78,6 @@ REFUSED = [
     ("deepspeed.runtime.zero.partition_parameters", "MultipleAllGatherHandles"),
     ("deepspeed.runtime.zero.parameter_offload", "ZeROOrderedDict"),
     ("deepspeed.runtime.zero.parameter_offload", "ensure_zero_ordered_dict"),
-    ("deepspeed.moe.layer", "MoE"),
 ]
 
 ALIAS_PROBE = """

@@ -13,8 +13,9 @@ both subdivide the ranks that are not pipeline or tensor-parallel ranks. An expe
 is ``ep`` consecutive data-parallel ranks, and an expert's gradients are reduced over the
 ``dp / ep`` ranks holding the same expert (the expert-data-parallel group). A sequence-parallel
 group is ``sp`` consecutive ranks sharing one sample, so the batch is split over ``dp`` =
-world / (pp x tp x sp) ranks. Both are validated here and are 1 until the layers that use them
-ask for more.
+world / (pp x tp x sp) ranks. Both are validated here; ``ep`` is the largest expert-parallel size
+of the model's MoE layers (``initialize`` reads it from the model), ``sp`` is 1 until the config
+can ask for more.
 
 Imports `comm.topology` and `errors` only; never a process group.
 """
@@ -91,6 +92,26 @@ class ParallelDims:
     def expert_dp(self) -> int:
         """The ranks an expert's gradients are reduced over: dp / ep."""
         return self.dp // self.ep
+
+    def expert_rank_lists(self, data_before_expert: bool = False) -> tuple[list[list[int]], list[list[int]]]:
+        """(expert-parallel groups, expert-data-parallel groups), as positions in the data-parallel
+        group: blocks of ``ep`` consecutive positions split one layer's experts, and the positions
+        at the same place in every block hold the same experts (DeepSpeed 0.19.8's layout).
+        `data_before_expert` (DeepSpeed's ``use_data_before_expert_parallel_``) strides the
+        expert-parallel groups instead.
+
+        >>> ParallelDims(world_size=4, dp=4, ep=2).expert_rank_lists()
+        ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+        >>> ParallelDims(world_size=4, dp=4, ep=2).expert_rank_lists(data_before_expert=True)
+        ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
+        """
+        if data_before_expert:
+            stride = self.dp // self.ep
+            order = [r for start in range(stride) for r in range(start, self.dp, stride)]
+        else:
+            order = list(range(self.dp))
+        ep_groups = [order[i:i + self.ep] for i in range(0, self.dp, self.ep)]
+        return ep_groups, [list(ranks) for ranks in zip(*ep_groups)]
 
     @property
     def dp_replicate(self) -> int:

@@ -1,8 +1,10 @@
-"""DeepSpeed's `deepspeed.moe` names that scripts import even without mixture-of-experts layers.
+"""DeepSpeed's legacy mixture-of-experts API (`deepspeed.moe`): the `MoE` layer with expert parallelism.
 
-zeroshard has no MoE (expert parallelism): `moe.utils` works for dense models and refuses a model
-or parameter group holding expert parameters; `moe.layer.MoE` refuses to be built. Imports torch
-and zeroshard.errors only.
+gating.py routes tokens (top-1/2/k with capacity), experts.py holds the experts and moves tokens
+(all-to-all over the expert-parallel group), layer.py is the `MoE` module, ep_groups.py lays out the
+expert-parallel and expert-data-parallel groups as DeepSpeed does, prepare.py attaches them at
+initialize, utils.py groups expert parameters for the optimizer. Imports torch, `zeroshard.comm`
+and `zeroshard.errors`; never zero/ or runtime/ (those import this package).
 """
 
 from zeroshard.moe import layer, utils

@@ -21,6 +21,7 @@ from zeroshard.comm.topology import build_mesh
 from zeroshard.config import CheckpointConfig, Config, load_config, read_config_file, tensor_parallel_size
 from zeroshard.config.pipeline import check_for_pipeline
 from zeroshard.errors import ConfigError, InitializeArgumentError, NotSupportedError
+from zeroshard.moe.prepare import expert_parallel_size
 from zeroshard.optim.factory import (
     adopt_client_optimizer,
     build_optimizer,
@@ -250,7 +251,7 @@ def _config_and_dims(source: Any, raw_config: Mapping[str, Any], world_size: int
     with the batch triad counted over the data-parallel ranks the dims name; both logged."""
     dims = resolve_dims(world_size, config_tp=tensor_parallel_size(raw_config), recorded_tp=recorded_tp_size(model),
                         pipe=pipe_module.shape if pipe_module else None,
-                        mpu=mpu_shape(mpu) if mpu is not None else None)
+                        mpu=mpu_shape(mpu) if mpu is not None else None, ep=expert_parallel_size(model))
     cfg = load_config(source, dp_world_size=dims.dp, other_batch_world_sizes=dims.batch_world_sizes[1:],
                       hidden_size=model_hidden_size(model), auto_values=dict(client_auto_values(optimizer)))
     if cfg.zero_optimization.stage == 3:  # hpZ's secondary copy exists at stage 3 only

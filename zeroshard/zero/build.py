@@ -10,7 +10,10 @@ import torch
 from torch import nn
 
 from zeroshard.comm.groups import NODE_SIZE_ENV, node_size
-from zeroshard.errors import ConfigError
+from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.moe.prepare import prepare_experts
+from zeroshard.moe.utils import is_moe_param
+from zeroshard.zero.expert_split import build_expert_split
 from zeroshard.zero.leaf import apply_leaf_config, granularity_units, leaf_units
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.stage0 import Stage0Strategy
@@ -90,7 +93,42 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
 
     `units` (stage 3): modules or module classes gathered as one; default: every block of a
     ModuleList, plus the root.
+
+    A model with DeepSpeed `MoE` layers gets its expert groups here (moe/prepare.py) and one
+    strategy per expert group beside the dense one (Note: [expert gradients] in zero/expert_split.py).
     """
+    experts = prepare_experts(module, params, groups, comm, model_parallel=norm_group is not None)
+    if not experts:
+        return _build_stage(cfg, module, params, comm, groups, units, norm_group)
+    _check_experts_config(cfg)
+    return build_expert_split(
+        [p for p in params if not is_moe_param(p)],
+        [(e.params, e.groups.edp_comm, e.groups.edp, e.groups.ep_comm) for e in experts],
+        lambda part, part_comm, part_groups: _build_stage(cfg, module, part, part_comm, part_groups, None, None),
+        comm, groups, average=cfg.gradient_allreduce_op == "mean",
+        # DeepSpeed's fp32 ZeRO 0 clips by its clip_grad_norm_, the mean of the ranks' norms; elsewhere
+        # the global norm (Note: [expert gradients] in zero/expert_split.py).
+        norm_rule="rank_mean" if cfg.zero_optimization.stage == 0 and cfg.precision == "fp32" else "global")
+
+
+def _check_experts_config(cfg: "Config") -> None:
+    """What the expert split does not cover, refused by key."""
+    zero = cfg.zero_optimization
+    if zero.stage == 3:
+        raise NotSupportedError(
+            "zero_optimization.stage 3 with DeepSpeed MoE layers is not implemented (DeepSpeed 0.19.8 refuses it "
+            "too): set the stage to 0, 1 or 2; expert parameters are then sharded over their expert-data-parallel "
+            "group at stages 1 and 2")
+    if zero.offload_optimizer.device != "none":
+        raise NotSupportedError(
+            f"zero_optimization.offload_optimizer.device {zero.offload_optimizer.device!r} with MoE layers is not "
+            "implemented: set it to \"none\"")
+
+
+def _build_stage(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
+                 groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None,
+                 norm_group: ModelParallelNorm | None) -> ZeroStrategy:
+    """`build_strategy` for one set of parameters over one group."""
     zero = cfg.zero_optimization
     grad_dtype = _dtype(cfg.accumulation_dtype) or torch.float32
     # bf16 masters (cfg.bf16_masters): the master shard and the gradients are bf16, and torch

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from zeroshard.moe.utils import is_moe_param
 from zeroshard.zero.flat import FlatLayout, plan_buckets
 from zeroshard.zero.init_partition import init_partitioned
 from zeroshard.zero.reduce import GradAccumulator, GradReducer, LaunchOrder, ReduceMode, ReduceOptions
@@ -36,10 +37,13 @@ if TYPE_CHECKING:
 
 
 def broadcast_module_state(module: nn.Module, comm: "Comm", src: int = 0) -> None:
-    """Make every rank's parameters and buffers equal to rank `src`'s (one collective per dtype)."""
+    """Make every rank's parameters and buffers equal to rank `src`'s (one collective per dtype).
+
+    Expert parameters are left out: ranks hold different experts, and moe/prepare.py makes each
+    expert-data-parallel group agree on its own (as DeepSpeed broadcasts them)."""
     # zero.Init parameters are already rank 0's values, cut to shards: nothing to send.
     tensors = [t for t in list(module.parameters()) + list(module.buffers())
-               if t.numel() > 0 and not init_partitioned(t)]
+               if t.numel() > 0 and not init_partitioned(t) and not is_moe_param(t)]
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in {id(t): t for t in tensors}.values():
         by_dtype.setdefault(t.dtype, []).append(t)

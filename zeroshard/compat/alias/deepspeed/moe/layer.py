@@ -1,4 +1,4 @@
-"""deepspeed.moe.layer: `MoE`, importable and refused by name when built (no expert parallelism)."""
+"""deepspeed.moe.layer -> zeroshard.moe.layer (`MoE`, DeepSpeed 0.19.8's legacy mixture-of-experts layer)."""
 
 from zeroshard.moe.layer import MoE
 

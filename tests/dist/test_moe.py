@@ -1,0 +1,245 @@
+"""DeepSpeed's legacy `MoE` layer trained with expert parallelism (EP 1 and EP = world size) at
+ZeRO 0, 1 and 2, against the same maths in one process.
+
+The oracle is the EP-1 model in one process, fed each rank's micro-batch separately (so capacity,
+dropping and `l_aux` are per rank and per micro-batch, as DeepSpeed computes them), the loss the
+mean over ranks and micro-batches, plain torch AdamW, clipping as DeepSpeed 0.19.8 clips: by the
+global norm at ZeRO 1/2, by the mean over ranks of each rank's norm (dense and its own experts)
+at fp32 ZeRO 0. Rank r's local
+expert j is the oracle's expert r * num_local + j. Random routing (RTS, top-2's sampled second
+expert, Jitter) draws from a generator both sides seed the same way before each forward.
+Runs at 1 and 2 ranks (EP needs an even world: tests/run.py keeps this file out of the 3-rank stage).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import zeroshard
+from zeroshard.comm import ProcessGroups
+from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.moe.layer import MoE
+from zeroshard.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+HIDDEN, TOKENS, MICRO, GAS, STEPS, EXPERTS = 8, 6, 2, 2, 3, 4
+LR, WD = 1e-2, 0.01
+RTOL = float(__import__("os").environ.get("MOE_RTOL", "2e-6"))
+"""fp32 round-off of the different summation orders (gradient sums over ranks, clip factor applied
+after the average); measured at most ~3e-7 relative on these cases."""
+
+
+class Net(nn.Module):
+    """Linear -> MoE -> Linear, loss = MSE + 0.1 * l_aux."""
+
+    def __init__(self, ep_size: int, **moe: Any) -> None:
+        super().__init__()
+        self.inp = nn.Linear(HIDDEN, HIDDEN)
+        expert = nn.Sequential(nn.Linear(HIDDEN, 12), nn.GELU(), nn.Linear(12, HIDDEN))
+        self.moe = MoE(HIDDEN, expert, num_experts=EXPERTS, ep_size=ep_size, **moe)
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        h, l_aux, _ = self.moe(torch.tanh(self.inp(x)))
+        return F.mse_loss(self.out(h), y) + 0.1 * l_aux
+
+
+CASES: dict[str, dict[str, Any]] = {
+    # top-1 at half capacity (routes dropped on every micro-batch), clipped
+    "top1_drop_clip": dict(moe=dict(k=1, capacity_factor=0.5, min_capacity=0, use_rts=False), clip=0.05),
+    # top-1 with random token selection and RSample noise
+    "top1_rts_rsample": dict(moe=dict(k=1, capacity_factor=1.0, min_capacity=1, noisy_gate_policy="RSample"), clip=0.0),
+    # top-2 with a sampled second expert, residual MoE, jittered input
+    "top2_residual": dict(moe=dict(k=2, capacity_factor=1.0, min_capacity=2, use_residual=True,
+                                   noisy_gate_policy="Jitter"), clip=1.0),
+    # no dropping: capacity = the largest load over the expert-parallel group
+    "top1_dropless": dict(moe=dict(k=1, drop_tokens=False, use_rts=False), clip=0.0),
+}
+
+
+def batches(world: int, seed: int = 3) -> list[list[list[tuple[Tensor, Tensor]]]]:
+    """[step][micro][rank] -> (x, y), the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return [[[(torch.randn(MICRO, TOKENS, HIDDEN, generator=g), torch.randn(MICRO, TOKENS, HIDDEN, generator=g))
+              for _ in range(world)] for _ in range(GAS)] for _ in range(STEPS)]
+
+
+def draw_seed(step: int, micro: int, rank: int) -> int:
+    return 1000 + 100 * step + 10 * micro + rank
+
+
+def local_state(reference: Net, rank: int, ep_size: int) -> dict[str, Tensor]:
+    """The oracle's state dict cut to EP rank `rank % ep_size`'s experts."""
+    local = EXPERTS // ep_size
+    first = (rank % ep_size) * local
+    prefix = "moe.deepspeed_moe.experts.deepspeed_experts."
+    out = {}
+    for name, value in reference.state_dict().items():
+        if name.startswith(prefix):
+            index, rest = name[len(prefix):].split(".", 1)
+            if first <= int(index) < first + local:
+                out[f"{prefix}{int(index) - first}.{rest}"] = value.clone()
+        else:
+            out[name] = value.clone()
+    return out
+
+
+def config(stage: int, clip: float) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+            "gradient_clipping": clip, "steps_per_print": 1000,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 200}}
+
+
+def make_engine(reference: Net, case: dict[str, Any], ep_size: int, stage: int, rank: int) -> Any:
+    model = Net(ep_size, **case["moe"])
+    model.load_state_dict(local_state(reference, rank, ep_size))
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "all"})
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=groups, config=config(stage, case["clip"]))
+    return engine
+
+
+def train_engine(engine: Any, data: list[Any], rank: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        total = 0.0
+        for micro in range(GAS):
+            x, y = data[step][micro][rank]
+            torch.manual_seed(draw_seed(step, micro, rank))
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / GAS
+        losses.append(total)
+    return losses
+
+
+def clip_oracle(reference: Net, clip: float, stage: int, world: int, ep: int) -> None:
+    params = [p for p in reference.parameters() if p.grad is not None]
+    if stage > 0:
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        return
+    prefix = "moe.deepspeed_moe.experts.deepspeed_experts."
+    local = EXPERTS // ep
+    dense = sum(p.grad.double().pow(2).sum() for n, p in reference.named_parameters() if not n.startswith(prefix))
+    norms = []
+    for rank in range(world):
+        mine = range((rank % ep) * local, (rank % ep + 1) * local)
+        sq = sum(p.grad.double().pow(2).sum() for n, p in reference.named_parameters()
+                 if n.startswith(prefix) and int(n[len(prefix):].split(".")[0]) in mine)
+        norms.append(float((dense + sq).sqrt()))
+    coef = min(1.0, clip / (sum(norms) / world + 1e-6))
+    for p in params:
+        p.grad.mul_(coef)
+
+
+def train_oracle(reference: Net, data: list[Any], world: int, clip: float, stage: int, ep: int) -> list[list[float]]:
+    """[step][rank] mean loss over micro-batches; `reference` is trained in place."""
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
+    losses = []
+    for step in range(len(data)):
+        per_rank = [0.0] * world
+        for micro in range(GAS):
+            for rank in range(world):
+                x, y = data[step][micro][rank]
+                torch.manual_seed(draw_seed(step, micro, rank))
+                loss = reference(x, y)
+                (loss / (world * GAS)).backward()
+                per_rank[rank] += loss.item() / GAS
+        if clip > 0:
+            clip_oracle(reference, clip, stage, world, ep)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(per_rank)
+    return losses
+
+
+def close(got: Tensor, want: Tensor, what: str) -> None:
+    err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-3)
+    assert err <= RTOL, f"{what}: relative deviation {err:.2e} > {RTOL:.0e}"
+
+
+def check_weights(engine: Any, reference: Net, rank: int, ep_size: int, what: str) -> None:
+    want = local_state(reference, rank, ep_size)
+    for name, p in engine.module.named_parameters():
+        close(p.detach(), want[name], f"{what} {name}")
+
+
+def new_reference(case: dict[str, Any], seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net(1, **case["moe"])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("ep_kind", ["ep1", "ep_world"])
+def test_equals_one_process(groups: ProcessGroups, ep_kind: str, case: str, stage: int) -> None:
+    world, rank = groups.world_size, groups.rank
+    ep = 1 if ep_kind == "ep1" else world  # EP = world: every rank holds other experts (one process: 1 again)
+    reference = new_reference(CASES[case])
+    engine = make_engine(reference, CASES[case], ep, stage, rank)
+    data = batches(world)
+    got = train_engine(engine, data, rank, range(STEPS))
+    want = train_oracle(reference, data, world, CASES[case]["clip"], stage, ep)
+    for step in range(STEPS):
+        assert abs(got[step] - want[step][rank]) <= RTOL * abs(want[step][rank]), (step, got[step], want[step][rank])
+    check_weights(engine, reference, rank, ep, f"{case} ep {ep} stage {stage}")
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_save_load_continue(groups: ProcessGroups, shared_dir: Path, stage: int) -> None:
+    case, world, rank = CASES["top1_drop_clip"], groups.world_size, groups.rank
+    ep = world
+    reference = new_reference(case)
+    engine = make_engine(reference, case, ep, stage, rank)
+    data = batches(world)
+    train_engine(engine, data, rank, range(2))
+    engine.save_checkpoint(shared_dir, tag="two")
+    fresh = make_engine(new_reference(case, seed=7), case, ep, stage, rank)
+    fresh.load_checkpoint(shared_dir, tag="two")
+    assert fresh.global_steps == 2
+    got = train_engine(fresh, data, rank, range(2, STEPS))
+    want = train_oracle(reference, data, world, case["clip"], stage, ep)
+    assert abs(got[0] - want[2][rank]) <= RTOL * abs(want[2][rank]), (got[0], want[2][rank])
+    check_weights(fresh, reference, rank, ep, f"resumed stage {stage}")
+
+
+def test_expert_layout_and_groups(groups: ProcessGroups) -> None:
+    """Experts differ across the expert-parallel group, gradients stay in their groups, and the
+    getters of `deepspeed.utils.groups` describe DeepSpeed's layout."""
+    from zeroshard.moe import ep_groups as moe_groups
+
+    world, rank = groups.world_size, groups.rank
+    ep = world
+    reference = new_reference(CASES["top1_dropless"])
+    engine = make_engine(reference, CASES["top1_dropless"], ep, 0, rank)
+    experts = [p for p in engine.module.parameters() if is_moe_param(p)]
+    assert experts and all(p.group_name == f"ep_size_{ep}" for p in experts)
+    g = moe_groups.expert_groups(f"ep_size_{ep}")
+    assert g.ep_ranks == tuple(range(rank - rank % ep, rank - rank % ep + ep))
+    assert g.edp_ranks == tuple(range(rank % ep, world, ep))
+    assert engine.optimizer is not None and any(group.get("moe") for group in engine.optimizer.param_groups)
+
+
+def test_stage3_refused_by_name(groups: ProcessGroups) -> None:
+    reference = new_reference(CASES["top1_dropless"])
+    model = Net(1, **CASES["top1_dropless"]["moe"])
+    model.load_state_dict(reference.state_dict())
+    with pytest.raises(NotSupportedError, match="stage 3 with DeepSpeed MoE layers"):
+        zeroshard.initialize(model=model, model_parameters=copy.copy(list(model.parameters())),
+                             config=config(3, 0.0))
+
+
+def test_ep_that_does_not_divide_the_data_parallel_ranks_is_refused_at_initialize(groups: ProcessGroups) -> None:
+    """The model's expert-parallel size is a dimension of the job (ParallelDims.ep): a size the
+    data-parallel ranks cannot hold is named before any group is built."""
+    ep = 2 * groups.world_size  # 2 or 4: a divisor of EXPERTS, never of the 1 or 2 data-parallel ranks
+    model = Net(ep, **CASES["top1_dropless"]["moe"])
+    with pytest.raises(ConfigError, match=f"expert-parallel size {ep} must divide the data-parallel"):
+        zeroshard.initialize(model=model, model_parameters=list(model.parameters()), config=config(0, 0.0))
