@@ -203,8 +203,6 @@ class PipelineModule(nn.Module):
         self.mesh_topology: Topology = topology.as_topology()
         if self.mesh_topology.world_size != self.world_size:
             raise ConfigError(f"the topology has {self.mesh_topology.world_size} ranks, the job {self.world_size}")
-        self.num_stages = self.mesh_topology.pp
-        self.stage_id = self.mesh_topology.coord(self.global_rank)["pp"]
         self.virtual_stages = virtual_stages
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
@@ -213,7 +211,6 @@ class PipelineModule(nn.Module):
         self.checkpointable_layers = checkpointable_layers
         self.dynamic_shape = dynamic_shape
         self._layer_specs = list(layers)
-        self._num_layers = len(self._layer_specs)
         # Layers given as modules are counted now: AutoTP later splits them in place, on their own stage only,
         # and the partition summary would mix this rank's pieces with other stages' whole layers
         self._module_param_counts = {i: sum(p.numel() for p in x.parameters() if p.requires_grad)
@@ -366,6 +363,20 @@ class PipelineModule(nn.Module):
         """What the module's topology asks of the job's parallel dimensions (comm/parallel_dims.py):
         its stages and its model axis (more than 1 when the script split its own layers)."""
         return PipeShape(pp=self.mesh_topology.pp, model_axis=self.mesh_topology.tp)
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages of the job's layout."""
+        return self.mesh_topology.pp
+
+    @property
+    def stage_id(self) -> int:
+        """This rank's stage."""
+        return self.mesh_topology.coord(self.global_rank)["pp"]
+
+    @property
+    def _num_layers(self) -> int:
+        return len(self._layer_specs)
 
     def adopt_topology(self, topology: Topology) -> None:
         """Take the job's (pp, dp, tp) layout decided by comm/parallel_dims.py (Note: [3D layout] in

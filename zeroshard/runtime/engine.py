@@ -127,7 +127,6 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         self.training_dataloader = training_dataloader
         self._groups, self._comm, self._strategy = groups, comm, strategy
         self._loss_scaler = loss_scaler
-        self._grad_accum_steps = config.gradient_accumulation_steps
         self.timers = Timers(groups.device, enabled=config.wall_clock_breakdown)
         self._progress = EngineProgress(
             comm=comm, device=groups.device, sinks=sinks, timers=self.timers,
@@ -316,11 +315,11 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
                 "loss.backward() without engine.backward: this config scales the loss (fp16), so the "
                 "gradients would not be scaled; call engine.backward(loss), or "
                 "engine.scale(loss).backward() (as DeepSpeed requires)")
-        reduces = self._micro.reduces(self.micro_steps, self._grad_accum_steps)
+        reduces = self._micro.reduces(self.micro_steps, self._config.gradient_accumulation_steps)
         self._micro.begin_backward(reduces)
         self._strategy.begin_micro_batch(reduces)
         self.timers.start("backward")
-        return 1.0 / self._grad_accum_steps
+        return 1.0 / self._config.gradient_accumulation_steps
 
     def _end_direct_backward(self) -> None:
         self.timers.stop("backward")
@@ -348,10 +347,10 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
                 f"engine.backward expects the loss as a scalar tensor, got shape {tuple(loss.shape)}; "
                 "reduce it first (e.g. loss.mean())"
             )
-        reduces = self._micro.reduces(self.micro_steps, self._grad_accum_steps)
+        reduces = self._micro.reduces(self.micro_steps, self._config.gradient_accumulation_steps)
         self._micro.begin_backward(reduces)
         self._strategy.begin_micro_batch(reduces)
-        gas = self._grad_accum_steps if scale_wrt_gas else 1
+        gas = self._config.gradient_accumulation_steps if scale_wrt_gas else 1
         scale = self.get_loss_scale() / gas
         self.timers.start("backward")
         self._direct.in_engine_backward = True

@@ -96,17 +96,10 @@ class PipelineEngine(ZeroEngine):
         super().__init__(**kwargs)
         self._pipe = pipe
         module = pipe.module
-        self.num_stages = module.num_stages
-        self.stage_id = module.stage_id
-        self.micro_batches = self._config.gradient_accumulation_steps
         self.data_iterator: Iterator[Any] | None = None
         self._micro_losses: list[Tensor] = []
         self.agg_train_loss: Tensor | None = None
-        self._schedule: Any = None
-        self._runner: StageRunner | None = None
-        if self.num_stages > 1:
-            self._runner = self._stage_runner(pipe)
-            self._schedule = self._runner.schedule
+        self._runner = self._stage_runner(pipe) if self.num_stages > 1 else None
         if self.training_dataloader is not None:
             self.set_dataloader(self.training_dataloader)
         if self.global_rank_is_zero():
@@ -129,6 +122,26 @@ class PipelineEngine(ZeroEngine):
         return StageRunner(build, guard, first_rank=topo.rank_at(pp=0, dp=coord["dp"], tp=coord["tp"]),
                            is_first=self.is_first_stage(), micro_batches=self.micro_batches,
                            dynamic=module.dynamic_shape, group=pp.dp_group)
+
+    @property
+    def num_stages(self) -> int:
+        """The pipeline's stages (DeepSpeed's `engine.num_stages`)."""
+        return self._pipe.module.num_stages
+
+    @property
+    def stage_id(self) -> int:
+        """This rank's stage (DeepSpeed's `engine.stage_id`)."""
+        return self._pipe.module.stage_id
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per `train_batch`: the config's gradient_accumulation_steps."""
+        return self._config.gradient_accumulation_steps
+
+    @property
+    def _schedule(self) -> Any:
+        """torch's schedule object of the current run (a failed batch rebuilds it), None on one stage."""
+        return self._runner.schedule if self._runner is not None else None
 
     @property
     def grid(self) -> PipelineParallelGrid:
@@ -316,7 +329,6 @@ class PipelineEngine(ZeroEngine):
                     self._runner.run("train_batch", inputs, labels if self.is_last_stage() else None, error,
                                      train=True)
                 finally:
-                    self._schedule = self._runner.schedule
                     if self._runner.failed:
                         self._pipe.capture.collect()  # the failed batch's gradients: dropped
             grads = self._pipe.capture.collect()
@@ -400,7 +412,6 @@ class PipelineEngine(ZeroEngine):
                     # its labels; the losses returned below are computed from the outputs here.
                     self._runner.run("eval_batch", inputs, labels if self.is_last_stage() else None, error,
                                      train=False)
-                    self._schedule = self._runner.schedule
                     outs = last_outputs(self._schedule)
                     self._micro_losses = []
         finally:

@@ -190,7 +190,7 @@ def _build_stage(cfg: "Config", module: nn.Module, params: list[nn.Parameter], c
         chosen = resolve_units(module, units) if units else default_units(module)
         if zero.stage3_module_granularity_threshold > 0:
             chosen = _coarsened(module, chosen, int(zero.stage3_module_granularity_threshold))
-        return Stage3Strategy(module, params, comm=comm, rank=groups.rank, world_size=groups.world_size,
+        return Stage3Strategy(module, params, comm=comm,
                               options=options3, units=leaf_units(module, chosen), norm_group=norm_group)
     raise AssertionError(f"stage {zero.stage} passed config validation but has no strategy")
 

@@ -152,10 +152,10 @@ class Stage3Strategy(ShardedStrategyBase):
     """ZeRO stage 3 behind the `ZeroStrategy` protocol (zero/strategy.py); the owner
     (`ParamOwner`, `UserGatherable` in zero/units.py) of every parameter it partitions."""
 
-    def __init__(self, module: nn.Module, params: Sequence[nn.Parameter], *, comm: "Comm", rank: int,
-                 world_size: int, options: Stage3Options, units: Sequence[nn.Module] | None = None,
+    def __init__(self, module: nn.Module, params: Sequence[nn.Parameter], *, comm: "Comm",
+                 options: Stage3Options, units: Sequence[nn.Module] | None = None,
                  norm_group: ModelParallelNorm | None = None) -> None:
-        self._comm, self._rank, self._world, self._opt = comm, rank, world_size, options
+        self._comm, self._opt = comm, options
         self._backward_started: set[int] = set()  # units whose outputs' gradients arrived
         self._recompute_tail: int | None = None  # the unit whose recompute finished last
         self._device = params[0].device if params else torch.device("cpu")
@@ -204,7 +204,7 @@ class Stage3Strategy(ShardedStrategyBase):
         for g in groups:
             bounds.append((start, start + len(g)))
             start += len(g)
-        self._plan = BucketedPartition([p.numel() for p in self._params], world_size=self._world,
+        self._plan = BucketedPartition([p.numel() for p in self._params], world_size=self._comm.world_size,
                                        align=ALIGN_NUMEL, buckets=bounds)
         self._unit_of = [u for u, (a, b) in enumerate(bounds) for _ in range(a, b)]
         return [n for g in groups for n, _ in g]
@@ -229,13 +229,13 @@ class Stage3Strategy(ShardedStrategyBase):
         dtype = dtypes.pop() if dtypes else torch.float32
         plan = self._plan
         home = open_shard_home(self._opt.offload_param, plan.shard_numel, dtype, self._device,
-                               rank=self._rank)  # Note: [parameters on NVMe]
+                               rank=self._comm.rank)  # Note: [parameters on NVMe]
         secondary = None
         if self._opt.hpz_size > 1:
             padded = [0 if u == self._persistent else plan.layouts[u].padded_numel for u in range(len(plan.buckets))]
             secondary = SecondaryPartition(*self._node_comms(self._opt.hpz_size), padded, dtype=dtype,
                                            device=self._device, quantized=self._opt.quantized_weights)
-        self._shards = UnitShards(plan, self._comm, rank=self._rank, home=home, device=self._device,
+        self._shards = UnitShards(plan, self._comm, rank=self._comm.rank, home=home, device=self._device,
                                   persistent=self._persistent, quantized=self._opt.quantized_weights,
                                   secondary=secondary)
         self._units: list[UnitBuffer] = []
@@ -244,7 +244,7 @@ class Stage3Strategy(ShardedStrategyBase):
             with torch.no_grad():
                 for i, view in self._param_views(u, full):
                     p = self._params[i]
-                    view.copy_(gather_init_shards(self._comm, p, self._world).view(p.shape)
+                    view.copy_(gather_init_shards(self._comm, p, self._comm.world_size).view(p.shape)
                                if init_partitioned(p) else p.detach())  # zero.Init: only shards exist
                     assign_data(p, view)  # a zero.Init parameter is partitioned already
                     make_zero_parameter(p, ZeroParamState(name=names[i], owner=self, unit=u))
@@ -263,7 +263,7 @@ class Stage3Strategy(ShardedStrategyBase):
         opt = self._opt
         node = opt.node_size
         hierarchy = None
-        if opt.quantized_gradients and 1 < node < self._world and self._world % node == 0:
+        if opt.quantized_gradients and 1 < node < self._comm.world_size and self._comm.world_size % node == 0:
             hierarchy = self._node_comms(node)  # Note: [hierarchical qgZ] in zero/reduce.py
         mode = ReduceMode.REDUCE_SCATTER if opt.reduce_scatter else ReduceMode.ALL_REDUCE_KEEP_CHUNK
         if opt.quantized_gradients:
@@ -330,7 +330,7 @@ class Stage3Strategy(ShardedStrategyBase):
         first, last = self._plan.buckets[self._persistent]
         return (f"Stage3Strategy({len(self._params)} params in {len(self._plan.buckets) - 1} units + "
                 f"{last - first} persistent params, shard {self._plan.shard_numel} elements on rank "
-                f"{self._rank}, params on {self._shards.shard.device}, {self._shard!r})")
+                f"{self._comm.rank}, params on {self._shards.shard.device}, {self._shard!r})")
 
     @property
     def _order(self) -> list[int]:
@@ -617,7 +617,7 @@ class Stage3Strategy(ShardedStrategyBase):
     def local_shard(self, param: nn.Parameter) -> Tensor:
         """A view of this rank's piece of `param` in the low-precision shard (1-D; may be empty)."""
         index = self.param_index(param)
-        for f in self._plan.rank_fragments(self._rank):
+        for f in self._plan.rank_fragments(self._comm.rank):
             if f.param_index == index:
                 return self._shards.shard[f.shard_offset : f.shard_offset + f.numel]
         return self._shards.shard[:0]
@@ -631,7 +631,7 @@ class Stage3Strategy(ShardedStrategyBase):
         """This rank's low-precision pieces of every parameter (frozen ones included)."""
         return [ParamPiece(param=self._params[f.param_index], param_offset=f.param_offset, numel=f.numel,
                            data=self._shards.shard[f.shard_offset : f.shard_offset + f.numel])
-                for f in self._plan.rank_fragments(self._rank)]
+                for f in self._plan.rank_fragments(self._comm.rank)]
 
     @torch.no_grad()
     def sync_params_from_master(self) -> None:
