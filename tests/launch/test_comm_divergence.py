@@ -67,6 +67,7 @@ def jobs() -> dict[str, tuple[int, str, float]]:
     results = _run_jobs(MODES + MISMATCH_MODES + DSCOMM_MODES + ("kill",), {})
     for _, output, _ in results.values():
         assert "rank 0: check route board" in output and "rank 1: check route board" in output, output
+        assert "rank 0: data arena on" in output, output
     return results
 
 
@@ -75,6 +76,8 @@ def side_jobs() -> dict[str, tuple[int, str, float]]:
     results = _run_jobs(SIDE_MODES, {"ZEROSHARD_COMM_CHECK_BOARD": "0"})
     for _, output, _ in results.values():
         assert "rank 0: check route side group" in output, output
+        # each switch turns off only its own use of the shared mapping: the data still goes through it
+        assert "rank 0: data arena on" in output and "rank 1: data arena on" in output, output
     return {f"{mode}@side": result for mode, result in results.items()}
 
 

@@ -24,8 +24,12 @@ Built once per tracked group by a vote over the group's store (``create``): rank
 file with a random token, every rank maps it and checks the token, and the board is used only
 if all ranks could (ranks on several hosts, or hosts that do not share the directory, vote no
 and keep the gloo side group). Rank 0 unlinks the file once every rank voted: the mapping lives
-on, the name does not (nothing to clean up after a crash). ``ZEROSHARD_COMM_CHECK_BOARD=0``
-votes no.
+on, the name does not (nothing to clean up after a crash).
+
+The mapping has two users, each with its own switch: the signature checks
+(``ZEROSHARD_COMM_CHECK_BOARD=0`` sends them to the gloo side group, `checks_wanted`) and the
+data arena of the shared-memory collectives (``ZEROSHARD_COMM_SHM=0`` keeps the data on gloo,
+`shm.wanted`). The board is built while either is on; each switch turns off only its own use.
 """
 
 from __future__ import annotations
@@ -86,6 +90,11 @@ def _directory() -> str:
     shm = "/dev/shm"
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
 
+
+
+def checks_wanted() -> bool:
+    """Whether the signature checks may use the board (``ZEROSHARD_COMM_CHECK_BOARD`` not "0")."""
+    return os.environ.get("ZEROSHARD_COMM_CHECK_BOARD", "1") != "0"
 
 class Board:
     """One group's signature board on this rank (Note: [signature board])."""
@@ -152,7 +161,7 @@ class Board:
     def create(cls, store: Store, rank: int, world_size: int, timeout_s: float) -> Board | None:
         """Collective over ``store`` (a prefix store of this build): the board, or None on every
         rank when any rank cannot map it."""
-        wanted = os.environ.get("ZEROSHARD_COMM_CHECK_BOARD", "1") != "0" and 1 < world_size <= MAX_WORLD
+        wanted = (checks_wanted() or shm.wanted()) and 1 < world_size <= MAX_WORLD
         if rank == 0:
             info: dict[str, object] = {"path": None}
             if wanted:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm.board import Board
+from zeroshard.comm.board import Board, checks_wanted
 from zeroshard.errors import CommError
 
 if TYPE_CHECKING:
@@ -226,7 +226,7 @@ class CollectiveTracker:
         thread, so checks complete, and their callbacks run, in issue order. The group itself
         without a store."""
         board = self.shared_board(timeout)
-        if board is not None:
+        if board is not None and checks_wanted():  # the board may exist for the data arena alone
             return board
         if self._check_pg is not None:
             return self._check_pg
@@ -245,7 +245,7 @@ class CollectiveTracker:
         """The group's shared-memory board (signature checks, and the data arena of Note:
         [shared-memory collectives] in shm.py), built at the first call (a collective: every
         rank's first collective on this group reaches it), or None where the ranks cannot
-        share one (several hosts, no store, ``ZEROSHARD_COMM_CHECK_BOARD=0``)."""
+        share one (several hosts, no store, both of its uses switched off: comm/board.py)."""
         if self._check_board is _UNTRIED:
             self._check_board = None  # one try: a board that cannot be built is not tried again
             if self._store is not None:
@@ -263,6 +263,11 @@ class CollectiveTracker:
     def _board(self) -> Board | None:
         """The board, once `shared_board` built it (None before, or where it cannot be built)."""
         return self._check_board if isinstance(self._check_board, Board) else None
+
+    @property
+    def checks_on_board(self) -> bool:
+        """Whether the signature checks run on the shared-memory board (else the side group)."""
+        return self._board is not None and checks_wanted()
 
     @property
     def group(self) -> dist.ProcessGroup:

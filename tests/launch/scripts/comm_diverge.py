@@ -42,8 +42,9 @@ def main(mode: str) -> None:
     comm = Comm(groups, timeout_s=60 if mode == "kill" else 3)
     comm.barrier()  # seq 1 on both ranks
     tracker = tracker_of(groups.dp_group)
-    route = "board" if tracker._board is not None else "side group" if tracker._check_pg is not None else "none"
+    route = "board" if tracker.checks_on_board else "side group" if tracker._check_pg is not None else "none"
     print(f"rank {groups.rank}: check route {route}", flush=True)
+    print(f"rank {groups.rank}: data arena {'on' if comm.shares_memory() else 'off'}", flush=True)
     if mode == "kill" and groups.rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "size":
