@@ -69,6 +69,12 @@ def model_hidden_size(model: nn.Module) -> int | None:
     return max(sizes) if sizes else None
 
 
+def _config_source(args: Any, config: Any) -> tuple[Any, Mapping[str, Any]]:
+    """(the config as given: a path or a dict, its raw mapping) from `config` or the args."""
+    source = _resolve_config_source(args, config)
+    return source, source if isinstance(source, Mapping) else read_config_file(source)
+
+
 def _resolve_config_source(args: Any, config: Any) -> Any:
     from_args = config_path_from_args(args) if args is not None else None
     if config is not None and from_args is not None:
@@ -165,64 +171,90 @@ def initialize(
             engine.step()
     """
     model = _check_arguments(args, model, mpu, mesh_param, config, config_params)
-    source = _resolve_config_source(args, config if config is not None else config_params)
-    raw_config = source if isinstance(source, Mapping) else read_config_file(source)
-    if distributed_port is not None:
-        os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    world = init_distributed()
-    setup_logging(world.rank)
+    source, raw_config = _config_source(args, config if config is not None else config_params)
+    world = _join_world(distributed_port)
     pipe_module = model if isinstance(model, PipelineModule) else None
     cfg, dims = _config_and_dims(source, raw_config, world.world_size, model, pipe_module, mpu, optimizer)
     _check_optimizer_present(cfg, optimizer, model_parameters, training_data, lr_scheduler)
-    if pipe_module is not None:
-        check_for_pipeline(cfg, pipe_module.virtual_stages)
-
     configure_from_config(cfg)
     _place_model(model, cfg, world.device)
-    comms = cfg.comms_logger
-    world_comm = Comm(world, log=CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
-                      if comms.enabled else None)
+    world_comm = Comm(world, log=_comm_log(cfg))
     check_same_config(cfg, world_comm)  # the first collective: before anything trains on it
-    resume_dir, resumable = cfg.checkpoint.auto_resume_dir, None
-    if resume_dir is not None:  # before the engine: the saved global batch may change gradient accumulation
-        plain = dims.pp == 1 and dims.tp == 1 and not dims.from_mpu
-        resumable = find_resumable(_checkpointer(world_comm, cfg.checkpoint.use_node_local_storage) if plain
-                                   else None, resume_dir)
-        cfg = keep_global_batch(cfg, resumable)
+    cfg, resumable = _find_resumable(cfg, dims, world_comm)  # before the engine: it may change the batch
     layout = _parallel_layout(world, world_comm, model, cfg, dims, mpu, pipe_module)
     groups = layout.dp  # ZeRO, the batch and the data loader run over the data-parallel ranks
     comm = world_comm if groups is world else Comm(groups, log=world_comm.log, label="dp")
     broadcast_module_state(model, comm)
     pipe = PipeParts(pipe_module, cfg, layout.mesh) if pipe_module is not None else None  # before the strategy's hooks
-    param_groups = _param_groups(model, model_parameters)
-    if layout.tp is not None and layout.tp.replaced:  # parameters listed before AutoTP split their layers
-        swap, layout.tp.replaced = layout.tp.replaced, {}
-        param_groups = [{**g, "params": [swap.get(id(p), p) for p in g["params"]]} for g in param_groups]
-    params = list({id(p): p for g in param_groups for p in g["params"]}.values())
+    param_groups, params = _param_groups_after_split(model, model_parameters, layout)
     norm_group = layout.norm_group(model, world_comm, tied_duplicates=pipe_module.tied_duplicates()
                                    if pipe_module is not None else frozenset())
     strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units, norm_group=norm_group)
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy, comm, model_parallel=layout.mp_comm is not None)
-    sched = _make_scheduler(cfg, lr_scheduler, opt)
-    scaler = _loss_scaler(cfg, groups.device.type)
-    loader = None
-    if training_data is not None:
-        loader = DistributedDataLoader(
-            training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
-            rank=groups.rank, world_size=groups.world_size, collate_fn=collate_fn)
+    sched, scaler = _make_scheduler(cfg, lr_scheduler, opt), _loss_scaler(cfg, groups.device.type)
+    loader = None if training_data is None else DistributedDataLoader(
+        training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu, rank=groups.rank,
+        world_size=groups.world_size, collate_fn=collate_fn)
     engine_cls, extra = (ZeroEngine, {}) if pipe is None else (PipelineEngine, {"pipe": pipe})
     engine = engine_cls(
         **extra, module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,
         lr_scheduler=sched, loss_scaler=scaler, sinks=build_sinks(cfg, world.rank),
         training_dataloader=loader, raw_config=raw_config)
-    engine.parallel = layout
-    engine.checkpointer = _engine_checkpointer(cfg, layout, world_comm, comm, pipe_module)
-    engine.save_schedule = SaveSchedule.from_config(cfg.checkpoint, world_comm)
-    engine.preemption = Preemption.from_config(cfg.checkpoint, world_comm)  # SIGTERM / SIGUSR1: save, exit 75
-    _log_start(engine, groups)
+    _attach(engine, cfg, layout, world_comm, comm, pipe_module)
     if resumable is not None:  # checkpoint.auto_resume_dir (runtime/auto_resume.py)
         load_resumable(engine, resumable)
     return engine, engine.optimizer, loader, sched  # DeepSpeed returns engine.optimizer too
+
+
+def _join_world(distributed_port: int | None) -> ProcessGroups:
+    """The launcher's process group (joined, or the script's own), and this rank's logging."""
+    if distributed_port is not None:  # DeepSpeed's argument; MASTER_PORT wins when set
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    world = init_distributed()
+    setup_logging(world.rank)
+    return world
+
+
+def _comm_log(cfg: Config) -> CommLog | None:
+    """The config's comms_logger as the world Comm's log (None when off)."""
+    comms = cfg.comms_logger
+    if not comms.enabled:
+        return None
+    return CommLog(ops=None if comms.prof_all else comms.prof_ops, verbose=comms.verbose)
+
+
+def _find_resumable(cfg: Config, dims: ParallelDims, world_comm: Comm) -> tuple[Config, Any]:
+    """checkpoint.auto_resume_dir: the checkpoint to resume from (None: a fresh start), and the
+    config with the saved global batch kept (it may change gradient accumulation)."""
+    resume_dir = cfg.checkpoint.auto_resume_dir
+    if resume_dir is None:
+        return cfg, None
+    plain = dims.pp == 1 and dims.tp == 1 and not dims.from_mpu
+    resumable = find_resumable(_checkpointer(world_comm, cfg.checkpoint.use_node_local_storage) if plain
+                               else None, resume_dir)
+    return keep_global_batch(cfg, resumable), resumable
+
+
+def _param_groups_after_split(model: nn.Module, model_parameters: Iterable[Any] | None,
+                              layout: ParallelGroups) -> tuple[list[dict[str, Any]], list[nn.Parameter]]:
+    """The param groups to optimize and their parameters, once each; parameters listed before
+    AutoTP split their layers are swapped for the split ones."""
+    param_groups = _param_groups(model, model_parameters)
+    if layout.tp is not None and layout.tp.replaced:
+        swap, layout.tp.replaced = layout.tp.replaced, {}
+        param_groups = [{**g, "params": [swap.get(id(p), p) for p in g["params"]]} for g in param_groups]
+    return param_groups, list({id(p): p for g in param_groups for p in g["params"]}.values())
+
+
+def _attach(engine: ZeroEngine, cfg: Config, layout: ParallelGroups, world_comm: Comm, comm: Comm,
+            pipe_module: PipelineModule | None) -> None:
+    """What the engine holds beside its training state: the groups, the checkpointer, the save
+    schedule and the preemption latch (SIGTERM / SIGUSR1: save, exit 75); then the start-up log."""
+    engine.parallel = layout
+    engine.checkpointer = _engine_checkpointer(cfg, layout, world_comm, comm, pipe_module)
+    engine.save_schedule = SaveSchedule.from_config(cfg.checkpoint, world_comm)
+    engine.preemption = Preemption.from_config(cfg.checkpoint, world_comm)
+    _log_start(engine, comm.groups)
 
 
 def _check_arguments(args: Any, model: nn.Module | None, mpu: Any, mesh_param: Any, config: Any,
@@ -254,6 +286,8 @@ def _config_and_dims(source: Any, raw_config: Mapping[str, Any], world_size: int
                         mpu=mpu_shape(mpu) if mpu is not None else None, ep=expert_parallel_size(model))
     cfg = load_config(source, dp_world_size=dims.dp, other_batch_world_sizes=dims.batch_world_sizes[1:],
                       hidden_size=model_hidden_size(model), auto_values=dict(client_auto_values(optimizer)))
+    if pipe_module is not None:  # the pipeline's refusals, before anything else reads the config
+        check_for_pipeline(cfg, pipe_module.virtual_stages)
     if cfg.zero_optimization.stage == 3:  # hpZ's secondary copy exists at stage 3 only
         dims = dims.with_hpz(cfg.zero_optimization.zero_hpz_partition_size)
     _log_dims(dims, cfg)
