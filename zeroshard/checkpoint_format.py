@@ -112,6 +112,10 @@ class Manifest:
     train_batch_size: int | None = None
     """Samples per optimizer step over all ranks when saved; auto-resume keeps it at another
     data-parallel size (runtime/auto_resume.py). None: saved before it was recorded."""
+    expert_parallel: dict[str, int] | None = None
+    """MoE expert group name ("ep_size_<E>") -> its expert-parallel size, for a model with MoE
+    layers: each rank's files hold its own experts under local names, so such a checkpoint loads
+    only at the same world size and sizes (check_compatible). None: no experts."""
 
     def param_index(self) -> dict[str, int]:
         return {p.name: i for i, p in enumerate(self.params)}

@@ -23,8 +23,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import zeroshard
+from zeroshard.checkpoint.manifest import read_manifest
+from zeroshard.checkpoint.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zeroshard.comm import ProcessGroups
-from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.errors import CheckpointError, ConfigError, NotSupportedError
 from zeroshard.moe.layer import MoE
 from zeroshard.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
@@ -201,6 +203,11 @@ def test_save_load_continue(groups: ProcessGroups, shared_dir: Path, stage: int)
     data = batches(world)
     train_engine(engine, data, rank, range(2))
     engine.save_checkpoint(shared_dir, tag="two")
+    saved = read_manifest(shared_dir / "two")
+    assert saved.expert_parallel == {f"ep_size_{ep}": ep} and saved.world_size == world
+    if ep > 1:  # one state dict would mix the ranks' local experts: refused, named
+        with pytest.raises(CheckpointError, match="saved with expert parallelism"):
+            get_fp32_state_dict_from_zero_checkpoint(shared_dir, tag="two")
     fresh = make_engine(new_reference(case, seed=7), case, ep, stage, rank)
     fresh.load_checkpoint(shared_dir, tag="two")
     assert fresh.global_steps == 2

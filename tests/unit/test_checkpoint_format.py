@@ -116,6 +116,21 @@ def test_compatibility_names_each_mismatch(tmp_path: Path) -> None:
         check_compatible(manifest(), thawed, path, need_optimizer=True)
 
 
+def test_expert_checkpoints_load_only_at_their_layout(tmp_path: Path) -> None:
+    """Experts are saved per rank under local names: another world size or ep_size would hand
+    ranks each other's experts, so it is refused before anything is read."""
+    path = tmp_path / "zeroshard_manifest.json"
+    moe = manifest(expert_parallel={"ep_size_2": 2})
+    assert from_json(to_json(moe), path) == moe
+    check_compatible(moe, manifest(expert_parallel={"ep_size_2": 2}), path, need_optimizer=True)
+    check_compatible(manifest(world_size=4), manifest(), path, need_optimizer=True)  # dense: any world size
+    for target in (manifest(world_size=4, expert_parallel={"ep_size_2": 2}),  # same ep, more ranks
+                   manifest(expert_parallel={"ep_size_1": 1}),  # another ep_size
+                   manifest()):  # no experts now
+        with pytest.raises(CheckpointError, match="saved by 2 rank.*ep_size_2.*restart with 2 rank"):
+            check_compatible(moe, target, path, need_optimizer=False)
+
+
 def test_resolve_tags(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
         resolve(tmp_path / "absent", None)

@@ -68,7 +68,9 @@ def from_json(text: str, path: Path) -> Manifest:
             files={str(k): int(v) for k, v in d["files"].items()},
             node_ranks=None if d.get("node_ranks") is None else [int(r) for r in d["node_ranks"]],
             checksums=None if d.get("checksums") is None else {str(k): str(v) for k, v in d["checksums"].items()},
-            train_batch_size=None if d.get("train_batch_size") is None else int(d["train_batch_size"]))
+            train_batch_size=None if d.get("train_batch_size") is None else int(d["train_batch_size"]),
+            expert_parallel=None if d.get("expert_parallel") is None
+            else {str(k): int(v) for k, v in d["expert_parallel"].items()})
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: manifest field missing or malformed ({type(e).__name__}: {e})") from e
 
@@ -164,5 +166,21 @@ def check_compatible(saved: Manifest, target: Manifest, path: Path, *, need_opti
             if frozen_then:
                 problems.append(f"parameters frozen when saved (no optimizer state) are trainable now: "
                                 f"{_listing(frozen_then)}; load with load_optimizer_states=False")
+    problems += _expert_layout_problems(saved, target)
     if problems:
         raise CheckpointError(f"{path}: the checkpoint does not match the model: " + "; ".join(problems))
+
+
+def _expert_layout_problems(saved: Manifest, target: Manifest) -> list[str]:
+    """MoE experts are saved per rank under local names (rank r's expert j is the model's expert
+    r * local + j): read at another world size or ep_size, ranks would take other ranks' experts.
+    Resharding experts is not built (issue 40), so the layouts must be equal."""
+    have, want = saved.expert_parallel or {}, target.expert_parallel or {}
+    if not have and not want:
+        return []
+    if have == want and saved.world_size == target.world_size:
+        return []
+    return [f"the MoE experts were saved by {saved.world_size} rank(s) with expert-parallel sizes {have or 'none'}, "
+            f"this run has {target.world_size} rank(s) with {want or 'none'}; expert checkpoints load only at "
+            "the same world size and ep_size (resharding experts is not built): restart with "
+            f"{saved.world_size} rank(s) and the same MoE ep_size"]

@@ -80,6 +80,11 @@ def _open_checkpoint(checkpoint_dir: str | os.PathLike[str],
         if resolved is None:
             raise CheckpointError(f"{root}: no 'latest' file; pass the tag (--tag) of the checkpoint to convert")
         ckpt, manifest = resolved
+    split = {name: ep for name, ep in (manifest.expert_parallel or {}).items() if ep > 1}
+    if split:  # each rank saved its own experts under local names: one model would mix them
+        raise CheckpointError(f"{ckpt}: saved with expert parallelism ({split}); consolidating an expert-parallel "
+                              "checkpoint into one state dict is not built. Load it into an engine at the same "
+                              "world size and ep_size, or train and save with ep_size 1")
     return ckpt, manifest, lambda: CheckpointReader(ckpt, manifest)
 
 

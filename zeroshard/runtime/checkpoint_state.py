@@ -5,8 +5,8 @@ which the offline tools import without the runtime.
 
 The engine does not import zeroshard.checkpoint (STYLE §1): `collect_state` returns tensors
 plus a `Manifest`, and `initialize()` hands the engine a `Checkpointer` that writes them.
-Nothing here touches files. Imports runtime/, zero/, optim/ (the 1-bit optimizers' state keys) and
-checkpoint_format.py only.
+Nothing here touches files. Imports runtime/, zero/, optim/ (the 1-bit optimizers' state keys),
+moe/ (the MoE layers' expert-parallel sizes, for the manifest) and checkpoint_format.py only.
 
 Note: [checkpoint fragments] Trainable state is described per *fragment*: a range
 `[param_offset, param_offset + numel)` of one flattened parameter, identified by the
@@ -35,6 +35,7 @@ from zeroshard.checkpoint_format import (
     pickle_bytes,
     unpickle_bytes,
 )
+from zeroshard.moe.prepare import moe_layers
 from zeroshard.optim.onebit_adam import STATE_KEYS as ONEBIT_STATE_KEYS
 from zeroshard.optim.onebit_adam import OneBitOptimizer, drop_onebit_state
 from zeroshard.zero.strategy import MasterFragment, ZeroStrategy
@@ -140,7 +141,8 @@ def collect_state(engine: "EngineView", strategy: ZeroStrategy, *, include_froze
         param_groups=len(optimizer.param_groups) if optimizer is not None else 0,
         fragments=[ranges if r == rank else [] for r in range(world)], weight_pieces=piece_ranges,
         frozen_saved=include_frozen, global_steps=engine.global_steps,
-        train_batch_size=engine.zs_config.train_batch_size)
+        train_batch_size=engine.zs_config.train_batch_size,
+        expert_parallel={m.expert_group_name: m.ep_size for m in moe_layers(engine.module)} or None)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
     return EngineState(rank=rank, manifest=manifest, masters=masters, optimizer_states=states,
                        elementwise_keys=elementwise, param_groups=groups, module=whole,
