@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -178,20 +178,16 @@ class ExpertSplitStrategy(ZeroStrategy):
         return None
 
     def keep_hooks_eager(self) -> None:
-        for s, _ in self._parts:
-            s.keep_hooks_eager()
+        self._each("keep_hooks_eager")
 
     def hold_for_batch(self) -> None:
-        for s, _ in self._parts:
-            s.hold_for_batch()
+        self._each("hold_for_batch")
 
     def release_batch(self) -> None:
-        for s, _ in self._parts:
-            s.release_batch()
+        self._each("release_batch")
 
     def begin_delivered_backward(self) -> None:
-        for s, _ in self._parts:
-            s.begin_delivered_backward()
+        self._each("begin_delivered_backward")
 
     def keeps_local_grads(self) -> bool:
         return self._dense.keeps_local_grads()
@@ -200,8 +196,12 @@ class ExpertSplitStrategy(ZeroStrategy):
         return self._dense.reduces_at_boundary_only()
 
     def set_grad_reduction(self, enabled: bool) -> None:
+        self._each("set_grad_reduction", enabled)
+
+    def _each(self, method: str, *args: Any) -> None:
+        """The same protocol call on the dense strategy and every expert group's."""
         for s, _ in self._parts:
-            s.set_grad_reduction(enabled)
+            getattr(s, method)(*args)
 
 
 def build_expert_split(dense_params: list[nn.Parameter], expert_groups: Sequence[tuple[list[nn.Parameter],
