@@ -371,6 +371,50 @@ def _join_sum_and_write(rank: int, world: int, init_file: str, out: str) -> None
     comm.destroy_process_group()
 
 
+def _threads_after_destroy_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import zeroshard.comm as comm
+    from zeroshard.comm import Comm
+    from zeroshard.comm.topology import Topology, build_mesh
+
+    groups = comm.init_distributed(dist_backend="gloo", init_method=f"file://{init_file}", rank=rank,
+                                   world_size=world)
+    build_mesh(groups, Topology(pp=1, dp=world, tp=1))  # a cache of groups (comm/topology.py)
+    Comm(groups).all_reduce(torch.ones(3))
+    before = _native_threads()
+    comm.destroy_process_group()
+    del groups
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(f"{before} {_native_threads()}")
+
+
+def _native_threads() -> int:
+    """This process's gloo threads (named by gloo: gloo_tcp_loop, pt_gloo_runloop)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{tid}/comm").read().strip())
+        except OSError:  # the thread ended while listing
+            pass
+    return sum(1 for n in names if "gloo" in n)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux /proc")
+def test_destroy_ends_gloo_threads_while_the_interpreter_is_whole(tmp_path) -> None:
+    """Note: [groups die before finalization] in comm/groups.py: once destroyed and dropped by the
+    script, no zeroshard cache or exit hook keeps the process group (and gloo's threads) alive
+    into interpreter finalization, where a gloo thread can abort the process."""
+    codes = _spawn_two(_threads_after_destroy_worker,
+                       lambda r: (r, 2, str(tmp_path / "store"), str(tmp_path / "out")))
+    assert codes == [0, 0]
+    for r in range(2):
+        before, after = map(int, (tmp_path / f"out.{r}").read_text().split())
+        assert before > 0, "gloo's threads were not seen: the count no longer measures anything"
+        assert after == 0, f"rank {r}: {after} gloo thread(s) still alive after destroy"
+
+
 def test_init_distributed_file_rendezvous_in_processes_started_by_multiprocessing(tmp_path) -> None:
     """Processes a script starts itself (no launcher variables) join through init_method="file://"."""
     codes = _spawn_two(_rendezvous_worker, lambda r: (r, 2, str(tmp_path / "store"), str(tmp_path / "out")))

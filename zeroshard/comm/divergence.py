@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,6 +152,17 @@ class _InFlight:
             return ended, self._count
 
 
+def _weak_at_exit(ref: "weakref.ref[CollectiveTracker]") -> Callable[[], None]:
+    """The exit hook of the tracker `ref` names, if it still exists at exit."""
+
+    def at_exit() -> None:
+        tracker = ref()
+        if tracker is not None:
+            tracker._at_exit()
+
+    return at_exit
+
+
 class CollectiveTracker:
     """Sequence numbers and call sites of one process group's collectives on this rank.
 
@@ -197,10 +209,14 @@ class CollectiveTracker:
             self._thread = threading.Thread(target=self._watch, name="zeroshard-comm-watch",
                                             daemon=_register_thread_exit is None)
             self._thread.start()
+            # Registered through a weak reference (Note: [groups die before finalization]): a
+            # bound method would keep this tracker, and through it the process group and gloo's
+            # threads, alive until the interpreter finalizes.
+            at_exit = _weak_at_exit(weakref.ref(self))
             if _register_thread_exit is not None:
-                _register_thread_exit(self._at_exit)
+                _register_thread_exit(at_exit)
             else:
-                atexit.register(self._at_exit)
+                atexit.register(at_exit)
 
     # ---- hot path -------------------------------------------------------------------------
     def issue(self, op: str, numel: int, dtype: torch.dtype | None) -> CallRecord:

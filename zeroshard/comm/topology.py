@@ -50,6 +50,7 @@ from zeroshard.comm.groups import (
     current_groups,
     node_rank_lists,
     node_size,
+    on_destroy,
     subgroup,
 )
 from zeroshard.errors import CommError
@@ -243,6 +244,14 @@ class MeshGroups:
 
 
 _MESH: MeshGroups | None = None
+
+
+def _forget_mesh() -> None:
+    global _MESH
+    _MESH = None
+
+
+on_destroy(_forget_mesh)  # Note: [groups die before finalization] in groups.py
 
 
 def build_mesh(world: ProcessGroups, topology: Topology) -> MeshGroups:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeroshard.comm import Comm, ProcessGroups
-from zeroshard.comm.groups import subgroup
+from zeroshard.comm.groups import on_destroy, subgroup
 from zeroshard.comm.parallel_dims import ParallelDims
 
 
@@ -59,6 +59,7 @@ class ExpertGroups:
 
 
 _REGISTRY: dict[str, ExpertGroups] = {}
+on_destroy(_REGISTRY.clear)  # a new world builds its own groups (Note: [groups die before finalization])
 
 
 def create_expert_groups(dp: ProcessGroups, ep_size: int, comm: Comm) -> ExpertGroups:
