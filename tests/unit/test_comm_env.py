@@ -390,6 +390,26 @@ def _threads_after_destroy_worker(rank: int, world: int, init_file: str, out: st
         f.write(f"{before} {_native_threads()}")
 
 
+def _exit_hook_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import zeroshard.comm as comm
+    from zeroshard.comm import Comm
+    from zeroshard.comm.groups import _leave_at_exit
+
+    groups = comm.init_distributed(dist_backend="gloo", init_method=f"file://{init_file}", rank=rank,
+                                   world_size=world)
+    cycle: list[Any] = [Comm(groups)]  # what a dropped engine looks like: unreachable, in a cycle
+    cycle.append(cycle)
+    cycle[0].all_reduce(torch.ones(3))
+    before = _native_threads()
+    del cycle, groups
+    _leave_at_exit()  # what atexit runs
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(f"{before} {_native_threads()}")
+
+
 def _native_threads() -> int:
     """This process's gloo threads (named by gloo: gloo_tcp_loop, pt_gloo_runloop)."""
     names = []
@@ -413,6 +433,18 @@ def test_destroy_ends_gloo_threads_while_the_interpreter_is_whole(tmp_path) -> N
         before, after = map(int, (tmp_path / f"out.{r}").read_text().split())
         assert before > 0, "gloo's threads were not seen: the count no longer measures anything"
         assert after == 0, f"rank {r}: {after} gloo thread(s) still alive after destroy"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux /proc")
+def test_exit_hook_frees_groups_held_by_a_dropped_cycle(tmp_path) -> None:
+    """A script that never destroys its group and dropped its engine (in a reference cycle):
+    zeroshard's exit hook destroys the group and collects the cycle, so gloo's threads end
+    before finalization (Note: [groups die before finalization])."""
+    codes = _spawn_two(_exit_hook_worker, lambda r: (r, 2, str(tmp_path / "store"), str(tmp_path / "out")))
+    assert codes == [0, 0]
+    for r in range(2):
+        before, after = map(int, (tmp_path / f"out.{r}").read_text().split())
+        assert before > 0 and after == 0, (r, before, after)
 
 
 def test_init_distributed_file_rendezvous_in_processes_started_by_multiprocessing(tmp_path) -> None:

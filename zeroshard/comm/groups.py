@@ -8,6 +8,7 @@ port). Imports nothing of ours but ``errors`` and ``comm``.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -319,7 +320,11 @@ def _leave_at_exit() -> None:
         if not owned and dist.is_initialized():
             dist.destroy_process_group()
     except Exception:  # exiting anyway: nothing left to tell the user
-        pass
+        return
+    del groups
+    # An engine the script dropped may still sit in a reference cycle that holds its groups: free
+    # it now, while gloo's threads can still end cleanly (Note: [groups die before finalization]).
+    gc.collect()
 
 
 NODE_SIZE_ENV = "ZEROSHARD_NODE_SIZE"
