@@ -371,16 +371,23 @@ def _join_sum_and_write(rank: int, world: int, init_file: str, out: str) -> None
     comm.destroy_process_group()
 
 
-def _threads_after_destroy_worker(rank: int, world: int, init_file: str, out: str) -> None:
+def _join_by_file(rank: int, world: int, init_file: str) -> Any:
+    """A spawned rank with no launcher variables joins through `init_file` (one thread)."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     os.environ["OMP_NUM_THREADS"] = "1"
     import zeroshard.comm as comm
+
+    return comm.init_distributed(dist_backend="gloo", init_method=f"file://{init_file}", rank=rank,
+                                 world_size=world)
+
+
+def _threads_after_destroy_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    import zeroshard.comm as comm
     from zeroshard.comm import Comm
     from zeroshard.comm.topology import Topology, build_mesh
 
-    groups = comm.init_distributed(dist_backend="gloo", init_method=f"file://{init_file}", rank=rank,
-                                   world_size=world)
+    groups = _join_by_file(rank, world, init_file)
     build_mesh(groups, Topology(pp=1, dp=world, tp=1))  # a cache of groups (comm/topology.py)
     Comm(groups).all_reduce(torch.ones(3))
     before = _native_threads()
@@ -391,15 +398,10 @@ def _threads_after_destroy_worker(rank: int, world: int, init_file: str, out: st
 
 
 def _exit_hook_worker(rank: int, world: int, init_file: str, out: str) -> None:
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(key, None)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import zeroshard.comm as comm
     from zeroshard.comm import Comm
     from zeroshard.comm.groups import _leave_at_exit
 
-    groups = comm.init_distributed(dist_backend="gloo", init_method=f"file://{init_file}", rank=rank,
-                                   world_size=world)
+    groups = _join_by_file(rank, world, init_file)
     cycle: list[Any] = [Comm(groups)]  # what a dropped engine looks like: unreachable, in a cycle
     cycle.append(cycle)
     cycle[0].all_reduce(torch.ones(3))
