@@ -33,7 +33,7 @@ def _sizes(d: ParallelDims) -> tuple[int, ...]:
     (8, {"ep": 4}, (1, 8, 1, 4, 1), None),
     (8, {"config_tp": 2, "ep": 2}, (1, 4, 2, 2, 1), "autotp"),
     (8, {"sp": 2}, (1, 4, 1, 1, 2), None),
-    (16, {"pipe": PipeShape(pp=2), "config_tp": 2, "sp": 2, "ep": 2}, (2, 2, 2, 2, 2), "autotp"),
+    (16, {"pipe": PipeShape(pp=2), "config_tp": 2, "sp": 2}, (2, 2, 2, 1, 2), "autotp"),
 ])
 def test_sizes(world: int, kwargs: dict, want: tuple[int, ...], split: str | None) -> None:
     d = resolve_dims(world, **kwargs)
@@ -90,11 +90,24 @@ def test_hpz_splits_the_data_parallel_ranks() -> None:
     (8, {"config_tp": 2, "ep": 8}, ConfigError, r"expert-parallel size 8 must divide the data-parallel size 4"),
     (8, {"sp": 3}, ConfigError, r"cannot hold sequence-parallel size 3"),
     (8, {"ep": 0}, ConfigError, r"expert-parallel size: got 0"),
+    (8, {"sp": 2, "ep": 2}, NotSupportedError, r"sequence parallelism \(size 2\) together with MoE expert parallelism"),
+    (8, {"sp": 2, "hpz": 2}, NotSupportedError, r"zero_hpz_partition_size 2 together with sequence parallelism"),
     (0, {}, ConfigError, r"world size: got 0"),
 ])
 def test_layouts_that_do_not_fit(world: int, kwargs: dict, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         resolve_dims(world, **kwargs)
+
+
+@pytest.mark.parametrize("dp, sp", [(1, 2), (2, 2), (1, 4), (3, 2)])
+def test_sequence_groups_tile_the_data_axis(dp: int, sp: int) -> None:
+    """Every position of the mesh's data axis (dp x sp) is in exactly one sequence group and one
+    data-parallel group; a sequence group is consecutive, and it meets each data group once."""
+    seq, data = ParallelDims(world_size=dp * sp, dp=dp, sp=sp).sequence_rank_lists()
+    assert sorted(r for g in seq for r in g) == sorted(r for g in data for r in g) == list(range(dp * sp))
+    assert [len(g) for g in seq] == [sp] * dp and [len(g) for g in data] == [dp] * sp
+    assert all(g == list(range(g[0], g[0] + sp)) for g in seq)
+    assert all(len(set(s) & set(d)) == 1 for s in seq for d in data)
 
 
 def test_the_frozen_description_checks_itself() -> None:

@@ -13,9 +13,10 @@ both subdivide the ranks that are not pipeline or tensor-parallel ranks. An expe
 is ``ep`` consecutive data-parallel ranks, and an expert's gradients are reduced over the
 ``dp / ep`` ranks holding the same expert (the expert-data-parallel group). A sequence-parallel
 group is ``sp`` consecutive ranks sharing one sample, so the batch is split over ``dp`` =
-world / (pp x tp x sp) ranks. Both are validated here; ``ep`` is the largest expert-parallel size
-of the model's MoE layers (``initialize`` reads it from the model), ``sp`` is 1 until the config
-can ask for more.
+world / (pp x tp x sp) ranks while ZeRO partitions and reduces over the dp x sp ranks of the
+mesh's data axis (the sequence-data-parallel group). Both are validated here; ``ep`` is the largest
+expert-parallel size of the model's MoE layers (``initialize`` reads it from the model), ``sp`` the
+config's ``sequence_parallel_size`` or an ALST mpu's.
 
 Imports `comm.topology` and `errors` only; never a process group.
 """
@@ -113,6 +114,19 @@ class ParallelDims:
         ep_groups = [order[i:i + self.ep] for i in range(0, self.dp, self.ep)]
         return ep_groups, [list(ranks) for ranks in zip(*ep_groups)]
 
+    def sequence_rank_lists(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(sequence-parallel groups, data-parallel groups), as positions in the mesh's data axis
+        (its dp x sp ranks, ZeRO's group): blocks of ``sp`` consecutive positions share one sample
+        (DeepSpeed's ``parallel_state_sp`` layout), and the positions at the same place in every
+        block are the data-parallel ranks the batch is split over.
+
+        >>> ParallelDims(world_size=4, dp=2, sp=2).sequence_rank_lists()
+        ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+        """
+        width = self.dp * self.sp
+        sp_groups = [list(range(i, i + self.sp)) for i in range(0, width, self.sp)]
+        return sp_groups, [list(ranks) for ranks in zip(*sp_groups)]
+
     @property
     def dp_replicate(self) -> int:
         """hpZ: how many secondary copies of the parameters the data-parallel ranks hold."""
@@ -135,6 +149,10 @@ class ParallelDims:
             ConfigError: `size` does not divide the data-parallel size.
         """
         shard = size if size > 1 else 1
+        if shard > 1 and self.sp > 1:
+            raise NotSupportedError(f"zero_optimization.zero_hpz_partition_size {size} together with sequence "
+                                    f"parallelism (size {self.sp}) is not implemented: set zero_hpz_partition_size "
+                                    "to 1.")
         if self.dp % shard:
             raise ConfigError(f"zero_optimization.zero_hpz_partition_size: got {size}, but it must divide the "
                               f"data-parallel world size ({self.dp}); set it to a divisor (the ranks per node) "
@@ -158,7 +176,7 @@ def resolve_dims(world_size: int, *, config_tp: int = 1, recorded_tp: int = 1, p
         pipe: the PipelineModule's topology, when the model is one.
         mpu: an mpu's sizes, when initialize() got one.
         ep: the expert-parallel size (1 until expert parallelism is built).
-        sp: the sequence-parallel size (1 until the config can ask for more).
+        sp: the sequence-parallel size (the config's ``sequence_parallel_size`` or an ALST mpu's).
         hpz: `zero_optimization.zero_hpz_partition_size` (0 and 1: off).
 
     Raises:
@@ -240,6 +258,9 @@ def _finish(cls: type[ParallelDims], *, dp: int, ep: int, sp: int, hpz: int, sou
                           "groups are made of data-parallel ranks); choose an ep that divides it.")
     if ep > 1:
         sources.append(("ep", "the expert-parallel size"))
+    if sp > 1 and ep > 1:
+        raise NotSupportedError(f"sequence parallelism (size {sp}) together with MoE expert parallelism (ep_size {ep}) "
+                                "is not implemented: set sequence_parallel_size to 1, or the MoE layers' ep_size to 1.")
     if sp > 1:
         sources.append(("sp", "the sequence-parallel size"))
     return cls(dp=dp, ep=ep, sp=sp, sources=tuple(sources), **sizes).with_hpz(hpz)  # type: ignore[arg-type]

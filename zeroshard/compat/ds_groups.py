@@ -11,6 +11,7 @@ from typing import Any
 
 from zeroshard.comm.groups import current_groups
 from zeroshard.moe.ep_groups import expert_groups, expert_parallel_ranks, registered
+from zeroshard.sequence.sp_groups import current_sequence_groups
 
 mpu: Any = None
 """DeepSpeed's model-parallel unit slot: zeroshard's MoE layers take no mpu (no tensor-parallel experts)."""
@@ -114,3 +115,41 @@ def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expe
         raise ValueError("zeroshard lays out expert groups for data parallelism only (tensor_parallel_size_ and "
                          "pipeline_parallel_size_ 1)")
     return expert_parallel_ranks(world_size, expert_parallel_size_, use_data_before_expert_parallel_)
+
+
+def _get_sequence_parallel_group() -> Any:
+    """The sequence-parallel group (a torch process group).
+
+    Raises:
+        KeyError: there is none (DeepSpeed's error without a sequence-parallel mpu or mesh).
+    """
+    seq = current_sequence_groups()
+    if seq is None:
+        raise KeyError("No sequence parallel group found")
+    return seq.sp.dp_group
+
+
+def _get_sequence_parallel_world_size() -> int:
+    seq = current_sequence_groups()
+    return 1 if seq is None else seq.sp.world_size
+
+
+def _get_sequence_parallel_rank() -> int:
+    seq = current_sequence_groups()
+    return 0 if seq is None else seq.sp.rank
+
+
+def _get_sequence_data_parallel_group() -> Any:
+    """ZeRO's group with sequence parallelism (data x sequence ranks); the data-parallel group without."""
+    seq = current_sequence_groups()
+    return _get_data_parallel_group() if seq is None else seq.seq_dp.dp_group
+
+
+def _get_sequence_data_parallel_world_size() -> int:
+    seq = current_sequence_groups()
+    return _get_data_parallel_world_size() if seq is None else seq.seq_dp.world_size
+
+
+def _get_sequence_data_parallel_rank() -> int:
+    seq = current_sequence_groups()
+    return _get_data_parallel_rank() if seq is None else seq.seq_dp.rank

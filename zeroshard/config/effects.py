@@ -64,7 +64,10 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "data_types.keep_in_fp32_modules": ("runtime/initialize.py::cfg.data_types.keep_in_fp32_modules",),
     # gradients and communication
     "gradient_clipping": _ENGINE, "communication_data_type": _BUILD, "prescale_gradients": _BUILD,
-    "gradient_predivide_factor": _BUILD, "gradient_allreduce_op": _BUILD, _Z + "ignore_unused_parameters": _BUILD,
+    "gradient_predivide_factor": _BUILD, "gradient_allreduce_op": _BUILD,
+    "sequence_parallel_size": ("runtime/initialize.py::sequence_parallel_size(raw_config)",
+                               "sequence/sp_setup.py::Note: [sequence-parallel gradients]"),
+    "data_parallel_size": ("sequence/sp_setup.py::cfg.data_parallel_size",), _Z + "ignore_unused_parameters": _BUILD,
     **{_Z + f"leaf_module.{k}": ("zero/build.py::apply_leaf_config(module, leaf.classes, leaf.names, "
                                  "leaf.name_suffixes)",) for k in ("classes", "names", "name_suffixes")},
     # ZeRO

@@ -433,6 +433,16 @@ def _solve_batch_over(draft: Draft, counts: tuple[int, ...]) -> tuple[BatchSizes
     raise first
 
 
+def sequence_parallel_size(raw: Mapping[str, Any]) -> int:
+    """The `sequence_parallel_size` a raw ds_config asks for (1 without it), read before
+    `load_config` as `tensor_parallel_size` is; `load_config` validates the key again."""
+    size = raw.get("sequence_parallel_size", 1) if isinstance(raw, Mapping) else 1
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"sequence_parallel_size: got {show(size)}, expected an integer >= 1 "
+                          "(the ranks that share one sample).")
+    return size
+
+
 def tensor_parallel_size(raw: Mapping[str, Any]) -> int:
     """The tensor-parallel size a raw ds_config asks for (1 without the section), read before
     `load_config` so that the data-parallel world size (world / tp) can be given to it; the full

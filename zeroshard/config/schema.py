@@ -403,6 +403,15 @@ class Config:
     """Pipeline parallelism (a PipelineModule given to initialize())."""
     tensor_parallel: TensorParallelConfig = spec(default_factory=TensorParallelConfig)
     """AutoTP tensor parallelism (zeroshard/tensor_parallel/); ZeRO partitions over the data-parallel ranks."""
+    sequence_parallel_size: int = spec(1, ge=1)
+    """Ranks that share one sample, each holding a slice of its sequence (DeepSpeed-Ulysses / ALST
+    sequence parallelism, zeroshard/sequence/). The batch triad counts world / (sp x pp x tp)
+    data-parallel ranks; ZeRO partitions over the dp x sp ranks, and gradients are summed over the
+    sequence-parallel ranks (each backpropagates its share of the loss) and averaged over the
+    data-parallel ones."""
+    data_parallel_size: int | None = spec(None, ge=1)
+    """DeepSpeed's data-parallel size beside `sequence_parallel_size`: when given it must equal
+    world / (sequence_parallel_size x pp x tp) (a check; the sizes follow from the world)."""
     compile: CompileConfig = spec(default_factory=CompileConfig)
     """DeepSpeed's DeepCompile options, each refused unless at its default; `engine.compile()`
     compiles the model without them (runtime/compile.py)."""

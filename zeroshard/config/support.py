@@ -120,7 +120,7 @@ def _all_off(value: Any, gates: Mapping[str, tuple[Any, ...]]) -> bool:
 
 
 OFF_VALUES: dict[str, Callable[[Any], bool]] = {
-    # Sequence parallelism is not built; its communication dtype at DeepSpeed's default asks nothing.
+    # Sequence parallelism's all-to-alls run in the activations' dtype; DeepSpeed's default asks nothing more.
     "seq_parallel_communication_data_type": lambda v: v in ("fp32", "float32", "torch.float32"),
     "vocabulary_size": lambda v: v is None,
     "expert_parallel": lambda v: _all_off(v, {"enabled": (False,)}),

@@ -36,6 +36,7 @@ from zeroshard.runtime.param_access import forget_engine, register_engine, whole
 from zeroshard.runtime.periodic_save import SaveSchedule
 from zeroshard.runtime.preemption import Preemption
 from zeroshard.runtime.zero_optimizer import ZeroOptimizer
+from zeroshard.sequence.sp_setup import gradient_factor
 from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.strategy import GradStats, ModelStateBytes, ZeroStrategy
 from zeroshard.zero.units import ZeroParameter
@@ -319,7 +320,13 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         self._micro.begin_backward(reduces)
         self._strategy.begin_micro_batch(reduces)
         self.timers.start("backward")
-        return 1.0 / self._config.gradient_accumulation_steps
+        return self._sequence_factor() / self._config.gradient_accumulation_steps
+
+    def _sequence_factor(self) -> float:
+        """sp with sequence parallelism: ZeRO's mean then sums the sequence-parallel shares
+        (Note: [sequence-parallel gradients] in sequence/sp_setup.py); 1 otherwise."""
+        parallel = self.parallel
+        return gradient_factor(self._config, parallel.sequence if parallel is not None else None)
 
     def _end_direct_backward(self) -> None:
         self.timers.stop("backward")
@@ -351,7 +358,7 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         self._micro.begin_backward(reduces)
         self._strategy.begin_micro_batch(reduces)
         gas = self._config.gradient_accumulation_steps if scale_wrt_gas else 1
-        scale = self.get_loss_scale() / gas
+        scale = self.get_loss_scale() * self._sequence_factor() / gas
         self.timers.start("backward")
         self._direct.in_engine_backward = True
         try:

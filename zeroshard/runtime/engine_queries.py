@@ -97,7 +97,37 @@ class EngineQueries:
 
     @property
     def dp_world_size(self) -> int:
+        """The ranks the batch is split over (with sequence parallelism, without the sequence ranks)."""
+        return self.comm.world_size // self.sequence_parallel_size
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks sharing one sample (1 without sequence parallelism)."""
+        seq = self._sequence_groups()
+        return seq.size if seq is not None else 1
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """The ranks ZeRO partitions over: data x sequence parallel (DeepSpeed's name)."""
         return self.comm.world_size
+
+    @property
+    def seq_data_parallel_group(self) -> Any:
+        """ZeRO's group, the data- and sequence-parallel ranks together (a torch process group)."""
+        return self.comm.groups.dp_group
+
+    @property
+    def seq_parallel_group(self) -> Any:
+        """The sequence-parallel group (a torch process group; None without sequence parallelism)."""
+        seq = self._sequence_groups()
+        return seq.sp.dp_group if seq is not None else None
+
+    def get_sequence_parallel_group(self) -> Any:
+        return self.seq_parallel_group
+
+    def _sequence_groups(self) -> Any:
+        parallel = getattr(self, "parallel", None)
+        return parallel.sequence if parallel is not None else None
 
     @property
     def global_rank(self) -> int:
@@ -111,7 +141,9 @@ class EngineQueries:
 
     @property
     def data_parallel_group(self) -> Any:
-        return self.comm.groups.dp_group
+        """The ranks the batch is split over (with sequence parallelism, one per sequence group)."""
+        seq = self._sequence_groups()
+        return seq.dp.dp_group if seq is not None else self.comm.groups.dp_group
 
     def get_lr(self) -> list[float]:
         """The learning rate of every param group."""

@@ -19,6 +19,7 @@ from zeroshard.comm.groups import node_leader
 from zeroshard.comm.parallel_dims import ParallelDims, resolve_dims
 from zeroshard.comm.topology import build_mesh
 from zeroshard.config import CheckpointConfig, Config, load_config, read_config_file, tensor_parallel_size
+from zeroshard.config.load import sequence_parallel_size
 from zeroshard.config.pipeline import check_for_pipeline
 from zeroshard.errors import ConfigError, InitializeArgumentError, NotSupportedError
 from zeroshard.moe.prepare import expert_parallel_size
@@ -42,6 +43,14 @@ from zeroshard.runtime.monitor import build_sinks, format_bytes, setup_logging
 from zeroshard.runtime.periodic_save import SaveSchedule
 from zeroshard.runtime.pipe_engine import PipelineEngine, PipeParts
 from zeroshard.runtime.preemption import Preemption
+from zeroshard.sequence.sp_setup import (
+    check_sequence_layout,
+    is_sequence_mpu,
+    loader_rank,
+    make_sequence_groups,
+    mesh_shape,
+    sequence_size,
+)
 from zeroshard.tensor_parallel.setup import (
     ParallelGroups,
     check_recorded_dtype,
@@ -144,7 +153,8 @@ def initialize(
             process group when none exists and reuses the script's own otherwise.
         collate_fn: collate function of the returned data loader.
         config: a ds_config path or dict (DeepSpeed's format, see docs/config.md).
-        mesh_param: DeepSpeed's device-mesh shape: None only (data parallelism).
+        mesh_param: DeepSpeed's (data-parallel size, sequence-parallel size) device mesh; the same
+            as `sequence_parallel_size` in the config (zeroshard/sequence/sp_setup.py).
         config_params: DeepSpeed's legacy name for `config`.
         zero_units: stage 3 only: the modules (or module classes) whose parameters are
             gathered together; default every block of a ModuleList plus the root.
@@ -157,8 +167,8 @@ def initialize(
     Raises:
         ConfigError: the config is invalid, names an unsupported feature, or has an "auto"
             value nothing can resolve.
-        NotSupportedError: `mesh_param` was given, or `mpu` together with `tensor_parallel` or a
-            PipelineModule.
+        NotSupportedError: `mpu` together with `tensor_parallel` or a PipelineModule; sequence
+            parallelism with a PipelineModule or tensor parallelism.
 
     Example::
 
@@ -174,7 +184,7 @@ def initialize(
     source, raw_config = _config_source(args, config if config is not None else config_params)
     world = _join_world(distributed_port)
     pipe_module = model if isinstance(model, PipelineModule) else None
-    cfg, dims = _config_and_dims(source, raw_config, world.world_size, model, pipe_module, mpu, optimizer)
+    cfg, dims = _config_and_dims(source, raw_config, world.world_size, model, pipe_module, mpu, optimizer, mesh_param)
     _check_optimizer_present(cfg, optimizer, model_parameters, training_data, lr_scheduler)
     configure_from_config(cfg)
     _place_model(model, cfg, world.device)
@@ -182,8 +192,9 @@ def initialize(
     check_same_config(cfg, world_comm)  # the first collective: before anything trains on it
     cfg, resumable = _find_resumable(cfg, dims, world_comm)  # before the engine: it may change the batch
     layout = _parallel_layout(world, world_comm, model, cfg, dims, mpu, pipe_module)
-    groups = layout.dp  # ZeRO, the batch and the data loader run over the data-parallel ranks
+    groups = layout.dp  # ZeRO and the batch run over the data-parallel ranks (with SP: dp x sp)
     comm = world_comm if groups is world else Comm(groups, log=world_comm.log, label="dp")
+    seq = layout.sequence = make_sequence_groups(dims, groups, model)
     broadcast_module_state(model, comm)
     pipe = PipeParts(pipe_module, cfg, layout.mesh) if pipe_module is not None else None  # before the strategy's hooks
     param_groups, params = _param_groups_after_split(model, model_parameters, layout)
@@ -192,9 +203,10 @@ def initialize(
     strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units, norm_group=norm_group)
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy, comm, model_parallel=layout.mp_comm is not None)
     sched, scaler = _make_scheduler(cfg, lr_scheduler, opt), _loss_scaler(cfg, groups.device.type)
+    loader_at, loader_of = loader_rank(groups, seq)  # a sequence-parallel group reads the same samples
     loader = None if training_data is None else DistributedDataLoader(
-        training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu, rank=groups.rank,
-        world_size=groups.world_size, collate_fn=collate_fn)
+        training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu, rank=loader_at,
+        world_size=loader_of, collate_fn=collate_fn)
     engine_cls, extra = (ZeroEngine, {}) if pipe is None else (PipelineEngine, {"pipe": pipe})
     engine = engine_cls(
         **extra, module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,
@@ -266,28 +278,31 @@ def _check_arguments(args: Any, model: nn.Module | None, mpu: Any, mesh_param: A
             "in DeepSpeed's signature initialize(args=None, model=None, ...); pass it as model=...")
     if model is None:
         raise InitializeArgumentError("initialize() needs model=: the nn.Module (or PipelineModule) to train")
-    if mpu is not None:
+    if mpu is not None and not is_sequence_mpu(mpu):
         mpu_shape(mpu)  # a missing query is named before anything else happens
     if mesh_param is not None:
-        raise NotSupportedError(
-            f"initialize(mesh_param={mesh_param!r}): device meshes (sequence / tensor parallelism) "
-            "are not supported by zeroshard yet; drop mesh_param=")
+        mesh_shape(mesh_param)  # (dp, sp): a malformed shape is named before anything starts
     if config is not None and config_params is not None:
         raise ConfigError("pass the config once: config= or config_params=, not both")
     return model
 
 
 def _config_and_dims(source: Any, raw_config: Mapping[str, Any], world_size: int, model: nn.Module,
-                     pipe_module: PipelineModule | None, mpu: Any, optimizer: Any) -> tuple[Config, ParallelDims]:
+                     pipe_module: PipelineModule | None, mpu: Any, optimizer: Any,
+                     mesh_param: Any) -> tuple[Config, ParallelDims]:
     """Every parallel dimension decided once (comm/parallel_dims.py), then the config parsed once
     with the batch triad counted over the data-parallel ranks the dims name; both logged."""
+    megatron_mpu = mpu if mpu is not None and not is_sequence_mpu(mpu) else None  # ALST's mpu: sequence groups only
     dims = resolve_dims(world_size, config_tp=tensor_parallel_size(raw_config), recorded_tp=recorded_tp_size(model),
                         pipe=pipe_module.shape if pipe_module else None,
-                        mpu=mpu_shape(mpu) if mpu is not None else None, ep=expert_parallel_size(model))
+                        mpu=mpu_shape(megatron_mpu) if megatron_mpu is not None else None,
+                        ep=expert_parallel_size(model),
+                        sp=sequence_size(sequence_parallel_size(raw_config), mpu, mesh_param))
     cfg = load_config(source, dp_world_size=dims.dp, other_batch_world_sizes=dims.batch_world_sizes[1:],
                       hidden_size=model_hidden_size(model), auto_values=dict(client_auto_values(optimizer)))
     if pipe_module is not None:  # the pipeline's refusals, before anything else reads the config
         check_for_pipeline(cfg, pipe_module.virtual_stages)
+    check_sequence_layout(dims, cfg, pipeline=pipe_module is not None, mesh_param=mesh_param)
     if cfg.zero_optimization.stage == 3:  # hpZ's secondary copy exists at stage 3 only
         dims = dims.with_hpz(cfg.zero_optimization.zero_hpz_partition_size)
     _log_dims(dims, cfg)

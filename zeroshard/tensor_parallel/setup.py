@@ -4,7 +4,8 @@ the model-parallel group the gradient norm spans, and the model sharded for tens
 Two sources: the `tensor_parallel` section (AutoTP: groups from `comm/topology.py`'s (pp, dp, tp)
 mesh, the model split by `tensor_parallel/tp_plan.py`), or a Megatron-style `mpu` object (the script built
 its own tensor-parallel layers and groups; parameters it split carry Megatron's
-`tensor_model_parallel = True`). Imports torch, comm, config, errors, zero and tensor_parallel/.
+`tensor_model_parallel = True`). Imports torch, comm, config, errors, zero, sequence (its groups) and
+tensor_parallel/.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from zeroshard.comm.parallel_dims import MpuShape
 from zeroshard.comm.topology import MeshGroups, Topology, build_mesh
 from zeroshard.config.schema_tp import TensorParallelConfig
 from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.sequence.sp_groups import SequenceGroups
 from zeroshard.tensor_parallel.tp_plan import TensorParallelState, resolve_plan, shard_model, tp_state_of
 from zeroshard.zero.stage0 import broadcast_module_state
 from zeroshard.zero.strategy import ModelParallelNorm
@@ -107,6 +109,8 @@ class ParallelGroups:
     mp_rank: int
     mesh: MeshGroups | None = None
     tp: TensorParallelState | None = None
+    sequence: SequenceGroups | None = None
+    """The sequence-parallel groups (zeroshard/sequence/sp_groups.py); None without sequence parallelism."""
 
     def norm_group(self, model: nn.Module, world_comm: Comm, *,
                    tied_duplicates: frozenset[int] = frozenset()) -> ModelParallelNorm | None:

@@ -1,0 +1,2 @@
+"""deepspeed.runtime.sequence_parallel: ALST's sequence-parallel state (`parallel_state_sp`), served by
+zeroshard.sequence."""
