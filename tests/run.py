@@ -45,7 +45,7 @@ DIST3_SKIP = (
     "test_deepspeed_api.py", "test_safe_accessors.py",  # API shape and accessors (uneven: test_zero*.py)
     "test_estimate_engine.py", "test_engine.py",  # the estimator's and progress lines' plumbing
     "test_moe.py",  # EP = world size needs an even world; the 4-rank layout is unit-tested (test_moe_utils.py)
-    "test_sequence_parallel.py",  # SP 2 and 4 need an even world (SP 2 x DP 2 and SP 4: dist4)
+    "test_sequence_parallel.py", "test_alst.py",  # SP 2 and 4 need an even world (SP 2 x DP 2 and SP 4: dist4)
 )
 
 STAGES: dict[str, list[str]] = {
@@ -64,14 +64,15 @@ STAGES: dict[str, list[str]] = {
     # of this stage's time (tests/run.py prints each stage's slowest tests).
     "dist3": torchrun(3, *PYTEST, "tests/dist", *(f"--ignore=tests/dist/{f}" for f in DIST3_SKIP), rank0_output=True),
     # Pipeline x data (PP 2 x DP 2, PP 4), tensor x data parallelism (TP 2 x DP 2), 3D (PP 2 x TP 2) and
-    # sequence x data parallelism (SP 2 x DP 2, SP 4)
+    # sequence x data parallelism (SP 2 x DP 2, SP 4, ALST at SP 4, the 2D Ulysses x ring layout)
     # need 4 ranks; the rest of tests/dist runs at 1-3 ranks, so this stage runs only those files,
     # and the shared-memory collectives (a sum of 4 terms, 4 rows of the arena).
     "dist4": torchrun(4, *PYTEST, "tests/dist/test_pipeline.py", "tests/dist/test_pipe_grid.py",
                       "tests/dist/test_ulysses.py", "tests/dist/test_pipeline_failures.py",
                       "tests/dist/test_tensor_parallel.py", "tests/dist/test_3d.py",
                       "tests/dist/test_memory_census_3d.py", "tests/dist/test_shm.py",
-                      "tests/dist/test_sequence_parallel.py", rank0_output=True),
+                      "tests/dist/test_sequence_parallel.py", "tests/dist/test_alst.py",
+                      "tests/dist/test_ring_attention.py", rank0_output=True),
     # 3D at PP 2 x DP 2 x TP 2 (dist4 runs PP 2 x TP 2): the claim "equal to one process at 8 ranks"
     # needs 8 ranks; about 130 CPU-seconds, half of it starting 8 interpreters.
     "dist8": torchrun(8, *PYTEST, "tests/dist/test_3d.py", rank0_output=True),

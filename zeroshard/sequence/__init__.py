@@ -18,8 +18,9 @@ from zeroshard.sequence.ring import (
     ulysses_ring_groups,
 )
 from zeroshard.sequence.sp_groups import SequenceGroups, create_sequence_groups, current_sequence_groups
+from zeroshard.sequence.tiled import TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 from zeroshard.sequence.ulysses import DistributedAttention, seq_all_to_all
 
-__all__ = ["DistributedAttention", "RingAttention", "SequenceGroups", "UlyssesRingAttention", "create_sequence_groups",
-           "current_sequence_groups", "ring_attention", "seq_all_to_all", "shard_positions", "token_weighted_loss",
-           "ulysses_ring_groups"]
+__all__ = ["DistributedAttention", "RingAttention", "SequenceGroups", "TiledFusedLogitsLoss", "TiledMLP",
+           "UlyssesRingAttention", "create_sequence_groups", "current_sequence_groups", "ring_attention",
+           "seq_all_to_all", "sequence_tiled_compute", "shard_positions", "token_weighted_loss", "ulysses_ring_groups"]
