@@ -51,12 +51,17 @@ def init_distributed(*args: Any, **kwargs: Any) -> Any:
 
 def initialize(*args: Any, **kwargs: Any) -> Any:
     """`deepspeed.initialize` under the alias: like DeepSpeed's, it first makes sure a process
-    group exists (see `init_distributed`), then runs zeroshard.initialize."""
+    group exists (see `init_distributed`), then runs zeroshard.initialize; with sequence parallelism
+    at ZeRO 3 the engine then averages the sequence ranks' gradients as DeepSpeed 0.19.8 does
+    (sequence/sp_setup.py's `keep_deepspeed_zero3_average`)."""
     from zeroshard import initialize as zs_initialize
+    from zeroshard.sequence.sp_setup import keep_deepspeed_zero3_average
 
     if kwargs.get("dist_init_required", None) is not False:
         init_distributed()
-    return zs_initialize(*args, **kwargs)
+    result = zs_initialize(*args, **kwargs)
+    keep_deepspeed_zero3_average(result[0])  # the version it presents itself as: its clients rely on it
+    return result
 
 
 def _zero_init_class() -> type:

@@ -326,7 +326,9 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, nn.Module):
         """sp with sequence parallelism: ZeRO's mean then sums the sequence-parallel shares
         (Note: [sequence-parallel gradients] in sequence/sp_setup.py); 1 otherwise."""
         parallel = self.parallel
-        return gradient_factor(self._config, parallel.sequence if parallel is not None else None)
+        if parallel is None:
+            return 1.0
+        return gradient_factor(self._config, parallel.sequence, parallel.sequence_sum)
 
     def _end_direct_backward(self) -> None:
         self.timers.stop("backward")

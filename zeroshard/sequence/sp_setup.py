@@ -14,11 +14,14 @@ sp and the mean becomes sum-over-sp / dp at every ZeRO stage and with offload, e
 0.19.8 does the same at ZeRO 0-2 (it divides by dp x sp / sp) but averages at ZeRO 3 (fixed in
 0.20.2, deepspeedai/DeepSpeed#8854); zeroshard follows the maths at every stage
 (docs/deepspeed-differences.md). With ``gradient_allreduce_op: "sum"`` nothing is divided, so
-nothing is multiplied.
+nothing is multiplied. The `deepspeed` alias presents itself as DeepSpeed 0.19.8 and its clients
+compensate for that version's ZeRO-3 averaging (Transformers' Trainer scales the loss by sp), so an
+engine built through the alias keeps 0.19.8's average at ZeRO 3 (`keep_deepspeed_zero3_average`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import nn
@@ -29,6 +32,8 @@ from zeroshard.config.schema import Config
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.sequence.sp_groups import SequenceGroups, create_sequence_groups, forget_sequence_groups
 from zeroshard.sequence.ulysses import DistributedAttention
+
+logger = logging.getLogger(__name__)
 
 
 def is_sequence_mpu(mpu: Any) -> bool:
@@ -127,9 +132,27 @@ def loader_rank(groups: ProcessGroups, seq: SequenceGroups | None) -> tuple[int,
     return (groups.rank, groups.world_size) if seq is None else (seq.dp.rank, seq.dp.world_size)
 
 
-def gradient_factor(cfg: Config, seq: SequenceGroups | None) -> float:
+def gradient_factor(cfg: Config, seq: SequenceGroups | None, sums: bool = True) -> float:
     """What each backward is multiplied by so that ZeRO's mean over dp x sp ranks sums the
-    sequence-parallel shares (Note: [sequence-parallel gradients])."""
-    if seq is None or cfg.gradient_allreduce_op != "mean":
+    sequence-parallel shares (Note: [sequence-parallel gradients]); 1 when `sums` is False (the
+    alias's DeepSpeed 0.19.8 ZeRO-3 rule, `keep_deepspeed_zero3_average`)."""
+    if seq is None or cfg.gradient_allreduce_op != "mean" or not sums:
         return 1.0
     return float(seq.size)
+
+
+def keep_deepspeed_zero3_average(engine: Any) -> None:
+    """Under the `deepspeed` alias (it presents itself as DeepSpeed 0.19.8): at ZeRO 3, average the
+    sequence-parallel ranks' gradients as DeepSpeed 0.19.8 does, because its clients compensate by
+    version. Transformers' Trainer multiplies each rank's share by sp when it sees
+    ``deepspeed<0.20.2`` at ZeRO 3, so summing there would give sp times the gradient (measured with
+    the Trainer flow at SP 2: weights 8.2 relative off one process summing, 5e-7 averaging).
+    `zeroshard.initialize` itself always sums (docs/deepspeed-differences.md)."""
+    parallel = getattr(engine, "parallel", None)
+    if parallel is None or parallel.sequence is None or engine.zero_optimization_stage() != 3:
+        return
+    parallel.sequence_sum = False
+    logger.warning("sequence parallelism at ZeRO 3 through the deepspeed alias: the sequence-parallel ranks' "
+                   "gradients are averaged as DeepSpeed 0.19.8 does (clients such as Transformers' Trainer scale "
+                   "their loss for it); zeroshard.initialize sums them, so a loss made of each rank's share "
+                   "(zeroshard.sequence.token_weighted_loss) needs zeroshard.initialize at ZeRO 3.")

@@ -111,6 +111,9 @@ class ParallelGroups:
     tp: TensorParallelState | None = None
     sequence: SequenceGroups | None = None
     """The sequence-parallel groups (zeroshard/sequence/sp_groups.py); None without sequence parallelism."""
+    sequence_sum: bool = True
+    """Sum the sequence-parallel ranks' gradients (False: average them, DeepSpeed 0.19.8's ZeRO-3 rule,
+    which the `deepspeed` alias keeps: Note: [sequence-parallel gradients] in sequence/sp_setup.py)."""
 
     def norm_group(self, model: nn.Module, world_comm: Comm, *,
                    tied_duplicates: frozenset[int] = frozenset()) -> ModelParallelNorm | None:
