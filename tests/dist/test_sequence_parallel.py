@@ -308,6 +308,18 @@ def test_layouts_not_built_are_refused_by_name(groups: ProcessGroups, extra: dic
         zeroshard.initialize(model=TinyLM(), config=cfg)
 
 
+def test_a_pipeline_with_sequence_parallelism_is_refused_by_name(groups: ProcessGroups) -> None:
+    """PP 2 x SP 2 at 4 ranks: not built, refused at initialize before any group is made."""
+    if groups.world_size != 4:
+        pytest.skip("PP 2 x SP 2 needs 4 ranks")
+    from zeroshard.pipe import LayerSpec, PipelineModule
+
+    net = PipelineModule([LayerSpec(nn.Linear, HIDDEN, HIDDEN) for _ in range(2)], num_stages=2,
+                         loss_fn=nn.MSELoss())
+    with pytest.raises(NotSupportedError, match="sequence_parallel_size 2 together with a PipelineModule"):
+        zeroshard.initialize(model=net, config={**config(1, False, 2, 0.0), "gradient_accumulation_steps": 2})
+
+
 def test_a_model_built_for_sequence_parallelism_needs_the_size(groups: ProcessGroups) -> None:
     """A model whose attention exchanges over a sequence group, trained without sequence_parallel_size
     (every rank would read different samples and average), or with another size, is refused."""

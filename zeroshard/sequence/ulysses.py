@@ -106,7 +106,8 @@ def check_heads_split(counts: dict[str, int], world_size: int) -> None:
         f"DistributedAttention: {what} cannot be split over the {world_size} ranks of the "
         f"sequence-parallel group (Ulysses gives every rank the same whole number of heads). "
         f"Group sizes that work here: {', '.join(map(str, _divisors(common)))}. DeepSpeed's uneven "
-        f"KV-group split is not built, nor a ring attention for more ranks than heads (issue 41 item 3).")
+        f"KV-group split is not built; for more ranks than heads use zeroshard.sequence.RingAttention, or "
+        f"UlyssesRingAttention (Ulysses over a group the heads divide, the ring across groups).")
 
 
 def apply_rotary_pos_emb(t: Tensor, freqs_cos: Tensor, freqs_sin: Tensor) -> Tensor:
@@ -123,9 +124,18 @@ def apply_rotary_pos_emb(t: Tensor, freqs_cos: Tensor, freqs_sin: Tensor) -> Ten
     if rot_dim % 2:
         raise ValueError(f"apply_rotary_pos_emb: rotary dim {rot_dim} (freqs_cos.shape[-1]) must be even.")
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    first, second = t_rot.chunk(2, dim=-1)
-    t_rot = t_rot * freqs_cos + torch.cat((-second, first), dim=-1) * freqs_sin
+    t_rot = t_rot * freqs_cos + _rotate_half(t_rot) * freqs_sin
     return t_rot if t_pass.shape[-1] == 0 else torch.cat((t_rot, t_pass), dim=-1)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    """[x1, x2] -> [-x2, x1] on the last dim's halves (DeepSpeed's private helper of the same name)."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+_torchembed_available = False
+"""DeepSpeed's flag for its optional fused rotary kernel (torchembed); zeroshard has none."""
 
 
 class DistributedAttention(nn.Module):

@@ -1,5 +1,5 @@
 """deepspeed.sequence.layer: DeepSpeed-Ulysses `DistributedAttention` -> zeroshard.sequence.ulysses."""
 
-from zeroshard.sequence.ulysses import DistributedAttention, apply_rotary_pos_emb
+from zeroshard.sequence.ulysses import DistributedAttention, _rotate_half, _torchembed_available, apply_rotary_pos_emb
 
-__all__ = ["DistributedAttention", "apply_rotary_pos_emb"]
+__all__ = ["DistributedAttention", "_rotate_half", "_torchembed_available", "apply_rotary_pos_emb"]
