@@ -149,7 +149,7 @@ def test_head_count_the_group_does_not_divide_is_refused(groups: ProcessGroups) 
     with pytest.raises(NotSupportedError, match=(
             rf"^DistributedAttention: query heads = {p + 1}, key heads = {p + 1}, value heads = {p + 1} cannot be "
             rf"split over the {p} ranks of the sequence-parallel group .* Group sizes that work here: {sizes}\. "
-            r".*issue 41 item 3")):
+            r".*RingAttention")):
         attn(x, x, x, 0)
     # GQA with one KV head: the query heads divide, the KV heads do not.
     q, kv = torch.zeros(BATCH, LOCAL_SEQ, p, HEAD_DIM), torch.zeros(BATCH, LOCAL_SEQ, 1, HEAD_DIM)
