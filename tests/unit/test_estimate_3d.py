@@ -198,3 +198,22 @@ def test_estimate_cli_per_stage_table(tmp_path, capsys: pytest.CaptureFixture[st
     assert float(rows[0][-2]) > float(rows[1][-2])
     assert estimate_main(["--model", str(cfg), "--devices", "3", "--tp", "2"]) == 2
     assert "does not divide the 3 devices" in capsys.readouterr().err
+
+
+def test_ulysses_sequence_parallel_activations_divide_by_sp() -> None:
+    """Ulysses / ring SP stores 1/sp of every activation; a stored score matrix is the whole sequence
+    for 1/sp of the heads (so / sp too); tiled logits keep the hidden states' gradient, not the logits."""
+    from zeroshard.estimate.activations import activation_bytes, head_bytes
+
+    shape = TransformerShape(hidden_size=1024, num_layers=4, num_heads=16, vocab_size=32000, ffn_hidden_size=4096)
+    for flash in (True, False):
+        one = ActivationOptions(seq_len=4096, micro_batch=1, flash_attention=flash)
+        for sp in (2, 4, 8):
+            split = ActivationOptions(seq_len=4096, micro_batch=1, flash_attention=flash, sp=sp)
+            assert layer_bytes(shape, split) * sp == layer_bytes(shape, one)
+            assert activation_bytes(shape, split) * sp == activation_bytes(shape, one)
+    tiled = ActivationOptions(seq_len=4096, micro_batch=1, sp=2, tiled_logits=True)
+    assert head_bytes(shape, tiled) == 2048 * 1024 * 4
+    assert head_bytes(shape, ActivationOptions(seq_len=4096, micro_batch=1, sp=2)) == 2048 * 32000 * (2 + 4 + 4)
+    with pytest.raises(ValueError, match="sequence-parallel size 3 must divide the sequence length 4096"):
+        ActivationOptions(seq_len=4096, micro_batch=1, sp=3)

@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="micro-batches per step (gradient accumulation; default: the stage count)")
     g.add_argument("--virtual-stages", type=int, default=None, help="stages per rank (interleaved; default 2 there)")
     g.add_argument("--sequence-parallel", action="store_true", help="TP's sequence parallelism")
+    g.add_argument("--sp", type=int, default=1,
+                   help="Ulysses / ring sequence-parallel size (sequence_parallel_size): activations per rank / sp")
     return p
 
 
@@ -90,10 +92,11 @@ def _activation_lines(spec: ModelSpec, args: argparse.Namespace, precision: Prec
     lines = []
     for ckpt in (False, True):
         opt = ActivationOptions(seq_len=args.seq_len, micro_batch=args.micro_batch, checkpointing=ckpt,
-                                act_bytes=4 if precision == "fp32" else 2)
+                                act_bytes=4 if precision == "fp32" else 2, sp=args.sp)
         n = activation_bytes(spec.shape, opt)
         lines.append(f"activations per device, seq {args.seq_len} x micro batch {args.micro_batch}, "
-                     f"{'with' if ckpt else 'without'} activation checkpointing: {n / 2**30:.2f} GB")
+                     f"{'with' if ckpt else 'without'} activation checkpointing"
+                     f"{f', sequence-parallel size {args.sp}' if args.sp > 1 else ''}: {n / 2**30:.2f} GB")
     return lines
 
 
@@ -109,7 +112,7 @@ def _parallel_lines(spec: ModelSpec, args: argparse.Namespace, base: Setup) -> l
     act = None
     if args.seq_len is not None and spec.shape is not None:
         act = ActivationOptions(seq_len=args.seq_len, micro_batch=args.micro_batch,
-                                act_bytes=4 if base.precision == "fp32" else 2)
+                                act_bytes=4 if base.precision == "fp32" else 2, sp=args.sp)
     acts = f"of seq {args.seq_len}" if act else "not estimated: give --seq-len"
     lines = [f"{layout.label()}, {layout.micro_batches} micro-batches: one rank of each pipeline stage, GB "
              f"({base.precision}; activations {acts})",

@@ -14,8 +14,12 @@ and MLP regions over `tp` ranks (Q, K, V, the output projection's input, the MLP
 the scores, the vocabulary-parallel logits) and leaves the rest replicated: the two layer-norm
 inputs, the two region inputs and the two dropout masks, 10 of the 34 bytes. Sequence
 parallelism (section 4.2.2) cuts those along the sequence too, so everything is divided by `tp`.
-A pipeline stage keeps several micro-batches' activations at once: `in_flight` gives how many per
-schedule. Imports nothing of ours but `estimate.spec`. Worked examples in docs/estimate.md.
+DeepSpeed-Ulysses / ring sequence parallelism over `sp` ranks (zeroshard/sequence/) is another axis:
+every tensor a layer stores holds 1/sp of the sequence (inside Ulysses' attention, the whole
+sequence for 1/sp of the heads: the same count; a stored score matrix is s x s for 1/sp of the heads),
+and so do the logits; `tiled_logits` (TiledFusedLogitsLoss) keeps only the hidden states' gradient
+instead of the logits. A pipeline stage keeps several micro-batches' activations at once: `in_flight`
+gives how many per schedule. Imports nothing of ours but `estimate.spec`. Worked examples in docs/estimate.md.
 """
 
 from __future__ import annotations
@@ -45,12 +49,21 @@ class ActivationOptions:
     """Tensor-parallel size: the attention / MLP tensors and the logits are split over `tp` ranks."""
     sequence_parallel: bool = False
     """With tp > 1: the norms' and dropouts' tensors are cut along the sequence as well."""
+    sp: int = 1
+    """Ulysses / ring sequence-parallel size: each rank stores 1/sp of every activation."""
+    tiled_logits: bool = False
+    """The loss from hidden states tile by tile (TiledFusedLogitsLoss): no [s, vocab] logits kept,
+    only the hidden states' gradient (s*b*h fp32) computed in the forward."""
+
+    def __post_init__(self) -> None:
+        if self.sp < 1 or self.seq_len % self.sp:
+            raise ValueError(f"sequence-parallel size {self.sp} must divide the sequence length {self.seq_len}")
 
 
 @lru_cache(maxsize=4096)
 def layer_bytes(shape: TransformerShape, opt: ActivationOptions) -> int:
     """Activations one transformer layer keeps for backward (Korthikanti et al., eq. 1)."""
-    s, b, h, a = opt.seq_len, opt.micro_batch, shape.hidden_size, shape.num_heads
+    s, b, h, a = opt.seq_len // opt.sp, opt.micro_batch, shape.hidden_size, shape.num_heads
     sbh = s * b * h
     t = max(1, opt.tp)
     ffn_elems = s * b * shape.ffn_hidden_size * (3 if shape.gated_mlp else 2)
@@ -65,21 +78,24 @@ def layer_bytes(shape: TransformerShape, opt: ActivationOptions) -> int:
         replicated, masks = -(-replicated // t), -(-masks // t)
     scores = 0
     if not opt.flash_attention or shape.attention_scores_stored:
-        per = a * s * s * b
+        per = a * s * opt.seq_len * b  # the whole sequence's scores for 1/sp of the heads
         scores = opt.act_bytes * per * (2 if opt.dropout else 1) + (per if opt.dropout else 0)
     return opt.act_bytes * (-(-split // t) + replicated) + masks + -(-scores // t)
 
 
 def head_bytes(shape: TransformerShape, opt: ActivationOptions) -> int:
     """Logits (activation dtype), the loss's fp32 copy and its gradient: s*b*V*(act + 4 + 4)."""
-    svb = -(-opt.seq_len * opt.micro_batch * shape.vocab_size // max(1, opt.tp))  # vocabulary-parallel logits
+    s = opt.seq_len // opt.sp
+    if opt.tiled_logits:
+        return s * opt.micro_batch * shape.hidden_size * 4
+    svb = -(-s * opt.micro_batch * shape.vocab_size // max(1, opt.tp))  # vocabulary-parallel logits
     upcast = 4 if opt.act_bytes < 4 else 0
     return svb * (opt.act_bytes + upcast + 4)
 
 
 def embed_bytes(shape: TransformerShape, opt: ActivationOptions) -> int:
     """One layer's input (the residual stream): s*b*h, cut by tp under sequence parallelism."""
-    sbh = opt.act_bytes * opt.seq_len * opt.micro_batch * shape.hidden_size
+    sbh = opt.act_bytes * (opt.seq_len // opt.sp) * opt.micro_batch * shape.hidden_size
     return -(-sbh // opt.tp) if opt.sequence_parallel and opt.tp > 1 else sbh
 
 
