@@ -294,6 +294,37 @@ def test_a_checkpoint_saved_at_sp2_resumes_without_sequence_parallelism(groups: 
     assert_matches(first, full_weights(plain, 2), (want[0][:2], want[1], None))
 
 
+def test_the_data_position_survives_a_change_of_sequence_parallel_size(groups: ProcessGroups,
+                                                                      shared_dir: Path) -> None:
+    """The engine's data loader (training_data=) splits samples over data-parallel ranks only, so the
+    ranks of a sequence group read the same samples; a checkpoint saved at SP 2 records the global
+    position, and the same job resumed at SP 1 (every rank its own samples) reads on exactly where
+    the SP 2 run would have: the next two micro-batches of SP 2 are what the two SP 1 ranks read."""
+    dp = _layout(groups, 2)
+    if dp != 1:
+        pytest.skip("SP 2 -> SP 1 at 2 ranks")
+    ids, labels = samples(4, 1, 2)
+    data = list(zip(ids, labels))
+    seq = create_sequence_groups(groups, 2)
+    engine, _, loader, _ = zeroshard.initialize(model=TinyLM(seq.sp.dp_group), training_data=data,
+                                                config=config(2, False, 2, 0.0))
+    batches = iter(loader)
+    cut = slice((groups.rank % 2) * LOCAL, (groups.rank % 2 + 1) * LOCAL)
+    for _ in range(2 * GAS):
+        x, y = next(batches)
+        engine.backward(engine(x[:, cut], y[:, cut], offset=(groups.rank % 2) * LOCAL))
+        engine.step()
+    engine.save_checkpoint(str(shared_dir), tag="sp2")
+    would_read = torch.cat([next(batches)[0] for _ in range(2)])  # the SP 2 run's next two micro-batches
+    cfg = {**config(2, False, 1, 0.0), "gradient_accumulation_steps": 1}
+    plain, _, plain_loader, _ = zeroshard.initialize(model=TinyLM(), training_data=data, config=cfg)
+    plain.load_checkpoint(str(shared_dir), tag="sp2", load_rng_state=True)  # with the data position
+    mine = next(iter(plain_loader))[0]
+    both = [torch.empty_like(mine) for _ in range(groups.world_size)]
+    torch.distributed.all_gather(both, mine)
+    assert sorted(map(tuple, torch.cat(both).tolist())) == sorted(map(tuple, would_read.tolist()))
+
+
 @pytest.mark.parametrize("extra, error, match", [
     ({"sequence_parallel_size": 3}, ConfigError, r"cannot hold sequence-parallel size 3"),
     ({"data_parallel_size": 7}, ConfigError, r"data_parallel_size is 7, but"),
