@@ -339,6 +339,19 @@ def test_layouts_not_built_are_refused_by_name(groups: ProcessGroups, extra: dic
         zeroshard.initialize(model=TinyLM(), config=cfg)
 
 
+def test_a_second_engine_without_sequence_parallelism_keeps_the_groups(groups: ProcessGroups) -> None:
+    """TRL builds a reference model's engine beside the trained one: an engine without SP leaves the
+    process's sequence groups (and DeepSpeed's getters, which Transformers' loss calls) alone."""
+    from zeroshard.compat import ds_groups
+
+    _layout(groups, 2)
+    seq = create_sequence_groups(groups, 2)
+    trained, *_ = zeroshard.initialize(model=TinyLM(seq.sp.dp_group), config=config(1, False, 2, 0.0))
+    zeroshard.initialize(model=TinyLM(), config=config(1, False, 1, 0.0))
+    assert ds_groups._get_sequence_parallel_world_size() == 2
+    assert ds_groups._get_sequence_parallel_group() is seq.sp.dp_group is trained.seq_parallel_group
+
+
 def test_a_pipeline_with_sequence_parallelism_is_refused_by_name(groups: ProcessGroups) -> None:
     """PP 2 x SP 2 at 4 ranks: not built, refused at initialize before any group is made."""
     if groups.world_size != 4:

@@ -30,7 +30,7 @@ from zeroshard.comm import ProcessGroups, get_global_rank, get_world_size
 from zeroshard.comm.parallel_dims import ParallelDims
 from zeroshard.config.schema import Config
 from zeroshard.errors import ConfigError, NotSupportedError
-from zeroshard.sequence.sp_groups import SequenceGroups, create_sequence_groups, forget_sequence_groups
+from zeroshard.sequence.sp_groups import SequenceGroups, create_sequence_groups
 from zeroshard.sequence.ulysses import DistributedAttention
 
 logger = logging.getLogger(__name__)
@@ -117,8 +117,8 @@ def make_sequence_groups(dims: ParallelDims, seq_dp: ProcessGroups, model: nn.Mo
                     f"but the engine's sequence-parallel group is {want or 'none'} (sequence_parallel_size {dims.sp}); "
                     f"set sequence_parallel_size to {size} in the config, or build the attention over "
                     "zeroshard.sequence.create_sequence_groups(...).sp.dp_group.")
-    if seq is None:
-        forget_sequence_groups()  # this engine has none: DeepSpeed's getters answer 1
+    # Without SP here the process's groups stay (as DeepSpeed's parallel_state_sp globals do): a
+    # second engine without SP (TRL's reference model) must not take them from the first.
     return seq
 
 
