@@ -44,6 +44,7 @@ from zeroshard.runtime.periodic_save import SaveSchedule
 from zeroshard.runtime.pipe_engine import PipelineEngine, PipeParts
 from zeroshard.runtime.preemption import Preemption
 from zeroshard.sequence.sp_setup import (
+    check_megatron_sequence_mpu,
     check_sequence_layout,
     is_sequence_mpu,
     loader_rank,
@@ -280,6 +281,7 @@ def _check_arguments(args: Any, model: nn.Module | None, mpu: Any, mesh_param: A
         raise InitializeArgumentError("initialize() needs model=: the nn.Module (or PipelineModule) to train")
     if mpu is not None and not is_sequence_mpu(mpu):
         mpu_shape(mpu)  # a missing query is named before anything else happens
+        check_megatron_sequence_mpu(mpu)
     if mesh_param is not None:
         mesh_shape(mesh_param)  # (dp, sp): a malformed shape is named before anything starts
     if config is not None and config_params is not None:

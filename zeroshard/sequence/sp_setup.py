@@ -38,8 +38,28 @@ logger = logging.getLogger(__name__)
 
 def is_sequence_mpu(mpu: Any) -> bool:
     """An mpu that describes sequence parallelism only (DeepSpeed's ``parallel_state_sp``, which ALST's
-    ``register_with_transformers`` returns): its model-parallel queries answer the sequence group."""
-    return mpu is not None and hasattr(mpu, "initialize_sequence_parallel")
+    ``register_with_transformers`` returns): it can initialize sequence parallelism and has no
+    data-parallel queries (DeepSpeed's own test for it); its model-parallel queries answer the
+    sequence group."""
+    return (mpu is not None and hasattr(mpu, "initialize_sequence_parallel")
+            and not hasattr(mpu, "get_data_parallel_world_size"))
+
+
+def check_megatron_sequence_mpu(mpu: Any) -> None:
+    """A Megatron-style mpu (data- and model-parallel groups) that also reports sequence parallelism
+    (Megatron-DeepSpeed's Ulysses) is refused by name: its groups are not read for SP yet.
+
+    Raises:
+        NotSupportedError: the mpu's sequence-parallel size is above 1.
+    """
+    if mpu is None or is_sequence_mpu(mpu) or not hasattr(mpu, "get_sequence_parallel_world_size"):
+        return
+    size = mpu.get_sequence_parallel_world_size()
+    if isinstance(size, int) and size > 1:
+        raise NotSupportedError(
+            f"initialize(mpu=...): the mpu has data- and model-parallel groups and a sequence-parallel size of {size} "
+            "(Megatron-DeepSpeed's Ulysses); zeroshard reads sequence parallelism from DeepSpeed's parallel_state_sp "
+            "mpu or the config's sequence_parallel_size only. Drop the mpu's sequence parallelism, or use those.")
 
 
 def sequence_size(config_sp: int, mpu: Any, mesh_param: Any = None) -> int:
