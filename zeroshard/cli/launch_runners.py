@@ -3,6 +3,8 @@
 Imports nothing of ours but `zeroshard.errors` and `zeroshard.cli.launch_env` (no torch). The
 builders are pure (the tests compare their output); `run_commands` starts the commands, forwards
 signals, and stops the rest as soon as one fails, so a dead node never leaves the others hanging.
+A `Rendezvous` turns torchrun's static master_addr/port start into its c10d rendezvous, which
+restarts failed workers (``--max_restarts``) and lets the node count change (``--nnodes MIN:MAX``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from zeroshard.errors import LaunchError
 
 __all__ = [
     "NodeCommand",
+    "Rendezvous",
     "WorkerSpec",
     "check_port_free",
     "free_port",
@@ -34,6 +37,7 @@ __all__ = [
     "slurm_command",
     "ssh_commands",
     "torchrun_command",
+    "with_log_dir",
 ]
 
 _GRACE_S = 10.0
@@ -93,6 +97,31 @@ class WorkerSpec:
         return [python, "-u", *(["-m"] if self.module else []), self.script, *self.script_args]
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """torchrun's c10d rendezvous for a job that restarts or changes size.
+
+    Every node's agent meets at ``endpoint`` (``host:port``; the agent on that host holds the
+    store, so that node must outlive the others) under ``run_id``; a round starts workers once
+    ``min_nodes`` agents have joined and, for a range, ``last_call_timeout`` more seconds have
+    passed or ``max_nodes`` joined. A failed worker makes its agent stop the node's workers and
+    join a new round, up to ``max_restarts`` times; the other agents see it waiting and join too.
+    ``conf`` is torchrun's ``--rdzv_conf`` text (``key=value,...``), passed as given.
+    """
+
+    min_nodes: int
+    max_nodes: int
+    endpoint: str
+    run_id: str
+    max_restarts: int
+    conf: str = ""
+
+    @property
+    def nnodes(self) -> str:
+        """torchrun's ``--nnodes``: ``N`` for a fixed count, else ``MIN:MAX``."""
+        return str(self.min_nodes) if self.min_nodes == self.max_nodes else f"{self.min_nodes}:{self.max_nodes}"
+
+
 def torchrun_command(
     worker: WorkerSpec,
     *,
@@ -103,12 +132,30 @@ def torchrun_command(
     master_port: int,
     env: Mapping[str, str],
     python: str = sys.executable,
+    rendezvous: Rendezvous | None = None,
 ) -> NodeCommand:
     """``python -m torch.distributed.run ...`` for this node's workers.
 
     torchrun's elastic agent sets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* for each worker and
     stops all of them when one fails (``--max_restarts 0``), so a crash never becomes a hang.
+    With a `Rendezvous` the nodes meet through c10d instead of the static ``master_addr``/port
+    (``nnodes``, ``node_rank`` and ``master_*`` are then unused: the rendezvous numbers the nodes),
+    and the agent restarts the workers up to ``rendezvous.max_restarts`` times.
     """
+    if rendezvous is not None:
+        conf = ["--rdzv_conf", rendezvous.conf] if rendezvous.conf else []
+        argv = [
+            python, "-m", "torch.distributed.run",
+            "--nnodes", rendezvous.nnodes,
+            "--nproc_per_node", str(nproc_per_node),
+            "--rdzv_backend", "c10d",
+            "--rdzv_endpoint", rendezvous.endpoint,
+            "--rdzv_id", rendezvous.run_id,
+            *conf,
+            "--max_restarts", str(rendezvous.max_restarts),
+            *worker.torchrun_args(),
+        ]
+        return NodeCommand(argv, dict(env))
     argv = [
         python, "-m", "torch.distributed.run",
         "--nnodes", str(nnodes),
@@ -122,6 +169,15 @@ def torchrun_command(
     return NodeCommand(argv, dict(env))
 
 
+def with_log_dir(cmd: NodeCommand, log_dir: str) -> NodeCommand:
+    """``cmd`` (a `torchrun_command`) with torchrun's ``--log_dir``: torchrun makes one
+    ``attempt_<k>`` directory there per attempt (k = the restart count), which `zeroshard launch`
+    counts for its summary. The workers' output still goes to the console."""
+    if cmd.argv[1:3] != ["-m", "torch.distributed.run"]:
+        raise ValueError(f"not a torchrun command: {cmd.shell()}")
+    return NodeCommand([*cmd.argv[:3], "--log_dir", log_dir, *cmd.argv[3:]], dict(cmd.env), cmd.stdin)
+
+
 def node_launch_argv(
     worker: WorkerSpec,
     *,
@@ -133,6 +189,7 @@ def node_launch_argv(
     device_ids: Sequence[int] | None = None,
     node_devices: Sequence[Sequence[int]] | None = None,
     watch_stdin: bool = False,
+    restarts: tuple[int, str, str] | None = None,
     python: str = sys.executable,
 ) -> list[str]:
     """The per-node ``zeroshard launch`` that ssh/pdsh start on each host.
@@ -140,6 +197,8 @@ def node_launch_argv(
     It runs with ``--node_rank`` (so it takes the one-node torchrun path there) and
     ``--no_env_file`` (the launching host already exported the env files' variables).
     ``node_rank`` is a string so pdsh can pass ``%n``, which it replaces with the host's rank.
+    ``restarts`` (max_restarts, rdzv_id, rdzv_conf) makes every node's agent restart its workers
+    through a c10d rendezvous at ``master_addr:master_port``.
     """
     argv = [python, "-u", "-m", "zeroshard.cli.launch",
             "--num_nodes", str(num_nodes), "--node_rank", node_rank]
@@ -150,6 +209,9 @@ def node_launch_argv(
     if node_devices is not None:
         argv += ["--node_devices", ";".join(",".join(map(str, d)) for d in node_devices)]
     argv += ["--master_addr", master_addr, "--master_port", str(master_port), "--no_env_file"]
+    if restarts is not None:
+        max_restarts, run_id, conf = restarts
+        argv += ["--max_restarts", str(max_restarts), "--rdzv_id", run_id, *(["--rdzv_conf", conf] if conf else [])]
     if watch_stdin:
         argv.append("--watch_stdin")
     return argv + worker.launcher_flags()
@@ -168,6 +230,7 @@ def ssh_commands(
     exports: Mapping[str, str],
     cwd: str,
     ssh_port: int | None = None,
+    restarts: tuple[int, str, str] | None = None,
     python: str = sys.executable,
 ) -> list[NodeCommand]:
     """One ``ssh HOST 'export ...; cd CWD; python -m zeroshard.cli.launch ...'`` per host.
@@ -180,7 +243,7 @@ def ssh_commands(
         remote = node_launch_argv(
             worker, num_nodes=len(hosts), node_rank=str(rank), nproc_per_node=len(slots),
             device_ids=None if _is_full(slots) else slots, watch_stdin=True,
-            master_addr=master_addr, master_port=master_port, python=python,
+            master_addr=master_addr, master_port=master_port, restarts=restarts, python=python,
         )
         line = f"{export_prefix(exports)}cd {shlex.quote(cwd)}; {shlex.join(remote)}"
         port = ["-p", str(ssh_port)] if ssh_port is not None else []
@@ -198,6 +261,7 @@ def pdsh_command(
     exports: Mapping[str, str],
     cwd: str,
     ssh_port: int | None = None,
+    restarts: tuple[int, str, str] | None = None,
     python: str = sys.executable,
 ) -> NodeCommand:
     """One ``pdsh -S -w h0,h1,... '<per-node launch>'`` for all hosts.
@@ -210,7 +274,7 @@ def pdsh_command(
     remote = node_launch_argv(
         worker, num_nodes=len(hosts), node_rank=node_rank,
         node_devices=[list(s) for s in hosts.values()],
-        master_addr=master_addr, master_port=master_port, python=python,
+        master_addr=master_addr, master_port=master_port, restarts=restarts, python=python,
     )
     line = f"{export_prefix(exports)}cd {shlex.quote(cwd)}; {shlex.join(remote)}"
     env = {"PDSH_RCMD_TYPE": "ssh"}
@@ -306,8 +370,10 @@ def _stdin_closed() -> threading.Event:
 
 
 def run_commands(commands: Sequence[NodeCommand], *, watch_stdin: bool = False,
-                 poll_s: float = 0.1) -> int:
+                 poll_s: float = 0.1, received: list[int] | None = None) -> int:
     """Start every command, wait, and return the first non-zero exit code (else 0).
+
+    ``received``, when given, collects the signals the launcher passed on (SIGTERM for a closed stdin).
 
     When one command fails the others are terminated at once; SIGTERM / SIGHUP received by the
     launcher are passed on to the children, so killing the launcher kills the job. SIGUSR1 (SLURM's
@@ -324,6 +390,8 @@ def run_commands(commands: Sequence[NodeCommand], *, watch_stdin: bool = False,
     stdin_closed = _stdin_closed() if watch_stdin else None
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        if received is not None:
+            received.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM if signum == signal.SIGUSR1 else signum)
@@ -341,6 +409,8 @@ def run_commands(commands: Sequence[NodeCommand], *, watch_stdin: bool = False,
             if stdin_closed is not None and stdin_closed.is_set():
                 print("zeroshard launch: stdin closed (launcher or connection gone); "
                       "stopping the workers", file=sys.stderr, flush=True)
+                if received is not None:
+                    received.append(signal.SIGTERM)
                 _stop(procs)
                 return 128 + signal.SIGTERM
             codes = [p.poll() for p in procs]
@@ -353,6 +423,8 @@ def run_commands(commands: Sequence[NodeCommand], *, watch_stdin: bool = False,
                 return 0
             time.sleep(poll_s)
     except KeyboardInterrupt:
+        if received is not None:
+            received.append(signal.SIGINT)
         _stop(procs)
         return 130
     except FileNotFoundError as e:
