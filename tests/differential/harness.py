@@ -36,6 +36,25 @@ from torchrun_cmd import torchrun  # noqa: E402  the sibling modules load after 
 JOB_TIMEOUT_S = 1800
 
 
+def run_worker(worker: str, engine: str, out_dir: Path, timeout: int = JOB_TIMEOUT_S) -> Any:
+    """One 2-rank torchrun job of a sibling worker script (`worker`, run with ``--engine ENGINE
+    --out OUT_DIR``) that writes OUT_DIR/<engine>.json on rank 0; its output goes to
+    OUT_DIR/<engine>.log. Returns the records.
+
+    Raises:
+        AssertionError: the job wrote no records (the log says why).
+    """
+    out = out_dir / f"{engine}.json"
+    out.unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(HERE / worker), "--engine", engine, "--out", str(out_dir)]
+    with open(out_dir / f"{engine}.log", "w") as log:
+        subprocess.run(cmd, cwd=ROOT, env=job_env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+    assert out.exists(), f"the {engine} job wrote no records; see {out_dir / f'{engine}.log'}"
+    return json.loads(out.read_text())
+
+
 def job_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".ds_build"))

@@ -15,8 +15,6 @@ Records in runs/sp/.
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import conftest  # noqa: E402  the sibling modules load after the sys.path insert
-from harness import ROOT, job_env  # noqa: E402  the sibling modules load after the sys.path insert
+from harness import ROOT, run_worker  # noqa: E402  the sibling modules load after the sys.path insert
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed: pip install -e '.[bench]'", allow_module_level=True)
@@ -36,21 +34,9 @@ OUT = ROOT / "runs" / "sp"
 TOL = 1e-5
 
 
-def _run(engine: str) -> dict:
-    out = OUT / f"{engine}.json"
-    out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(HERE / "sp_worker.py"), "--engine", engine, "--out", str(OUT)]
-    OUT.mkdir(parents=True, exist_ok=True)
-    with open(OUT / f"{engine}.log", "w") as log:
-        subprocess.run(cmd, cwd=ROOT, env=job_env(), stdout=log, stderr=subprocess.STDOUT, timeout=1200, check=False)
-    assert out.exists(), f"the {engine} job wrote no records; see {OUT / f'{engine}.log'}"
-    return json.loads(out.read_text())
-
-
 @pytest.fixture(scope="module")
 def records() -> tuple[dict, dict]:
-    return _run("ds"), _run("zs")
+    return run_worker("sp_worker.py", "ds", OUT, timeout=1200), run_worker("sp_worker.py", "zs", OUT, timeout=1200)
 
 
 def _rel(a: list, b: list) -> float:
