@@ -446,7 +446,8 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
 @pytest.mark.parametrize("overrides, message", [
     ({"comet": {"enabled": True}}, 'not supported yet: comet={"enabled": true}.'),
     ({"aio__use_gds": True}, "not supported yet: aio.use_gds=true. GPUDirect Storage is not built"),
-    ({"checkpoint__load_universal": True}, "not supported yet: checkpoint.load_universal=true."),
+    ({"checkpoint__parallel_write": {"pipeline_stage": True}},
+     "not supported yet: checkpoint.parallel_write.pipeline_stage=true."),
     ({"zero_optimization": {"stage": 3, "stage3_use_all_reduce_for_fetch_params": True}},
      "not supported yet: zero_optimization.stage3_use_all_reduce_for_fetch_params=true."),
     ({"compile": {"deepcompile": True}}, "not supported yet: compile.deepcompile=true."),

@@ -1,7 +1,8 @@
 """`ShardedCheckpointer`: the `Checkpointer` (runtime/checkpoint_state.py) initialize() gives the engine.
 
 Saves zeroshard's format; loads zeroshard's (a pipeline's too: checkpoint/pipe_files.py) and DeepSpeed
-0.19's (checkpoint/ds_import.py; its AutoTP files: checkpoint/ds_autotp.py)."""
+0.19's (checkpoint/ds_import.py; its AutoTP files: checkpoint/ds_autotp.py; its universal
+checkpoints: checkpoint/ds_universal.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from zeroshard.checkpoint.agreed import reads_in_turn
 from zeroshard.checkpoint.async_save import AsyncSaver
 from zeroshard.checkpoint.ds_autotp import is_autotp, load_autotp
 from zeroshard.checkpoint.ds_import import find_deepspeed, load_deepspeed
+from zeroshard.checkpoint.ds_universal import find_universal, load_universal
 from zeroshard.checkpoint.load import load_state
 from zeroshard.checkpoint.pipe_files import find_pipeline, load_pipeline_into_plain
 from zeroshard.checkpoint.recovery import write_recovery_script
@@ -40,11 +42,15 @@ class ShardedCheckpointer:
             `newest_verified`.
         keep_last: `checkpoint.keep_last`: after each publish, keep the newest K complete tags
             of the directory saved into (checkpoint/retention.py); 0 keeps all.
+        prefer_universal: `checkpoint.load_universal`: a load without a tag reads
+            `latest_universal` (DeepSpeed's converter writes it) even where `latest` exists;
+            without it, `latest_universal` is read only where there is no `latest`.
     """
 
     def __init__(self, comm: "Comm", node_leader: int | None = None, *, async_save: bool = False,
-                 keep_last: int = 0) -> None:
+                 keep_last: int = 0, prefer_universal: bool = False) -> None:
         self._comm = comm
+        self._prefer_universal = prefer_universal
         self._node_leader = node_leader
         self._async = AsyncSaver(comm, node_leader) if async_save else None
         self._keep_last = keep_last
@@ -88,6 +94,10 @@ class ShardedCheckpointer:
         if pipe is not None:  # a pipeline's checkpoint into this model without a pipeline (pipe_files.py)
             return load_pipeline_into_plain(target, self._comm, *pipe, load_optimizer_states=load_optimizer_states,
                                             load_module_only=load_module_only, strict=strict)
+        universal = find_universal(load_dir, tag, self._prefer_universal)
+        if universal is not None:  # ds_to_universal's output (ds_universal.py), at any layout
+            return load_universal(target, self._comm, universal, load_optimizer_states=load_optimizer_states,
+                                  load_module_only=load_module_only, strict=strict)
         # A tag directory DeepSpeed wrote (no zeroshard manifest) is read in place (ds_import.py).
         ds_ckpt = find_deepspeed(load_dir, tag)
         if ds_ckpt is not None and is_autotp(ds_ckpt):  # AutoTP: one file set per TP rank (ds_autotp.py)

@@ -13,6 +13,7 @@ commands:
   estimate       model-state memory per device and per node for every ZeRO stage and offload
   plan           pick the fastest configuration that fits the hardware; write its ds_config.json
   to-fp32        consolidate a checkpoint into one fp32 state dict (CPU only)
+  to-deepspeed   write a checkpoint as a DeepSpeed universal checkpoint (CPU only)
   bench-io       swap bandwidth on a directory for a grid of aio settings; prints the aio block
   report         plot the CSV monitor output of one or more runs (loss, lr, samples/s, memory)
 
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         from zeroshard.cli.plan import main as run
     elif command == "to-fp32":
         from zeroshard.cli.to_fp32 import main as run
+    elif command == "to-deepspeed":
+        from zeroshard.cli.to_deepspeed import main as run
     elif command == "bench-io":
         from zeroshard.cli.bench_io import main as run
     elif command == "report":

@@ -128,6 +128,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "checkpoint.auto_resume_dir": ("runtime/initialize.py::cfg.checkpoint.auto_resume_dir",),
     "checkpoint.async_save": ("runtime/initialize.py::section.async_save",),
     "checkpoint.keep_last": ("runtime/initialize.py::section.keep_last",),
+    "checkpoint.load_universal": ("runtime/initialize.py::section.load_universal",),
     "checkpoint.save_dir": ("runtime/periodic_save.py::section.save_dir",),
     "checkpoint.save_interval_steps": ("runtime/periodic_save.py::section.save_interval_steps",),
     "checkpoint.save_interval_minutes": ("runtime/periodic_save.py::section.save_interval_minutes",),

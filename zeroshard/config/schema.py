@@ -248,7 +248,10 @@ class CheckpointConfig:
     mismatch). Accepted without effect: zeroshard always refuses a save_dir or tag that differs
     across ranks, whatever this says."""
     load_universal: bool = False
-    """Load a DeepSpeed universal checkpoint."""
+    """A load without a tag reads `latest_universal` (a DeepSpeed universal checkpoint, which
+    `ds_to_universal` or `zeroshard to-deepspeed` writes) even where `latest` exists. Universal
+    checkpoints load at any world size and ZeRO stage whatever this says; without it, `latest_universal`
+    is read only where there is no `latest`."""
     use_node_local_storage: bool = False
     """Each node's first rank writes its node's copy of the non-sharded files (model file,
     manifest, `latest`) next to its ranks' shards, so a disk of each node's own holds a checkpoint

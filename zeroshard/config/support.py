@@ -49,7 +49,7 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 "host buffers (zero/offload/nvme_io.py).", fix='Remove the key (or set it to false).'),
     *(Unsupported(key=f"checkpoint.{k}", why=f"checkpoint.{k} is not implemented (zeroshard's checkpoints "
                   "are one directory per tag, resharded on load).", fix="Remove the key.")
-      for k in ("load_universal", "parallel_write", "checkpoint_serialization")),
+      for k in ("parallel_write", "checkpoint_serialization")),
     Unsupported(key="tensor_parallel.vocab_parallel_lm_head", allowed=(None, False),
                 why="a vocabulary-parallel head and loss are not built (an untied head is column-parallel with "
                 "its output gathered).", fix="Set it to null or false."),

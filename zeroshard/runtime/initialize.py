@@ -426,7 +426,8 @@ def _checkpointer(comm: Comm, node_local: bool, section: CheckpointConfig | None
     # `section` (the engine's checkpointer): checkpoint.async_save and checkpoint.keep_last.
     return ShardedCheckpointer(comm, node_leader(comm.groups) if node_local else None,
                                async_save=section is not None and section.async_save,
-                               keep_last=section.keep_last if section is not None else 0)
+                               keep_last=section.keep_last if section is not None else 0,
+                               prefer_universal=section is not None and section.load_universal)
 
 
 def _engine_checkpointer(cfg: Config, layout: ParallelGroups, world_comm: Comm, comm: Comm,

@@ -33,7 +33,8 @@ def _allow_fp16_on_cpu() -> None:
     acc.is_fp16_supported = lambda: True  # type: ignore[method-assign]
 
 
-def run_case(case: str, out: Path) -> None:
+def run_case(case: str, out: Path, client: dict[str, Any] | None = None) -> None:
+    """`client`: more client_state keys (ds_universal_gen.py adds what DeepSpeed's converter needs)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -44,7 +45,7 @@ def run_case(case: str, out: Path) -> None:
     data = batches()
     gas = GLOBAL_BATCH // world
     step_losses(engine, data[:J], rank, world, gas)
-    engine.save_checkpoint(str(out / case), client_state={"case": case, "steps": J})
+    engine.save_checkpoint(str(out / case), client_state={"case": case, "steps": J, **(client or {})})
     losses = step_losses(engine, data[J:], rank, world, gas)
     if rank == 0:
         (out / case / "losses.json").write_text(json.dumps({"losses": losses, "global_steps": engine.global_steps,

@@ -5,6 +5,9 @@ torchrun otherwise).
     ds_ckpt_load.py DIR STAGES CASE [CASE ...]    STAGES: zeroshard stages, e.g. "0,3" ("same": the saved one)
     ds_ckpt_load.py DIR refuse CASE              unmappable checkpoints are refused; the engine trains on
 
+A CASE ending in "-uc" loads DIR/CASE, DeepSpeed's universal conversion of DIR/<case> (written by
+ds_universal_gen.py), and must continue as DeepSpeed did from the original save.
+
 Prints one line per (case, stage): "DSLOAD OK <case> -> stage <s> world <w>: max |dloss| <x>"; a
 deviation over the precision's tolerance, or wrong counters/client_state, raises.
 """
@@ -106,14 +109,15 @@ def main(root: Path, stages: str, cases: list[str]) -> None:
         refuse(root, cases[0], rank, world)
         return
     for case in cases:
-        saved_stage, precision, _ = parse_case(case)
-        want = json.loads((root / case / "losses.json").read_text())
+        base = case.removesuffix("-uc")
+        saved_stage, precision, _ = parse_case(base)
+        want = json.loads((root / base / "losses.json").read_text())
         for stage in ([saved_stage] if stages == "same" else [int(s) for s in stages.split(",")]):
             model = make_model(seed=7)
-            engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model_parameters(model, case),
-                                                   config=ds_config(case, world, stage))
+            engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model_parameters(model, base),
+                                                   config=ds_config(base, world, stage))
             path, client = engine.load_checkpoint(root / case)
-            if path is None or client is None or client.get("case") != case or client.get("steps") != J:
+            if path is None or client is None or client.get("case") != base or client.get("steps") != J:
                 raise AssertionError(f"{case}: load returned {path!r}, client_state {client!r}")
             if engine.global_steps != J or engine.global_samples != J * GLOBAL_BATCH:
                 raise AssertionError(f"{case}: global_steps {engine.global_steps}, global_samples "
