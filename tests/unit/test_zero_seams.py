@@ -1,5 +1,6 @@
-"""The pure pieces of zero/: execution order and prefetch policy (schedule.py), the offload
-policy (zero/offload/policy.py), the staging-pool arithmetic of the estimator. No process group."""
+"""The pure pieces of zero/: execution order and prefetch policy (schedule.py), the stage-3 unit
+plan (unit_plan.py), the offload policy (zero/offload/policy.py), the staging-pool arithmetic of the
+estimator. No process group."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from zeroshard.config import load_config
 from zeroshard.estimate.states import _staging_pool
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.schedule import ExecutionOrder, PrefetchPolicy, gathered_after_forward
+from zeroshard.zero.unit_plan import plan_units
 
 
 def test_order_records_once_then_replays_and_rerecords_on_change() -> None:
@@ -79,6 +81,22 @@ def test_reuse_distance_counts_into_backward() -> None:
     assert gathered_after_forward([10] * 4, 25) == 10 + 10 + 10
     assert gathered_after_forward([10] * 4, 10**9) == 40
     assert gathered_after_forward([10] * 4, 0) == 0
+
+
+def test_unit_plan_puts_small_parameters_last_within_the_budget() -> None:
+    blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    root = torch.nn.Module()
+    root.blocks, root.norm = blocks, torch.nn.LayerNorm(4)
+    frozen = blocks[1].bias
+    trainable = {id(p) for p in root.parameters() if p is not frozen}
+    plan = plan_units(root, [root, *blocks], trainable, world_size=2, align=1,
+                      persistence_threshold=5, persistence_budget=8)  # the two block biases, not the norm's
+    assert plan.persistent == 3 and plan.unit_modules == [root, blocks[0], blocks[1], None]
+    assert plan.names == ["norm.weight", "norm.bias", "blocks.0.weight", "blocks.1.weight",
+                          "blocks.0.bias", "blocks.1.bias"]
+    assert plan.unit_of == [0, 0, 1, 2, 3, 3]
+    assert plan.trainable == [True, True, True, True, True, False]
+    assert plan.partition.buckets == [(0, 2), (2, 3), (3, 4), (4, 6)]
 
 
 def test_offload_policy_from_config() -> None:

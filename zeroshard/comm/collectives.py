@@ -24,6 +24,7 @@ from zeroshard.comm.divergence import CallRecord, CollectiveTracker, tracker_for
 from zeroshard.comm.groups import ProcessGroups, group_store, node_rank_lists, subgroup
 from zeroshard.comm.handle import Handle, WaitPolicy
 from zeroshard.comm.log import CommLog
+from zeroshard.comm.operands import check_flat, check_rank_list, comm_buffer, comm_copy, mixed_dtypes, nbytes
 from zeroshard.comm.shm import Arena, DoneWork
 
 ReduceOpName = Literal["sum", "avg", "max", "min"]
@@ -42,43 +43,6 @@ _UNSUPPORTED = ("not supported", "unsupported", "not implemented", "does not sup
 def _is_unsupported(error: BaseException) -> bool:
     text = str(error).lower()
     return any(marker in text for marker in _UNSUPPORTED)
-
-
-def _flat(t: torch.Tensor, name: str) -> None:
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: collectives need a contiguous tensor (a flat buffer); got "
-                         f"shape {tuple(t.shape)} with strides {t.stride()}.")
-
-
-def _check_rank_list(op: str, arg: str, tensors: Sequence[torch.Tensor] | None, root: str, world: int,
-                     numel: int, other: str) -> Sequence[torch.Tensor]:
-    """The root's list of a scatter/gather: one flat tensor per rank, each of `numel` elements."""
-    if tensors is None or len(tensors) != world:
-        raise ValueError(f"{op}: {root} needs {arg} of {world} tensors, got "
-                         f"{None if tensors is None else len(tensors)}.")
-    for i, x in enumerate(tensors):
-        _flat(x, f"{arg}[{i}]")
-        if x.numel() != numel:
-            raise ValueError(f"{op}: {arg}[{i}] has {x.numel()} elements, {other} has {numel}.")
-    return tensors
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return t if dtype is None or dtype == t.dtype else t.to(dtype)
-
-
-def _like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """``t`` itself, or an uninitialised buffer of its shape in ``dtype`` (output side)."""
-    return t if dtype is None or dtype == t.dtype else torch.empty_like(t, dtype=dtype)
-
-
-def _mixed(out: torch.Tensor, in_: torch.Tensor, comm_dtype: torch.dtype | None) -> bool:
-    """Input and output dtypes differ without a comm_dtype to say which one travels."""
-    return out.dtype != in_.dtype and comm_dtype is None
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class Comm:
@@ -293,9 +257,9 @@ class Comm:
     def broadcast(self, t: torch.Tensor, src: int, *, async_op: bool = False,
                   comm_dtype: torch.dtype | None = None) -> Handle:
         """Copy ``t`` of rank ``src`` into ``t`` on every rank."""
-        _flat(t, "t")
+        check_flat(t, "t")
         self._root(src, "src")
-        buf = _cast(t, comm_dtype)
+        buf = comm_copy(t, comm_dtype)
 
         def finish() -> None:
             if buf is not t and self.rank != src:
@@ -314,20 +278,20 @@ class Comm:
                 arena.broadcast(buf.view(-1), src, self.timeout_s)
                 return DoneWork()
 
-        return self._start("broadcast", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
+        return self._start("broadcast", buf.numel(), buf.dtype, nbytes(buf), issue, finish,
                            async_op, in_caller=arena is not None)
 
     def scatter(self, out: torch.Tensor, in_list: Sequence[torch.Tensor] | None, src: int, *,
                 async_op: bool = False, comm_dtype: torch.dtype | None = None) -> Handle:
         """Rank ``src`` sends ``in_list[r]`` to rank r's ``out`` (``in_list`` only on src)."""
-        _flat(out, "out")
+        check_flat(out, "out")
         self._root(src, "src")
         in_bufs: list[torch.Tensor] = []
         if self.rank == src:
-            in_list = _check_rank_list("scatter", "in_list", in_list, f"src rank {src}", self.world_size,
+            in_list = check_rank_list("scatter", "in_list", in_list, f"src rank {src}", self.world_size,
                                        out.numel(), "out")
-            in_bufs = [_cast(x, comm_dtype) for x in in_list]
-        out_buf = _like(out, comm_dtype)
+            in_bufs = [comm_copy(x, comm_dtype) for x in in_list]
+        out_buf = comm_buffer(out, comm_dtype)
 
         def finish() -> None:
             if self._pg is None:
@@ -343,19 +307,19 @@ class Comm:
             inputs = [in_bufs] if self.rank == src else []
             issue = lambda: pg.scatter([out_buf], inputs, opts)
         return self._start("scatter", out_buf.numel(), out_buf.dtype,
-                           _nbytes(out_buf) * self.world_size, issue, finish, async_op)
+                           nbytes(out_buf) * self.world_size, issue, finish, async_op)
 
     def gather(self, t: torch.Tensor, out_list: Sequence[torch.Tensor] | None, dst: int, *,
                async_op: bool = False, comm_dtype: torch.dtype | None = None) -> Handle:
         """Rank ``dst`` receives every rank's ``t`` into ``out_list[r]`` (only on dst)."""
-        _flat(t, "t")
+        check_flat(t, "t")
         self._root(dst, "dst")
-        buf = _cast(t, comm_dtype)
+        buf = comm_copy(t, comm_dtype)
         out_bufs: list[torch.Tensor] = []
         if self.rank == dst:
-            out_list = _check_rank_list("gather", "out_list", out_list, f"dst rank {dst}", self.world_size,
+            out_list = check_rank_list("gather", "out_list", out_list, f"dst rank {dst}", self.world_size,
                                         t.numel(), "t")
-            out_bufs = [_like(x, comm_dtype) for x in out_list]
+            out_bufs = [comm_buffer(x, comm_dtype) for x in out_list]
 
         def finish() -> None:
             if self._pg is None:
@@ -372,7 +336,7 @@ class Comm:
             opts.rootRank, opts.timeout = dst, self._timeout
             outputs = [out_bufs] if self.rank == dst else []
             issue = lambda: pg.gather(outputs, [buf], opts)
-        return self._start("gather", buf.numel(), buf.dtype, _nbytes(buf) * self.world_size,
+        return self._start("gather", buf.numel(), buf.dtype, nbytes(buf) * self.world_size,
                            issue, finish, async_op)
 
     def all_gather(self, out: torch.Tensor, in_: torch.Tensor, *, async_op: bool = False,
@@ -382,15 +346,15 @@ class Comm:
         Uses the backend's single-tensor all-gather; falls back to ``allgather`` into views
         of ``out`` where the backend lacks it (same bytes moved).
         """
-        _flat(out, "out")
-        _flat(in_, "in_")
+        check_flat(out, "out")
+        check_flat(in_, "in_")
         n = in_.numel()
-        if out.numel() != n * self.world_size or _mixed(out, in_, comm_dtype):
+        if out.numel() != n * self.world_size or mixed_dtypes(out, in_, comm_dtype):
             raise ValueError(f"all_gather: out must have world_size * in_.numel() = "
                              f"{self.world_size} * {n} elements of {in_.dtype} (another dtype "
                              f"only with comm_dtype); got {out.numel()} of {out.dtype}.")
-        in_buf = _cast(in_, comm_dtype).view(-1)
-        out_buf = _like(out, comm_dtype)
+        in_buf = comm_copy(in_, comm_dtype).view(-1)
+        out_buf = comm_buffer(out, comm_dtype)
 
         def finish() -> None:
             if self._pg is None:
@@ -414,16 +378,16 @@ class Comm:
                 arena.all_gather(out_buf.view(-1), in_buf, self.timeout_s)
                 return DoneWork()
 
-        return self._start("all_gather", n, in_buf.dtype, _nbytes(in_buf) * self.world_size,
+        return self._start("all_gather", n, in_buf.dtype, nbytes(in_buf) * self.world_size,
                            issue, finish, async_op, in_caller=arena is not None)
 
     def reduce(self, t: torch.Tensor, dst: int, op: ReduceOpName = "sum", *,
                async_op: bool = False, comm_dtype: torch.dtype | None = None) -> Handle:
         """Reduce ``t`` of every rank into ``t`` on rank ``dst``; other ranks' ``t`` is
         unspecified afterwards (unchanged when ``comm_dtype`` casts a copy)."""
-        _flat(t, "t")
+        check_flat(t, "t")
         self._root(dst, "dst")
-        buf = _cast(t, comm_dtype)
+        buf = comm_copy(t, comm_dtype)
         self._reduce_op(op, buf.dtype)
         divide = [False]
 
@@ -445,7 +409,7 @@ class Comm:
                 return pg.reduce([buf], opts)
 
             issue = lambda: self._reducing(op, make, divide)
-        return self._start("reduce", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
+        return self._start("reduce", buf.numel(), buf.dtype, nbytes(buf), issue, finish,
                            async_op)
 
     def reduce_scatter(self, out: torch.Tensor, in_: torch.Tensor, op: ReduceOpName = "sum", *,
@@ -456,16 +420,16 @@ class Comm:
         falls back to an all-reduce of a copy of ``in_`` and keeps this rank's slice: correct,
         but about twice the bytes and world_size times the reduction work.
         """
-        _flat(out, "out")
-        _flat(in_, "in_")
+        check_flat(out, "out")
+        check_flat(in_, "in_")
         n = out.numel()
-        if in_.numel() != n * self.world_size or _mixed(out, in_, comm_dtype):
+        if in_.numel() != n * self.world_size or mixed_dtypes(out, in_, comm_dtype):
             raise ValueError(f"reduce_scatter: in_ must have world_size * out.numel() = "
                              f"{self.world_size} * {n} elements of {out.dtype} (another dtype "
                              f"only with comm_dtype); got {in_.numel()} of {in_.dtype}.")
-        in_buf = _cast(in_, comm_dtype).view(-1)
+        in_buf = comm_copy(in_, comm_dtype).view(-1)
         self._reduce_op(op, in_buf.dtype)
-        out_buf = _like(out, comm_dtype)
+        out_buf = comm_buffer(out, comm_dtype)
         divide = [False]
         scratch: list[torch.Tensor] = []  # the all-reduced copy, when the fallback ran
 
@@ -507,14 +471,14 @@ class Comm:
                 divide[0] = op == "avg"
                 return DoneWork()
 
-        return self._start("reduce_scatter", in_buf.numel(), in_buf.dtype, _nbytes(in_buf),
+        return self._start("reduce_scatter", in_buf.numel(), in_buf.dtype, nbytes(in_buf),
                            issue, finish, async_op, in_caller=arena is not None)
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOpName = "sum", *, async_op: bool = False,
                    comm_dtype: torch.dtype | None = None) -> Handle:
         """Replace ``t`` on every rank by the reduction of all ranks' ``t``."""
-        _flat(t, "t")
-        buf = _cast(t, comm_dtype)
+        check_flat(t, "t")
+        buf = comm_copy(t, comm_dtype)
         self._reduce_op(op, buf.dtype)
         divide = [False]
 
@@ -543,7 +507,7 @@ class Comm:
                 divide[0] = op == "avg"
                 return DoneWork()
 
-        return self._start("all_reduce", buf.numel(), buf.dtype, _nbytes(buf), issue, finish,
+        return self._start("all_reduce", buf.numel(), buf.dtype, nbytes(buf), issue, finish,
                            async_op, in_caller=arena is not None)
 
     def all_to_all(self, out: torch.Tensor, in_: torch.Tensor, *, async_op: bool = False,
@@ -553,16 +517,16 @@ class Comm:
         Where the backend lacks ``all_to_all_single``, falls back to an all-gather of every
         rank's whole ``in_`` and keeps this rank's chunks (world_size times the bytes).
         """
-        _flat(out, "out")
-        _flat(in_, "in_")
+        check_flat(out, "out")
+        check_flat(in_, "in_")
         numel = in_.numel()
-        if out.numel() != numel or _mixed(out, in_, comm_dtype) or numel % self.world_size:
+        if out.numel() != numel or mixed_dtypes(out, in_, comm_dtype) or numel % self.world_size:
             raise ValueError(f"all_to_all: out and in_ must have the same dtype and numel, "
                              f"divisible by {self.world_size}; got out {out.numel()} "
                              f"{out.dtype}, in_ {numel} {in_.dtype}.")
         k = numel // self.world_size
-        in_buf = _cast(in_, comm_dtype).view(-1)
-        out_buf = _like(out, comm_dtype)
+        in_buf = comm_copy(in_, comm_dtype).view(-1)
+        out_buf = comm_buffer(out, comm_dtype)
         gathered: list[torch.Tensor] = []
 
         def finish() -> None:
@@ -590,7 +554,7 @@ class Comm:
             issue = lambda: self._native(
                 "all_to_all_single",
                 lambda: pg.alltoall_base(out_buf.view(-1), in_buf, [], [], opts), fallback)
-        return self._start("all_to_all", numel, in_buf.dtype, _nbytes(in_buf), issue, finish,
+        return self._start("all_to_all", numel, in_buf.dtype, nbytes(in_buf), issue, finish,
                            async_op)
 
     def barrier(self, *, async_op: bool = False) -> Handle:

@@ -17,7 +17,8 @@ from zeroshard.zero.expert_split import build_expert_split
 from zeroshard.zero.leaf import apply_leaf_config, granularity_units, leaf_units
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.stage0 import Stage0Strategy
-from zeroshard.zero.stage3 import Stage3Options, Stage3Strategy
+from zeroshard.zero.stage3 import Stage3Strategy
+from zeroshard.zero.stage3_options import Stage3Options
 from zeroshard.zero.stage12 import PartitionOptions, Stage1Strategy, Stage2Strategy
 from zeroshard.zero.strategy import ModelParallelNorm, ZeroStrategy
 from zeroshard.zero.units import default_units

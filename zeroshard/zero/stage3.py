@@ -5,7 +5,7 @@ of a ModuleList plus the root. Each unit is one bucket of a `BucketedPartition`:
 parameters packed into one flat buffer split evenly over the ranks; the flat buffer's storage
 exists only while the unit is gathered (Note: [released storage]). Small parameters
 (`stage3_param_persistence_threshold`) form a persistent unit that stays gathered and is
-all-gathered after each step, like stage 2.
+all-gathered after each step, like stage 2. zero/unit_plan.py makes that plan, once.
 
 Per micro-batch:
   forward pre-hook   gather the unit (waiting for its prefetch), prefetch the next units
@@ -53,9 +53,7 @@ unit's parameters move to a new empty buffer, as DeepSpeed's release replaces `p
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -63,23 +61,22 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard.zero.flat import BucketedPartition
 from zeroshard.zero.frozen_reads import FrozenReads
 from zeroshard.zero.gather import SecondaryPartition
 from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
-from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.parameter_offload import ParameterOffload
 from zeroshard.zero.reduce import GradReducer, LaunchOrder, ReduceMode, ReduceOptions
 from zeroshard.zero.schedule import ExecutionOrder, PrefetchPolicy
 from zeroshard.zero.shard import OptimizerShard, ShardedStrategyBase
+from zeroshard.zero.stage3_options import Stage3Options
 from zeroshard.zero.stage12 import ALIGN_NUMEL
 from zeroshard.zero.strategy import BytesByHome, ModelParallelNorm, ModelStateBytes, ParamPiece
+from zeroshard.zero.unit_plan import plan_units
 from zeroshard.zero.unit_shards import InMemoryShard, UnitBuffer, UnitShards, open_shard_home
 from zeroshard.zero.units import (
     ZeroParameter,
     ZeroParamState,
     assign_data,
-    assign_params,
     default_units,
     make_zero_parameter,
     tensors_in,
@@ -88,47 +85,6 @@ from zeroshard.zero.units import (
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
     from zeroshard.zero.unit_shards import ShardHome
-
-
-@dataclass(frozen=True, slots=True)
-class Stage3Options:
-    grad_dtype: torch.dtype
-    comm_dtype: torch.dtype | None
-    persistence_threshold: int
-    """Parameters with fewer elements stay whole on every rank."""
-    prefetch_numel: int
-    """Elements gathered ahead of use (`stage3_prefetch_bucket_size`)."""
-    max_live_numel: int
-    """Gathered elements at once, prefetch included (`stage3_max_live_parameters`)."""
-    max_reuse_distance: int
-    """Keep a unit gathered if it is used again within this many gathered elements."""
-    prescale_factor: float = 1.0
-    persistence_budget: int = sys.maxsize
-    """At most this many elements in all persistent parameters together
-    (`stage3_model_persistence_threshold`): walking the model's parameters in order, one that
-    would exceed it stays partitioned, as in DeepSpeed."""
-    master_dtype: torch.dtype = torch.float32
-    """dtype of the master shard (bf16 with `bf16.bf16_master_weights_and_grads`)."""
-    overlap_comm: bool = True
-    reduce_scatter: bool = True
-    """Reduce-scatter each unit's gradients (False: all-reduce and keep this rank's chunk)."""
-    offload_optimizer: OffloadPolicy = OffloadPolicy()
-    """Where master shard, gradient shard and optimizer state live."""
-    offload_param: OffloadPolicy = OffloadPolicy()
-    """Where the low-precision parameter shards live between gathers."""
-    quantized_gradients: bool = False
-    """qgZ (`zero_quantized_gradients`): reduce each unit's gradients as int4 blocks
-    (ReduceMode.QUANTIZED_REDUCE_SCATTER), whatever `reduce_scatter` says."""
-    quantized_weights: bool = False
-    """qwZ (`zero_quantized_weights`): the gathers of forward and backward carry int8 codes
-    (zero/gather.py). Note: [exact gathers] says which gathers stay exact."""
-    node_size: int = 1
-    """Ranks per node (comm/groups.py `node_size`): qgZ reduces hierarchically (within the
-    node, then across) when 1 < node_size < world size."""
-    hpz_size: int = 1
-    """hpZ (`zero_hpz_partition_size`): ranks per node holding a secondary partition that the
-    gathers of forward and backward read (zero/gather.py, SecondaryPartition); 1 = off.
-    zero/build.py checks it equals the node size and divides the world size."""
 
 
 def _in_recompute() -> bool:
@@ -182,44 +138,16 @@ class Stage3Strategy(ShardedStrategyBase):
     # -- construction ---------------------------------------------------------------------
 
     def _init_units(self, module: nn.Module, units: list[nn.Module], trainable: set[int]) -> list[str]:
-        """Assign the parameters to units (the last one persistent) and plan the partition;
-        returns the parameters' names, in plan order."""
-        assigned = assign_params(module, units)
-        persists = self._persistent_ids(module)
-        persistent: list[tuple[str, nn.Parameter]] = []
-        groups: list[list[tuple[str, nn.Parameter]]] = []
-        self._unit_modules: list[nn.Module | None] = []
-        for i, unit in enumerate(units):
-            keep = [(n, p) for n, p in assigned[i] if id(p) not in persists]
-            persistent += [(n, p) for n, p in assigned[i] if id(p) in persists]
-            groups.append(keep)
-            self._unit_modules.append(unit)
-        groups.append(persistent)          # the last unit: persistent, never released
-        self._unit_modules.append(None)
-        self._persistent = len(groups) - 1
-        self._params = [p for g in groups for _, p in g]
+        """Assign the parameters to units (the last one persistent) and plan the partition
+        (zero/unit_plan.py); returns the parameters' names, in plan order."""
+        plan = plan_units(module, units, trainable, world_size=self._comm.world_size, align=ALIGN_NUMEL,
+                          persistence_threshold=self._opt.persistence_threshold,
+                          persistence_budget=self._opt.persistence_budget)
+        self._params, self._trainable, self._unit_of = plan.params, plan.trainable, plan.unit_of
+        self._unit_modules: list[nn.Module | None] = plan.unit_modules
+        self._plan, self._persistent = plan.partition, plan.persistent
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
-        self._trainable = [id(p) in trainable for p in self._params]
-        bounds, start = [], 0
-        for g in groups:
-            bounds.append((start, start + len(g)))
-            start += len(g)
-        self._plan = BucketedPartition([p.numel() for p in self._params], world_size=self._comm.world_size,
-                                       align=ALIGN_NUMEL, buckets=bounds)
-        self._unit_of = [u for u, (a, b) in enumerate(bounds) for _ in range(a, b)]
-        return [n for g in groups for n, _ in g]
-
-    def _persistent_ids(self, module: nn.Module) -> set[int]:
-        """The parameters that stay gathered: fewer elements than `persistence_threshold`, taken
-        in the model's parameter order while their total stays within `persistence_budget`."""
-        out: set[int] = set()
-        total, budget = 0, self._opt.persistence_budget
-        for _, p in module.named_parameters():
-            n = p.numel()
-            if n < self._opt.persistence_threshold and total + n <= budget:
-                out.add(id(p))
-                total += n
-        return out
+        return plan.names
 
     def _init_shards(self, names: list[str]) -> None:
         """Partition the whole model the ranks hold now; keep only this rank's shards."""
