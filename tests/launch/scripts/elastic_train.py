@@ -11,7 +11,7 @@ whatever world size it got (keeping the global batch of the checkpoint).
                the start of step 5, after the step-4 save
     ZS_HOLD=N  in the first attempt, at a world size above 1, every rank prints HOLD before step N and
                waits (60 s at most) for DIR/go: the test kills a node (or signals a rank) while they wait
-    ZS_JOIN=N  at world size 1, the rank prints HOLD before step N and waits (90 s at most) for the
+    ZS_JOIN=N  at world size 1, the rank prints HOLD before step N and waits (120 s at most) for the
                SIGTERM with which torchrun's agent stops its workers when another node joins; it then
                trains step N, after which the preemption handler saves global_stepN and exits 75. A
                restart for a join keeps TORCHELASTIC_RESTART_COUNT, so the larger group is attempt 0 too.
@@ -61,7 +61,7 @@ def _hold(out: Path, rank: int, world: int, step: int, received: list[float]) ->
     if hold is None or int(hold) != step:
         return
     print(f"HOLD rank {rank} world {world} pid {os.getpid()} t={time.time():.3f}", flush=True)
-    deadline = time.monotonic() + (60 if world > 1 else 90)
+    deadline = time.monotonic() + (60 if world > 1 else 120)
     while not (received if world == 1 else (out / "go").exists()) and time.monotonic() < deadline:
         time.sleep(0.05)
     if received:
