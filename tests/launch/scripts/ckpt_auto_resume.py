@@ -8,6 +8,8 @@
     ckpt_auto_resume.py reference DIR   1 rank, gradient_accumulation_steps 2, load_checkpoint(tag=
                                         "global_step4", load_rng_state=True): the uninterrupted world-1 run
                                         from the same state
+    ckpt_auto_resume.py reference DIR STAGE TAG GAS   the same from DIR/ckpt/TAG with GAS micro-batches
+                                        per step, at the world size torchrun gives (elastic tests)
 
 Per-step losses (the mean of the step's micro-batch losses over every rank) go to DIR/<mode>.pt.
 """
@@ -46,16 +48,16 @@ def dataset() -> torch.utils.data.Dataset:
     return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def main(mode: str, out: Path, stage: int) -> None:
+def main(mode: str, out: Path, stage: int, tag: str = "global_step4", reference_gas: int = 2) -> None:
     groups = zeroshard.init_distributed()
     rank, world = groups.rank, groups.world_size
     ckpt = out / "ckpt"
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY.__dict__))  # no dropout: the world-2 run's per-rank masks do not exist at world 1
-    cfg = config(stage, 2 if mode == "reference" else 1, None if mode == "reference" else ckpt)
+    cfg = config(stage, reference_gas if mode == "reference" else 1, None if mode == "reference" else ckpt)
     engine, _, loader, _ = zeroshard.initialize(model=model, training_data=dataset(), config=cfg)
     if mode == "reference":
-        engine.load_checkpoint(ckpt, tag="global_step4", load_rng_state=True)
+        engine.load_checkpoint(ckpt, tag=tag, load_rng_state=True)
     print(f"START {mode} rank {rank}/{world} step {engine.global_steps} "
           f"gas {engine.gradient_accumulation_steps()}", flush=True)
     kill = mode == "train" and os.environ.get("ZS_NO_KILL") != "1"
@@ -82,4 +84,4 @@ def main(mode: str, out: Path, stage: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5], *map(int, sys.argv[5:6]))
