@@ -8,7 +8,8 @@ global norm at ZeRO 1/2, by the mean over ranks of each rank's norm (dense and i
 at fp32 ZeRO 0. Rank r's local
 expert j is the oracle's expert r * num_local + j. Random routing (RTS, top-2's sampled second
 expert, Jitter) draws from a generator both sides seed the same way before each forward.
-Runs at 1 and 2 ranks (EP needs an even world: tests/run.py keeps this file out of the 3-rank stage).
+Runs at 1, 2 and 4 ranks (EP needs an even world: tests/run.py keeps this file out of the 3-rank
+stage; at 4, EP 2 replicates each expert over an expert-data-parallel pair).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import zeroshard
 from zeroshard.checkpoint.manifest import read_manifest
 from zeroshard.checkpoint.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zeroshard.comm import ProcessGroups
-from zeroshard.errors import CheckpointError, ConfigError, NotSupportedError
+from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.moe.layer import MoE
 from zeroshard.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
@@ -40,11 +41,11 @@ after the average); measured at most ~3e-7 relative on these cases."""
 class Net(nn.Module):
     """Linear -> MoE -> Linear, loss = MSE + 0.1 * l_aux."""
 
-    def __init__(self, ep_size: int, **moe: Any) -> None:
+    def __init__(self, ep_size: int, experts: int = EXPERTS, **moe: Any) -> None:
         super().__init__()
         self.inp = nn.Linear(HIDDEN, HIDDEN)
         expert = nn.Sequential(nn.Linear(HIDDEN, 12), nn.GELU(), nn.Linear(12, HIDDEN))
-        self.moe = MoE(HIDDEN, expert, num_experts=EXPERTS, ep_size=ep_size, **moe)
+        self.moe = MoE(HIDDEN, expert, num_experts=experts, ep_size=ep_size, **moe)
         self.out = nn.Linear(HIDDEN, HIDDEN)
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
@@ -205,9 +206,8 @@ def test_save_load_continue(groups: ProcessGroups, shared_dir: Path, stage: int)
     engine.save_checkpoint(shared_dir, tag="two")
     saved = read_manifest(shared_dir / "two")
     assert saved.expert_parallel == {f"ep_size_{ep}": ep} and saved.world_size == world
-    if ep > 1:  # one state dict would mix the ranks' local experts: refused, named
-        with pytest.raises(CheckpointError, match="saved with expert parallelism"):
-            get_fp32_state_dict_from_zero_checkpoint(shared_dir, tag="two")
+    # Offline, the experts come out under their global ids: the names of the model at ep_size 1.
+    assert set(get_fp32_state_dict_from_zero_checkpoint(shared_dir, tag="two")) == set(reference.state_dict())
     fresh = make_engine(new_reference(case, seed=7), case, ep, stage, rank)
     fresh.load_checkpoint(shared_dir, tag="two")
     assert fresh.global_steps == 2
@@ -246,7 +246,42 @@ def test_stage3_refused_by_name(groups: ProcessGroups) -> None:
 def test_ep_that_does_not_divide_the_data_parallel_ranks_is_refused_at_initialize(groups: ProcessGroups) -> None:
     """The model's expert-parallel size is a dimension of the job (ParallelDims.ep): a size the
     data-parallel ranks cannot hold is named before any group is built."""
-    ep = 2 * groups.world_size  # 2 or 4: a divisor of EXPERTS, never of the 1 or 2 data-parallel ranks
-    model = Net(ep, **CASES["top1_dropless"]["moe"])
+    ep = 2 * groups.world_size  # 2, 4 or 8: never a divisor of the 1, 2 or 4 data-parallel ranks
+    model = Net(ep, experts=ep, **CASES["top1_dropless"]["moe"])
     with pytest.raises(ConfigError, match=f"expert-parallel size {ep} must divide the data-parallel"):
         zeroshard.initialize(model=model, model_parameters=list(model.parameters()), config=config(0, 0.0))
+
+
+@pytest.mark.parametrize("save_ep, save_stage, load_ep, load_stage",
+                         [("world", 2, 1, 1), (1, 1, "world", 2), ("world", 1, "world", 2),
+                          ("world", 2, "half", 1), ("half", 1, "world", 2)])
+def test_checkpoint_reshards_experts_across_ep(groups: ProcessGroups, shared_dir: Path, save_ep: Any,
+                                               save_stage: int, load_ep: Any, load_stage: int) -> None:
+    """Saved at one ep_size and ZeRO stage, loaded with optimizer state at another: the run
+    continues as the uninterrupted one (the experts are read by global id,
+    checkpoint/expert_layout.py); to-fp32 gives the ep-1 model's names and the oracle's values."""
+    case, world, rank = CASES["top1_drop_clip"], groups.world_size, groups.rank
+    # "half": ep_size world / 2, so at 4 ranks experts are replicated over expert-data-parallel pairs.
+    sizes = {"world": world, "half": max(world // 2, 1)}
+    save_ep, load_ep = sizes.get(save_ep, save_ep), sizes.get(load_ep, load_ep)
+    reference = new_reference(case)
+    engine = make_engine(reference, case, save_ep, save_stage, rank)
+    data = batches(world)
+    train_engine(engine, data, rank, range(2))
+    tag = f"ep{save_ep}-s{save_stage}-to-ep{load_ep}-s{load_stage}"
+    engine.save_checkpoint(shared_dir, tag=tag)
+    early = new_reference(case)
+    train_oracle(early, data[:2], world, case["clip"], save_stage, save_ep)
+    offline = get_fp32_state_dict_from_zero_checkpoint(shared_dir, tag=tag)
+    assert set(offline) == set(early.state_dict())
+    for name, value in early.state_dict().items():
+        close(offline[name], value, f"to-fp32 {name}")
+    fresh = make_engine(new_reference(case, seed=7), case, load_ep, load_stage, rank)
+    fresh.load_checkpoint(shared_dir, tag=tag)
+    assert fresh.global_steps == 2
+    got = train_engine(fresh, data, rank, range(2, STEPS))
+    # ZeRO 1/2 clip by the global norm, whatever the expert layout: one oracle for both halves.
+    want = train_oracle(reference, data, world, case["clip"], 1, load_ep)
+    for i, step in enumerate(range(2, STEPS)):
+        assert abs(got[i] - want[step][rank]) <= RTOL * abs(want[step][rank]), (step, got[i], want[step][rank])
+    check_weights(fresh, reference, rank, load_ep, f"ep {save_ep} s{save_stage} -> ep {load_ep} s{load_stage}")

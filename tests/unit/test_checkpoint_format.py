@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from zeroshard.checkpoint import files
+from zeroshard.checkpoint.expert_layout import experts_move, globalize, own_global_names
 from zeroshard.checkpoint.manifest import check_compatible, from_json, read_latest, resolve, to_json
 from zeroshard.checkpoint.reshard import RangeIndex, Read
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, read_safetensors
@@ -116,19 +117,40 @@ def test_compatibility_names_each_mismatch(tmp_path: Path) -> None:
         check_compatible(manifest(), thawed, path, need_optimizer=True)
 
 
-def test_expert_checkpoints_load_only_at_their_layout(tmp_path: Path) -> None:
-    """Experts are saved per rank under local names: another world size or ep_size would hand
-    ranks each other's experts, so it is refused before anything is read."""
+def test_expert_layouts_are_told_apart(tmp_path: Path) -> None:
+    """Experts are saved per rank under local names. At another world size or ep_size the load
+    reads them by global id (checkpoint/expert_layout.py, load.py) and never reaches this check;
+    what check_compatible still refuses is a checkpoint and a model that differ in their MoE layers."""
     path = tmp_path / "zeroshard_manifest.json"
     moe = manifest(expert_parallel={"ep_size_2": 2})
     assert from_json(to_json(moe), path) == moe
     check_compatible(moe, manifest(expert_parallel={"ep_size_2": 2}), path, need_optimizer=True)
     check_compatible(manifest(world_size=4), manifest(), path, need_optimizer=True)  # dense: any world size
-    for target in (manifest(world_size=4, expert_parallel={"ep_size_2": 2}),  # same ep, more ranks
-                   manifest(expert_parallel={"ep_size_1": 1}),  # another ep_size
-                   manifest()):  # no experts now
-        with pytest.raises(CheckpointError, match="saved by 2 rank.*ep_size_2.*restart with 2 rank"):
-            check_compatible(moe, target, path, need_optimizer=False)
+    assert not experts_move(moe, manifest(expert_parallel={"ep_size_2": 2}))
+    assert not experts_move(manifest(world_size=4), manifest())
+    for target in (manifest(world_size=4, expert_parallel={"ep_size_2": 2}), manifest(expert_parallel={"ep_size_1": 1}),
+                   manifest()):
+        assert experts_move(moe, target)
+    with pytest.raises(CheckpointError, match="saved by 2 rank.*ep_size_2.*differ in their MoE layers"):
+        check_compatible(moe, manifest(), path, need_optimizer=False)
+
+
+def test_globalize_names_each_expert_once_by_id() -> None:
+    """EP 2 at 4 ranks, 2 local experts of 2 parameters each: the global manifest lists the
+    dense parameter and experts 0-3 once; rank r's fragments point at experts (r % 2) * 2 + j."""
+    e = "moe.deepspeed_experts"
+    local = [TensorInfo("dense", (3,), "float32", True)] + [
+        TensorInfo(f"{e}.{j}.{n}", (2,), "float32", True) for j in range(2) for n in ("w", "b")]
+    frags = [[(0, 0, 3)] + [(i, 0, 2) for i in range(1, 5)] for _ in range(4)]
+    m = manifest(world_size=4, params=local, aliases={}, fragments=frags, expert_parallel={"ep_size_2": 2})
+    g = globalize(m, 2)
+    assert [p.name for p in g.params] == ["dense"] + [f"{e}.{k}.{n}" for k in range(4) for n in ("w", "b")]
+    names = [[g.params[i].name for i, _, _ in g.fragments[r]] for r in range(4)]
+    assert names[0] == names[2] == ["dense", f"{e}.0.w", f"{e}.0.b", f"{e}.1.w", f"{e}.1.b"]
+    assert names[1] == names[3] == ["dense", f"{e}.2.w", f"{e}.2.b", f"{e}.3.w", f"{e}.3.b"]
+    assert g.expert_parallel is None
+    own = own_global_names(m, 3, 2)
+    assert [p.name for p in own.params] == ["dense", f"{e}.2.w", f"{e}.2.b", f"{e}.3.w", f"{e}.3.b"]
 
 
 def test_resolve_tags(tmp_path: Path) -> None:

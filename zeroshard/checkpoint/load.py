@@ -8,6 +8,7 @@ model raises CheckpointError on every rank and leaves the engine untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -17,6 +18,13 @@ import torch
 from torch import Tensor
 
 from zeroshard.checkpoint.agreed import agree_found, read_agreed
+from zeroshard.checkpoint.expert_layout import (
+    expert_parallel_size,
+    experts_move,
+    globalize,
+    is_expert,
+    own_global_names,
+)
 from zeroshard.checkpoint.files import MANIFEST, MODEL_FILE, load_torch, optim_file, pieces_file, rng_file
 from zeroshard.checkpoint.manifest import check_compatible, resolve
 from zeroshard.checkpoint.reshard import RangeIndex
@@ -148,10 +156,61 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+class ExpertReader(CheckpointReader):
+    """A checkpoint with MoE experts, read under global expert ids (checkpoint/expert_layout.py):
+    the rank files keep their local names; the reader translates. An expert's weights are its
+    fp32 master cast: the model file holds rank 0's experts only."""
+
+    def __init__(self, ckpt: Path, saved: Manifest, prefer: int | None = None) -> None:
+        ep = expert_parallel_size(saved, str(ckpt / MANIFEST)) or 1
+        super().__init__(ckpt, globalize(saved, ep), prefer=prefer)
+        self._local = saved
+        self._index: RangeIndex | None = None
+
+    def optim(self, rank: int) -> dict[str, Any]:
+        data = self.file(optim_file(rank))
+        want = [list(r) for r in self._local.fragments[rank]]
+        if [list(r) for r in data.get("fragments", [])] != want or len(data.get("master", [])) != len(want):
+            raise CheckpointError(f"{self.ckpt / optim_file(rank)}: holds other fragments than the manifest lists "
+                                  "for it (a file from another checkpoint?)")
+        return {**data, "fragments": self.manifest.fragments[rank]}
+
+    def weights(self, name: str, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
+        if not is_expert(name):
+            return super().weights(name, offset, numel, dtype)
+        if not self.manifest.params[self.index_of[name]].trainable or not self.manifest.has_optimizer_states:
+            raise CheckpointError(f"{self.ckpt}: expert parameter {name!r} is frozen or saved without optimizer "
+                                  "states, so only its saving rank holds it: load at the same world size and ep_size")
+        if self._index is None:
+            self._index = self.master_index(self.prefer)
+        master, _ = self.masters(self._index, name, offset, numel, with_state=False)
+        return master.to(dtype)
+
+
+def _read_moving_experts(target: EngineState, ckpt: Path, saved: Manifest, need_opt: bool, load_module_only: bool,
+                         strict: bool) -> LoadedState:
+    """`_read` when the experts are laid out otherwise than saved (another ep_size or world size):
+    both sides under global expert ids, this rank reading its own experts by id."""
+    tm, rank = target.manifest, target.rank
+    ep = expert_parallel_size(tm, "this run") or 1
+    reader = ExpertReader(ckpt, saved, prefer=rank)
+    check_compatible(reader.manifest, globalize(tm, ep), ckpt / MANIFEST, need_optimizer=need_opt, strict=strict)
+    own = own_global_names(tm, rank, ep)
+    local_of = {g.name: p.name for g, p in zip(own.params, tm.params, strict=True)}
+    try:
+        loaded = _read_files(reader, dataclasses.replace(target, manifest=own), reader.manifest, need_opt,
+                             load_module_only, rank)
+    finally:
+        reader.close()
+    return dataclasses.replace(loaded, module={local_of.get(k, k): v for k, v in loaded.module.items()})
+
+
 def _read(target: EngineState, ckpt: Path, saved: Manifest, *, load_optimizer_states: bool,
           load_module_only: bool, strict: bool = True) -> LoadedState:
     tm, rank = target.manifest, target.rank
     need_opt = load_optimizer_states and not load_module_only
+    if experts_move(saved, tm):
+        return _read_moving_experts(target, ckpt, saved, need_opt, load_module_only, strict)
     check_compatible(saved, tm, ckpt / MANIFEST, need_optimizer=need_opt, strict=strict)
     reader = CheckpointReader(ckpt, saved, prefer=rank)
     total = sum(saved.files.values())

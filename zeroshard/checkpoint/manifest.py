@@ -173,14 +173,14 @@ def check_compatible(saved: Manifest, target: Manifest, path: Path, *, need_opti
 
 def _expert_layout_problems(saved: Manifest, target: Manifest) -> list[str]:
     """MoE experts are saved per rank under local names (rank r's expert j is the model's expert
-    r * local + j): read at another world size or ep_size, ranks would take other ranks' experts.
-    Resharding experts is not built (issue 40), so the layouts must be equal."""
+    r * local + j). zeroshard's own checkpoints are read under global expert ids where the layouts
+    differ (load.py, checkpoint/expert_layout.py), so this refuses only what has no such ids: a
+    checkpoint without experts (DeepSpeed's) loaded into an MoE model, or the reverse."""
     have, want = saved.expert_parallel or {}, target.expert_parallel or {}
     if not have and not want:
         return []
     if have == want and saved.world_size == target.world_size:
         return []
     return [f"the MoE experts were saved by {saved.world_size} rank(s) with expert-parallel sizes {have or 'none'}, "
-            f"this run has {target.world_size} rank(s) with {want or 'none'}; expert checkpoints load only at "
-            "the same world size and ep_size (resharding experts is not built): restart with "
-            f"{saved.world_size} rank(s) and the same MoE ep_size"]
+            f"this run has {target.world_size} rank(s) with {want or 'none'}: the model and the checkpoint differ "
+            "in their MoE layers (a checkpoint from another model, or one without zeroshard MoE layers)"]

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from zeroshard.checkpoint.ds_files import is_deepspeed_dir, resolve_ds
 from zeroshard.checkpoint.ds_import import DeepSpeedReader, read_layout
 from zeroshard.checkpoint.files import MANIFEST, write_atomic
-from zeroshard.checkpoint.load import CheckpointReader
+from zeroshard.checkpoint.load import CheckpointReader, ExpertReader
 from zeroshard.checkpoint.manifest import read_manifest, resolve
 from zeroshard.checkpoint.pipe_checkpointer import open_pipeline
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter
@@ -80,11 +80,10 @@ def _open_checkpoint(checkpoint_dir: str | os.PathLike[str],
         if resolved is None:
             raise CheckpointError(f"{root}: no 'latest' file; pass the tag (--tag) of the checkpoint to convert")
         ckpt, manifest = resolved
-    split = {name: ep for name, ep in (manifest.expert_parallel or {}).items() if ep > 1}
-    if split:  # each rank saved its own experts under local names: one model would mix them
-        raise CheckpointError(f"{ckpt}: saved with expert parallelism ({split}); consolidating an expert-parallel "
-                              "checkpoint into one state dict is not built. Load it into an engine at the same "
-                              "world size and ep_size, or train and save with ep_size 1")
+    if any(ep > 1 for ep in (manifest.expert_parallel or {}).values()):
+        # Each rank saved its own experts under local names: read them under global expert ids,
+        # the names the model has at ep_size 1 (checkpoint/expert_layout.py).
+        return ckpt, ExpertReader(ckpt, manifest).manifest, lambda: ExpertReader(ckpt, manifest)
     return ckpt, manifest, lambda: CheckpointReader(ckpt, manifest)
 
 
