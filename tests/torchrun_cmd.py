@@ -6,7 +6,9 @@ directory of the top ``conftest.py``), and ``tests/run.py`` runs from ``tests/``
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 
 def torchrun(nproc: int, *args: str, rank0_output: bool = False) -> list[str]:
@@ -26,3 +28,16 @@ def torchrun(nproc: int, *args: str, rank0_output: bool = False) -> list[str]:
 def python_or_torchrun(nproc: int, *args: str, rank0_output: bool = False) -> list[str]:
     """A plain ``python ARGS`` for one process (no process group), else :func:`torchrun`."""
     return [sys.executable, *args] if nproc == 1 else torchrun(nproc, *args, rank0_output=rank0_output)
+
+
+def job_env(root: Path, *, deepspeed: bool = False) -> dict[str, str]:
+    """The environment of a test's job: this checkout first on ``PYTHONPATH``, one thread per
+    rank, none of a surrounding torchrun's variables; with `deepspeed`, DeepSpeed on its CPU
+    accelerator, JIT-building its ops into the checkout's git-ignored ``.ds_build/`` by default."""
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    if deepspeed:
+        env["DS_ACCELERATOR"] = "cpu"
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(root / ".ds_build"))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env

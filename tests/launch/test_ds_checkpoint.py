@@ -13,7 +13,6 @@ to-fp32 gives what DeepSpeed's own zero_to_fp32 gives, bit for bit.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_cmd import python_or_torchrun
+from torchrun_cmd import job_env, python_or_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -35,12 +34,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    # DeepSpeed JIT-builds its CPU ops here; a git-ignored folder of the checkout by default.
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".ds_build"))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
+    return job_env(ROOT, deepspeed=True)
 
 
 def _start(nproc: int, script: str, *args: str) -> subprocess.Popen[str]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torchrun_cmd import job_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -38,11 +39,7 @@ CASES = [c for c in all_cases() if re.search(os.environ.get("ZEROSHARD_DS_MATRIX
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".ds_build"))  # git-ignored: DeepSpeed's JIT builds
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
+    return job_env(ROOT, deepspeed=True)
 
 
 def _run(nproc: int, script: str, *args: str, timeout_s: int = 3600) -> str:

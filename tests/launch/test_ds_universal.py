@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shutil
 import subprocess
@@ -23,7 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from torchrun_cmd import python_or_torchrun, torchrun
+from torchrun_cmd import job_env, python_or_torchrun, torchrun
 
 from zeroshard.checkpoint.ds_universal import find_universal, read_universal_layout
 from zeroshard.checkpoint_format import Manifest
@@ -37,11 +36,7 @@ NO_DEEPSPEED = importlib.util.find_spec("deepspeed") is None
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".ds_build"))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
+    return job_env(ROOT, deepspeed=True)
 
 
 def _run(nproc: int, script: str, *args: str, timeout_s: int = 900) -> str:

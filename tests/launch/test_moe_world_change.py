@@ -5,21 +5,17 @@ state; the continued step's loss and the weights after it equal the uninterrupte
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
-from torchrun_cmd import python_or_torchrun
+from torchrun_cmd import job_env, python_or_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parent / "scripts" / "moe_world_change.py"
 
 
 def _run(nproc: int, *args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run(python_or_torchrun(nproc, str(SCRIPT), *args, rank0_output=True), cwd=ROOT, env=env,
+    proc = subprocess.run(python_or_torchrun(nproc, str(SCRIPT), *args, rank0_output=True), cwd=ROOT, env=job_env(ROOT),
                           text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600, check=False)
     assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-5000:]}"
     return proc.stdout
