@@ -27,7 +27,8 @@ reported at the caller's next wait or next collective, on every rank, before any
 mismatched collective (or of a later one) moved. Stream backends (NCCL) skip the check: it would
 synchronise the host. ``ZEROSHARD_COMM_VERIFY=0`` turns it off.
 
-Imports nothing of ours but ``errors``, ``comm.board`` and ``comm.divergence``.
+Imports nothing of ours but ``errors``, ``comm.board``, ``comm.divergence`` and
+``comm.divergence_report``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm.board import Board
-from zeroshard.comm.divergence import CallRecord, CollectiveTracker, mismatch_text, signature
+from zeroshard.comm.divergence import CallRecord, CollectiveTracker, signature
+from zeroshard.comm.divergence_report import mismatch_text
 from zeroshard.errors import CommError
 
 
