@@ -43,7 +43,12 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm.board import Board, checks_wanted
-from zeroshard.comm.divergence_report import describe_states, first_line, mismatch_text
+from zeroshard.comm.divergence_report import (
+    describe_states,
+    disagreement,
+    first_line,
+    mismatch_text,
+)
 from zeroshard.errors import CommError
 
 if TYPE_CHECKING:
@@ -95,6 +100,16 @@ class CallRecord:
     site: tuple[str, int, str | None, int]
     """(file, line) of the first caller outside comm/, and of the first outside zeroshard/torch."""
     issued_at: float
+    api: str = ""
+    """The API the script called it through ("torch.distributed", "deepspeed.comm"); empty for
+    zeroshard's own (Note: [script collectives] in user_collectives.py)."""
+
+    @property
+    def checked_op(self) -> str:
+        """What the signature check compares besides size and dtype: the operation, and whether
+        the script issued it, so that the script's collective never agrees with one of
+        zeroshard's, however alike (Note: [script collectives] in user_collectives.py)."""
+        return f"script:{self.op}" if self.api else self.op
 
 
 def _call_site() -> tuple[str, int, str | None, int]:
@@ -115,9 +130,12 @@ def _record_dict(rec: CallRecord) -> dict[str, Any]:
     where = f"{os.path.basename(inner_file)}:{inner_line}"
     if outer_file is not None:
         where += f" via {os.path.basename(outer_file)}:{outer_line}"
-    return {"seq": rec.seq, "op": rec.op, "numel": rec.numel,
-            "dtype": None if rec.dtype is None else str(rec.dtype).replace("torch.", ""),
-            "where": where}
+    out: dict[str, Any] = {"seq": rec.seq, "op": f"{rec.api}.{rec.op}" if rec.api else rec.op,
+                           "numel": rec.numel, "where": where,
+                           "dtype": None if rec.dtype is None else str(rec.dtype).replace("torch.", "")}
+    if rec.api:
+        out["api"] = rec.api
+    return out
 
 
 _UNTRIED = object()
@@ -215,13 +233,14 @@ class CollectiveTracker:
                 atexit.register(at_exit)
 
     # ---- hot path -------------------------------------------------------------------------
-    def issue(self, op: str, numel: int, dtype: torch.dtype | None) -> CallRecord:
-        """Record the next collective of this group; called before it is handed to torch."""
+    def issue(self, op: str, numel: int, dtype: torch.dtype | None, api: str = "") -> CallRecord:
+        """Record the next collective of this group; called before it is handed to torch.
+        ``api``: the API the script issued it through (``CallRecord.api``), "" for zeroshard's."""
         if self.broken is not None:
             raise CommError(f"rank {self.rank}: {op} refused, the process group is broken:\n"
                             f"{self.broken}")
         self._seq += 1
-        rec = CallRecord(self._seq, op, numel, dtype, _call_site(), time.monotonic())
+        rec = CallRecord(self._seq, op, numel, dtype, _call_site(), time.monotonic(), api)
         self._last = rec
         pending = self._pending
         pending[rec.seq] = rec
@@ -306,9 +325,11 @@ class CollectiveTracker:
             raise self.fail(rec, RuntimeError(mismatch_text(rec.seq)), timeout_s)
 
     def begin_wait(self, rec: CallRecord) -> None:
-        self._waiting = rec
-        self._wait_since = time.monotonic()
-        self._version += 1
+        """This rank now waits for ``rec`` (again: the wait is counted from the first call)."""
+        if self._waiting is not rec:
+            self._waiting = rec
+            self._wait_since = time.monotonic()
+            self._version += 1
 
     def end_wait(self, rec: CallRecord, *, done: bool) -> None:
         self._waiting = None
@@ -465,12 +486,16 @@ class CollectiveTracker:
             return states, f"c10d store unreachable ({type(e).__name__}: {e}); peers unknown"
 
     def describe_failure(self, rec: CallRecord, error: BaseException, timeout_s: float) -> str:
-        """The CommError message: what failed here, then every rank's last collective."""
+        """The CommError message: what failed here (for a mismatch, what each rank issued, with
+        call sites, in that first line), then every rank's last collective."""
         waited = time.monotonic() - rec.issued_at
         states, note = self._gather_peer_states()
         cause = first_line(error)
-        head = (f"rank {self.rank}: {rec.op} (seq {rec.seq}) failed after {waited:.1f} s "
-                f"(timeout {timeout_s:g} s): {cause}")
+        if rec is self.mismatch and (differ := disagreement(states, rec.seq)) is not None:
+            cause = f"collective mismatch at seq {rec.seq}, found before any data moved: {differ}"
+        call = _record_dict(rec)
+        head = (f"rank {self.rank}: {call['op']} (seq {rec.seq}) at {call['where']} failed after "
+                f"{waited:.1f} s (timeout {timeout_s:g} s): {cause}")
         return "\n".join([head, *describe_states(states, self.world_size)]
                          + ([f"  ({note})"] if note else []))
 

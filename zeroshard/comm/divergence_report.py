@@ -12,8 +12,12 @@ from typing import Any
 
 def format_call(call: dict[str, Any]) -> str:
     """``seq 12 all_reduce(numel=1024, float32) at engine.py:88`` from a published record."""
+    return f"seq {call['seq']} {_call_text(call)}"
+
+
+def _call_text(call: dict[str, Any]) -> str:
     args = "" if call["dtype"] is None else f"(numel={call['numel']}, {call['dtype']})"
-    return f"seq {call['seq']} {call['op']}{args} at {call['where']}"
+    return f"{call['op']}{args} at {call['where']}"
 
 
 def mismatch_text(seq: int) -> str:
@@ -58,6 +62,38 @@ def call_at(state: dict[str, Any], seq: int) -> dict[str, Any] | None:
         if call is not None and call["seq"] == seq:
             return call
     return None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def disagreement(states: dict[int, dict[str, Any]], seq: int) -> str | None:
+    """What each rank issued as its collective ``seq``, in one sentence, when they differ (None
+    when they agree or too few ranks answered): the script's own collectives first (Note:
+    [script collectives] in user_collectives.py), with their call sites, then zeroshard's.
+
+    ``rank 0 issued torch.distributed.all_reduce(numel=1, float32) at train.py:40; rank 1 issued
+    zeroshard's reduce_scatter(numel=192, float32) at reduce.py:274 via train.py:35``
+    """
+    by_call: dict[str, list[int]] = {}
+    script: set[str] = set()
+    for r, state in sorted(states.items()):
+        call = call_at(state, seq)
+        if call is None:
+            continue
+        text = _call_text(call)
+        if call.get("api"):
+            script.add(text)
+        by_call.setdefault(text, []).append(r)
+    if len(by_call) < 2:
+        return None
+    order = sorted(by_call, key=lambda text: (text not in script, by_call[text]))
+    parts = []
+    for text in order:
+        owner = "zeroshard's " if script and text not in script else ""
+        parts.append(f"{_ranks(by_call[text])} issued {owner}{text}")
+    return "; ".join(parts)
 
 
 def focus_seq(states: dict[int, dict[str, Any]]) -> int:
