@@ -106,8 +106,8 @@ def test_divergent_rank_fails_fast_with_both_ranks_named(request: pytest.Fixture
     code, output, elapsed = _job(request, mode, route)
     assert code != 0, output
     assert elapsed < KILL_AFTER_S and fails_fast(output), f"took {elapsed:.0f} s\n{output}"
-    assert "CommError: rank 0: all_reduce (seq 2) failed" in output, output
     all_reduce_at = f"comm_diverge.py:{line_of('seq 2: rank 1 never joins')}"
+    assert f"CommError: rank 0: all_reduce (seq 2) at {all_reduce_at} failed" in output, output
     barrier_at = f"comm_diverge.py:{line_of('seq 1 on both ranks')}"
     assert re.search(rf"rank 0: seq 2 all_reduce\(numel=4, float32\) at {all_reduce_at}"
                      r" — waiting \d", output), output
@@ -121,7 +121,7 @@ def test_divergent_rank_fails_fast_with_both_ranks_named(request: pytest.Fixture
         assert "Ranks [1] never reached seq 2." in output, output
     else:  # both ranks time out, and each names the other's collective
         broadcast_at = f"comm_diverge.py:{line_of('not what rank 0 issued')}"
-        assert "CommError: rank 1: broadcast (seq 2) failed" in output, output
+        assert f"CommError: rank 1: broadcast (seq 2) at {broadcast_at} failed" in output, output
         assert (f"rank 1: seq 2 broadcast(numel=8, float32) at {broadcast_at} — waiting"
                 in output), output
         assert ("Ranks disagree on seq 2: ranks [0] all_reduce(numel=4, float32); ranks [1] "
@@ -140,8 +140,8 @@ def test_collective_mismatch_is_reported_by_every_rank(request: pytest.FixtureRe
     assert code != 0 and elapsed < KILL_AFTER_S and fails_fast(output), output
     assert "terminate called" not in output and "SIGABRT" not in output, output
     for rank in (0, 1):
-        assert re.search(rf"CommError: rank {rank}: \w+ \(seq 2\) failed after [0-9.]+ s \(timeout "
-                         r"3 s\): collective mismatch", output), output
+        assert re.search(rf"CommError: rank {rank}: \w+ \(seq 2\) at comm_diverge\.py:\d+ failed after [0-9.]+ s "
+                         r"\(timeout 3 s\): collective mismatch", output), output
     if mode == "size":
         at = f"comm_diverge.py:{line_of('seq 2: sizes differ')}"
         assert f"rank 0: seq 2 all_reduce(numel=4, float32) at {at}" in output, output
@@ -172,11 +172,11 @@ def test_extra_collective_through_deepspeed_comm_is_reported_by_every_rank(
     assert "terminate called" not in output and "preamble" not in output, output
     for rank in (0, 1):
         # rank 0's check ran in deepspeed.comm, under the group's timeout (60 s), not the Comm's 3 s
-        assert re.search(rf"CommError: rank {rank}: all_reduce \(seq 2\) failed after [0-9.]+ s \(timeout "
-                         r"[0-9.]+ s\): collective mismatch", output), output
+        assert re.search(rf"CommError: rank {rank}: (deepspeed\.comm\.)?all_reduce \(seq 2\) at comm_diverge\.py:\d+ "
+                         r"failed after [0-9.]+ s \(timeout [0-9.]+ s\): collective mismatch", output), output
     extra_at = f"comm_diverge.py:{line_of('seq 2: rank 0 only, through deepspeed.comm')}"
     both_at = f"comm_diverge.py:{line_of('seq 2 on rank 1 (dscomm)')}"
-    assert f"rank 0: seq 2 all_reduce(numel=1, float32) at {extra_at}" in output, output
+    assert f"rank 0: seq 2 deepspeed.comm.all_reduce(numel=1, float32) at {extra_at}" in output, output
     assert f"rank 1: seq 2 all_reduce(numel=100, float32) at {both_at}" in output, output
     assert "Ranks disagree on seq 2" in output, output
 
@@ -186,7 +186,7 @@ def test_killed_peer_is_named_within_seconds(jobs: dict[str, tuple[int, str, flo
     # in a collective's check is seen by its pid and start time, not after the 60 s timeout.
     code, output, elapsed = jobs["kill"]
     assert code != 0 and elapsed < KILL_AFTER_S, output
-    found = re.search(r"CommError: rank 0: all_reduce \(seq 2\) failed after ([0-9.]+) s \(timeout 60 s\): "
+    found = re.search(r"CommError: rank 0: all_reduce \(seq 2\) at \S+ failed after ([0-9.]+) s \(timeout 60 s\): "
                       r"rank 1 \(pid \d+\) exited before collective check 2", output)
     assert found and float(found.group(1)) < 10, output
     assert "the all_reduce completed" not in output

@@ -271,7 +271,7 @@ def test_two_trackers_over_a_store_report_each_other(monkeypatch: pytest.MonkeyP
         start = time.monotonic()
         text = rank0.describe_failure(rec, RuntimeError("[x.cc:1] Timed out waiting"), 3.0)
         assert time.monotonic() - start < 1.5  # rank 1's thread answered; no full grace wait
-        assert text.startswith("rank 0: all_reduce (seq 2) failed after ")
+        assert text.startswith(f"rank 0: all_reduce (seq 2) at test_comm_env.py:{line} failed after ")
         assert "Timed out waiting" in text and "x.cc" not in text
         assert (f"rank 0: seq 2 all_reduce(numel=4, float32) at test_comm_env.py:{line}"
                 " — waiting") in text
@@ -306,7 +306,7 @@ def test_stream_work_still_pending_past_the_timeout_is_reported_once(
     tracker._check_stream_works()
     tracker._check_stream_works()
     err = capsys.readouterr().err
-    assert err.count("rank 1: all_reduce (seq 1) failed") == 1, err
+    assert err.count("rank 1: all_reduce (seq 1) at test_comm_env.py:") == 1, err
     assert "seq 1 all_reduce(numel=8, bfloat16)" in err
 
 

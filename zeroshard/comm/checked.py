@@ -25,13 +25,16 @@ collective -- an overlapped bucket reduction, a prefetched ZeRO-3 gather -- into
 the rank stood still until its peers caught up: 6-9% of a step at 2 gloo ranks. A mismatch is
 reported at the caller's next wait or next collective, on every rank, before any data of the
 mismatched collective (or of a later one) moved. Stream backends (NCCL) skip the check: it would
-synchronise the host. ``ZEROSHARD_COMM_VERIFY=0`` turns it off.
+synchronise the host. ``ZEROSHARD_COMM_VERIFY=0`` turns it off (`verify_wanted`), for zeroshard's
+collectives and the script's alike (Note: [script collectives] in user_collectives.py).
 
-Imports nothing of ours but ``errors``, ``comm.board`` and ``comm.divergence``.
+Imports nothing of ours but ``errors``, ``comm.board``, ``comm.divergence`` and
+``comm.divergence_report``.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -40,8 +43,14 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm.board import Board
-from zeroshard.comm.divergence import CallRecord, CollectiveTracker, mismatch_text, signature
+from zeroshard.comm.divergence import CallRecord, CollectiveTracker, signature
+from zeroshard.comm.divergence_report import mismatch_text
 from zeroshard.errors import CommError
+
+
+def verify_wanted() -> bool:
+    """Whether collectives are signature-checked (``ZEROSHARD_COMM_VERIFY`` not "0"; CPU backends)."""
+    return os.environ.get("ZEROSHARD_COMM_VERIFY", "1") != "0"
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -102,7 +111,7 @@ class _Check:
         self._items = items
         sig = 0
         for item in items:  # order-sensitive fold: the same calls in another order differ
-            sig = (sig * 1_000_003 + signature(item.rec.op, item.rec.numel, item.rec.dtype)) & _SIG_MASK
+            sig = (sig * 1_000_003 + signature(item.rec.checked_op, item.rec.numel, item.rec.dtype)) & _SIG_MASK
         self._sig = sig
         self._pair: torch.Tensor | None = None
 
@@ -200,4 +209,8 @@ def wait_checked(tracker: CollectiveTracker, pending: PendingIssue, wait_s: floa
         else:
             error = tracker.fail(rec, e, timeout_s)
         tracker.end_wait(rec, done=False)
+        if isinstance(e, CollectiveMismatchError):
+            # The report names every rank's collective; the internal cause would only put a
+            # second, vaguer "collective mismatch" traceback above it.
+            raise error from None
         raise error from e

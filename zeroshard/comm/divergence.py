@@ -8,7 +8,8 @@ demand. When a collective fails or times out, the failing rank asks every peer t
 (``store.add(REQUEST_KEY)``), waits up to ``RESPONSE_S`` for the answers, and builds a message
 naming each rank's last collective. A rank busy in Python (training, sleeping) answers from its
 thread; a rank blocked in C without the GIL still left its last published state; a rank that
-exited said so from ``atexit``. Imports nothing of ours but ``errors`` and ``comm.board``.
+exited said so from ``atexit``. The report's text is divergence_report.py's. Imports nothing of
+ours but ``errors``, ``comm.board`` and ``comm.divergence_report``.
 
 Note: [watcher shutdown]
 The watcher must never be inside a c10d store call when the interpreter finalizes: the call
@@ -42,6 +43,12 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm.board import Board, checks_wanted
+from zeroshard.comm.divergence_report import (
+    describe_states,
+    disagreement,
+    first_line,
+    mismatch_text,
+)
 from zeroshard.errors import CommError
 
 if TYPE_CHECKING:
@@ -93,6 +100,16 @@ class CallRecord:
     site: tuple[str, int, str | None, int]
     """(file, line) of the first caller outside comm/, and of the first outside zeroshard/torch."""
     issued_at: float
+    api: str = ""
+    """The API the script called it through ("torch.distributed", "deepspeed.comm"); empty for
+    zeroshard's own (Note: [script collectives] in user_collectives.py)."""
+
+    @property
+    def checked_op(self) -> str:
+        """What the signature check compares besides size and dtype: the operation, and whether
+        the script issued it, so that the script's collective never agrees with one of
+        zeroshard's, however alike (Note: [script collectives] in user_collectives.py)."""
+        return f"script:{self.op}" if self.api else self.op
 
 
 def _call_site() -> tuple[str, int, str | None, int]:
@@ -113,15 +130,12 @@ def _record_dict(rec: CallRecord) -> dict[str, Any]:
     where = f"{os.path.basename(inner_file)}:{inner_line}"
     if outer_file is not None:
         where += f" via {os.path.basename(outer_file)}:{outer_line}"
-    return {"seq": rec.seq, "op": rec.op, "numel": rec.numel,
-            "dtype": None if rec.dtype is None else str(rec.dtype).replace("torch.", ""),
-            "where": where}
-
-
-def format_call(call: dict[str, Any]) -> str:
-    """``seq 12 all_reduce(numel=1024, float32) at engine.py:88`` from a published record."""
-    args = "" if call["dtype"] is None else f"(numel={call['numel']}, {call['dtype']})"
-    return f"seq {call['seq']} {call['op']}{args} at {call['where']}"
+    out: dict[str, Any] = {"seq": rec.seq, "op": f"{rec.api}.{rec.op}" if rec.api else rec.op,
+                           "numel": rec.numel, "where": where,
+                           "dtype": None if rec.dtype is None else str(rec.dtype).replace("torch.", "")}
+    if rec.api:
+        out["api"] = rec.api
+    return out
 
 
 _UNTRIED = object()
@@ -219,13 +233,14 @@ class CollectiveTracker:
                 atexit.register(at_exit)
 
     # ---- hot path -------------------------------------------------------------------------
-    def issue(self, op: str, numel: int, dtype: torch.dtype | None) -> CallRecord:
-        """Record the next collective of this group; called before it is handed to torch."""
+    def issue(self, op: str, numel: int, dtype: torch.dtype | None, api: str = "") -> CallRecord:
+        """Record the next collective of this group; called before it is handed to torch.
+        ``api``: the API the script issued it through (``CallRecord.api``), "" for zeroshard's."""
         if self.broken is not None:
             raise CommError(f"rank {self.rank}: {op} refused, the process group is broken:\n"
                             f"{self.broken}")
         self._seq += 1
-        rec = CallRecord(self._seq, op, numel, dtype, _call_site(), time.monotonic())
+        rec = CallRecord(self._seq, op, numel, dtype, _call_site(), time.monotonic(), api)
         self._last = rec
         pending = self._pending
         pending[rec.seq] = rec
@@ -310,9 +325,11 @@ class CollectiveTracker:
             raise self.fail(rec, RuntimeError(mismatch_text(rec.seq)), timeout_s)
 
     def begin_wait(self, rec: CallRecord) -> None:
-        self._waiting = rec
-        self._wait_since = time.monotonic()
-        self._version += 1
+        """This rank now waits for ``rec`` (again: the wait is counted from the first call)."""
+        if self._waiting is not rec:
+            self._waiting = rec
+            self._wait_since = time.monotonic()
+            self._version += 1
 
     def end_wait(self, rec: CallRecord, *, done: bool) -> None:
         self._waiting = None
@@ -385,7 +402,7 @@ class CollectiveTracker:
     def _at_exit(self) -> None:
         # sys.last_value is set when the interpreter printed an uncaught exception.
         exc = getattr(sys, "last_value", None)
-        reason = "" if exc is None else f"{type(exc).__name__}: {_first_line(exc)}"[:200]
+        reason = "" if exc is None else f"{type(exc).__name__}: {first_line(exc)}"[:200]
         self.close("exited", reason=reason)
         self._end_checks()
 
@@ -469,12 +486,16 @@ class CollectiveTracker:
             return states, f"c10d store unreachable ({type(e).__name__}: {e}); peers unknown"
 
     def describe_failure(self, rec: CallRecord, error: BaseException, timeout_s: float) -> str:
-        """The CommError message: what failed here, then every rank's last collective."""
+        """The CommError message: what failed here (for a mismatch, what each rank issued, with
+        call sites, in that first line), then every rank's last collective."""
         waited = time.monotonic() - rec.issued_at
         states, note = self._gather_peer_states()
-        cause = _first_line(error)
-        head = (f"rank {self.rank}: {rec.op} (seq {rec.seq}) failed after {waited:.1f} s "
-                f"(timeout {timeout_s:g} s): {cause}")
+        cause = first_line(error)
+        if rec is self.mismatch and (differ := disagreement(states, rec.seq)) is not None:
+            cause = f"collective mismatch at seq {rec.seq}, found before any data moved: {differ}"
+        call = _record_dict(rec)
+        head = (f"rank {self.rank}: {call['op']} (seq {rec.seq}) at {call['where']} failed after "
+                f"{waited:.1f} s (timeout {timeout_s:g} s): {cause}")
         return "\n".join([head, *describe_states(states, self.world_size)]
                          + ([f"  ({note})"] if note else []))
 
@@ -491,76 +512,6 @@ def _gloo_devices() -> list[Any]:
     if names:
         return [dist.ProcessGroupGloo.create_device(interface=n) for n in names]
     return [dist.ProcessGroupGloo.create_default_device()]
-
-
-def mismatch_text(seq: int) -> str:
-    """The cause line of a signature mismatch (Note: [collective signature check])."""
-    return (f"collective mismatch: the ranks' collective seq {seq} differ in operation, size or "
-            "dtype (found before any data moved)")
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    if text.startswith("[") and "] " in text:  # gloo prefixes its source file: drop it
-        text = text.split("] ", 1)[1]
-    return text
-
-
-def _describe_rank(r: int, state: dict[str, Any] | None, top: int) -> str:
-    if state is None:
-        return (f"rank {r}: never published a state (it has not reached init_distributed, "
-                "or died before it)")
-    last = state["last"]
-    last_text = "no collective yet" if last is None else format_call(last)
-    if state["state"] != "running":
-        why = f" ({state['reason']})" if state["reason"] else ""
-        return f"rank {r}: {state['state']}{why} after {last_text}"
-    if state["waiting"] is not None:
-        line = f"rank {r}: {format_call(state['waiting'])} — waiting {state['wait_s']:.1f} s"
-    elif last is not None and state["done"] < last["seq"]:
-        line = f"rank {r}: {last_text} — issued (async), not yet waited"
-    else:
-        line = f"rank {r}: {last_text} — not in a collective"
-    if state["seq"] < top:
-        line += f" (never reached seq {top})"
-    if state.get("stale"):
-        line += " [no answer: last published state; rank busy without the GIL?]"
-    return line
-
-
-def _call_at(state: dict[str, Any], seq: int) -> dict[str, Any] | None:
-    """The published record of collective ``seq`` of one rank, if its state still holds it."""
-    for call in (state.get("mismatch"), state["waiting"], state["last"], *state.get("pending", ())):
-        if call is not None and call["seq"] == seq:
-            return call
-    return None
-
-
-def describe_states(states: dict[int, dict[str, Any]], world_size: int) -> list[str]:
-    """One line per rank plus a verdict naming the ranks that fell behind or disagree."""
-    top = max((s["seq"] for s in states.values()), default=0)
-    lines = [f"Last collective of each rank (group of {world_size}):"]
-    lines += ["  " + _describe_rank(r, states.get(r), top) for r in range(world_size)]
-    behind = [r for r in range(world_size) if r in states and states[r]["seq"] < top]
-    # A signature check that found a mismatch names its seq; later collectives may have been
-    # issued (asynchronously) since, so the verdict is about that seq, not the newest.
-    found = [s["mismatch"]["seq"] for s in states.values() if s.get("mismatch")]
-    focus = min(found) if found else top
-    at_focus: dict[str, list[int]] = {}
-    for r, s in sorted(states.items()):
-        call = _call_at(s, focus)
-        if call is not None:
-            key = f"{call['op']}(numel={call['numel']}, {call['dtype']})"
-            at_focus.setdefault(key, []).append(r)
-    if len(at_focus) > 1:
-        what = "; ".join(f"ranks {v} {k}" for k, v in at_focus.items())
-        lines.append(f"Ranks disagree on seq {focus}: {what}.")
-    if behind:
-        lines.append(f"Ranks {behind} never reached seq {top}.")
-    if behind or len(at_focus) > 1:
-        lines.append("Every rank must issue the same collectives in the same order; a save, an "
-                     "eval or an extra batch on some ranks only leaves the others waiting.")
-    return lines
 
 
 _TRACKERS: dict[int, CollectiveTracker] = {}

@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 import zeroshard.comm.groups as _groups
-from zeroshard.comm.checked import PendingIssue, checked_issue, wait_checked
+from zeroshard.comm.checked import verify_wanted
 from zeroshard.comm.divergence import tracker_of
+from zeroshard.comm.user_collectives import checked_call
 
 ReduceOp = dist.ReduceOp
 
@@ -132,62 +134,48 @@ class _Done:
 
 
 def _run(call: Any, async_op: bool, op: str = "", tensor: torch.Tensor | None = None, group: Any = None) -> Any:
-    """Issue `call`. On a group zeroshard tracks (its data-parallel group) and a CPU backend, the
-    call is first sequenced and signature-checked like zeroshard's own collectives (Note:
-    [collective signature check] in checked.py): a collective one rank issues through
-    `deepspeed.comm` and the others do not is reported by every rank, not by gloo."""
-    pg = _group(group)
-    tracker = tracker_of(pg) if op else None
-    on_cpu = tensor is None or tensor.device.type == "cpu"
-    if tracker is None or not on_cpu or os.environ.get("ZEROSHARD_COMM_VERIFY", "1") == "0":
+    """Issue `call`. On a group zeroshard tracks, the call is first sequenced and, for CPU tensors,
+    signature-checked like zeroshard's own collectives (Note: [script collectives] in
+    user_collectives.py): a collective one rank issues through `deepspeed.comm` and the others
+    do not is reported by every rank, not by gloo. `call` runs torch's `distributed_c10d`
+    functions, which the wrappers of torch.distributed's namespace do not count again."""
+    tracker = tracker_of(_group(group)) if op else None
+    if tracker is None or not verify_wanted():
         work = call()
         return work if async_op else None
     current = _groups._GROUPS
     timeout_s = current.timeout_s if current is not None else 1800.0
     numel, dtype = (0, None) if tensor is None else (tensor.numel(), tensor.dtype)
-    tracker.raise_if_mismatched(timeout_s)
-    rec = tracker.issue(op, numel, dtype)
-    # Checked, then issued here: `call` may block (a synchronous op, an object collective), which
-    # must not happen on the check's callback thread. When the check has completed, every earlier
-    # checked collective's data is already issued (checks complete in order), so order holds.
-    pending = PendingIssue(rec, None)
-    checked_issue(tracker, [pending], timedelta(seconds=timeout_s), wait_here=True)
-    wait_checked(tracker, pending, timeout_s + 5.0, timeout_s)
-    try:
-        work = call()
-    except Exception as e:
-        raise tracker.fail(rec, e, timeout_s) from e
-    # The caller waits an async work itself: counted as done once issued (the report then names
-    # it as this rank's last collective, not as one in flight).
-    tracker.end_wait(rec, done=True)
+    on_cpu = tensor is None or tensor.device.type == "cpu"
+    work = checked_call(tracker, call, "deepspeed.comm", op, numel, dtype, timeout_s, check=on_cpu)
     return work if async_op else None
 
 
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
     if not is_initialized():
         return _Done() if async_op else None
-    return _run(lambda: dist.barrier(group=_group(group), async_op=async_op, device_ids=device_ids), async_op,
+    return _run(lambda: c10d.barrier(group=_group(group), async_op=async_op, device_ids=device_ids), async_op,
                 "barrier", None, group)
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
     if not is_initialized():
         return _Done() if async_op else None
-    return _run(lambda: dist.all_reduce(tensor, op=op, group=_group(group), async_op=async_op), async_op,
+    return _run(lambda: c10d.all_reduce(tensor, op=op, group=_group(group), async_op=async_op), async_op,
                 "all_reduce", tensor, group)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
     if not is_initialized():
         return _Done() if async_op else None
-    return _run(lambda: dist.reduce(tensor, dst, op=op, group=_group(group), async_op=async_op), async_op,
+    return _run(lambda: c10d.reduce(tensor, dst, op=op, group=_group(group), async_op=async_op), async_op,
                 "reduce", tensor, group)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
     if not is_initialized():
         return _Done() if async_op else None
-    return _run(lambda: dist.broadcast(tensor, src, group=_group(group), async_op=async_op), async_op,
+    return _run(lambda: c10d.broadcast(tensor, src, group=_group(group), async_op=async_op), async_op,
                 "broadcast", tensor, group)
 
 
@@ -196,7 +184,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
     if not is_initialized():
         tensor_list[0].copy_(tensor)
         return _Done() if async_op else None
-    return _run(lambda: dist.all_gather(tensor_list, tensor, group=_group(group), async_op=async_op), async_op,
+    return _run(lambda: c10d.all_gather(tensor_list, tensor, group=_group(group), async_op=async_op), async_op,
                 "all_gather", tensor, group)
 
 
@@ -205,7 +193,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     if not is_initialized():
         output_tensor.copy_(input_tensor.reshape(output_tensor.shape))
         return _Done() if async_op else None
-    return _run(lambda: dist.all_gather_into_tensor(output_tensor, input_tensor, group=_group(group),
+    return _run(lambda: c10d.all_gather_into_tensor(output_tensor, input_tensor, group=_group(group),
                                                     async_op=async_op), async_op, "all_gather", input_tensor, group)
 
 
@@ -214,7 +202,7 @@ def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tenso
     if not is_initialized():
         output_tensor.copy_(input_tensor.reshape(output_tensor.shape))
         return _Done() if async_op else None
-    return _run(lambda: dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=_group(group),
+    return _run(lambda: c10d.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=_group(group),
                                                    async_op=async_op), async_op, "reduce_scatter", input_tensor,
                 group)
 
@@ -223,13 +211,13 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
     if not is_initialized():
         object_list[0] = obj
         return
-    _run(lambda: dist.all_gather_object(object_list, obj, group=_group(group)), False, "all_gather_object", None,
+    _run(lambda: c10d.all_gather_object(object_list, obj, group=_group(group)), False, "all_gather_object", None,
          group)
 
 
 def broadcast_object_list(object_list: list[Any], src: int, group: Any = None, device: Any = None) -> None:
     if is_initialized():
-        _run(lambda: dist.broadcast_object_list(object_list, src, group=_group(group), device=device), False,
+        _run(lambda: c10d.broadcast_object_list(object_list, src, group=_group(group), device=device), False,
              "broadcast_object_list", None, group)
 
 
@@ -238,7 +226,7 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_s
     if not is_initialized():
         output.copy_(tensor)
         return _Done() if async_op else None
-    return _run(lambda: dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes,
+    return _run(lambda: c10d.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes,
                                                group=_group(group), async_op=async_op), async_op,
                 "all_to_all", None, group)  # split sizes may differ per rank: checked as an op only
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+import zeroshard.comm.user_collectives as user_collectives
 from zeroshard.comm.divergence import forget_tracker, tracker_for, tracker_is_idle
 from zeroshard.comm.env import (
     DEFAULT_MASTER_PORT,
@@ -290,6 +291,8 @@ def init_distributed(*, backend: str | None = None, timeout_s: float | None = No
         # Start the divergence watcher now, on every rank, so that a peer's report can name
         # this rank's state even before it issues its first collective.
         tracker_for(groups.dp_group, groups.rank, groups.world_size, _group_store)
+        # The script's own torch.distributed collectives join the sequence (Note: [script collectives]).
+        user_collectives.install(groups.timeout_s)
     _GROUPS, _OWNS_GROUP = groups, owns
     global _EXIT_HOOK_REGISTERED
     if groups.dp_group is not None and not _EXIT_HOOK_REGISTERED:
@@ -487,6 +490,7 @@ def destroy_distributed() -> None:
     global _GROUPS, _OWNS_GROUP
     for forget in _ON_DESTROY:
         forget()
+    user_collectives.uninstall()
     groups = _GROUPS
     if groups is None:
         return
