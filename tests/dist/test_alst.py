@@ -29,6 +29,11 @@ transformers = pytest.importorskip("transformers")
 SEQ_PER_RANK, STEPS, LR, VOCAB = 4, 4, 0.3, 64
 RTOL = 2e-6
 """fp32 round-off: attention over the gathered sequence sums in another order than one process."""
+RTOL_TILED_WEIGHTS = 5e-6
+"""With the tiled MLP and logits loss the gradients are summed tile by tile, another order again:
+after 4 steps at lr 0.3 the embedding (which also takes the logits' gradient) was 2.4e-6 relative
+from one process on a 2026-12-07 CI machine (within 2e-6 on an earlier one: the CPU's vector width
+changes fp32 summation). A wrong factor or a lost tile is off by 1e-2 or more."""
 
 
 def llama(seed: int = 0) -> Any:
@@ -143,9 +148,10 @@ def test_alst_tutorial_shape_equals_one_process(groups: ProcessGroups, stage: in
     want_losses, want_weights = oracle(world, tiled)
     for step, (got, exp) in enumerate(zip(losses, want_losses)):
         assert abs(got - exp) <= RTOL * abs(exp), f"step {step + 1}: loss {got} != one process's {exp}"
+    tol = RTOL_TILED_WEIGHTS if tiled else RTOL
     for name, exp in want_weights.items():
         rel = float((weights[name] - exp).norm() / exp.norm())
-        assert rel <= RTOL, f"{name}: relative difference {rel:.2e} from one process"
+        assert rel <= tol, f"{name}: relative difference {rel:.2e} from one process (tolerance {tol:.0e})"
 
 
 def test_refusals(groups: ProcessGroups) -> None:
