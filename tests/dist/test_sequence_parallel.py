@@ -294,6 +294,31 @@ def test_a_checkpoint_saved_at_sp2_resumes_without_sequence_parallelism(groups: 
     assert_matches(first, full_weights(plain, 2), (want[0][:2], want[1], None))
 
 
+def test_a_checkpoint_saved_at_sp4_resumes_at_sp2_times_dp2(groups: ProcessGroups, shared_dir: Path) -> None:
+    """SP 4 (one data-parallel rank, two micro-batches) for two steps, saved; loaded at SP 2 x DP 2
+    with one micro-batch per rank (the same global batch: data-parallel rank d takes micro-batch d,
+    each sequence rank half of its tokens), one more step: the weights equal three steps of one
+    process, momentum included (4 ranks only)."""
+    if groups.world_size != 4:
+        pytest.skip(f"SP 4 -> SP 2 x DP 2 needs 4 ranks; this run has {groups.world_size}")
+    seq = create_sequence_groups(groups, 4)
+    engine, *_ = zeroshard.initialize(model=TinyLM(seq.sp.dp_group), config=config(2, False, 4, 0.0))
+    first = train(engine, groups, 1, 4, range(2))
+    engine.save_checkpoint(str(shared_dir), tag="sp4")
+    seq = create_sequence_groups(groups, 2)
+    resumed, *_ = zeroshard.initialize(model=TinyLM(seq.sp.dp_group, seed=5),
+                                       config={**config(2, False, 2, 0.0), "gradient_accumulation_steps": 1})
+    resumed.load_checkpoint(str(shared_dir), tag="sp4")
+    assert (resumed.global_steps, resumed.sequence_parallel_size, resumed.dp_world_size) == (2, 2, 2)
+    dp_rank, sp_rank = groups.rank // 2, groups.rank % 2
+    ids, labels = micro_batch(samples(STEPS, 1, 4), 2, dp_rank, 0, 1)
+    positions = torch.arange(sp_rank * 2 * LOCAL, (sp_rank + 1) * 2 * LOCAL)
+    resumed.backward(resumed(ids[:, positions], labels[:, positions], offset=positions))
+    resumed.step()
+    want = oracle(1, 4, 0.0)
+    assert_matches(first, full_weights(resumed, 2), (want[0][:2], want[1], None))
+
+
 def test_the_data_position_survives_a_change_of_sequence_parallel_size(groups: ProcessGroups,
                                                                       shared_dir: Path) -> None:
     """The engine's data loader (training_data=) splits samples over data-parallel ranks only, so the
