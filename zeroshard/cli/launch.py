@@ -38,6 +38,7 @@ from zeroshard.cli.launch_env import collect_exports, default_env_files, parse_e
 from zeroshard.cli.launch_report import (
     attempt_starts,
     last_checkpoint,
+    membership_restart,
     preempted_attempts,
     preemption_summary,
     read_notes,
@@ -490,7 +491,8 @@ def _run(plan: LaunchPlan) -> int:
         if code != 0 and last in preempted:
             code = PREEMPTED_EXIT_CODE
         print(restart_summary(code, last, plan.max_restarts, preempted=preempted, resume_dir=plan.resume_dir,
-                              checkpoint=last_checkpoint(plan.resume_dir), stopped_by=stopped_by),
+                              checkpoint=last_checkpoint(plan.resume_dir), stopped_by=stopped_by,
+                              membership=membership_restart(notes, starts)),
               file=sys.stderr, flush=True)
         if code == PREEMPTED_EXIT_CODE and last is not None:
             final = [note for written, note in notes if written >= starts[last]]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from zeroshard.errors import PREEMPTED_EXIT_CODE
 
-__all__ = ["attempt_starts", "last_checkpoint", "preempted_attempts", "preemption_summary", "read_notes",
-           "restart_summary", "resume_dir_of"]
+__all__ = ["attempt_starts", "last_checkpoint", "membership_restart", "preempted_attempts", "preemption_summary",
+           "read_notes", "restart_summary", "resume_dir_of"]
 
 
 def preemption_summary(notes: list[dict[str, object]]) -> str:
@@ -37,13 +37,15 @@ def preemption_summary(notes: list[dict[str, object]]) -> str:
 
 def restart_summary(code: int, restarts: int | None, max_restarts: int, *,
                     preempted: dict[int, str] | None = None, resume_dir: str | None = None,
-                    checkpoint: str | None = None, stopped_by: str | None = None) -> str:
+                    checkpoint: str | None = None, stopped_by: str | None = None,
+                    membership: str | None = None) -> str:
     """One paragraph on how the job ended: the restarts torchrun made (``restarts``, None when no
     attempt started), what ended each attempt (``preempted`` maps an attempt to its preemption's
     details; the others failed, as torchrun's error report says), and the exit status ``code``.
     When the job failed with no restart left, it says that restarts are exhausted, or that
     ``stopped_by`` (a signal the launcher passed on) stopped it, and names ``checkpoint`` (the
-    last complete one under ``resume_dir``), or says why it cannot.
+    last complete one under ``resume_dir``), or says why it cannot. ``membership``
+    (`membership_restart`) is said after the first sentence.
 
     Example::
 
@@ -62,6 +64,8 @@ def restart_summary(code: int, restarts: int | None, max_restarts: int, *,
 
     head = (f"zeroshard launch: {restarts} restart{'' if restarts == 1 else 's'} (--max_restarts {max_restarts}): "
             + ", ".join(ended(k) for k in range(restarts + 1)) + f". Exit status {code}")
+    if membership:
+        head += f" ({membership})"
     if code == 0:
         return head + "."
     if stopped_by is not None:
@@ -139,6 +143,30 @@ def attempt_starts(log_dir: Path) -> dict[int, float]:
         except (ValueError, OSError):
             continue
     return starts
+
+
+def membership_restart(notes: list[tuple[float, dict[str, object]]], starts: dict[int, float]) -> str | None:
+    """What stopped the workers in a membership change, from the notes written before the current
+    attempts began: when a node joins (or one leaves and the rest re-form), torchrun stops the workers
+    with SIGTERM and starts the group again without counting a restart, and it recreates the attempt
+    directories, so those notes predate every attempt. None when there were none.
+
+    Example::
+
+        >>> membership_restart([(5.0, {"signal": "SIGTERM", "checkpoint": "c/global_step5", "step": 5})], {0: 9.0})
+        'a membership change (a node joined or left) restarted the workers, not counted as a restart: on SIGTERM, \
+emergency checkpoint c/global_step5 after step 5'
+    """
+    if not starts:
+        return None
+    before = [note for written, note in notes if written < min(starts.values())]
+    if not before:
+        return None
+    note = before[-1]
+    where = (f"emergency checkpoint {note['checkpoint']} after step {note['step']}" if note.get("checkpoint")
+             else "no emergency checkpoint")
+    return (f"a membership change (a node joined or left) restarted the workers, not counted as a restart: "
+            f"on {note.get('signal')}, {where}")
 
 
 def preempted_attempts(notes: list[tuple[float, dict[str, object]]], starts: dict[int, float]) -> dict[int, str]:
