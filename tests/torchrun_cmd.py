@@ -7,7 +7,9 @@ directory of the top ``conftest.py``), and ``tests/run.py`` runs from ``tests/``
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -41,3 +43,19 @@ def job_env(root: Path, *, deepspeed: bool = False) -> dict[str, str]:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
+
+
+def collect_jobs(procs: dict[str, subprocess.Popen[str]], kill_after_s: float,
+                 start: float) -> dict[str, tuple[int, str, float]]:
+    """Wait for jobs started together at `start` (time.monotonic()) under one deadline, killing
+    any still running `kill_after_s` after it: name -> (exit code, output, seconds since `start`)."""
+    results = {}
+    for name, proc in procs.items():
+        try:
+            output, _ = proc.communicate(timeout=max(1.0, kill_after_s - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+            output += f"\n[test] killed after {kill_after_s} s"
+        results[name] = (proc.returncode, output, time.monotonic() - start)
+    return results

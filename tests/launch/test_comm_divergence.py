@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from torchrun_cmd import torchrun
+from torchrun_cmd import collect_jobs, torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "comm_diverge.py"
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,16 +50,7 @@ def _run_jobs(modes: tuple[str, ...], extra_env: dict[str, str]) -> dict[str, tu
         torchrun(2, *(["--monitor-interval=60"] if mode == "kill" else []), str(SCRIPT), mode),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
         for mode in modes}
-    results = {}
-    for mode, proc in procs.items():
-        try:
-            output, _ = proc.communicate(timeout=max(1.0, KILL_AFTER_S - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output, _ = proc.communicate()
-            output += f"\n[test] killed after {KILL_AFTER_S} s"
-        results[mode] = (proc.returncode, output, time.monotonic() - start)
-    return results
+    return collect_jobs(procs, KILL_AFTER_S, start)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from torchrun_cmd import torchrun
+from torchrun_cmd import collect_jobs, torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "user_collective.py"
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,16 +54,7 @@ def jobs() -> dict[str, tuple[int, str, float]]:
                                     stderr=subprocess.STDOUT, text=True, env={**env, **extra.get(mode, {})},
                                     cwd=ROOT)
              for mode in MODES}
-    results = {}
-    for mode, proc in procs.items():
-        try:
-            output, _ = proc.communicate(timeout=max(1.0, KILL_AFTER_S - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output, _ = proc.communicate()
-            output += f"\n[test] killed after {KILL_AFTER_S} s"
-        results[mode] = (proc.returncode, output, time.monotonic() - start)
-    return results
+    return collect_jobs(procs, KILL_AFTER_S, start)
 
 
 @pytest.mark.parametrize("mode", ["extra", "same-size"])
