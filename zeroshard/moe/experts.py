@@ -4,7 +4,8 @@
 parameters (`allreduce = False`, `group_name`). `dispatch` packs tokens into a per-expert
 capacity buffer [experts, capacity, model], `exchange` moves it across the expert-parallel group
 with one differentiable all-to-all, and `combine` weights each token's expert outputs back.
-Imports torch, `zeroshard.moe.gating` and `zeroshard.comm` (for types: collectives go through a `Comm`).
+Imports torch, `zeroshard.moe.gating`, `zeroshard.errors` and `zeroshard.comm` (for types:
+collectives go through a `Comm`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from zeroshard.errors import NotSupportedError
 from zeroshard.moe.gating import Routes
 
 if TYPE_CHECKING:
@@ -33,6 +35,12 @@ class Experts(nn.Module):
 
     def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None) -> None:
         super().__init__()
+        if any(hasattr(p, "ds_id") for p in expert.parameters()):  # a ZeRO-3 parameter, as DeepSpeed tells one
+            raise NotSupportedError(
+                "a MoE layer built inside zeroshard.zero.Init (deepspeed.zero.Init) is not implemented: zero.Init "
+                "partitions every parameter over all data-parallel ranks, but the ranks hold different experts; "
+                "build the model outside zero.Init (ZeRO stage 3 then partitions each expert over its "
+                "expert-data-parallel group at initialize)")
         self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
         self.num_local_experts = num_local_experts
         for module in self.deepspeed_experts:

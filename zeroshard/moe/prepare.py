@@ -34,6 +34,13 @@ def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
+def expert_modules(module: nn.Module, group_name: str) -> list[nn.Module]:
+    """This rank's local expert modules of every MoE layer of expert group `group_name`, layer by
+    layer: ZeRO stage 3 gathers each of them as one unit over the expert-data-parallel group."""
+    return [expert for layer in moe_layers(module) if layer.expert_group_name == group_name
+            for expert in layer.deepspeed_moe.experts.deepspeed_experts]
+
+
 def expert_parallel_size(module: nn.Module) -> int:
     """The largest `ep_size` of `module`'s MoE layers (1 without any): the `ep` of the job's
     ParallelDims, validated against the data-parallel size before any group exists."""

@@ -11,9 +11,10 @@ from torch import nn
 
 from zeroshard.comm.groups import NODE_SIZE_ENV, node_size
 from zeroshard.errors import ConfigError, NotSupportedError
-from zeroshard.moe.prepare import prepare_experts
+from zeroshard.moe.prepare import expert_modules, prepare_experts
 from zeroshard.moe.utils import is_moe_param
 from zeroshard.zero.expert_split import build_expert_split
+from zeroshard.zero.init_partition import init_partitioned
 from zeroshard.zero.leaf import apply_leaf_config, granularity_units, leaf_units
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.stage0 import Stage0Strategy
@@ -97,39 +98,74 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
 
     A model with DeepSpeed `MoE` layers gets its expert groups here (moe/prepare.py) and one
     strategy per expert group beside the dense one (Note: [expert gradients] in zero/expert_split.py).
+
+    Note: [experts at stage 3] Ranks hold different experts, so an expert cannot be partitioned
+    over the data-parallel group as a dense parameter is: its shards would mix experts. Stage 3
+    therefore has two kinds of owner over one module. The dense `Stage3Strategy` partitions every
+    parameter but the experts (`include`) over the data-parallel group, in the usual units. Each
+    expert group's `Stage3Strategy` partitions that group's experts over its expert-data-parallel
+    group (the ranks holding the same experts), one unit per local expert module, taken as they
+    are (`exact_units`: a `MoE` leaf mark must not fold them into the layer's dense unit). Every
+    rank runs each of its local experts on every forward (capacity buffers), so the expert units'
+    gathers happen in the same order on the ranks of a group, whatever the routing. Each parameter
+    knows its owner (`ZeroParamState.owner`), which is how `GatheredParameters`, checkpoints and
+    exports reach both kinds.
     """
     experts = prepare_experts(module, params, groups, comm, model_parallel=norm_group is not None)
     if not experts:
         return _build_stage(cfg, module, params, comm, groups, units, norm_group)
-    _check_experts_config(cfg)
+    _check_experts_config(cfg, params)
+    dense = [p for p in params if not is_moe_param(p)]
+    stage3 = cfg.zero_optimization.stage == 3
+    dense_ids = {id(p) for p in module.parameters() if not is_moe_param(p)} if stage3 else None
+
+    def build_part(part: list[nn.Parameter], part_comm: "Comm", part_groups: "ProcessGroups") -> ZeroStrategy:
+        if part is dense:
+            return _build_stage(cfg, module, part, part_comm, part_groups, units if stage3 else None, None,
+                                include=dense_ids)
+        if not stage3:
+            return _build_stage(cfg, module, part, part_comm, part_groups, None, None)
+        expert_units = expert_modules(module, part[0].group_name)  # Note: [experts at stage 3]
+        return _build_stage(cfg, module, part, part_comm, part_groups, [module, *expert_units], None,
+                            include={id(p) for m in expert_units for p in m.parameters()}, exact_units=True)
+
     return build_expert_split(
-        [p for p in params if not is_moe_param(p)],
-        [(e.params, e.groups.edp_comm, e.groups.edp, e.groups.ep_comm) for e in experts],
-        lambda part, part_comm, part_groups: _build_stage(cfg, module, part, part_comm, part_groups, None, None),
+        dense, [(e.params, e.groups.edp_comm, e.groups.edp, e.groups.ep_comm) for e in experts], build_part,
         comm, groups, average=cfg.gradient_allreduce_op == "mean",
         # DeepSpeed's fp32 ZeRO 0 clips by its clip_grad_norm_, the mean of the ranks' norms; elsewhere
         # the global norm (Note: [expert gradients] in zero/expert_split.py).
         norm_rule="rank_mean" if cfg.zero_optimization.stage == 0 and cfg.precision == "fp32" else "global")
 
 
-def _check_experts_config(cfg: "Config") -> None:
+def _check_experts_config(cfg: "Config", params: list[nn.Parameter]) -> None:
     """What the expert split does not cover, refused by key."""
     zero = cfg.zero_optimization
-    if zero.stage == 3:
+    for key, section in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
+        if section.device == "nvme":  # one swapper per part is not built; "cpu" is
+            raise NotSupportedError(
+                f"zero_optimization.{key}.device \"nvme\" with MoE layers is not implemented: set it to \"cpu\" "
+                "(or \"none\")")
+    if zero.stage != 3:
+        return
+    if int(zero.zero_hpz_partition_size) > 1:
+        raise NotSupportedError("zero_optimization.zero_hpz_partition_size > 1 with MoE layers is not implemented: "
+                                "set it to 1 (expert parameters are partitioned over their expert-data-parallel "
+                                "group only)")
+    if any(is_moe_param(p) and init_partitioned(p) for p in params):
         raise NotSupportedError(
-            "zero_optimization.stage 3 with DeepSpeed MoE layers is not implemented (DeepSpeed 0.19.8 refuses it "
-            "too): set the stage to 0, 1 or 2; expert parameters are then sharded over their expert-data-parallel "
-            "group at stages 1 and 2")
-    if zero.offload_optimizer.device != "none":
-        raise NotSupportedError(
-            f"zero_optimization.offload_optimizer.device {zero.offload_optimizer.device!r} with MoE layers is not "
-            "implemented: set it to \"none\"")
+            "MoE layers built inside zeroshard.zero.Init (deepspeed.zero.Init) are not implemented: zero.Init "
+            "partitions every parameter over all data-parallel ranks, but ranks hold different experts; build "
+            "the model outside zero.Init (stage 3 then partitions the experts over their expert-data-parallel "
+            "group at initialize)")
 
 
 def _build_stage(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
                  groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None,
-                 norm_group: ModelParallelNorm | None) -> ZeroStrategy:
-    """`build_strategy` for one set of parameters over one group."""
+                 norm_group: ModelParallelNorm | None, *, include: set[int] | None = None,
+                 exact_units: bool = False) -> ZeroStrategy:
+    """`build_strategy` for one set of parameters over one group. Stage 3: `include` limits the
+    partition to those parameters, and `exact_units` takes `units` (modules, root first) as they
+    are, without leaf modules or coarsening (Note: [experts at stage 3])."""
     zero = cfg.zero_optimization
     grad_dtype = _dtype(cfg.accumulation_dtype) or torch.float32
     # bf16 masters (cfg.bf16_masters): the master shard and the gradients are bf16, and torch
@@ -186,13 +222,16 @@ def _build_stage(cfg: "Config", module: nn.Module, params: list[nn.Parameter], c
         )
         # `zero_optimization.leaf_module` (default: DeepSpeed's MoE block classes) marks leaves;
         # marks set by set_z3_leaf_modules are kept.
+        if exact_units:
+            return Stage3Strategy(module, params, comm=comm, options=options3, units=list(units or [module]),
+                                  norm_group=norm_group, include=include)
         leaf = zero.leaf_module
         apply_leaf_config(module, leaf.classes, leaf.names, leaf.name_suffixes)
         chosen = resolve_units(module, units) if units else default_units(module)
         if zero.stage3_module_granularity_threshold > 0:
             chosen = _coarsened(module, chosen, int(zero.stage3_module_granularity_threshold))
-        return Stage3Strategy(module, params, comm=comm,
-                              options=options3, units=leaf_units(module, chosen), norm_group=norm_group)
+        return Stage3Strategy(module, params, comm=comm, options=options3, units=leaf_units(module, chosen),
+                              norm_group=norm_group, include=include)
     raise AssertionError(f"stage {zero.stage} passed config validation but has no strategy")
 
 

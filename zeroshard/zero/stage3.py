@@ -110,14 +110,15 @@ class Stage3Strategy(ShardedStrategyBase):
 
     def __init__(self, module: nn.Module, params: Sequence[nn.Parameter], *, comm: "Comm",
                  options: Stage3Options, units: Sequence[nn.Module] | None = None,
-                 norm_group: ModelParallelNorm | None = None) -> None:
+                 norm_group: ModelParallelNorm | None = None, include: set[int] | None = None) -> None:
         self._comm, self._opt = comm, options
         self._backward_started: set[int] = set()  # units whose outputs' gradients arrived
         self._recompute_tail: int | None = None  # the unit whose recompute finished last
         self._device = params[0].device if params else torch.device("cpu")
         self._pass = Pass.IDLE
         trainable = {id(p) for p in params}
-        names = self._init_units(module, list(units) if units is not None else default_units(module), trainable)
+        names = self._init_units(module, list(units) if units is not None else default_units(module), trainable,
+                                 include)
         self._init_shards(names)
         self._shard = OptimizerShard(self._plan, comm, self._params, trainable=self._trainable, lp=self._shards.shard,
                                      lp_is_flat=False, device=self._device, policy=options.offload_optimizer,
@@ -137,12 +138,13 @@ class Stage3Strategy(ShardedStrategyBase):
 
     # -- construction ---------------------------------------------------------------------
 
-    def _init_units(self, module: nn.Module, units: list[nn.Module], trainable: set[int]) -> list[str]:
-        """Assign the parameters to units (the last one persistent) and plan the partition
-        (zero/unit_plan.py); returns the parameters' names, in plan order."""
+    def _init_units(self, module: nn.Module, units: list[nn.Module], trainable: set[int],
+                    include: set[int] | None) -> list[str]:
+        """Assign the parameters (`include`: only those) to units (the last one persistent) and plan
+        the partition (zero/unit_plan.py); returns the parameters' names, in plan order."""
         plan = plan_units(module, units, trainable, world_size=self._comm.world_size, align=ALIGN_NUMEL,
                           persistence_threshold=self._opt.persistence_threshold,
-                          persistence_budget=self._opt.persistence_budget)
+                          persistence_budget=self._opt.persistence_budget, include=include)
         self._params, self._trainable, self._unit_of = plan.params, plan.trainable, plan.unit_of
         self._unit_modules: list[nn.Module | None] = plan.unit_modules
         self._plan, self._persistent = plan.partition, plan.persistent

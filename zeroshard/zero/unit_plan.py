@@ -40,12 +40,14 @@ class UnitPlan:
         return len(self.unit_modules) - 1
 
 
-def persistent_ids(module: nn.Module, threshold: int, budget: int) -> set[int]:
+def persistent_ids(module: nn.Module, threshold: int, budget: int, include: set[int] | None = None) -> set[int]:
     """The parameters that stay gathered: fewer elements than `threshold`, taken in the model's
-    parameter order while their total stays within `budget`."""
+    parameter order while their total stays within `budget` (among `include` when given)."""
     out: set[int] = set()
     total = 0
     for _, p in module.named_parameters():
+        if include is not None and id(p) not in include:
+            continue
         n = p.numel()
         if n < threshold and total + n <= budget:
             out.add(id(p))
@@ -54,15 +56,24 @@ def persistent_ids(module: nn.Module, threshold: int, budget: int) -> set[int]:
 
 
 def plan_units(module: nn.Module, units: Sequence[nn.Module], trainable: set[int], *, world_size: int,
-               align: int, persistence_threshold: int, persistence_budget: int) -> UnitPlan:
+               align: int, persistence_threshold: int, persistence_budget: int,
+               include: set[int] | None = None) -> UnitPlan:
     """Assign the parameters to units (those `persistent_ids` picks to a last, persistent unit)
-    and plan the partition over `world_size` ranks. `trainable`: ids of the optimizer's parameters."""
+    and plan the partition over `world_size` ranks. `trainable`: ids of the optimizer's parameters.
+
+    `include` (ids): partition only these parameters and leave the others to another owner (the
+    dense and the expert parameters of a model with MoE layers: Note: [experts at stage 3] in
+    zero/build.py); a unit other than the root that holds none of them is dropped."""
     assigned = assign_params(module, units)
-    persists = persistent_ids(module, persistence_threshold, persistence_budget)
+    if include is not None:
+        assigned = {i: [(n, p) for n, p in named if id(p) in include] for i, named in assigned.items()}
+    persists = persistent_ids(module, persistence_threshold, persistence_budget, include)
     persistent: list[tuple[str, nn.Parameter]] = []
     groups: list[list[tuple[str, nn.Parameter]]] = []
     unit_modules: list[nn.Module | None] = []
     for i, unit in enumerate(units):
+        if include is not None and i > 0 and not assigned[i]:
+            continue
         keep = [(n, p) for n, p in assigned[i] if id(p) not in persists]
         persistent += [(n, p) for n, p in assigned[i] if id(p) in persists]
         groups.append(keep)
