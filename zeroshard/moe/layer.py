@@ -4,7 +4,8 @@ Same signature, module tree (`deepspeed_moe.gate.wg`, `deepspeed_moe.experts.dee
 `mlp` and `coefficient` for residual MoE: state dicts load either way) and return value
 `(output, l_aux, exp_counts)`. The expert-parallel group is attached by `zeroshard.initialize`
 (moe/prepare.py); until then a layer with ep_size 1 runs alone and one with ep_size > 1 refuses
-to run. Imports torch, `zeroshard.errors`, the moe package's own modules and `zeroshard.comm` (for types).
+to run. Imports torch, `zeroshard.errors`, the moe package's own modules (telemetry.py: the gate's
+route counter) and `zeroshard.comm` (for types).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import zeroshard.moe.gating as gating
 from zeroshard.errors import NotSupportedError
 from zeroshard.moe.ep_groups import group_name
 from zeroshard.moe.experts import Experts, combine, dispatch, exchange, route_slots
+from zeroshard.moe.telemetry import RouteCounter, in_backward
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
@@ -31,7 +33,9 @@ NoisyGatePolicy = Literal["None", "Jitter", "RSample"]
 class TopKGate(nn.Module):
     """The router: a bias-free linear map to expert scores (in fp32), then `moe/gating.py`'s
     top-1, top-2 or top-k routing with capacity. Train-time and eval-time capacity factors differ;
-    noise (Jitter on the input, RSample on the logits) applies in training only."""
+    noise (Jitter on the input, RSample on the logits) applies in training only. With a
+    `route_counter` (attached by the engine, moe/telemetry.py) a training forward adds its routes
+    to it, on the device (Note: [routing telemetry])."""
 
     def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
                  eval_capacity_factor: float = 1.0, min_capacity: int = 8,
@@ -43,6 +47,7 @@ class TopKGate(nn.Module):
         self.min_capacity, self.noisy_gate_policy = min_capacity, noisy_gate_policy
         self.drop_tokens, self.use_rts, self.top2_2nd_expert_sampling = drop_tokens, use_rts, top2_2nd_expert_sampling
         self.ep_comm: Comm | None = None
+        self.route_counter: RouteCounter | None = None
 
     def _max_over_group(self, t: Tensor) -> Tensor:
         if self.ep_comm is not None and self.ep_comm.world_size > 1:
@@ -51,6 +56,12 @@ class TopKGate(nn.Module):
 
     def forward(self, tokens: Tensor, used_token: Tensor | None = None) -> gating.Routes:
         """[tokens, model] -> Routes."""
+        routes = self._route(tokens, used_token)
+        if self.route_counter is not None and self.training and not in_backward():  # not a recompute
+            self.route_counter.record(routes)
+        return routes
+
+    def _route(self, tokens: Tensor, used_token: Tensor | None) -> gating.Routes:
         x = tokens.float()
         if self.noisy_gate_policy == "Jitter" and self.training:
             x = gating.jitter(x)

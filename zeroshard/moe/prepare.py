@@ -3,7 +3,8 @@
 `prepare_experts` finds DeepSpeed `MoE` layers, creates each expert-parallel size's groups
 (moe/ep_groups.py), attaches the expert-parallel group to the layers, and makes the ranks of each
 expert-data-parallel group agree on their experts (rank 0's dense broadcast skips expert
-parameters: zero/stage0.py::broadcast_module_state), as DeepSpeed's engine does. Imports
+parameters: zero/stage0.py::broadcast_module_state), as DeepSpeed's engine does.
+`routing_telemetry` gives the engine its layers' route counters (moe/telemetry.py). Imports
 torch, `zeroshard.comm`, `zeroshard.errors` and the moe package's own modules.
 """
 
@@ -18,6 +19,7 @@ from zeroshard.comm import Comm, ProcessGroups
 from zeroshard.errors import NotSupportedError
 from zeroshard.moe.ep_groups import ExpertGroups, create_expert_groups
 from zeroshard.moe.layer import MoE
+from zeroshard.moe.telemetry import RoutingTelemetry
 from zeroshard.moe.utils import is_moe_param
 
 
@@ -39,6 +41,13 @@ def expert_modules(module: nn.Module, group_name: str) -> list[nn.Module]:
     layer: ZeRO stage 3 gathers each of them as one unit over the expert-data-parallel group."""
     return [expert for layer in moe_layers(module) if layer.expert_group_name == group_name
             for expert in layer.deepspeed_moe.experts.deepspeed_experts]
+
+
+def routing_telemetry(module: nn.Module) -> RoutingTelemetry | None:
+    """Route counters on every MoE layer's gate (moe/telemetry.py), named by the layer's name in
+    `module`; None, and nothing attached, for a model without MoE layers."""
+    layers = [(name, m.deepspeed_moe.gate) for name, m in module.named_modules() if isinstance(m, MoE)]
+    return RoutingTelemetry(layers) if layers else None
 
 
 def expert_parallel_size(module: nn.Module) -> int:

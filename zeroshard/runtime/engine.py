@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.errors import LossError, NotSupportedError, UsageError
+from zeroshard.moe.prepare import routing_telemetry
 from zeroshard.optim.factory import optimizer_state_bytes
 from zeroshard.runtime.autocast import autocast_dtype, cast_inputs_half, forward_context
 from zeroshard.runtime.compile import CompileStats, compile_model
@@ -125,7 +126,8 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, EngineCheckpoi
         self._progress = EngineProgress(
             comm=comm, device=groups.device, sinks=sinks, timers=self.timers,
             micro_batch_samples=config.train_micro_batch_size_per_gpu * groups.world_size,
-            train_batch_size=config.train_batch_size, steps_per_print=config.steps_per_print)
+            train_batch_size=config.train_batch_size, steps_per_print=config.steps_per_print,
+            routing=routing_telemetry(module))
         self._last_grad_stats: GradStats | None = None
         self._step_applied = False
         self._autocast_dtype = autocast_dtype(config.torch_autocast, groups.device.type)

@@ -8,6 +8,9 @@ engine's `global_steps`, `micro_steps`, ... read these counters.
 `report` and `summary` are collective: each rank reaches them on the same step (the loss and
 the memory figures are reduced or gathered over the data-parallel group).
 
+With MoE layers it reports their routing (moe/telemetry.py): the counters are reduced over the
+data-parallel group in `report` only, one collective for every layer (Note: [routing telemetry]).
+
 It also drives `tput_timer` (runtime/throughput.py, DeepSpeed's `engine.tput_timer`) from the
 same calls, with the samples it counts per step.
 """
@@ -22,6 +25,7 @@ import torch
 from torch import Tensor
 
 import zeroshard.activation_checkpointing as activation_checkpointing
+from zeroshard.moe.telemetry import RoutingTelemetry, routing_line, routing_metrics
 from zeroshard.runtime.monitor import format_bytes, peak_memory_bytes
 from zeroshard.runtime.throughput import ThroughputTimer
 
@@ -44,11 +48,15 @@ class EngineProgress:
         micro_batch_samples: samples one `engine.step()` consumes over all ranks.
         train_batch_size: samples one optimizer step consumes over all ranks.
         steps_per_print: report every this many optimizer steps; None never.
+        routing: the model's MoE route counters (moe/prepare.py's `routing_telemetry`); None
+            without MoE layers, and then nothing is counted or reduced.
     """
 
     def __init__(self, *, comm: "Comm", device: torch.device, sinks: "list[MetricSink]", timers: "Timers",
-                 micro_batch_samples: int, train_batch_size: int, steps_per_print: int | None) -> None:
+                 micro_batch_samples: int, train_batch_size: int, steps_per_print: int | None,
+                 routing: RoutingTelemetry | None = None) -> None:
         self._comm, self._device, self.sinks, self._timers = comm, device, sinks, timers
+        self.routing = routing
         self._micro_batch_samples, self._train_batch_size = micro_batch_samples, train_batch_size
         self._steps_per_print = steps_per_print
         self.global_steps = 0
@@ -66,6 +74,7 @@ class EngineProgress:
         self._loss_count = 0
         self._window_start = time.perf_counter()
         self._window_samples = 0
+        self._window_steps = 0
         self._run_start: float | None = None
         self._run_samples = 0
         self.tput_timer = ThroughputTimer(batch_size=train_batch_size)
@@ -106,6 +115,7 @@ class EngineProgress:
             self.skipped_steps += 1
         samples = self._train_batch_size if micro_batches is None else self._micro_batch_samples * micro_batches
         self.global_steps += 1
+        self._window_steps += 1
         self.global_samples += samples
         self.micro_steps += micro_steps
         self.tput_timer.stop(global_step=True, samples=samples)
@@ -165,10 +175,22 @@ class EngineProgress:
         if phases:
             logger.info("time per step (ms) | " + " | ".join(f"{k}: {v:.1f}" for k, v in phases.items()))
             metrics.update({f"time_{k}_ms": v for k, v in phases.items()})
+        if self.routing is not None:
+            metrics.update(self._routing_report())
         for sink in self.sinks:
             sink.write(self.global_steps, metrics)
         self._loss_sum, self._loss_count = None, 0
-        self._window_start, self._window_samples = now, 0
+        self._window_start, self._window_samples, self._window_steps = now, 0, 0
+
+    def _routing_report(self) -> dict[str, float]:
+        """Every MoE layer's routing per step of the window, summed over ranks, logged one line per
+        layer; one all-reduce and one read-back for all layers (Note: [routing telemetry])."""
+        totals = self.routing.take(self._device)
+        self._comm.all_reduce(totals, op="sum")
+        layers = self.routing.summarize(totals.tolist(), self._window_steps)
+        for i, layer in enumerate(layers):
+            logger.info(routing_line(i, layer))
+        return routing_metrics(layers)
 
     def summary(self) -> dict[str, Any]:
         """End-of-run figures; every rank must call it (peak memory is gathered)."""
