@@ -1,10 +1,12 @@
 """MoE routing telemetry in one process (moe/telemetry.py): the gate's recorded counts against a
 per-token loop, dropped routes at a capacity that drops and none without dropping, the imbalance
-formula, what is not counted (eval, checkpoint recompute), and the metrics and the progress line."""
+formula, what is not counted (eval, checkpoint recompute), the metrics and the progress line, and
+`zeroshard report`'s MoE panels."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,9 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from zeroshard.cli.report import main as report_main
+from zeroshard.cli.report import read_run
 from zeroshard.moe.layer import MoE
 from zeroshard.moe.prepare import routing_telemetry
 from zeroshard.moe.telemetry import LayerRouting, imbalance, routing_line, routing_metrics
+from zeroshard.runtime.monitor import CsvSink
 
 CPU = torch.device("cpu")
 HIDDEN, EXPERTS = 6, 4
@@ -117,3 +122,19 @@ def test_metrics_and_progress_line() -> None:
     assert "tokens/expert 2.5 2.5 | dropped 0 of 5 (0.0%)" in routing_line(1, layers[1])
     many = LayerRouting("m", [float(i) for i in range(32)], 0.0, 1.9, 1.0)
     assert "tokens/expert min 0 max 31 |" in routing_line(2, many)
+
+
+def test_report_draws_the_moe_panels(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the [report] extra is not installed")
+    sink = CsvSink(str(tmp_path), "job")
+    for step in range(1, 5):
+        layers = [LayerRouting("moe", [4.0 + step, 4.0, 4.0, 4.0 - step], 1.0, imbalance([4.0 + step, 4, 4, 4 - step]),
+                               1.0 + step)]
+        sink.write(step, {"loss": 1.0 / step, **routing_metrics(layers)})
+    sink.close()
+    run = read_run(tmp_path)
+    assert run.moe_layers() == {0: 4}
+    assert run.moe_dropped_percent(0, 4) == pytest.approx([100 / 16] * 4)
+    png = tmp_path / "r.png"
+    assert report_main([str(tmp_path), "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

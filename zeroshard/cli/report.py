@@ -2,7 +2,8 @@
 
 Reads each run's `metrics.csv` (written by the `csv_monitor` sink, Note: [monitor events] in
 runtime/monitor.py) and draws loss, lr, samples/s and memory per rank against steps, the runs
-overlaid. matplotlib is an optional extra (`pip install 'zeroshard[report]'`).
+overlaid; with MoE layers also their routing (imbalance, dropped routes, aux loss, tokens per
+expert). matplotlib is an optional extra (`pip install 'zeroshard[report]'`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,16 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zeroshard.errors import ZeroshardError
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from matplotlib.gridspec import GridSpec
+
 _RANK_COLUMN = re.compile(r"^(model_state_bytes|peak_memory_bytes)_rank(\d+)$")
+_MOE_TOKENS = re.compile(r"^moe(\d+)_tokens_expert(\d+)$")
 
 
 @dataclass
@@ -40,6 +47,25 @@ class Run:
 
     def ranks(self) -> list[int]:
         return sorted({int(m.group(2)) for c in self.columns if (m := _RANK_COLUMN.match(c))})
+
+    def moe_layers(self) -> dict[int, int]:
+        """MoE layer index -> experts, from the `moe{L}_tokens_expert{E}` columns."""
+        layers: dict[int, int] = {}
+        for c in self.columns:
+            if m := _MOE_TOKENS.match(c):
+                layers[int(m.group(1))] = max(layers.get(int(m.group(1)), 0), int(m.group(2)) + 1)
+        return dict(sorted(layers.items()))
+
+    def moe_tokens(self, layer: int, experts: int) -> list[list[float]]:
+        """[expert][step] routes per expert of one MoE layer (nan where a step has none)."""
+        nan = [float("nan")] * len(self.steps)
+        return [self.columns.get(f"moe{layer}_tokens_expert{e}", nan) for e in range(experts)]
+
+    def moe_dropped_percent(self, layer: int, experts: int) -> list[float]:
+        """Dropped routes as a percentage of the layer's routes, per step."""
+        totals = [sum(col) for col in zip(*self.moe_tokens(layer, experts))]
+        dropped = self.columns.get(f"moe{layer}_dropped", [float("nan")] * len(self.steps))
+        return [100 * d / t if t > 0 else float("nan") for d, t in zip(dropped, totals)]
 
 
 def find_metrics(path: Path) -> Path:
@@ -83,7 +109,7 @@ def _mib(values: list[float]) -> list[float]:
 
 def draw(runs: list[Run], out: Path, title: str | None = None) -> None:
     """Write a 2 x 3 figure (loss, lr, samples/s; peak memory and model states per rank, grad
-    norm) as PNG, or an HTML page around it."""
+    norm), two rows more with MoE layers (`_draw_moe`), as PNG, or an HTML page around it."""
     try:
         import matplotlib
 
@@ -91,7 +117,10 @@ def draw(runs: list[Run], out: Path, title: str | None = None) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ZeroshardError("zeroshard report needs matplotlib: pip install 'zeroshard[report]'") from e
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7), dpi=80)
+    moe = any(run.moe_layers() for run in runs)
+    fig = plt.figure(figsize=(13, 14 if moe else 7), dpi=80)
+    grid = fig.add_gridspec(4 if moe else 2, 3)
+    axes = [[fig.add_subplot(grid[r, c]) for c in range(3)] for r in range(2)]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ["-", "--", "-.", ":"]
     markers = ["o", "s", "^", "x", "d", "v", "*", "+"]
@@ -122,6 +151,8 @@ def draw(runs: list[Run], out: Path, title: str | None = None) -> None:
         low, high = ax.get_ylim()
         ax.set_ylim(0, max(high, 1.0) * 1.1)
     axes[0][1].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    if moe:
+        _draw_moe(fig, grid, runs, colors, styles)
     fig.suptitle(title or "zeroshard report: " + " vs ".join(r.label for r in runs))
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -132,6 +163,42 @@ def draw(runs: list[Run], out: Path, title: str | None = None) -> None:
     else:
         fig.savefig(out)
     plt.close(fig)
+
+
+def _draw_moe(fig: "Figure", grid: "GridSpec", runs: list[Run], colors: list[str], styles: list[str]) -> None:
+    """Row 3: imbalance, dropped routes (%) and aux loss per MoE layer, the runs overlaid; row 4:
+    the first run's tokens per expert over steps, each relative to the layer's mean (1 = balanced)."""
+    lines = [fig.add_subplot(grid[2, c]) for c in range(3)]
+    titles = ["MoE imbalance (max / mean tokens per expert)", "MoE dropped routes (% of routes)", "MoE aux loss"]
+    for i, run in enumerate(runs):
+        for layer, experts in run.moe_layers().items():
+            series = [run.columns.get(f"moe{layer}_imbalance"), run.moe_dropped_percent(layer, experts),
+                      run.columns.get(f"moe{layer}_aux_loss")]
+            for ax, values in zip(lines, series):
+                if values is not None:
+                    ax.plot(run.steps, values, color=colors[layer % len(colors)], linestyle=styles[i % len(styles)],
+                            label=f"{run.label}, moe{layer}")
+    for ax, title in zip(lines, titles):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    first = next(run for run in runs if run.moe_layers())
+    rows, labels = [], []
+    for layer, experts in first.moe_layers().items():
+        tokens = first.moe_tokens(layer, experts)
+        means = [sum(col) / experts for col in zip(*tokens)]
+        rows += [[v / m if m > 0 else float("nan") for v, m in zip(values, means)] for values in tokens]
+        labels += [f"moe{layer} e{e}" for e in range(experts)]
+    heat = fig.add_subplot(grid[3, :])
+    image = heat.imshow(rows, aspect="auto", interpolation="nearest", cmap="viridis",
+                        extent=(first.steps[0] - 0.5, first.steps[-1] + 0.5, len(rows) - 0.5, -0.5))
+    if len(labels) <= 32:
+        heat.set_yticks(range(len(labels)), labels, fontsize=7)
+    heat.set_xlabel("step")
+    heat.set_title(f"{first.label}: tokens per expert / layer mean", fontsize=10)
+    fig.colorbar(image, ax=heat, fraction=0.03)
 
 
 def _html(runs: list[Run], png_b64: str) -> str:
