@@ -5,8 +5,10 @@ Rank 0 writes; other ranks keep their timers so the breakdown can be averaged if
 Note: [monitor events] Every sink receives the same dict at every printed step
 (`steps_per_print`), built once by the engine: loss, lr, loss_scale, skipped_steps,
 grad_norm, samples_per_s, samples, model_state_bytes_rank{r} and peak_memory_bytes_rank{r}
-for every rank, and with wall_clock_breakdown (or activation_checkpointing.profile)
-time_{phase}_ms. `zeroshard report` reads the CSV sink's file; docs/monitoring.md lists them.
+for every rank, with wall_clock_breakdown (or activation_checkpointing.profile)
+time_{phase}_ms, and with MoE layers moe{L}_tokens_expert{E}, moe{L}_dropped, moe{L}_imbalance
+and moe{L}_aux_loss per layer L (moe/telemetry.py). `zeroshard report` reads the CSV sink's
+file; docs/monitoring.md lists them.
 """
 
 from __future__ import annotations
