@@ -1,6 +1,6 @@
 """MoE routing telemetry through the engine (moe/telemetry.py, runtime/engine_progress.py): the
 tokens per expert and dropped routes the CSV monitor writes per layer and step equal the sum over
-ranks of what each rank's gate routed, the window of steps_per_print steps is reduced once, at the
+ranks of what each rank's gate routed (ZeRO 1 and 3), the window of steps_per_print steps is reduced once, at the
 logged step, and an engine without MoE layers counts nothing. Runs at 1 and 2 ranks (EP = world
 size; tests/run.py keeps it out of the 3-rank stage: 4 experts do not split over 3 ranks)."""
 
@@ -40,13 +40,13 @@ class Net(nn.Module):
         return F.mse_loss(h, y) + 0.01 * (aux1 + aux2)
 
 
-def make_engine(world: int, out: Path, steps_per_print: int) -> tuple[Any, Net]:
+def make_engine(world: int, out: Path, steps_per_print: int, stage: int = 1) -> tuple[Any, Net]:
     torch.manual_seed(0)
     model = Net(ep_size=world)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "all"})
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "steps_per_print": steps_per_print,
-           "zero_optimization": {"stage": 1},
+           "zero_optimization": {"stage": stage},
            "csv_monitor": {"enabled": True, "output_path": str(out), "job_name": "moe"}}
     engine, *_ = zeroshard.initialize(model=model, model_parameters=groups, config=cfg)
     return engine, model
@@ -74,10 +74,11 @@ def csv_rows(out: Path) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
-def test_csv_series_equal_the_gates_counts_summed_over_ranks(groups: ProcessGroups, comm: Comm,
-                                                              shared_dir: Path) -> None:
+@pytest.mark.parametrize("stage", [1, 3])
+def test_csv_series_equal_the_gates_counts_summed_over_ranks(groups: ProcessGroups, comm: Comm, shared_dir: Path,
+                                                              stage: int) -> None:
     world, rank, steps = groups.world_size, groups.rank, 3
-    engine, model = make_engine(world, shared_dir, steps_per_print=1)
+    engine, model = make_engine(world, shared_dir, steps_per_print=1, stage=stage)
     seen = gate_counts(model)
     lines: list[str] = []
     handler = logging.Handler()
