@@ -55,6 +55,12 @@ def global_segments(dim: int, shape: tuple[int, ...], tp: int, rank: int, offset
     return out
 
 
+BANKS = ":banks"
+"""Suffix of a manifest `expert_parallel` key naming Hugging Face expert banks (AutoEP,
+moe/hf_experts.py) rather than DeepSpeed MoE layers: a bank's experts are rows of one tensor,
+which checkpoint/expert_layout.py's `globalize` does not lay out by id."""
+
+
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
     """Name, shape and dtype of a parameter or buffer; `trainable`: requires_grad."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from zeroshard.checkpoint_format import Manifest, Range, TensorInfo
+from zeroshard.checkpoint_format import BANKS, Manifest, Range, TensorInfo
 from zeroshard.errors import CheckpointError
 
 EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.deepspeed_experts)\.(?P<j>\d+)\.(?P<rest>.+)$")
@@ -39,11 +39,35 @@ def expert_parallel_size(m: Manifest, where: str) -> int | None:
     return sizes.pop()
 
 
+def refuse_moving_banks(m: Manifest, where: str, why: str) -> None:
+    """Expert banks saved at an expert-parallel size > 1 cannot be read at another layout yet.
+
+    Raises:
+        CheckpointError: `m` holds such banks.
+    """
+    banks = {k[:-len(BANKS)]: v for k, v in (m.expert_parallel or {}).items() if k.endswith(BANKS) and v > 1}
+    if banks:
+        raise CheckpointError(
+            f"{where}: Hugging Face expert banks cut over {banks} ranks (expert_parallel.autoep_size) and {why}; "
+            "reading bank experts at another expert-parallel size or world size is not built yet: resume with "
+            f"the same world size ({m.world_size}) and autoep_size")
+
+
 def experts_move(saved: Manifest, target: Manifest) -> bool:
-    """Whether the experts are laid out differently in the checkpoint and in this run."""
+    """Whether the experts are laid out differently in the checkpoint and in this run.
+
+    Raises:
+        CheckpointError: they move, and they include expert banks (`refuse_moving_banks`).
+    """
     if not saved.expert_parallel and not target.expert_parallel:
         return False
-    return saved.expert_parallel != target.expert_parallel or saved.world_size != target.world_size
+    moving = saved.expert_parallel != target.expert_parallel or saved.world_size != target.world_size
+    if moving:
+        why = (f"this run has world size {target.world_size} and expert layout {target.expert_parallel or 'none'} "
+               f"(saved: {saved.expert_parallel})")
+        refuse_moving_banks(saved, "the checkpoint", why)
+        refuse_moving_banks(target, "this run", why)
+    return moving
 
 
 def _local_counts(m: Manifest) -> dict[str, int]:

@@ -134,6 +134,10 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "checkpoint.save_interval_minutes": ("runtime/periodic_save.py::section.save_interval_minutes",),
     "checkpoint.preemption_save": ("runtime/preemption.py::section.preemption_save",),
     "checkpoint.preemption_grace_seconds": ("runtime/preemption.py::section.preemption_grace_seconds",),
+    "expert_parallel.enabled": ("config/schema_ep.py::self.enabled", "moe/hf_experts.py::ep.enabled"),
+    "expert_parallel.autoep_size": ("runtime/initialize.py::expert_parallel_size_of(raw_config)",
+                                    "moe/hf_experts.py::ep.autoep_size"),
+    "expert_parallel.preset_model": ("moe/hf_experts.py::ep.preset_model",),
     "tensor_parallel.autotp_size": ("runtime/initialize.py::config_tp=tensor_parallel_size(raw_config)",),
     "tensor_parallel.tensor_parallel.tp_size": ("runtime/initialize.py::config_tp=tensor_parallel_size(raw_config)",),
     "tensor_parallel.preset_model": ("tensor_parallel/tp_plan.py::config.preset_model",),
@@ -243,6 +247,14 @@ NO_EFFECT: dict[str, str] = {
     "zeroshard's pipelines have no tensor parallelism, so there is nothing to split.",
     "pipeline.grad_partitioned": "splits stage-to-stage gradients over tensor-parallel ranks in DeepSpeed; "
     "zeroshard's pipelines have no tensor parallelism, so there is nothing to split.",
+    "expert_parallel.use_grouped_mm": "the local experts run the model's own experts implementation "
+    "(transformers' config._experts_implementation: eager, batched_mm or grouped_mm), which decides it.",
+    "expert_parallel.disable_triton_grouped_mm": "zeroshard has no Triton grouped GEMM to disable.",
+    **{f"expert_parallel.{k}": "a kernel choice of DeepSpeed's AutoEP layer; zeroshard's combine weights and sums "
+       "each token's expert outputs in one way (moe/hf_experts.py)." for k in ("combine_impl", "row_weighting_impl",
+                                                                               "gate_up_impl")},
+    **{f"expert_parallel.{k}": "tunes DeepEP, which is not built (comm_backend \"comm\")."
+       for k in ("comm_num_sm", "comm_qp_margin", "comm_max_tokens_per_rank")},
     "tensor_parallel.tp_overlap_comm": "the all-reduce of a row-parallel layer's output feeds the next "
     "operation directly, so there is no computation to overlap it with (zeroshard/tensor_parallel/layers.py).",
     "tensor_parallel.tensor_parallel.tp_grain_size": "DeepSpeed's granularity of uneven splits (inactive in its "

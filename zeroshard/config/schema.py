@@ -14,6 +14,7 @@ from typing import Any, Literal
 from zeroshard.config.describe import describe_config
 from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, spec
 from zeroshard.config.schema_compile import CompileConfig
+from zeroshard.config.schema_ep import ExpertParallelConfig
 from zeroshard.config.schema_optim import OptimizerConfig, SchedulerConfig
 from zeroshard.config.schema_tp import TensorParallelConfig
 from zeroshard.config.schema_zero import ZeroConfig
@@ -406,6 +407,10 @@ class Config:
     """Pipeline parallelism (a PipelineModule given to initialize())."""
     tensor_parallel: TensorParallelConfig = spec(default_factory=TensorParallelConfig)
     """AutoTP tensor parallelism (zeroshard/tensor_parallel/); ZeRO partitions over the data-parallel ranks."""
+    expert_parallel: ExpertParallelConfig = spec(default_factory=ExpertParallelConfig)
+    """AutoEP: expert parallelism for Hugging Face MoE models (zeroshard/moe/hf_experts.py); each
+    expert bank is cut over `autoep_size` ranks, its parameters sharded by ZeRO over the
+    expert-data-parallel group."""
     sequence_parallel_size: int = spec(1, ge=1)
     """Ranks that share one sample, each holding a slice of its sequence (DeepSpeed-Ulysses / ALST
     sequence parallelism, zeroshard/sequence/). The batch triad counts world / (sp x pp x tp)

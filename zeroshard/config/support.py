@@ -81,8 +81,28 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 "GPU-oriented) is not implemented; engine.compile() compiles the model with torch.compile and "
                 "keeps zeroshard's ZeRO hooks and collectives eager.",
                 fix="Remove the key (or set it to false) and call engine.compile()."),
-    Unsupported(key="compile.autoep_non_moe", why="AutoEP (expert parallelism) is not implemented, so there are "
-                "no AutoEP layers to keep eager.", fix="Remove the key; engine.compile() compiles the whole model."),
+    Unsupported(key="compile.autoep_non_moe", why="engine.compile() compiles the whole model; keeping the AutoEP "
+                "layers eager is not built.", fix="Remove the key; engine.compile() compiles the whole model."),
+    *(Unsupported(key=f"expert_parallel.{k}", why="zeroshard's AutoEP runs the model's own router (its top-k, "
+                  "scores, normalisation, scaling and group-limited choice), so a router described in the config "
+                  "is not built.", fix="Remove the key (\"auto\" / null: the model's router decides).")
+      for k in ("top_k", "score_func", "route_norm", "route_scale", "routed_scaling_factor", "num_expert_groups",
+                "num_limited_groups", "score_apply")),
+    *(Unsupported(key=f"expert_parallel.{k}", why="zeroshard's AutoEP finds every transformers-5 expert bank by "
+                  "its structure; custom-model descriptions are not read.", fix="Remove the key.")
+      for k in ("moe_layer_pattern", "expert_pattern", "router_pattern", "expert_w1", "expert_w2", "expert_w3",
+                "num_experts_attr", "top_k_attr", "has_shared_experts", "shared_experts_pattern",
+                "shared_experts_gate_pattern", "expert_activation")),
+    Unsupported(key="expert_parallel.comm_backend", why="DeepEP is not built: tokens move by all-to-all over the "
+                "expert-parallel group.", fix="Remove the key (or set it to \"comm\")."),
+    Unsupported(key="expert_parallel.expert_tensor_parallel_size", why="tensor parallelism inside experts is not "
+                "built.", fix="Remove the key (or set it to 1)."),
+    Unsupported(key="expert_parallel.load_balance_coeff", why="auxiliary-loss-free balancing (an expert bias "
+                "updated between steps) is not built for AutoEP; DeepSpeed 0.19.8 refuses it too.",
+                fix="Remove the key."),
+    *(Unsupported(key=f"expert_parallel.{k}", why=f"DeepSpeed's AutoEP x AutoTP option {k} has no meaning without "
+                  "AutoTP folding, which is not built.", fix="Remove the key (or set it to false).")
+      for k in ("validate_folding_routing", "async_split_plan")),
     Unsupported(key="compile", why="It tunes DeepCompile, which is not implemented (DeepSpeed reads it only "
                 "with compile.deepcompile true).", fix="Remove the key; engine.compile() needs none."),
     *(Unsupported(key=f"zero_optimization.{k}", why=why, fix="Remove the key.") for k, why in (
@@ -105,7 +125,7 @@ UNMODELLED: dict[str, str] = {
         "hybrid_engine", "nebula", "datastates", "elasticity", "weight_quantization",
         "comet", "quantize_training", "graph_harvesting", "timers",
         "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "vocabulary_size",
-        "disable_python_gc", "expert_parallel", "log_level",
+        "disable_python_gc", "log_level",
         "zero_optimization.zenflow", "zero_optimization.zeropp_loco_param",
         "checkpoint.writer",
     )
@@ -123,7 +143,6 @@ OFF_VALUES: dict[str, Callable[[Any], bool]] = {
     # Sequence parallelism's all-to-alls run in the activations' dtype; DeepSpeed's default asks nothing more.
     "seq_parallel_communication_data_type": lambda v: v in ("fp32", "float32", "torch.float32"),
     "vocabulary_size": lambda v: v is None,
-    "expert_parallel": lambda v: _all_off(v, {"enabled": (False,)}),
 }
 """UNMODELLED keys whose DeepSpeed default (or "off") spelling is more than null/false/{}:
 key -> predicate that is true when the value asks for nothing."""

@@ -1,6 +1,6 @@
 """Setting a model's MoE layers up at initialize: their groups, and their experts' first values.
 
-`prepare_experts` finds DeepSpeed `MoE` layers, creates each expert-parallel size's groups
+`prepare_experts` finds DeepSpeed `MoE` layers and AutoEP's expert banks, creates each expert-parallel size's groups
 (moe/ep_groups.py), attaches the expert-parallel group to the layers, and makes the ranks of each
 expert-data-parallel group agree on their experts (rank 0's dense broadcast skips expert
 parameters: zero/stage0.py::broadcast_module_state), as DeepSpeed's engine does.
@@ -18,6 +18,7 @@ from torch import nn
 from zeroshard.comm import Comm, ProcessGroups
 from zeroshard.errors import NotSupportedError
 from zeroshard.moe.ep_groups import ExpertGroups, create_expert_groups
+from zeroshard.moe.hf_experts import ExpertParallelBank, shard_expert_bank
 from zeroshard.moe.layer import MoE
 from zeroshard.moe.telemetry import RoutingTelemetry
 from zeroshard.moe.utils import is_moe_param
@@ -36,11 +37,21 @@ def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
+def expert_layers(module: nn.Module) -> list[nn.Module]:
+    """DeepSpeed `MoE` layers and Hugging Face expert banks marked for AutoEP (moe/hf_experts.py),
+    in module order: each has `ep_size` and `expert_group_name`."""
+    return [m for m in module.modules() if isinstance(m, (MoE, ExpertParallelBank))]
+
+
 def expert_modules(module: nn.Module, group_name: str) -> list[nn.Module]:
-    """This rank's local expert modules of every MoE layer of expert group `group_name`, layer by
-    layer: ZeRO stage 3 gathers each of them as one unit over the expert-data-parallel group."""
-    return [expert for layer in moe_layers(module) if layer.expert_group_name == group_name
-            for expert in layer.deepspeed_moe.experts.deepspeed_experts]
+    """This rank's expert modules of every expert layer of group `group_name`, layer by layer: ZeRO
+    stage 3 gathers each as one unit over the expert-data-parallel group (a DeepSpeed layer's local
+    experts one by one; a bank whole)."""
+    out: list[nn.Module] = []
+    for layer in expert_layers(module):
+        if layer.expert_group_name == group_name:
+            out += list(layer.deepspeed_moe.experts.deepspeed_experts) if isinstance(layer, MoE) else [layer]
+    return out
 
 
 def routing_telemetry(module: nn.Module) -> RoutingTelemetry | None:
@@ -51,23 +62,24 @@ def routing_telemetry(module: nn.Module) -> RoutingTelemetry | None:
 
 
 def expert_parallel_size(module: nn.Module) -> int:
-    """The largest `ep_size` of `module`'s MoE layers (1 without any): the `ep` of the job's
+    """The largest `ep_size` of `module`'s expert layers (1 without any): the `ep` of the job's
     ParallelDims, validated against the data-parallel size before any group exists."""
-    return max((layer.ep_size for layer in moe_layers(module)), default=1)
+    return max((layer.ep_size for layer in expert_layers(module)), default=1)
 
 
 def prepare_experts(module: nn.Module, params: list[nn.Parameter], dp: ProcessGroups, comm: Comm,
                     *, model_parallel: bool = False) -> list[ExpertParams]:
-    """Groups for every MoE layer of `module`, and the trainable expert parameters by group.
+    """Groups for every expert layer of `module`, and the trainable expert parameters by group.
 
     Collective over the data-parallel group; every rank passes the same model. Returns [] for a
-    model without expert parameters.
+    model without expert parameters. Hugging Face expert banks are cut to this rank's experts here
+    (moe/hf_experts.py::shard_expert_bank).
 
     Raises:
         NotSupportedError: expert parameters with tensor or pipeline parallelism
-            (`model_parallel`), or expert parameters outside any zeroshard `MoE` layer.
+            (`model_parallel`), or expert parameters outside any expert layer.
     """
-    layers = moe_layers(module)
+    layers = expert_layers(module)
     experts = [p for p in params if is_moe_param(p)]
     if not layers and not experts:
         return []
@@ -86,9 +98,11 @@ def prepare_experts(module: nn.Module, params: list[nn.Parameter], dp: ProcessGr
         groups = by_name.get(layer.expert_group_name)
         if groups is None:
             groups = by_name[layer.expert_group_name] = create_expert_groups(dp, layer.ep_size, comm)
-        layer.deepspeed_moe.set_ep_comm(groups.ep_comm)
-    for layer in layers:
-        _broadcast_experts(layer, by_name[layer.expert_group_name].edp_comm)
+        if isinstance(layer, MoE):
+            layer.deepspeed_moe.set_ep_comm(groups.ep_comm)
+            _broadcast_experts(layer, groups.edp_comm)
+        else:
+            shard_expert_bank(layer, groups.ep_comm, comm)
     return [ExpertParams(g, [p for p in experts if p.group_name == name]) for name, g in by_name.items()
             if any(p.group_name == name for p in experts)]
 

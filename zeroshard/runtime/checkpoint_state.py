@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.checkpoint_format import (
+    BANKS,
     EngineState,
     LoadedState,
     Manifest,
@@ -35,6 +36,7 @@ from zeroshard.checkpoint_format import (
     pickle_bytes,
     unpickle_bytes,
 )
+from zeroshard.moe.hf_experts import expert_banks
 from zeroshard.moe.prepare import moe_layers
 from zeroshard.optim.onebit_adam import STATE_KEYS as ONEBIT_STATE_KEYS
 from zeroshard.optim.onebit_adam import OneBitOptimizer, drop_onebit_state
@@ -142,7 +144,8 @@ def collect_state(engine: "EngineView", strategy: ZeroStrategy, *, include_froze
         fragments=[ranges if r == rank else [] for r in range(world)], weight_pieces=piece_ranges,
         frozen_saved=include_frozen, global_steps=engine.global_steps,
         train_batch_size=engine.zs_config.train_batch_size,
-        expert_parallel={m.expert_group_name: m.ep_size for m in moe_layers(engine.module)} or None)
+        expert_parallel={**{m.expert_group_name: m.ep_size for m in moe_layers(engine.module)},
+                         **{b.expert_group_name + BANKS: b.ep_size for b in expert_banks(engine.module)}} or None)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
     return EngineState(rank=rank, manifest=manifest, masters=masters, optimizer_states=states,
                        elementwise_keys=elementwise, param_groups=groups, module=whole,

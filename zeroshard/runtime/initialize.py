@@ -21,7 +21,9 @@ from zeroshard.comm.topology import build_mesh
 from zeroshard.config import CheckpointConfig, Config, load_config, read_config_file, tensor_parallel_size
 from zeroshard.config.load import sequence_parallel_size
 from zeroshard.config.pipeline import check_for_pipeline
+from zeroshard.config.schema_ep import expert_parallel_size_of
 from zeroshard.errors import ConfigError, InitializeArgumentError, NotSupportedError
+from zeroshard.moe.hf_experts import mark_expert_banks
 from zeroshard.moe.prepare import expert_parallel_size
 from zeroshard.optim.factory import (
     adopt_client_optimizer,
@@ -186,6 +188,7 @@ def initialize(
     world = _join_world(distributed_port)
     pipe_module = model if isinstance(model, PipelineModule) else None
     cfg, dims = _config_and_dims(source, raw_config, world.world_size, model, pipe_module, mpu, optimizer, mesh_param)
+    mark_expert_banks(model, cfg.expert_parallel)  # AutoEP: cut at the strategy's build (moe/hf_experts.py)
     _check_optimizer_present(cfg, optimizer, model_parameters, training_data, lr_scheduler)
     configure_from_config(cfg)
     _place_model(model, cfg, world.device)
@@ -298,7 +301,7 @@ def _config_and_dims(source: Any, raw_config: Mapping[str, Any], world_size: int
     dims = resolve_dims(world_size, config_tp=tensor_parallel_size(raw_config), recorded_tp=recorded_tp_size(model),
                         pipe=pipe_module.shape if pipe_module else None,
                         mpu=mpu_shape(megatron_mpu) if megatron_mpu is not None else None,
-                        ep=expert_parallel_size(model),
+                        ep=max(expert_parallel_size(model), expert_parallel_size_of(raw_config)),
                         sp=sequence_size(sequence_parallel_size(raw_config), mpu, mesh_param))
     cfg = load_config(source, dp_world_size=dims.dp, other_batch_world_sizes=dims.batch_world_sizes[1:],
                       hidden_size=model_hidden_size(model), auto_values=dict(client_auto_values(optimizer)))
