@@ -84,8 +84,9 @@ def reference(kind: str) -> nn.Module:
     return model
 
 
-def config(stage: int, ep: int, **extra: Any) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 300}
+def config(stage: int, ep: int, zero_optimization: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 300,
+                            **(zero_optimization or {})}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=200)
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
@@ -291,6 +292,32 @@ def test_checkpoint_same_layout_resumes_and_other_layouts_are_refused(groups: Pr
 
     with pytest.raises(CheckpointError, match="Hugging Face expert banks cut over"):
         get_fp32_state_dict_from_zero_checkpoint(shared_dir, tag="two")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_whole_model_export_holds_every_expert(groups: ProcessGroups, stage: int) -> None:
+    """The engine's consolidated 16-bit state dict (save_16bit_model, Accelerate at ZeRO-3) and, below
+    stage 3, `module.state_dict()` (Trainer.save_model at ZeRO 0-2) hold every bank whole, equal to the
+    model after the same training step in one process: a saved model is the model's own."""
+    world, rank = groups.world_size, groups.rank
+    oracle = reference("deepseek_v3")
+    model = copy.deepcopy(oracle)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config(stage, world, zero_optimization={
+                                          "stage": stage, "stage3_gather_16bit_weights_on_model_save": True}))
+    data = batches(world)
+    train_engine(engine, data, rank, range(1))
+    train_oracle(oracle, data, world, range(1), stage, world)
+    want = oracle.state_dict()
+    whole = engine._zero3_consolidated_16bit_state_dict()
+    plain = engine.module.state_dict() if stage < 3 else None
+    if rank == 0:
+        assert set(whole) == set(want)
+        for name, value in want.items():
+            torch.testing.assert_close(whole[name], value, rtol=RTOL, atol=1e-7, msg=name)
+    if plain is not None:
+        for name, value in want.items():
+            torch.testing.assert_close(plain[name], value, rtol=RTOL, atol=1e-7, msg=name)
 
 
 def test_refusals_name_the_key(groups: ProcessGroups) -> None:

@@ -143,6 +143,7 @@ def mark_expert_banks(model: nn.Module, ep: "ExpertParallelConfig") -> list[nn.M
     Raises:
         ConfigError: no expert bank in the model, a `preset_model` naming another model type, or
             an `autoep_size` that does not divide a bank's experts.
+        NotSupportedError: banks already partitioned by zero.Init.
     """
     if not ep.enabled:
         return []
@@ -161,6 +162,12 @@ def mark_expert_banks(model: nn.Module, ep: "ExpertParallelConfig") -> list[nn.M
             "module with `num_experts` whose parameters are indexed by expert, e.g. MixtralExperts). Models with "
             "one nn.Module per expert train at ZeRO-3 without expert parallelism; DeepSpeed's MoE layer "
             "(deepspeed.moe.layer.MoE) takes ep_size itself. Set expert_parallel.enabled to false")
+    if any(hasattr(p, "ds_id") for bank in banks for p in bank.parameters(recurse=False)):  # ZeRO-3 partitioned
+        raise NotSupportedError(
+            "expert_parallel with a model built inside zero.Init (deepspeed.zero.Init, or from_pretrained after "
+            "TrainingArguments with a ZeRO-3 config) is not implemented: zero.Init splits each expert bank over all "
+            "ranks before AutoEP can cut it by expert. Build or load the model before creating TrainingArguments "
+            "(or outside zero.Init); ZeRO-3 then partitions each rank's experts over its expert-data-parallel group")
     size = ep.autoep_size
     if size == 1:
         logger.info(f"expert_parallel: autoep_size 1, the {len(banks)} expert bank(s) stay whole on every rank")
@@ -175,6 +182,7 @@ def mark_expert_banks(model: nn.Module, ep: "ExpertParallelConfig") -> list[nn.M
         for p in bank.parameters(recurse=False):
             p.allreduce = False  # DeepSpeed's expert marker: reduced over the expert-data-parallel group
             p.group_name = bank.expert_group_name
+        bank._register_state_dict_hook(_whole_bank_state)
     logger.info(f"expert_parallel: {len(banks)} expert bank(s) ({type(banks[0]).__mro__[2].__name__}, "
                 f"{banks[0].num_global_experts} experts) cut over {size} ranks, "
                 f"{banks[0].num_global_experts // size} per rank; the model's own router and expert maths")
@@ -207,3 +215,29 @@ def shard_expert_bank(bank: nn.Module, ep_comm: "Comm", dp_comm: "Comm") -> None
         p.data = p.data[first:first + local].clone()
     bank.num_experts, bank.first_expert = local, first
     bank.set_ep_comm(ep_comm)
+
+
+def gather_bank_rows(bank: nn.Module, local: Tensor) -> Tensor:
+    """The whole bank tensor [E, ...] from every expert-parallel rank's rows [L, ...] (in expert
+    order: rank e holds rows e*L ..). Collective over the bank's expert-parallel group."""
+    comm = bank._ep_comm
+    if comm is None or comm.world_size == 1:
+        return local
+    out = local.new_empty(comm.world_size * local.numel())
+    comm.all_gather(out, local.detach().contiguous().view(-1))
+    return out.view(comm.world_size * local.shape[0], *local.shape[1:])
+
+
+def _whole_bank_state(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """`module.state_dict()` of a cut bank holds the whole bank (every rank's experts), so a model
+    saved from it (Transformers' `Trainer.save_model`, `save_pretrained`) is the model's own. Every
+    rank of the expert-parallel group must call `state_dict()` (Trainer does). With `keep_vars=True`
+    (the engine's own export, which gathers itself) and for ZeRO-3 partitioned parameters the
+    entries are left as they are."""
+    if getattr(module, "_ep_comm", None) is None:
+        return
+    for name, p in module.named_parameters(recurse=False):
+        value = state_dict.get(prefix + name)
+        if value is None or isinstance(value, nn.Parameter) or hasattr(p, "ds_id"):
+            continue
+        state_dict[prefix + name] = gather_bank_rows(module, value)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from zeroshard.moe.hf_experts import expert_banks, gather_bank_rows
 from zeroshard.zero.init import GatheredParameters
 from zeroshard.zero.units import ZeroParameter
 
@@ -40,6 +41,7 @@ class ModelExport:
         Tied parameters stay one tensor under each of their names.
         """
         state = self.module.state_dict(keep_vars=True)
+        banks = {id(p): b for b in expert_banks(self.module) for p in b.parameters(recurse=False)}
         tp = self.parallel.tp if self.parallel is not None else None
         first = self.rank == 0 and (self.parallel is None or self.parallel.mp_rank == 0)
         out: dict[str, Tensor] = {}
@@ -52,6 +54,8 @@ class ModelExport:
                     # Tensor-parallel pieces are joined into the whole weight (DeepSpeed writes rank 0's
                     # pieces); only the first rank keeps a copy, the others take part in the gathers.
                     whole = tp.full(name, value) if tp is not None else value
+                    if id(value) in banks:  # AutoEP: every expert-parallel rank's experts (moe/hf_experts.py)
+                        whole = gather_bank_rows(banks[id(value)], whole)
                     done[id(value)] = whole.detach().to("cpu", copy=True) if first else value
             out[name] = done[id(value)]
         return out if first else None
