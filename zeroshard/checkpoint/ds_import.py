@@ -414,7 +414,7 @@ def read_layout(ckpt: Path, hint: Manifest | None) -> DsLayout:
     if first.name != DS_MODEL_FILE:
         stage = 3
     files = list_files(ckpt, world, stage)
-    experts = read_experts(ckpt, model, stage, _precision(model), ckpt / files.optim[0] if files.optim else None)
+    experts = read_experts(ckpt, model, stage, ckpt / files.optim[0] if files.optim else None)
     if experts is not None and stage == 0:  # ZeRO 0: one optimizer file per expert-parallel rank
         files = dataclasses.replace(files, optim=[expp_name(r) for r in range(experts.ep_size)])
         for name in files.optim:

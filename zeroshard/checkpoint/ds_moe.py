@@ -85,24 +85,21 @@ def moe_group_sizes(param_groups: list[dict[str, Any]], where: Path) -> list[int
     return out
 
 
-def _refuse_variants(ckpt: Path, model: dict[str, Any], stage: int, precision: str) -> None:
+def _refuse_variants(ckpt: Path, model: dict[str, Any], stage: int) -> None:
     if model.get("ds_autoep_layers"):
         raise CheckpointError(f"{ckpt}: an AutoEP checkpoint (ds_autoep_layers: DeepSpeed's AutoEPMoELayer); "
                               "zeroshard reads legacy deepspeed.moe.layer.MoE checkpoints only")
     if stage == 3:
         raise CheckpointError(f"{ckpt}: MoE layers at ZeRO stage 3; zeroshard (like DeepSpeed 0.19.8) does not "
                               "train legacy MoE layers at stage 3, so it has no layout to load it into")
-    if stage == 0 and precision != "fp32":
-        raise CheckpointError(f"{ckpt}: a {precision} ZeRO-0 MoE checkpoint (expp_rank_* files holding DeepSpeed's "
-                              "16-bit optimizer wrapper) is not mapped; zeroshard reads fp32 ZeRO-0 and ZeRO-1/2 "
-                              "MoE checkpoints: save from DeepSpeed at ZeRO 1 or 2")
 
 
 def _ep_size(ckpt: Path, first_optim: Path) -> int:
     """The one `ep_size` of the save, from its expert groups' names (`ep_size_<E>`)."""
     data = load_ds(first_optim)
-    if "optimizer" in data:  # ZeRO 0: a torch optimizer's state dict
-        groups = (data.get("optimizer") or {}).get("param_groups") or []
+    if "optimizer" in data:  # ZeRO 0: a torch optimizer's state dict (16-bit: inside DeepSpeed's wrapper's)
+        opt = data.get("optimizer") or {}
+        groups = opt.get("optimizer_state_dict", opt).get("param_groups") or []
     else:
         base = (data.get("optimizer_state_dict") or {}).get("base_optimizer_state") or {}
         groups = (base.get("param_groups") or []) if isinstance(base, dict) else []
@@ -121,21 +118,20 @@ def _key(name: str) -> tuple[int, int]:
     return int(m[1]), int(m[2])
 
 
-def read_experts(ckpt: Path, model: dict[str, Any], stage: int, precision: str,
-                 first_optim: Path | None) -> DsExperts | None:
+def read_experts(ckpt: Path, model: dict[str, Any], stage: int, first_optim: Path | None) -> DsExperts | None:
     """The experts of DeepSpeed tag directory `ckpt` (None without MoE layers), checked: each
     layer's experts all present, each file holding one expert's parameters under its own global
     id. `first_optim`: rank 0's ZeRO-1/2 file (None at ZeRO 0: expert-parallel rank 0's file).
 
     Raises:
-        CheckpointError: a variant zeroshard does not map (AutoEP, stage 3, 16-bit ZeRO 0, MoE
-            layers of several ep_sizes), a missing or inconsistent expert file.
+        CheckpointError: a variant zeroshard does not map (AutoEP, stage 3, MoE layers of several
+            ep_sizes), a missing or inconsistent expert file.
     """
     names = sorted((p.name for p in ckpt.iterdir() if _EXPERT_FILE.match(p.name)), key=_key)
     counts = [int(c) for c in (model.get("num_experts") or [])]
     if not names and not any(counts) and not model.get("ds_autoep_layers"):
         return None
-    _refuse_variants(ckpt, model, stage, precision)
+    _refuse_variants(ckpt, model, stage)
     ep_size = _ep_size(ckpt, first_optim if first_optim is not None else ckpt / expp_name(0))
     per_layer: dict[int, list[int]] = {}
     for n in names:
