@@ -35,15 +35,16 @@ def _global(name: str, ep_rank: int) -> str:
     return name if m is None else f"{m['prefix']}.{ep_rank * LOCAL + int(m['j'])}.{m['rest']}"
 
 
-def expected(stage: int) -> dict[str, dict[str, Tensor]]:
-    """Global name -> {"weight", "master", "exp_avg", "exp_avg_sq"} straight from the fixture's files."""
-    tag = FIXTURE / f"s{stage}" / "global_step1"
+def expected(stage: int, root: Path = FIXTURE) -> dict[str, dict[str, Tensor]]:
+    """Global name -> {"weight", "master", "exp_avg", "exp_avg_sq"} straight from the fixture's files
+    (of `root`: another save of make_ds_moe_fixture.py, e.g. at 4 ranks)."""
+    tag = root / f"s{stage}" / "global_step1"
     model = _load(tag / "mp_rank_00_model_states.pt")
     weights = dict(model["module"])
     for f in sorted(tag.glob("layer_*_expert_*_mp_rank_00_model_states.pt")):
         weights |= _load(f)
     out: dict[str, dict[str, list[Tensor]]] = {n: {"weight": [w]} for n, w in weights.items()}
-    for r in range(2):
+    for r in range(EP if stage == 0 else model["dp_world_size"]):
         if stage == 0:  # the torch state dict of expert-parallel rank r: dense parameters, then its experts
             state = _load(tag / f"expp_rank_{r}_mp_rank_00_optim_states.pt")["optimizer"]["state"]
             names = list(model["module"]) + [n for n in weights if EXPERT.match(n)
@@ -62,7 +63,7 @@ def expected(stage: int) -> dict[str, dict[str, Tensor]]:
                 n, sl = _global(local, r % EP) if moe else local, slice(start, start + numel)
                 entry = out[n]
                 entry.setdefault("master", []).append(osd["single_partition_of_fp32_groups"][g][sl])
-                for key in ("exp_avg", "exp_avg_sq"):  # a dense parameter's pieces, in rank order
+                for key in ("exp_avg", "exp_avg_sq"):  # a parameter's pieces, in rank order
                     entry.setdefault(key, []).append(osd["base_optimizer_state"]["state"][g][key][sl])
     return {n: {k: torch.cat([t.reshape(-1) for t in v]) for k, v in e.items()} for n, e in out.items()}
 
