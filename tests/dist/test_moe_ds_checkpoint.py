@@ -3,7 +3,8 @@ tests/unit/fixtures/ds_moe: 2 ranks, ep_size 2, ZeRO 0 and 2) loads into a zeros
 this run's layout (1 rank ep 1, 2 ranks ep 2, 4 ranks ep 2 with each expert on an
 expert-data-parallel pair) and another ZeRO stage: every weight, fp32 master fragment and Adam
 moment the engine holds equals what the fixture's files hold for that parameter, experts by global
-id (tests/unit/test_ds_moe_fixture.expected reads them directly).
+id (tests/unit/test_ds_moe_fixture.expected reads them directly). With load_optimizer_states=False,
+the weights alone.
 """
 
 from __future__ import annotations
@@ -27,16 +28,17 @@ import make_ds_moe_fixture as F  # noqa: E402  after the sys.path insert
 import test_ds_moe_fixture as U  # noqa: E402  after the sys.path insert
 
 
-@pytest.mark.parametrize("saved_stage, stage", [(0, 2), (2, 1), (2, 0)])
-def test_deepspeed_moe_checkpoint_loads_weights_and_adam_state(groups: ProcessGroups, saved_stage: int,
-                                                               stage: int) -> None:
+@pytest.mark.parametrize("saved_stage, stage, with_optimizer", [(0, 2, True), (2, 1, True), (2, 0, True),
+                                                               (2, 2, False)])
+def test_deepspeed_moe_checkpoint_loads_weights_and_adam_state(groups: ProcessGroups, saved_stage: int, stage: int,
+                                                               with_optimizer: bool) -> None:
     world, rank = groups.world_size, groups.rank
     ep = 2 if world % 2 == 0 else 1
     torch.manual_seed(5)  # values the load must overwrite
     model = F.Net(MoE, ep)
     engine, *_ = zeroshard.initialize(model=model, config=F.config(stage),
                                       model_parameters=split({"params": list(model.parameters()), "name": "p"}))
-    engine.load_checkpoint(str(U.FIXTURE / f"s{saved_stage}"))
+    engine.load_checkpoint(str(U.FIXTURE / f"s{saved_stage}"), load_optimizer_states=with_optimizer)
     assert engine.global_steps == 1
     want = U.expected(saved_stage)
     first = (rank % ep) * (F.EXPERTS // ep)
@@ -48,6 +50,8 @@ def test_deepspeed_moe_checkpoint_loads_weights_and_adam_state(groups: ProcessGr
     names = [global_name(n) for n, _ in engine.module.named_parameters()]
     for name, (_, p) in zip(names, engine.module.named_parameters(), strict=True):
         assert torch.equal(p.detach().reshape(-1), want[name]["weight"].reshape(-1)), name
+    if not with_optimizer:  # the weights only (experts from their files), as load_optimizer_states=False asks
+        return
     state = engine.state()
     assert state.masters or rank > 0, "rank 0 owns no optimizer fragment"  # at 3 ranks, rank 2 may own none
     for (i, off, n), master, st in zip(state.manifest.fragments[rank], state.masters, state.optimizer_states,
