@@ -122,7 +122,9 @@ _UNMAPPABLE = [
                 r"|^mp_rank_(0[1-9]|[1-9]\d)_model_states\.pt$"),
      ("a tensor/model-parallel rank's file (mp_rank > 0): an AutoTP checkpoint, which an engine's load_checkpoint "
       "reads into the model (docs/checkpoints.md), not this offline reader")),
-    (re.compile(r"^(exp|expert)_.*\.pt$"), "an MoE expert file: zeroshard has no expert parallelism"),
+    (re.compile(r"^expert_\d+_mp_rank_\d+_model_states\.pt$"),
+     ("an MoE expert file without a layer id (DeepSpeed's layout before layer_<L>_expert_<E> files): zeroshard "
+      "maps the layer_<L>_expert_<E> layout of DeepSpeed 0.19; load it into DeepSpeed 0.19 and save it again")),
 ]
 
 
@@ -177,9 +179,10 @@ def list_files(ckpt: Path, world_size: int, stage: int, mp: int = 0, tp: int = 1
     return DsFiles(ckpt=ckpt, model=zero3[0] if stage == 3 else model_name(mp), zero3_models=zero3, optim=optim)
 
 
-def check_parallelism(model: dict[str, Any], path: Path, tp_ok: bool = False) -> None:
+def check_parallelism(model: dict[str, Any], path: Path, tp_ok: bool = False, moe_ok: bool = False) -> None:
     """Refuse pipeline/tensor-parallel saves, which zeroshard cannot map here (`tp_ok`: an AutoTP
-    save, read per tensor-parallel rank by checkpoint/ds_autotp.py)."""
+    save, read per tensor-parallel rank by checkpoint/ds_autotp.py; `moe_ok`: legacy MoE layers,
+    read by checkpoint/ds_moe.py)."""
     dims = model.get("checkpoint_parallel_dimensions") or {}
     mp = int(model.get("mp_world_size", 1) or 1)
     pp, tp = int(dims.get("pp_degree", 1) or 1), int(dims.get("tp_degree", 1) or 1)
@@ -188,5 +191,22 @@ def check_parallelism(model: dict[str, Any], path: Path, tp_ok: bool = False) ->
     elif mp > 1 or pp > 1 or tp > 1:
         raise CheckpointError(f"{path}: saved with model parallelism (mp_world_size {mp}, pp_degree {pp}, "
                               f"tp_degree {tp}); zeroshard loads data-parallel (ZeRO) checkpoints only")
-    if model.get("num_experts") or any(str(k).startswith("moe") for k in model):
-        raise CheckpointError(f"{path}: an MoE checkpoint (expert parallelism); zeroshard cannot map it")
+    if not moe_ok and (model.get("num_experts") or model.get("ds_autoep_layers")):
+        raise CheckpointError(f"{path}: an MoE checkpoint (expert parallelism) with tensor or pipeline parallelism; "
+                              "zeroshard maps DeepSpeed's legacy MoE checkpoints of data and expert parallelism only")
+
+
+def check_slices(osd: dict[str, Any], g: int, mine: dict[str, tuple[int, int]], check_maps: bool,
+                  path: Path) -> None:
+    """Group `g` of one rank's file: its `param_slice_mappings` are where the flat layout rules put
+    the parameters (`mine`: name -> start, numel), and its fp32 partition holds them."""
+    saved = {n: address(a) for n, a in osd["param_slice_mappings"][g].items()}
+    if check_maps and saved != mine:
+        bad = sorted(set(saved.items()) ^ set(mine.items()))[:3]
+        raise CheckpointError(f"{path}: param_slice_mappings of group {g} disagree with DeepSpeed's flat layout "
+                              f"rules (first differences: {bad}): not a layout zeroshard understands")
+    lean = osd["single_partition_of_fp32_groups"][g].numel()
+    beyond = [(n, start, numel) for n, (start, numel) in mine.items() if start + numel > lean]
+    if beyond:
+        raise CheckpointError(f"{path}: group {g}'s partition holds {lean} elements, "
+                              f"parameter {beyond[0][0]!r} needs [{beyond[0][1]}, {sum(beyond[0][1:])})")

@@ -21,10 +21,14 @@ Where each layout keeps what (read from DeepSpeed 0.19's files; `ds_files.py` op
   `state[k]`) is its piece of every parameter of `param_shapes[k]`, in order. Low-precision
   trainable weights are not saved (they are the masters, cast); frozen ones are per-rank pieces
   in `frozen_param_fragments`.
+- legacy MoE layers (checkpoint/ds_moe.py): experts in `layer_<L>_expert_<E>_...` files; ZeRO 0
+  keeps one optimizer per expert-parallel rank (`expp_rank_R_...`), ZeRO 1/2 cut expert groups
+  over expert-data-parallel groups. The manifest names every expert by its global id.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -39,13 +43,14 @@ from zeroshard.checkpoint.agreed import read_agreed
 from zeroshard.checkpoint.ds_files import (
     DS_MODEL_FILE,
     DsFiles,
-    address,
     check_parallelism,
+    check_slices,
     list_files,
     load_ds,
     loss_scaler_state,
     resolve_ds,
 )
+from zeroshard.checkpoint.ds_moe import DsExperts, Entries, expp_name, group_ep_sizes, match_moe_stage0, read_experts
 from zeroshard.checkpoint.files import MODEL_FILE
 from zeroshard.checkpoint.load import CheckpointReader, read_checked
 from zeroshard.checkpoint.reshard import RangeIndex
@@ -91,6 +96,8 @@ class DsLayout:
     partition_numel: list[int] = field(default_factory=list)
     """Stages 1/2: per group, the elements of one padded partition (the moments DeepSpeed saves
     may hold it whole while the fp32 partition is cut at the parameters' end)."""
+    experts: DsExperts | None = None
+    """Legacy MoE layers (checkpoint/ds_moe.py): the manifest names every expert by global id."""
 
 
 # -- building the layout ------------------------------------------------------------------------
@@ -159,39 +166,56 @@ def _precision(model: dict[str, Any]) -> str:
     return "fp32"
 
 
-def _stage0(files: DsFiles, model: dict[str, Any], hint: Manifest) -> DsLayout:
+def _stage0_entries(opt: dict[str, Any], path: Path) -> tuple[dict[str, Any], Entries]:
+    """(the torch optimizer state dict, (shape, fp32 master or None) per parameter in its order)."""
+    inner = opt.get("optimizer_state_dict", opt)
+    if "fp32_groups" in opt:
+        return inner, [(tuple(t.shape), t) for g in opt["fp32_groups"] for t in g]
+    # fp32: the masters are the module's weights; the moments give the optimizer's shapes
+    state = inner.get("state", {})
+    numbered = [i for g in inner["param_groups"] for i in g["params"]]
+    if any("exp_avg" not in state.get(k, {}) for k in numbered):
+        raise CheckpointError(f"{path}: optimizer state without exp_avg for some parameters (not an Adam "
+                              "state, or saved before the first step); load with load_optimizer_states=False")
+    return inner, [(tuple(state[k]["exp_avg"].shape), None) for k in numbered]
+
+
+def _stage0(files: DsFiles, model: dict[str, Any], hint: Manifest, experts: DsExperts | None = None) -> DsLayout:
+    """Stage 0: one source, the model file's optimizer; with MoE layers one per expert-parallel
+    rank (`expp_rank_R`), each holding the dense parameters and that rank's experts."""
     path = files.ckpt / files.model
-    opt = model.get("optimizer")
     module = model.get("module") or {}
     aliases = {a: c for a, c in hint.aliases.items() if a in module}
-    if not isinstance(opt, dict):
+    if experts is None and not isinstance(model.get("optimizer"), dict):
         params = _module_infos(model, {p.name for p in hint.params if p.trainable}, aliases)
         m = _new_manifest(1, 0, _precision(model), params, aliases, _buffers(model), 0, [[]], False, model,
                           files.ckpt.name)
         return DsLayout(files=files, stage=0, manifest=m, locs=[[]], model=model)
-    inner = opt.get("optimizer_state_dict", opt)
-    entries: list[tuple[tuple[int, ...], Tensor | None]]
-    if "fp32_groups" in opt:
-        entries = [(tuple(t.shape), t) for g in opt["fp32_groups"] for t in g]
-    else:  # fp32: the masters are the module's weights; the moments give the optimizer's shapes
-        state = inner.get("state", {})
-        numbered = [i for g in inner["param_groups"] for i in g["params"]]
-        if any("exp_avg" not in state.get(k, {}) for k in numbered):
-            raise CheckpointError(f"{path}: optimizer state without exp_avg for some parameters (not an Adam "
-                                  "state, or saved before the first step); load with load_optimizer_states=False")
-        entries = [(tuple(state[k]["exp_avg"].shape), None) for k in numbered]
-    names_in_order = _match_stage0(entries, hint, module, path)
-    order = [(n, shape) for n, (shape, _) in zip(names_in_order, entries)]
-    names = {n for n, _ in order}
-    params = _module_infos(model, names, aliases)
+    sources: list[list[tuple[str, tuple[int, ...]]]] = []
+    for name in files.optim if experts is not None else [files.model]:
+        where = files.ckpt / name
+        opt = model["optimizer"] if experts is None else load_ds(where).get("optimizer")
+        if not isinstance(opt, dict):
+            raise CheckpointError(f"{where}: no optimizer state (an MoE checkpoint saved without an optimizer)")
+        inner, entries = _stage0_entries(opt, where)
+        groups_n = len(inner["param_groups"])
+        names = (_match_stage0(entries, hint, module, where) if experts is None
+                 else match_moe_stage0(inner, entries, hint, experts, len(sources), where,
+                                       lambda e, h, w=where: _match_stage0(e, h, module, w)))
+        sources.append([(n, shape) for n, (shape, _) in zip(names, entries, strict=True)])
+    trainable = {n for order in sources for n, _ in order}
+    params = _module_infos(model, trainable, aliases)
+    if experts is not None:
+        params += [TensorInfo(n, s, experts.dtypes[n], n in trainable) for n, s in experts.shapes.items()]
     index = {p.name: i for i, p in enumerate(params)}
-    missing = [n for n in names if n not in index]
+    missing = [n for n in trainable if n not in index]
     if missing:
         raise CheckpointError(f"{path}: \"module\" lacks trainable parameters {missing[:5]}")
-    frags = [(index[n], 0, math.prod(s)) for n, s in order]
-    m = _new_manifest(1, 0, _precision(model), params, aliases, _buffers(model), len(inner["param_groups"]),
-                      [frags], True, model, files.ckpt.name)
-    return DsLayout(files=files, stage=0, manifest=m, locs=[[(k, 0) for k in range(len(frags))]], model=model)
+    frags = [[(index[n], 0, math.prod(s)) for n, s in order] for order in sources]
+    m = _new_manifest(len(sources), 0, _precision(model), params, aliases, _buffers(model), groups_n, frags, True,
+                      model, files.ckpt.name)
+    return DsLayout(files=files, stage=0, manifest=m, locs=[[(k, 0) for k in range(len(f))] for f in frags],
+                    model=model, experts=experts)
 
 
 def _group_layout(names: list[str], shapes: dict[str, tuple[int, ...]], param_pads: list[int], world: int,
@@ -228,7 +252,8 @@ def _partition_numel(osds: list[dict[str, Any]], g: int, padded_files: bool, pat
     return sizes.pop()
 
 
-def _stage12(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int) -> DsLayout:
+def _stage12(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int,
+             experts: DsExperts | None = None) -> DsLayout:
     world = len(files.optim)
     module = model.get("module") or {}
     path0 = files.ckpt / files.optim[0]
@@ -253,38 +278,31 @@ def _stage12(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int) 
     # addresses are then not where the data is, so they are only checked without it.
     zero_cfg = (model.get("ds_config") or {}).get("zero_optimization") or {}
     check_maps = not zero_cfg.get("round_robin_gradients", False)
-    trainable: list[str] = []
-    fragments: list[list[Range]] = [[] for _ in range(world)]
-    rows: list[list[tuple[str, int, int, int]]] = [[] for _ in range(world)]  # name, param offset, numel, loc start
+    eps = group_ep_sizes(osds, experts, world, path0)
+    trainable: dict[str, None] = {}  # ordered set
+    rows: list[list[tuple[str, int, int]]] = [[] for _ in range(world)]  # name, param offset, numel
     locs: list[list[Loc]] = [[] for _ in range(world)]
     partition_numel = []
     for g, group in enumerate(group_shapes):
-        names = list(group)
-        trainable += names
+        names, ep = list(group), eps[g]
         size = _partition_numel(osds, g, padded_files, path0)
         partition_numel.append(size)
         pads = list((osds[0].get("param_alignment_paddings") or [[]] * groups_n)[g] or [])
-        for n, off, numel in _group_layout(names, shapes, pads, world, size, path0, g):
-            for r in range(world):
-                lo, hi = max(off, r * size), min(off + numel, (r + 1) * size)
-                if lo < hi:
-                    rows[r].append((n, lo - off, hi - lo, g))
-                    locs[r].append((g, lo - r * size))
+        layout = _group_layout(names, shapes, pads, world // ep, size, path0, g)
         for r in range(world):
-            saved = {n: address(a) for n, a in osds[r]["param_slice_mappings"][g].items()}
-            mine = {n: (start, numel)
-                    for (n, _, numel, gg), (_, start) in zip(rows[r], locs[r], strict=True) if gg == g}
-            if check_maps and saved != mine:
-                bad = sorted(set(saved.items()) ^ set(mine.items()))[:3]
-                raise CheckpointError(f"{files.ckpt / files.optim[r]}: param_slice_mappings of group {g} disagree "
-                                      f"with DeepSpeed's flat layout rules (first differences: {bad}): not a layout "
-                                      "zeroshard understands")
-            lean = osds[r]["single_partition_of_fp32_groups"][g].numel()
-            beyond = [(n, start, numel) for (n, _, numel, gg), (_, start) in zip(rows[r], locs[r], strict=True)
-                      if gg == g and start + numel > lean]
-            if beyond:
-                raise CheckpointError(f"{files.ckpt / files.optim[r]}: group {g}'s partition holds {lean} elements, "
-                                      f"parameter {beyond[0][0]!r} needs [{beyond[0][1]}, {sum(beyond[0][1:])})")
+            # Rank r holds partition r // ep of its group: r itself for a dense group; for an
+            # expert group, its place in its expert-data-parallel group, of its own experts.
+            part, mine = r // ep, {}
+            for n, off, numel in layout:
+                lo, hi = max(off, part * size), min(off + numel, (part + 1) * size)
+                full = n if experts is None or ep == 1 else experts.global_name(n, r % ep)
+                trainable[full] = None
+                if lo < hi:
+                    mine[n] = (lo - part * size, hi - lo)
+                    rows[r].append((full, lo - off, hi - lo))
+                    locs[r].append((g, lo - part * size))
+            check_slices(osds[r], g, mine, check_maps, files.ckpt / files.optim[r])
+    shapes |= experts.shapes if experts is not None else {}
     for n in trainable:
         if n not in shapes:
             raise CheckpointError(f"{files.ckpt / files.model}: no shape for parameter {n!r}")
@@ -293,15 +311,20 @@ def _stage12(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int) 
     buffers = set(model.get("buffer_names") or [])
     frozen = {n: tuple(t.shape) for n, t in module.items()
               if n not in shapes and n not in aliases and n not in buffers and t.numel() > 0}
-    params = [TensorInfo(n, shapes[n], _dtype_name(module[n].dtype) if n in module else "float32", True)
-              for n in trainable]
-    params += [TensorInfo(n, s, _dtype_name(module[n].dtype) if n in module else "float32", False)
-               for n, s in frozen.items() if n in module]
+    frozen |= {n: s for n, s in (experts.shapes if experts is not None else {}).items() if n not in trainable}
+
+    def dtype(n: str) -> str:
+        return _dtype_name(module[n].dtype) if n in module else experts.dtypes[n] if experts and n in experts.dtypes \
+            else "float32"
+
+    params = [TensorInfo(n, shapes[n], dtype(n), True) for n in trainable]
+    params += [TensorInfo(n, s, dtype(n), False) for n, s in frozen.items()]
     index = {p.name: i for i, p in enumerate(params)}
-    fragments = [[(index[n], off, numel) for n, off, numel, _ in rank_rows] for rank_rows in rows]
+    fragments = [[(index[n], off, numel) for n, off, numel in rank_rows] for rank_rows in rows]
     m = _new_manifest(world, stage, _precision(model), params, aliases, _buffers(model), groups_n, fragments, True,
                       model, files.ckpt.name)
-    return DsLayout(files=files, stage=stage, manifest=m, locs=locs, model=model, partition_numel=partition_numel)
+    return DsLayout(files=files, stage=stage, manifest=m, locs=locs, model=model, partition_numel=partition_numel,
+                    experts=experts)
 
 
 def _stage3(files: DsFiles, model: dict[str, Any]) -> DsLayout:
@@ -385,21 +408,30 @@ def read_layout(ckpt: Path, hint: Manifest | None) -> DsLayout:
     model = load_ds(first)
     if hint is None:
         hint = _hint_from_module(model)
-    check_parallelism(model, first)
+    check_parallelism(model, first, moe_ok=True)
     world = int(model.get("dp_world_size", 1) or 1)
     stage = int(((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
     if first.name != DS_MODEL_FILE:
         stage = 3
-    return layout_of(list_files(ckpt, world, stage), model, hint, stage)
+    files = list_files(ckpt, world, stage)
+    experts = read_experts(ckpt, model, stage, ckpt / files.optim[0] if files.optim else None)
+    if experts is not None and stage == 0:  # ZeRO 0: one optimizer file per expert-parallel rank
+        files = dataclasses.replace(files, optim=[expp_name(r) for r in range(experts.ep_size)])
+        for name in files.optim:
+            if not (ckpt / name).is_file():
+                raise CheckpointError(f"{ckpt / name}: missing; a ZeRO-0 MoE checkpoint saved with ep_size "
+                                      f"{experts.ep_size} has one optimizer file per expert-parallel rank")
+    return layout_of(files, model, hint, stage, experts)
 
 
-def layout_of(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int) -> DsLayout:
+def layout_of(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int,
+              experts: DsExperts | None = None) -> DsLayout:
     """The layout of the files `files` lists (`model`: their model file's contents)."""
     if stage == 3:
         return _stage3(files, model)
-    if stage == 0 and not files.optim:
-        return _stage0(files, model, hint)
-    return _stage12(files, model, hint, stage)
+    if stage == 0 and (not files.optim or experts is not None):
+        return _stage0(files, model, hint, experts)
+    return _stage12(files, model, hint, stage, experts)
 
 
 # -- reading, through zeroshard's reader -------------------------------------------------------
@@ -458,13 +490,13 @@ class DeepSpeedReader(CheckpointReader):
     def _optimizer_parts(self, rank: int) -> tuple[list[Tensor], dict[int, dict[str, Any]], list[dict[str, Any]]]:
         """(flat fp32 tensors per group, moments per group, param_groups) of saved rank `rank`."""
         lay = self.layout
-        if not lay.files.optim:  # stage 0: one tensor per parameter, in the model file
-            opt = lay.model["optimizer"]
+        if lay.stage == 0:  # one tensor per parameter: in the model file, or (MoE) expp_rank_<rank>'s
+            opt = lay.model["optimizer"] if not lay.files.optim else self.raw(lay.files.optim[rank])["optimizer"]
             inner = opt.get("optimizer_state_dict", opt)
             if "fp32_groups" in opt:
                 flats = [t for g in opt["fp32_groups"] for t in g]
             else:
-                flats = [self.module()[self.names[i]] for i, _, _ in lay.manifest.fragments[0]]
+                flats = [self._saved(self.names[i]) for i, _, _ in lay.manifest.fragments[rank]]
             return flats, inner.get("state", {}), inner["param_groups"]
         osd = self.raw(lay.files.optim[rank]).get("optimizer_state_dict") or {}
         if lay.stage == 3:
@@ -506,7 +538,17 @@ class DeepSpeedReader(CheckpointReader):
                              "param_groups": groups, "fragments": self.manifest.fragments[rank]}
         return self._optim[rank]
 
+    def _saved(self, name: str) -> Tensor:
+        """The saved weight `name`: in the model's "module", or (an expert) in its expert file."""
+        experts = self.layout.experts
+        if experts is not None and name in experts.files:
+            return self.raw(experts.files[name])[name]
+        return self.module()[name]
+
     def weights(self, name: str, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
+        experts = self.layout.experts
+        if experts is not None and name in experts.files:
+            return self._saved(name).reshape(-1)[offset : offset + numel].to(dtype, copy=True)
         if self.layout.stage != 3:
             return super().weights(name, offset, numel, dtype)
         info = self.manifest.params[self.index_of[name]]
@@ -533,7 +575,7 @@ def load_deepspeed(target: EngineState, comm: "Comm", ckpt: Path, *, load_optimi
         layout = read_layout(ckpt, target.manifest)
         return layout, read_checked(DeepSpeedReader(layout), layout.manifest, ckpt, target,
                                     load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
-                                    strict=strict)
+                                    strict=strict, global_experts=layout.experts is not None)
 
     layout, loaded = read_agreed(comm, "loading the DeepSpeed checkpoint", f"{ckpt}: DeepSpeed checkpoint", read)
     logger.info(f"loaded DeepSpeed checkpoint {ckpt} (stage {layout.stage}, saved by "

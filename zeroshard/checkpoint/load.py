@@ -187,22 +187,30 @@ class ExpertReader(CheckpointReader):
         return master.to(dtype)
 
 
-def _read_moving_experts(target: EngineState, ckpt: Path, saved: Manifest, need_opt: bool, load_module_only: bool,
-                         strict: bool) -> LoadedState:
-    """`_read` when the experts are laid out otherwise than saved (another ep_size or world size):
-    both sides under global expert ids, this rank reading its own experts by id."""
+def _read_by_global_ids(reader: Any, target: EngineState, where: Path, need_opt: bool, load_module_only: bool,
+                        strict: bool) -> LoadedState:
+    """This rank's state from `reader`, whose manifest names every expert by its global id (a
+    zeroshard checkpoint through ExpertReader, DeepSpeed's MoE files): the model is checked under
+    global ids too, and this rank reads its own experts by id; closes the reader."""
     tm, rank = target.manifest, target.rank
     ep = expert_parallel_size(tm, "this run") or 1
-    reader = ExpertReader(ckpt, saved, prefer=rank)
-    check_compatible(reader.manifest, globalize(tm, ep), ckpt / MANIFEST, need_optimizer=need_opt, strict=strict)
-    own = own_global_names(tm, rank, ep)
-    local_of = {g.name: p.name for g, p in zip(own.params, tm.params, strict=True)}
     try:
+        check_compatible(reader.manifest, globalize(tm, ep), where, need_optimizer=need_opt, strict=strict)
+        own = own_global_names(tm, rank, ep)
+        local_of = {g.name: p.name for g, p in zip(own.params, tm.params, strict=True)}
         loaded = _read_files(reader, dataclasses.replace(target, manifest=own), reader.manifest, need_opt,
                              load_module_only, rank)
     finally:
         reader.close()
     return dataclasses.replace(loaded, module={local_of.get(k, k): v for k, v in loaded.module.items()})
+
+
+def _read_moving_experts(target: EngineState, ckpt: Path, saved: Manifest, need_opt: bool, load_module_only: bool,
+                         strict: bool) -> LoadedState:
+    """`_read` when the experts are laid out otherwise than saved (another ep_size or world size):
+    both sides under global expert ids, this rank reading its own experts by id."""
+    reader = ExpertReader(ckpt, saved, prefer=target.rank)
+    return _read_by_global_ids(reader, target, ckpt / MANIFEST, need_opt, load_module_only, strict)
 
 
 def _read(target: EngineState, ckpt: Path, saved: Manifest, *, load_optimizer_states: bool,
@@ -224,11 +232,14 @@ def _read(target: EngineState, ckpt: Path, saved: Manifest, *, load_optimizer_st
 
 
 def read_checked(reader: Any, saved: Manifest, where: Path, target: EngineState, *, load_optimizer_states: bool,
-                 load_module_only: bool, strict: bool) -> LoadedState:
+                 load_module_only: bool, strict: bool, global_experts: bool = False) -> LoadedState:
     """This rank's state from `reader` (any object with CheckpointReader's reading methods: a
     zeroshard directory, several as one, DeepSpeed's files), checked against `target` before
-    anything is read (Note: [no partial load]); closes the reader."""
+    anything is read (Note: [no partial load]); closes the reader. `global_experts`: `saved`
+    names MoE experts by global id (DeepSpeed's MoE files), read at any expert layout."""
     need_opt = load_optimizer_states and not load_module_only
+    if global_experts and target.manifest.expert_parallel:
+        return _read_by_global_ids(reader, target, where, need_opt, load_module_only, strict)
     try:
         check_compatible(saved, target.manifest, where, need_optimizer=need_opt, strict=strict)
         return _read_files(reader, target, saved, need_opt, load_module_only, target.rank)
