@@ -20,6 +20,7 @@ import pytest
 from zeroshard.config import load_config
 from zeroshard.config.fields import default_of, get_dotted, hints, is_section, json_fields
 from zeroshard.config.schema import Config
+from zeroshard.config.schema_ep import ExpertParallelConfig
 from zeroshard.config.schema_optim import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deepspeed-differences.md"
@@ -120,6 +121,18 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "tensor_parallel.partition_config.tp_size": 1, "tensor_parallel.partition_config.embedding_partition_dim": 1,
     "tensor_parallel.partition_config.lm_head_patterns": ("lm_head", "embed_out"),
     "tensor_parallel.partition_config.strict_mode": False,
+    # module_inject/auto_ep_config.py parse_autoep_config (expert_w3: its "unset" sentinel, the preset's)
+    **{f"expert_parallel.{k}": v for k, v in (
+        ("enabled", False), ("autoep_size", 1), ("expert_tensor_parallel_size", 1), ("validate_folding_routing", False),
+        ("async_split_plan", False), ("preset_model", None), ("moe_layer_pattern", None), ("expert_pattern", None),
+        ("router_pattern", None), ("use_grouped_mm", True), ("disable_triton_grouped_mm", False), ("route_norm", None),
+        ("route_scale", 1.0), ("score_apply", "auto"), ("combine_impl", "auto"), ("row_weighting_impl", "auto"),
+        ("gate_up_impl", "separate"), ("comm_backend", "comm"), ("comm_num_sm", 12), ("comm_qp_margin", 4),
+        ("comm_max_tokens_per_rank", 0), ("num_expert_groups", None), ("num_limited_groups", None),
+        ("score_func", "auto"), ("top_k", "auto"), ("load_balance_coeff", None), ("routed_scaling_factor", "auto"),
+        ("expert_w1", None), ("expert_w2", None), ("expert_w3", None), ("num_experts_attr", None),
+        ("top_k_attr", None), ("has_shared_experts", None), ("shared_experts_pattern", None),
+        ("shared_experts_gate_pattern", None), ("expert_activation", None))},
     # runtime/config.py get_pipeline_config; runtime/pipe/engine.py (use_reentrant: None -> True)
     "pipeline.stages": "auto", "pipeline.partition": "best", "pipeline.seed_layers": False,
     "pipeline.activation_checkpoint_interval": 0, "pipeline.pipe_partitioned": True,
@@ -356,6 +369,12 @@ def _deepspeed_values() -> dict[str, Any]:
     got["tensor_parallel.partition_config.lm_head_patterns"] = tuple(part.lm_head_patterns)
     from deepspeed.compile.config import CompileConfig
     got.update(model("compile.", CompileConfig()))
+    from deepspeed.module_inject.auto_ep_config import _UNSET, parse_autoep_config
+
+    ep = parse_autoep_config({"enabled": False})  # a non-empty section: every key through its getter
+    for f in dataclasses.fields(ExpertParallelConfig):
+        value = getattr(ep, f.name)
+        got[f"expert_parallel.{f.name}"] = None if value is _UNSET else value
     got["torch_autocast.enabled"] = c.TORCH_AUTOCAST_ENABLED_DEFAULT
     from deepspeed.runtime.config import get_lower_precision_safe_modules, get_torch_autocast_dtype
     got["torch_autocast.dtype"] = get_torch_autocast_dtype({})

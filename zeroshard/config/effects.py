@@ -134,7 +134,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "checkpoint.save_interval_minutes": ("runtime/periodic_save.py::section.save_interval_minutes",),
     "checkpoint.preemption_save": ("runtime/preemption.py::section.preemption_save",),
     "checkpoint.preemption_grace_seconds": ("runtime/preemption.py::section.preemption_grace_seconds",),
-    "expert_parallel.enabled": ("config/schema_ep.py::self.enabled", "moe/hf_experts.py::ep.enabled"),
+    "expert_parallel.enabled": ("moe/hf_experts.py::ep.enabled",),
     "expert_parallel.autoep_size": ("runtime/initialize.py::expert_parallel_size_of(raw_config)",
                                     "moe/hf_experts.py::ep.autoep_size"),
     "expert_parallel.preset_model": ("moe/hf_experts.py::ep.preset_model",),
