@@ -57,8 +57,8 @@ def global_segments(dim: int, shape: tuple[int, ...], tp: int, rank: int, offset
 
 BANKS = ":banks"
 """Suffix of a manifest `expert_parallel` key naming Hugging Face expert banks (AutoEP,
-moe/hf_experts.py) rather than DeepSpeed MoE layers: a bank's experts are rows of one tensor,
-which checkpoint/expert_layout.py's `globalize` does not lay out by id."""
+moe/hf_experts.py) rather than DeepSpeed MoE layers (a bank's experts are rows of one tensor:
+`Manifest.expert_banks` names them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +122,10 @@ class Manifest:
     """MoE expert group name ("ep_size_<E>") -> its expert-parallel size, for a model with MoE
     layers: each rank's files hold its own experts under local names, so such a checkpoint loads
     only at the same world size and sizes (check_compatible). None: no experts."""
+    expert_banks: dict[str, int] | None = None
+    """Hugging Face expert-bank parameters (AutoEP, moe/hf_experts.py) -> the bank's experts in
+    all: each rank saved its own experts, rows `(r % E) * L ..` of the whole tensor, under the
+    parameter's name (checkpoint/expert_layout.py reads them as one tensor). None: no banks."""
 
     def param_index(self) -> dict[str, int]:
         return {p.name: i for i, p in enumerate(self.params)}

@@ -7,8 +7,10 @@ expert-parallel group). `globalize` rewrites a manifest into global names, every
 MoE layer listed once (`...deepspeed_experts.<g>`) and each rank's fragments pointing at its own
 global experts, so the usual range intersection (reshard.py) reads any expert at any layout:
 another `ep_size`, world size or ZeRO stage. `own_global_names` renames a loading rank's own
-experts the same way. Only the file's names change: the format on disk is the same (a checkpoint
-saved before this reads as well). Imports checkpoint_format and errors only.
+experts the same way. Hugging Face expert banks (AutoEP) keep one name: a bank parameter is one
+tensor of every expert-parallel rank's rows (`Manifest.expert_banks`), and each rank's ranges move
+to its rows' place in it. Only the file's names change: the format on disk is the same (a
+checkpoint saved before this reads as well). Imports checkpoint_format and errors only.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from zeroshard.checkpoint_format import BANKS, Manifest, Range, TensorInfo
+from zeroshard.checkpoint_format import Manifest, Range, TensorInfo
 from zeroshard.errors import CheckpointError
 
 EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.deepspeed_experts)\.(?P<j>\d+)\.(?P<rest>.+)$")
@@ -39,35 +41,11 @@ def expert_parallel_size(m: Manifest, where: str) -> int | None:
     return sizes.pop()
 
 
-def refuse_moving_banks(m: Manifest, where: str, why: str) -> None:
-    """Expert banks saved at an expert-parallel size > 1 cannot be read at another layout yet.
-
-    Raises:
-        CheckpointError: `m` holds such banks.
-    """
-    banks = {k[:-len(BANKS)]: v for k, v in (m.expert_parallel or {}).items() if k.endswith(BANKS) and v > 1}
-    if banks:
-        raise CheckpointError(
-            f"{where}: Hugging Face expert banks cut over {banks} ranks (expert_parallel.autoep_size) and {why}; "
-            "reading bank experts at another expert-parallel size or world size is not built yet: resume with "
-            f"the same world size ({m.world_size}) and autoep_size")
-
-
 def experts_move(saved: Manifest, target: Manifest) -> bool:
-    """Whether the experts are laid out differently in the checkpoint and in this run.
-
-    Raises:
-        CheckpointError: they move, and they include expert banks (`refuse_moving_banks`).
-    """
+    """Whether the experts are laid out differently in the checkpoint and in this run."""
     if not saved.expert_parallel and not target.expert_parallel:
         return False
-    moving = saved.expert_parallel != target.expert_parallel or saved.world_size != target.world_size
-    if moving:
-        why = (f"this run has world size {target.world_size} and expert layout {target.expert_parallel or 'none'} "
-               f"(saved: {saved.expert_parallel})")
-        refuse_moving_banks(saved, "the checkpoint", why)
-        refuse_moving_banks(target, "this run", why)
-    return moving
+    return saved.expert_parallel != target.expert_parallel or saved.world_size != target.world_size
 
 
 def _local_counts(m: Manifest) -> dict[str, int]:
@@ -86,11 +64,50 @@ def _global(name: str, ep_rank: int, counts: dict[str, int]) -> str:
     return f"{match['prefix']}.{ep_rank * counts[match['prefix']] + int(match['j'])}.{match['rest']}"
 
 
+def _banks(m: Manifest, ep_size: int) -> dict[int, tuple[tuple[int, ...], int]]:
+    """Parameter index of each expert-bank parameter -> (its whole shape, its numel on one rank).
+
+    Raises:
+        CheckpointError: a bank whose rows times `ep_size` are not its experts.
+    """
+    out = {}
+    for i, p in enumerate(m.params):
+        experts = (m.expert_banks or {}).get(p.name)
+        if experts is not None:
+            if not p.shape or p.shape[0] * ep_size != experts:
+                raise CheckpointError(f"expert bank {p.name!r}: {p.shape[0] if p.shape else 0} rows per rank at "
+                                      f"ep_size {ep_size} do not make its {experts} experts")
+            out[i] = ((experts, *p.shape[1:]), p.numel)
+    return out
+
+
+def bank_bases(m: Manifest, rank: int, ep_size: int) -> dict[str, int]:
+    """Where rank `rank`'s rows of each expert-bank parameter start in the whole flattened tensor."""
+    return {m.params[i].name: (rank % ep_size) * numel for i, (_, numel) in _banks(m, ep_size).items()}
+
+
+def _shifted(ranges: list[Range], banks: dict[int, tuple[tuple[int, ...], int]], ep_rank: int,
+             index_of: dict[int, int] | None = None) -> list[Range]:
+    """Ranges of one rank with each expert-bank offset moved to the rank's rows of the whole tensor
+    (and, with `index_of`, parameter indices renumbered)."""
+    return [((index_of or {}).get(i, i), off + ep_rank * banks[i][1] if i in banks else off, n)
+            for i, off, n in ranges]
+
+
 def own_global_names(m: Manifest, rank: int, ep_size: int) -> Manifest:
-    """`m` with rank `rank`'s own experts renamed to their global ids (same list, same indices)."""
+    """`m` with rank `rank`'s own experts renamed to their global ids (same list, same indices) and
+    its expert-bank ranges moved to its rows of each whole bank (shapes stay this rank's: where its
+    whole parameters start is `bank_bases`)."""
     counts = _local_counts(m)
+    banks = _banks(m, ep_size)
     params = [dataclasses.replace(p, name=_global(p.name, rank % ep_size, counts)) for p in m.params]
-    return dataclasses.replace(m, params=params, expert_parallel=None)
+    fragments = [list(f) for f in m.fragments]
+    fragments[rank] = _shifted(m.fragments[rank], banks, rank % ep_size)
+    pieces = None
+    if m.weight_pieces is not None:
+        pieces = [list(f) for f in m.weight_pieces]
+        pieces[rank] = _shifted(m.weight_pieces[rank], banks, rank % ep_size)
+    return dataclasses.replace(m, params=params, fragments=fragments, weight_pieces=pieces, expert_parallel=None)
 
 
 def globalize(m: Manifest, ep_size: int) -> Manifest:
@@ -102,11 +119,14 @@ def globalize(m: Manifest, ep_size: int) -> Manifest:
         CheckpointError: a layer whose local experts differ in their parameters.
     """
     counts = _local_counts(m)
+    banks = _banks(m, ep_size)
     templates: dict[str, list[TensorInfo]] = {prefix: [] for prefix in counts}
     params: list[TensorInfo] = []
-    for p in m.params:
+    for i, p in enumerate(m.params):
         match = EXPERT_NAME.match(p.name)
-        if not match:
+        if i in banks:  # one tensor of every rank's rows
+            params.append(dataclasses.replace(p, shape=banks[i][0]))
+        elif not match:
             params.append(p)
         elif match["j"] == "0":
             templates[match["prefix"]].append(dataclasses.replace(p, name=match["rest"]))
@@ -118,17 +138,18 @@ def globalize(m: Manifest, ep_size: int) -> Manifest:
         for g in range(count * ep_size):
             params += [dataclasses.replace(t, name=f"{prefix}.{g}.{t.name}") for t in templates[prefix]]
     index = {p.name: i for i, p in enumerate(params)}
-    fragments: list[list[Range]] = [
-        [(index[_global(m.params[i].name, r % ep_size, counts)], off, n) for i, off, n in frags]
-        for r, frags in enumerate(m.fragments)]
-    pieces = None
-    if m.weight_pieces is not None:
-        pieces = [[(index[_global(m.params[i].name, r % ep_size, counts)], off, n) for i, off, n in frags]
-                  for r, frags in enumerate(m.weight_pieces)]
+
+    def moved(ranges: list[Range], r: int) -> list[Range]:
+        return _shifted(ranges, banks, r % ep_size,
+                        {i: index[_global(m.params[i].name, r % ep_size, counts)] for i, _, _ in ranges})
+
+    fragments: list[list[Range]] = [moved(frags, r) for r, frags in enumerate(m.fragments)]
+    pieces = None if m.weight_pieces is None else [moved(frags, r) for r, frags in enumerate(m.weight_pieces)]
     aliases = {a: c for a, c in m.aliases.items() if c in index}
     return dataclasses.replace(m, params=params, fragments=fragments, weight_pieces=pieces, aliases=aliases,
-                               expert_parallel=None)
+                               expert_parallel=None, expert_banks=None)
 
 
-def is_expert(name: str) -> bool:
-    return EXPERT_NAME.match(name) is not None
+def is_expert(name: str, m: Manifest | None = None) -> bool:
+    """A legacy expert's parameter, or (given the checkpoint's manifest `m`) an expert-bank one."""
+    return EXPERT_NAME.match(name) is not None or (m is not None and name in (m.expert_banks or {}))

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from zeroshard.checkpoint.agreed import agree_found, read_agreed
 from zeroshard.checkpoint.expert_layout import (
+    bank_bases,
     expert_parallel_size,
     experts_move,
     globalize,
@@ -176,7 +177,7 @@ class ExpertReader(CheckpointReader):
         return {**data, "fragments": self.manifest.fragments[rank]}
 
     def weights(self, name: str, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
-        if not is_expert(name):
+        if not is_expert(name, self._local):
             return super().weights(name, offset, numel, dtype)
         if not self.manifest.params[self.index_of[name]].trainable or not self.manifest.has_optimizer_states:
             raise CheckpointError(f"{self.ckpt}: expert parameter {name!r} is frozen or saved without optimizer "
@@ -199,7 +200,7 @@ def _read_by_global_ids(reader: Any, target: EngineState, where: Path, need_opt:
         own = own_global_names(tm, rank, ep)
         local_of = {g.name: p.name for g, p in zip(own.params, tm.params, strict=True)}
         loaded = _read_files(reader, dataclasses.replace(target, manifest=own), reader.manifest, need_opt,
-                             load_module_only, rank)
+                             load_module_only, rank, bases=bank_bases(tm, rank, ep))
     finally:
         reader.close()
     return dataclasses.replace(loaded, module={local_of.get(k, k): v for k, v in loaded.module.items()})
@@ -248,14 +249,17 @@ def read_checked(reader: Any, saved: Manifest, where: Path, target: EngineState,
 
 
 def _read_files(reader: CheckpointReader, target: EngineState, saved: Manifest, need_opt: bool,
-                load_module_only: bool, rank: int) -> LoadedState:
+                load_module_only: bool, rank: int, bases: dict[str, int] | None = None) -> LoadedState:
+    """`bases`: where this rank's whole parameters start in the checkpoint's tensor of that name
+    (its rows of an expert bank, checkpoint/expert_layout.py::bank_bases); 0 for the others."""
     tm = target.manifest
     have = {p.name for p in saved.params if p.trainable or saved.frozen_saved}
     module: dict[str, Tensor] = {}
     if tm.weight_pieces is None:  # this run holds whole parameters
         for p in tm.params:
             if p.name in have:
-                module[p.name] = reader.weights(p.name, 0, p.numel, _dtype(p.dtype)).view(p.shape)
+                base = (bases or {}).get(p.name, 0)
+                module[p.name] = reader.weights(p.name, base, p.numel, _dtype(p.dtype)).view(p.shape)
     weight_pieces = None
     if tm.weight_pieces is not None:
         # None keeps the piece's current values (a frozen parameter the checkpoint left out).

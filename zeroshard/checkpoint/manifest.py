@@ -70,7 +70,9 @@ def from_json(text: str, path: Path) -> Manifest:
             checksums=None if d.get("checksums") is None else {str(k): str(v) for k, v in d["checksums"].items()},
             train_batch_size=None if d.get("train_batch_size") is None else int(d["train_batch_size"]),
             expert_parallel=None if d.get("expert_parallel") is None
-            else {str(k): int(v) for k, v in d["expert_parallel"].items()})
+            else {str(k): int(v) for k, v in d["expert_parallel"].items()},
+            expert_banks=None if d.get("expert_banks") is None
+            else {str(k): int(v) for k, v in d["expert_banks"].items()})
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: manifest field missing or malformed ({type(e).__name__}: {e})") from e
 

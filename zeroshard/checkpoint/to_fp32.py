@@ -25,7 +25,6 @@ from torch import Tensor, nn
 
 from zeroshard.checkpoint.ds_files import is_deepspeed_dir, resolve_ds
 from zeroshard.checkpoint.ds_import import DeepSpeedReader, read_layout
-from zeroshard.checkpoint.expert_layout import refuse_moving_banks
 from zeroshard.checkpoint.files import MANIFEST, write_atomic
 from zeroshard.checkpoint.load import CheckpointReader, ExpertReader
 from zeroshard.checkpoint.manifest import read_manifest, resolve
@@ -81,7 +80,6 @@ def _open_checkpoint(checkpoint_dir: str | os.PathLike[str],
         if resolved is None:
             raise CheckpointError(f"{root}: no 'latest' file; pass the tag (--tag) of the checkpoint to convert")
         ckpt, manifest = resolved
-    refuse_moving_banks(manifest, str(ckpt), "a consolidated state dict needs every expert of each bank")
     if any(ep > 1 for ep in (manifest.expert_parallel or {}).values()):
         # Each rank saved its own experts under local names: read them under global expert ids,
         # the names the model has at ep_size 1 (checkpoint/expert_layout.py).

@@ -102,6 +102,14 @@ def run_state_of(engine: "EngineView") -> dict[str, Any]:
     }
 
 
+def _bank_params(module: nn.Module) -> dict[str, int] | None:
+    """Each AutoEP bank parameter's name -> the bank's experts in all (Manifest.expert_banks)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    out = {names[id(p)]: b.num_global_experts for b in expert_banks(module) for p in b.parameters(recurse=False)
+           if id(p) in names}
+    return out or None
+
+
 def collect_state(engine: "EngineView", strategy: ZeroStrategy, *, include_frozen: bool) -> EngineState:
     """This rank's state for a checkpoint: views of the live tensors plus the Manifest."""
     module, optimizer = engine.module, engine.optimizer
@@ -145,7 +153,8 @@ def collect_state(engine: "EngineView", strategy: ZeroStrategy, *, include_froze
         frozen_saved=include_frozen, global_steps=engine.global_steps,
         train_batch_size=engine.zs_config.train_batch_size,
         expert_parallel={**{m.expert_group_name: m.ep_size for m in moe_layers(engine.module)},
-                         **{b.expert_group_name + BANKS: b.ep_size for b in expert_banks(engine.module)}} or None)
+                         **{b.expert_group_name + BANKS: b.ep_size for b in expert_banks(engine.module)}} or None,
+        expert_banks=_bank_params(module))
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else []
     return EngineState(rank=rank, manifest=manifest, masters=masters, optimizer_states=states,
                        elementwise_keys=elementwise, param_groups=groups, module=whole,
