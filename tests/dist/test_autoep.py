@@ -343,3 +343,41 @@ def test_refusals_name_the_key(groups: ProcessGroups) -> None:
     cfg["expert_parallel"]["preset_model"] = "qwen3_moe"
     with pytest.raises(ConfigError, match="preset_model='qwen3_moe' describes model type"):
         zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+
+def test_routing_telemetry_counts_every_bank_route(groups: ProcessGroups, shared_dir: Path) -> None:
+    """AutoEP banks report their routing like the legacy gate (moe/telemetry.py): the tokens per
+    expert the CSV monitor writes per bank and step equal the routes every rank's router chose,
+    summed over ranks; nothing is dropped; there is no aux-loss series (the model's router has its
+    own)."""
+    import csv
+
+    world, rank = groups.world_size, groups.rank
+    if world == 1:
+        pytest.skip("one rank: the banks are not cut")
+    model = reference("mixtral")
+    cfg = config(1, world, csv_monitor={"enabled": True, "output_path": str(shared_dir), "job_name": "ep"})
+    cfg["steps_per_print"] = 1
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    banks = expert_banks(engine.module)
+    seen: list[list[Tensor]] = [[] for _ in banks]
+    for i, bank in enumerate(banks):
+        bank.register_forward_pre_hook(
+            lambda _m, a, i=i: seen[i].append(torch.bincount(a[1].reshape(-1), minlength=EXPERTS).double()))
+    data = batches(world)
+    train_engine(engine, data, rank, range(2))
+    mine = torch.stack([torch.stack([sum(seen[i][s * GAS:(s + 1) * GAS]) for i in range(len(banks))])
+                        for s in range(2)])
+    dist.all_reduce(mine, group=groups.dp_group)
+    if rank != 0:
+        return
+    with (shared_dir / "ep" / "metrics.csv").open() as f:
+        rows = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    for s, row in enumerate(rows):
+        for layer in range(len(banks)):
+            tokens = [row[f"moe{layer}_tokens_expert{e}"] for e in range(EXPERTS)]
+            assert tokens == mine[s, layer].tolist()
+            assert sum(tokens) == 2 * world * GAS * MICRO * SEQ  # top-2: two routes per token
+            assert row[f"moe{layer}_dropped"] == 0
+            assert f"moe{layer}_aux_loss" not in row

@@ -34,10 +34,12 @@ from torch import Tensor, nn
 from zeroshard.comm import all_to_all_single
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.moe.ep_groups import group_name
+from zeroshard.moe.telemetry import in_backward
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
     from zeroshard.config.schema_ep import ExpertParallelConfig
+    from zeroshard.moe.telemetry import RouteCounter
 
 logger = logging.getLogger("zeroshard")
 
@@ -71,6 +73,8 @@ class ExpertParallelBank(nn.Module):
     num_global_experts: int
     first_expert: int
     _ep_comm: "Comm | None"
+    route_counter: "RouteCounter | None" = None
+    """Attached by the engine (moe/telemetry.py): this rank's routes per expert, counted per forward."""
 
     def set_ep_comm(self, comm: "Comm") -> None:
         self._ep_comm = comm
@@ -85,6 +89,8 @@ class ExpertParallelBank(nn.Module):
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # routes grouped by expert, so by destination rank
         counts = torch.bincount(flat, minlength=self.num_global_experts).to(torch.int64)
+        if self.route_counter is not None and self.training and not in_backward():  # not a recompute
+            self.route_counter.record_counts(counts)  # Note: [routing telemetry]
         received = torch.empty_like(counts)
         all_to_all_single(received, counts, group=comm.groups.dp_group)  # [ep, L] counts each way
         send = counts.view(ep, local).sum(1).tolist()

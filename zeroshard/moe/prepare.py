@@ -55,9 +55,10 @@ def expert_modules(module: nn.Module, group_name: str) -> list[nn.Module]:
 
 
 def routing_telemetry(module: nn.Module) -> RoutingTelemetry | None:
-    """Route counters on every MoE layer's gate (moe/telemetry.py), named by the layer's name in
-    `module`; None, and nothing attached, for a model without MoE layers."""
-    layers = [(name, m.deepspeed_moe.gate) for name, m in module.named_modules() if isinstance(m, MoE)]
+    """Route counters on every MoE layer's gate and AutoEP bank (moe/telemetry.py), named by the
+    layer's name in `module`; None, and nothing attached, for a model without either."""
+    layers = [(name, m.deepspeed_moe.gate if isinstance(m, MoE) else m) for name, m in module.named_modules()
+              if isinstance(m, (MoE, ExpertParallelBank))]
     return RoutingTelemetry(layers) if layers else None
 
 

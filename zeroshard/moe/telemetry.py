@@ -65,6 +65,15 @@ class RouteCounter:
         self._sums[2 * e] += routes.l_aux.detach()
         self._forwards += 1
 
+    def record_counts(self, counts: Tensor) -> None:
+        """Add one forward's routes per expert from a dropless router (an AutoEP bank, moe/hf_experts.py:
+        every route kept, no `l_aux` of the gate's own, so the forward is not counted for the aux mean)."""
+        e = self.num_experts
+        if self._sums is None:
+            self._sums = torch.zeros(self.width - 1, dtype=torch.float64, device=counts.device)
+        self._sums[:e] += counts
+        self._sums[e:2 * e] += counts
+
     def take(self, device: torch.device) -> Tensor:
         """The sums so far (zeros when nothing was recorded), and start again from zero."""
         sums, forwards = self._sums, self._forwards
@@ -107,12 +116,14 @@ class RoutingTelemetry:
     moe/prepare.py's `routing_telemetry` at initialize).
 
     Args:
-        layers: (name, gate) of every MoE layer; each gate (a `TopKGate`) gets a `RouteCounter`.
+        layers: (name, router) of every MoE layer; each router (a `TopKGate`, or an AutoEP bank that
+            counts its own routes) gets a `RouteCounter`.
     """
 
     def __init__(self, layers: list[tuple[str, nn.Module]]) -> None:
         self.names = [name for name, _ in layers]
-        self.counters = [RouteCounter(int(gate.wg.out_features)) for _, gate in layers]
+        self.counters = [RouteCounter(int(getattr(gate, "num_global_experts", 0) or gate.wg.out_features))
+                         for _, gate in layers]
         for (_, gate), counter in zip(layers, self.counters):
             gate.route_counter = counter
 
@@ -143,7 +154,8 @@ def routing_metrics(layers: list[LayerRouting]) -> dict[str, float]:
             metrics[f"moe{i}_tokens_expert{e}"] = tokens
         metrics[f"moe{i}_dropped"] = layer.dropped
         metrics[f"moe{i}_imbalance"] = layer.imbalance
-        metrics[f"moe{i}_aux_loss"] = layer.aux_loss
+        if not math.isnan(layer.aux_loss):  # an AutoEP bank's router has no aux loss of the gate's
+            metrics[f"moe{i}_aux_loss"] = layer.aux_loss
     return metrics
 
 
@@ -160,8 +172,9 @@ def routing_line(index: int, layer: LayerRouting) -> str:
         shown = f"min {_count(min(tokens))} max {_count(max(tokens))}"
     share = 100 * layer.dropped / layer.routes if layer.routes else 0.0
     imb = "n/a" if math.isnan(layer.imbalance) else f"{layer.imbalance:.2f}"
+    aux = "" if math.isnan(layer.aux_loss) else f" | aux loss {layer.aux_loss:.4f}"
     return (f"moe{index} {layer.name} | tokens/expert {shown} | dropped {_count(layer.dropped)} of "
-            f"{_count(layer.routes)} ({share:.1f}%) | imbalance {imb} | aux loss {layer.aux_loss:.4f}")
+            f"{_count(layer.routes)} ({share:.1f}%) | imbalance {imb}{aux}")
 
 
 __all__ = ["LayerRouting", "RouteCounter", "RoutingTelemetry", "imbalance", "routing_line", "routing_metrics"]
