@@ -186,16 +186,21 @@ def new_reference(case: dict[str, Any], seed: int = 0) -> Net:
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("ep_kind", ["ep1", "ep_world"])
 def test_equals_one_process(groups: ProcessGroups, ep_kind: str, case: str, stage: int) -> None:
+    check_against_one_process(groups, ep_kind, case, stage)
+
+
+def check_against_one_process(groups: ProcessGroups, ep_kind: str, case: str, stage: int, **zero_keys: Any) -> None:
+    """Train the engine and the one-process oracle `STEPS` steps; per-step losses and final weights equal."""
     world, rank = groups.world_size, groups.rank
     ep = 1 if ep_kind == "ep1" else world  # EP = world: every rank holds other experts (one process: 1 again)
     reference = new_reference(CASES[case])
-    engine = make_engine(reference, CASES[case], ep, stage, rank)
+    engine = make_engine(reference, CASES[case], ep, stage, rank, **zero_keys)
     data = batches(world)
     got = train_engine(engine, data, rank, range(STEPS))
     want = train_oracle(reference, data, world, CASES[case]["clip"], stage, ep)
     for step in range(STEPS):
         assert abs(got[step] - want[step][rank]) <= RTOL * abs(want[step][rank]), (step, got[step], want[step][rank])
-    check_weights(engine, reference, rank, ep, f"{case} ep {ep} stage {stage}")
+    check_weights(engine, reference, rank, ep, f"{case} ep {ep} stage {stage} {zero_keys or ''}")
 
 
 OFFLOAD = {"optimizer": {"offload_optimizer": {"device": "cpu"}},
@@ -210,16 +215,7 @@ def test_cpu_offload_equals_one_process(groups: ProcessGroups, ep_kind: str, cas
                                         offload: str) -> None:
     """CPU offload of the optimizer (and at stage 3 the parameters) with expert parallelism: each
     part (dense, each expert group) offloads its own shard; the numbers stay the one-process ones."""
-    world, rank = groups.world_size, groups.rank
-    ep = 1 if ep_kind == "ep1" else world
-    reference = new_reference(CASES[case])
-    engine = make_engine(reference, CASES[case], ep, stage, rank, **OFFLOAD[offload])
-    data = batches(world)
-    got = train_engine(engine, data, rank, range(STEPS))
-    want = train_oracle(reference, data, world, CASES[case]["clip"], stage, ep)
-    for step in range(STEPS):
-        assert abs(got[step] - want[step][rank]) <= RTOL * abs(want[step][rank]), (step, got[step], want[step][rank])
-    check_weights(engine, reference, rank, ep, f"{case} ep {ep} stage {stage} offload {offload}")
+    check_against_one_process(groups, ep_kind, case, stage, **OFFLOAD[offload])
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
