@@ -381,3 +381,44 @@ def test_routing_telemetry_counts_every_bank_route(groups: ProcessGroups, shared
             assert sum(tokens) == 2 * world * GAS * MICRO * SEQ  # top-2: two routes per token
             assert row[f"moe{layer}_dropped"] == 0
             assert f"moe{layer}_aux_loss" not in row
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("ep_kind", ["world", "half"])
+def test_estimate_equals_what_the_engine_holds(groups: ProcessGroups, stage: int, precision: str,
+                                               ep_kind: str) -> None:
+    """estimate/expert_states.py's per-rank model states (dense share over the data-parallel ranks, this
+    rank's experts over its expert-data-parallel group) equal `engine.model_state_bytes()` byte for
+    byte, category by category, on every rank, after the optimizer's states exist."""
+    from zeroshard.config import load_config
+    from zeroshard.estimate import Setup
+    from zeroshard.estimate.expert_states import estimate_rank_ep, split_experts
+
+    world, rank = groups.world_size, groups.rank
+    ep = world if ep_kind == "world" else world // 2
+    if ep < 2 or (ep_kind == "half" and world < 4):
+        pytest.skip("needs expert parallelism over 2+ ranks (EP x EDP: 4 ranks)")
+    model = reference("qwen3_moe")
+    split = split_experts(model)  # before initialize: the model as the user builds it
+    assert split is not None and split.num_experts == EXPERTS
+    cfg = config(stage, ep, zero_optimization={"stage": stage, "reduce_bucket_size": 700})
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    x = torch.randint(0, VOCAB, (MICRO, SEQ))
+    for _ in range(GAS):
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    homes: dict[str, list[int]] = {}
+    for h in engine.model_state_bytes():
+        total = homes.setdefault(h.device, [0, 0, 0, 0])
+        for i, key in enumerate(("params", "grads", "master_params", "optimizer_states")):
+            total[i] += getattr(h, key)
+    assert len(homes) == 1, homes  # no offload here: one device home
+    est = estimate_rank_ep(split, Setup.from_config(load_config(cfg, dp_world_size=world), devices_per_node=world),
+                           ep, rank)
+    got = next(iter(homes.values()))
+    want = [est.device.params, est.device.grads, est.device.master_params, est.device.optimizer_states]
+    assert got == want, (rank, got, want)

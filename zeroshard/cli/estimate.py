@@ -15,6 +15,7 @@ from zeroshard.config import load_config
 from zeroshard.errors import ConfigError, ZeroshardError
 from zeroshard.estimate.activations import SCHEDULES, ActivationOptions, activation_bytes
 from zeroshard.estimate.deepspeed_compat import format_rows, zero2_rows, zero3_rows
+from zeroshard.estimate.expert_states import estimate_rank_ep
 from zeroshard.estimate.model_source import load_model_spec
 from zeroshard.estimate.parallel import Layout, estimate_layout
 from zeroshard.estimate.spec import ModelSpec, parse_count, spec_from_counts
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true", help="TP's sequence parallelism")
     g.add_argument("--sp", type=int, default=1,
                    help="Ulysses / ring sequence-parallel size (sequence_parallel_size): activations per rank / sp")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size (expert_parallel.autoep_size) for a Hugging Face MoE model: model "
+                   "states per rank for ZeRO 0-3, experts cut over --ep ranks")
     return p
 
 
@@ -128,10 +132,39 @@ def _parallel_lines(spec: ModelSpec, args: argparse.Namespace, base: Setup) -> l
     return lines
 
 
+def _expert_lines(spec: ModelSpec, args: argparse.Namespace, base: Setup) -> list[str]:
+    """Model states per rank for ZeRO 0-3 with the experts cut over --ep ranks (estimate/expert_states.py)."""
+    split = spec.experts
+    if split is None:
+        raise ZeroshardError(f"--ep {args.ep}: {spec.name} has no expert bank (give a Hugging Face MoE config.json "
+                             "with --model)")
+    world = args.devices * args.nodes
+    if world % args.ep or split.num_experts % args.ep:
+        raise ZeroshardError(f"--ep {args.ep} must divide the {world} devices and the {split.num_experts} experts")
+    dense, experts = split.dense.total_params, split.expert_params
+    lines = [f"{spec.name}: {dense:,} dense + {experts:,} expert parameters ({split.num_experts} experts per bank); "
+             f"EP {args.ep} x expert-data-parallel {world // args.ep} ({base.precision}), one rank, GB",
+             "  ZeRO  experts/rank |  EP 1 states  EP 1 device | states  buffers  device"]
+    for zero in (0, 1, 2, 3):
+        setup = replace(base, stage=zero)
+        one = estimate_rank_ep(split, setup, 1)
+        est = estimate_rank_ep(split, setup, args.ep)
+        lines.append(f"  {zero:>4}  {experts // args.ep:>12,} | {one.device.total / 2**30:11.2f} "
+                     f"{one.device_peak / 2**30:12.2f} | {est.device.total / 2**30:6.2f} "
+                     f"{est.device_buffers / 2**30:8.2f} {est.device_peak / 2**30:7.2f}")
+    lines.append("dense parameters under ZeRO over every data-parallel rank; each rank's experts under ZeRO over the "
+                 f"{world // args.ep} rank(s) holding the same experts")
+    return lines
+
+
 def run(args: argparse.Namespace) -> str:
     if args.devices < 1 or args.nodes < 1:
         raise ZeroshardError("--devices and --nodes must be >= 1")
     spec = model_spec(args)
+    if args.ep > 1:
+        if args.tp > 1 or args.pp > 1:
+            raise ZeroshardError("--ep with --tp or --pp: MoE with tensor or pipeline parallelism is not built")
+        return "\n".join(_expert_lines(spec, args, _base_setups(args, spec)[0]))
     if args.tp > 1 or args.pp > 1:
         return "\n".join(_parallel_lines(spec, args, _base_setups(args, spec)[0]))
     out: list[str] = []

@@ -2,8 +2,8 @@
 GPT config JSON, a Hugging Face config.json or its directory) and Hugging Face configs, built on
 the meta device with `transformers`, or counted by estimate/hf_count.py without it.
 
-Imports nothing of ours but `zeroshard.errors`, `estimate.spec` and `estimate.hf_count` (it sits
-above both, so neither imports the other back); `transformers` only inside functions.
+Imports nothing of ours but `zeroshard.errors`, `estimate.spec`, `estimate.hf_count` and
+`estimate.expert_states` (it sits above them, so none imports it back); `transformers` only inside functions.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from zeroshard.errors import ZeroshardError
+from zeroshard.estimate.expert_states import split_experts
 from zeroshard.estimate.hf_count import count_hf_params
 from zeroshard.estimate.spec import ModelSpec, shape_from_config, spec_from_gpt, spec_from_module
 
@@ -50,8 +51,9 @@ def _spec_with_transformers(config: Mapping[str, Any], hf_class: str) -> ModelSp
     hf_cfg = transformers.AutoConfig.for_model(model_type, **raw)
     with torch.device("meta"):
         model = cls.from_config(hf_cfg)
-    return spec_from_module(model, name=f"{type(model).__name__} ({model_type})",
-                            shape=shape_from_config(hf_cfg))
+    name = f"{type(model).__name__} ({model_type})"
+    shape = shape_from_config(hf_cfg)
+    return replace(spec_from_module(model, name=name, shape=shape), experts=split_experts(model, name, shape))
 
 
 def load_model_spec(model: str, hf_class: str = "AutoModel") -> ModelSpec:

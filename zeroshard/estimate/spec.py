@@ -71,6 +71,9 @@ class ModelSpec:
     unit_params: tuple[tuple[int, ...], ...] | None = None
     shape: TransformerShape | None = None
     live: bool = False
+    experts: Any = None
+    """The model's expert banks as AutoEP cuts them (an `estimate.expert_states.ExpertSplit`), for a
+    Hugging Face MoE model built from its config; None otherwise."""
 
     def __repr__(self) -> str:
         return (f"ModelSpec({self.name!r}, total_params={self.total_params}, "
@@ -103,20 +106,21 @@ def _units(model: nn.Module, trainable: set[int]) -> tuple[tuple[int, ...], ...]
 
 
 def spec_from_module(model: nn.Module, name: str | None = None,
-                     shape: TransformerShape | None = None) -> ModelSpec:
+                     shape: TransformerShape | None = None, exclude: set[int] | None = None) -> ModelSpec:
     """A spec from a live (or meta-device) module: DeepSpeed's "all live" input.
 
     Args:
         model: the model as it will be passed to `zeroshard.initialize`.
         name: label for the tables (default: the class name).
         shape: transformer sizes; read from `model.config` when it has one.
+        exclude: ids of parameters another strategy holds (expert banks: estimate/expert_states.py).
 
     Example:
         >>> from torch import nn
         >>> spec_from_module(nn.Linear(4, 2)).total_params
         10
     """
-    params = _unique_trainable(model)
+    params = [p for p in _unique_trainable(model) if id(p) not in (exclude or set())]
     trainable = {id(p) for p in params}
     largest = max((sum(p.numel() for p in m.parameters(recurse=False) if id(p) in trainable)
                    for m in model.modules()), default=0)
