@@ -22,7 +22,8 @@ gathered output, reduce_scatter and all_to_all the input, all_reduce the tensor)
 around ``zeroshard.moe.hf_experts.all_to_all_single`` for AutoEP's token exchange, which goes through
 ``deepspeed.comm``'s functions and not a logged ``Comm``. A record is an *expert* byte when its group
 is an expert group (label ``ep:`` / ``edp:``), when it is the token exchange, or, in the dense cases,
-when it is a gather or reduction of exactly one layer's expert bank (its size); every other record is
+when it is a gather or gradient reduction of exactly one layer's expert bank (its size; without the
+shared-memory collectives zeroshard all-reduces gradients on gloo instead of reduce-scattering); every other record is
 *other* (attention, embeddings, norms, routers, the loss and norm scalars). Records of a group of one
 rank (the expert-data-parallel group when ``autoep_size`` = world) move nothing and are left out.
 
@@ -110,8 +111,8 @@ def _classify(records: list[Any], a2a: list[tuple[str, int]], world: int, bank_b
             kind = "local"
         elif rec.group.startswith(("ep:", "edp:")):
             kind = "expert"
-        elif dense and rec.op in ("all_gather", "reduce_scatter") and rec.bytes == bank_bytes:
-            kind = "expert"  # one layer's whole expert bank, gathered or its gradient reduced
+        elif dense and rec.op in ("all_gather", "reduce_scatter", "all_reduce") and rec.bytes == bank_bytes:
+            kind = "expert"  # one layer's whole bank gathered, or its gradient reduced (all-reduced on gloo)
         else:
             kind = "other"
         out[kind][rec.op] = out[kind].get(rec.op, 0) + rec.bytes
@@ -209,6 +210,8 @@ def _run_case(case: str, world: int, args: argparse.Namespace) -> dict[str, Any]
            str(Path(__file__).resolve()), "--worker", case, "--size", args.size,
            "--warmup", str(args.warmup), "--steps", str(args.steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    if args.gloo_only:
+        env["ZEROSHARD_COMM_SHM"] = "0"
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s)
     found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not found:
@@ -282,7 +285,10 @@ def _split(b: dict[str, dict[str, float]]) -> tuple[dict[str, float], float, dic
 def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"Machine: {meta['machine']}. Measured {meta['started']} - {meta['ended']} UTC, load average "
              f"{meta['load_before']:.1f} before, {meta['load_after']:.1f} after; {meta['rounds']} rounds of "
-             f"{meta['warmup']} warm-up + {meta['steps']} timed steps per job; size `{meta['size']}`.", "",
+             f"{meta['warmup']} warm-up + {meta['steps']} timed steps per job; size `{meta['size']}`; "
+             + ("every collective over gloo (`ZEROSHARD_COMM_SHM=0`)." if meta.get("gloo_only") else
+                "the data-parallel group's collectives through shared memory, the expert groups' and the "
+                "token all-to-all over gloo (zeroshard's defaults)."), "",
              "MB per step per rank (10^6 bytes, the comm log's message sizes: all-gather output, reduce-scatter "
              "and all-to-all input, all-reduce tensor), mean over the timed steps and the ranks.", "",
              "| case | ranks | expert weights: gather + gradient reduction (by op) | expert tokens: all-to-all | "
@@ -331,16 +337,18 @@ def _write(text: str, results: Path, marker: str = "") -> None:
 
 def drive(args: argparse.Namespace) -> int:
     meta = {"started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), "load_before": os.getloadavg()[0],
-            "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps, "size": args.size,
+            "gloo_only": args.gloo_only, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
+            "size": args.size,
             "machine": _machine()}
     rows = run_all(args)
     meta.update(ended=datetime.now(timezone.utc).strftime("%H:%M"), load_after=os.getloadavg()[0])
     OUT.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    name = "results_gloo.json" if args.gloo_only else "results.json"
+    (args.out_dir / name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = render(rows, meta)
     print(table)
     if args.results is not None:
-        _write(table, args.results)
+        _write(table, args.results, marker=" gloo-only" if args.gloo_only else "")
     return 0 if rows else 1
 
 
@@ -362,10 +370,13 @@ def drive_two_node(args: argparse.Namespace) -> int:
         for case in args.two_node_cases:
             argv = [str(Path(__file__).resolve()), "--worker", case, "--size", args.size,
                     "--warmup", str(args.warmup), "--steps", str(args.steps)]
-            results = cluster.run(argv, 2, timeout_s=args.timeout_s)
+            # Both namespaces share the host's /dev/shm, so zeroshard's shared-memory collectives (Note:
+            # [shared-memory collectives] in comm/shm.py) would join the two "nodes" past the veth: the
+            # data-parallel group's bytes would never reach the link. Real nodes share no memory.
+            results = cluster.run(argv, 2, timeout_s=args.timeout_s, env={"ZEROSHARD_COMM_SHM": "0"})
             found = [line for _, out in results for line in out.splitlines() if line.startswith("RESULT ")]
             if not found:
-                print(f"{case}: failed\n" + "\n".join(out[-3000:] for _, out in results), flush=True)
+                print(f"{case}: failed\n" + "\n".join(out[-1500:] for _, out in results), flush=True)
                 continue
             row = json.loads(found[0][len("RESULT "):])
             node_first = [r for r in row["ranks"] if r["local_rank"] == 0]
@@ -384,7 +395,8 @@ def drive_two_node(args: argparse.Namespace) -> int:
              "expert-data-parallel pairs and ZeRO-2 across", "ep_z2": "EP 4 across the link, ZeRO-2 over 4"}
     lines = [f"Machine: {meta['machine']}. Measured {meta['started']} - {meta['ended']} UTC, load average "
              f"{meta['load_before']:.1f} before, {meta['load_after']:.1f} after; link {args.rate} "
-             f"({meta['shaping']}); one job per case, {args.warmup} warm-up + {args.steps} timed steps.", "",
+             f"({meta['shaping']}); every collective over gloo (`ZEROSHARD_COMM_SHM=0`); one job per case, "
+             f"{args.warmup} warm-up + {args.steps} timed steps.", "",
              "| case | layout (node 0 = ranks 0-1) | inter-node MB/step (veth) | intra-node MB/step (lo) | "
              "logged expert MB/step per rank | step s (median) | link bytes: this / dense_z3 | step: this / dense_z3 |",
              "|---|---|---|---|---|---|---|---|"]
@@ -405,6 +417,7 @@ def drive_two_node(args: argparse.Namespace) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", choices=CASES + TWO_NODE_CASES, help=argparse.SUPPRESS)
+    ap.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # zeroshard launch passes it
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
     ap.add_argument("--size", choices=tuple(SIZES), default="default")
@@ -414,6 +427,9 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--smoke", action="store_true",
                     help="2 ranks, dense_z3 and ep_z3, the smoke size, 1 round of 1 + 1 steps; no results.md")
+    ap.add_argument("--gloo-only", action="store_true",
+                    help="ZEROSHARD_COMM_SHM=0: every collective over gloo's sockets (the default puts the "
+                         "data-parallel group's through shared memory); its own section of the results")
     ap.add_argument("--two-node", action="store_true", help="the netns cluster (root): EP inside a node vs across")
     ap.add_argument("--two-node-cases", nargs="+", default=list(TWO_NODE_CASES), choices=TWO_NODE_CASES)
     ap.add_argument("--rate", default="1gbit", help="tc rate per direction of the inter-node link, or 'none'")
@@ -433,11 +449,11 @@ def main() -> int:
     if args.two_node:
         return drive_two_node(args)
     if args.render_only:
-        raw = json.loads((args.out_dir / "results.json").read_text())
+        raw = json.loads((args.out_dir / ("results_gloo.json" if args.gloo_only else "results.json")).read_text())
         table = render(raw["rows"], raw["meta"])
         print(table)
         if args.results is not None:
-            _write(table, args.results)
+            _write(table, args.results, marker=" gloo-only" if args.gloo_only else "")
         return 0
     return drive(args)
 
