@@ -1,6 +1,6 @@
 """Bytes moved per optimizer step and step time of a Hugging Face MoE model: dense ZeRO-3 against AutoEP.
 
-    OMP_NUM_THREADS=1 python bench/moe_traffic.py                # 2 and 4 ranks, 3 rounds (~15 min on 2 cores)
+    OMP_NUM_THREADS=1 python bench/moe_traffic.py                # 2 and 4 ranks, 3 rounds (~12-15 min, 2 loaded cores)
     OMP_NUM_THREADS=1 python bench/moe_traffic.py --smoke        # 2 ranks, a smaller model, 1 round (~40 s)
     python bench/moe_traffic.py --two-node                        # as root: EP inside a node against across the link
 
