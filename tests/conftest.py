@@ -46,9 +46,10 @@ DEEPSPEED_FILES = ("test_deepspeed_examples.py", "test_deepspeed_example.py", "t
 # Note: [benchmark smoke runs are opt-in] tests/launch/test_gpu_bench_harness.py runs the GPU
 # benchmark's harness end to end on a CPU (three torchrun jobs, a 400 s budget on 2 cores): it
 # checks bench/gpu/run.py's plumbing, not zeroshard, so it runs in the `bench` stage
-# (`python tests/run.py bench`, which sets ZEROSHARD_BENCH_TESTS=1), not in the default suite.
+# (`python tests/run.py bench`, which sets ZEROSHARD_BENCH_TESTS=1), not in the default suite;
+# so does tests/launch/test_moe_traffic_bench.py (bench/moe_traffic.py's smallest size, two jobs).
 BENCH_TESTS = os.environ.get("ZEROSHARD_BENCH_TESTS") == "1"
-BENCH_FILES = ("test_gpu_bench_harness.py",)
+BENCH_FILES = ("test_gpu_bench_harness.py", "test_moe_traffic_bench.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:

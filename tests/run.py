@@ -5,7 +5,7 @@ and 3D tests also at 4, the 3D tests also at 8), launcher tests.
     python tests/run.py unit dist2 # some stages
     python tests/run.py --deepspeed  # everything, plus the differential suite against DeepSpeed
     python tests/run.py deepspeed  # the differential suite only (needs DeepSpeed 0.19, opt-in)
-    python tests/run.py bench      # the GPU benchmark harness's smoke run on CPU (opt-in, minutes)
+    python tests/run.py bench      # the benchmark harnesses' smoke runs on CPU (GPU harness, MoE traffic; opt-in)
 
 The distributed tests share one gloo process group per run (process start-up dominates on a
 small CPU box), so they run under torchrun, not plain pytest. On a machine without torch or
@@ -88,7 +88,8 @@ STAGES: dict[str, list[str]] = {
 OPT_IN: dict[str, list[str]] = {
     "deepspeed": [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/differential"],
     # Note: [benchmark smoke runs are opt-in] in tests/conftest.py.
-    "bench": [sys.executable, *PYTEST, "tests/launch/test_gpu_bench_harness.py"],
+    "bench": [sys.executable, *PYTEST, "tests/launch/test_gpu_bench_harness.py",
+              "tests/launch/test_moe_traffic_bench.py"],
 }
 
 
