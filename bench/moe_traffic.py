@@ -18,11 +18,10 @@ seed and batches in every case, trained by a torchrun job per case (gloo, CPU):
 
 Bytes come from zeroshard's own comm log (the ``comms_logger`` config section: one record per
 collective, its op, its group's label and its message size as nccl-tests counts it: all_gather the
-gathered output, reduce_scatter and all_to_all the input, all_reduce the tensor), plus a wrapper
-around ``zeroshard.moe.hf_experts.all_to_all_single`` for AutoEP's token exchange, which goes through
-``deepspeed.comm``'s functions and not a logged ``Comm``. A record is an *expert* byte when its group
-is an expert group (label ``ep:`` / ``edp:``), when it is the token exchange, or, in the dense cases,
-when it is a gather or gradient reduction of exactly one layer's expert bank (its size; without the
+gathered output, reduce_scatter and all_to_all the input, all_reduce the tensor); AutoEP's token
+exchange records its all-to-alls there too, under its expert-parallel group's label. A record is
+an *expert* byte when its group is an expert group (label ``ep:`` / ``edp:``) or, in the dense
+cases, when it is a gather or gradient reduction of exactly one layer's expert bank (its size; without the
 shared-memory collectives zeroshard all-reduces gradients on gloo instead of reduce-scattering); every other record is
 *other* (attention, embeddings, norms, routers, the loss and norm scalars). Records of a group of one
 rank (the expert-data-parallel group when ``autoep_size`` = world) move nothing and are left out.
@@ -102,8 +101,7 @@ def _group_size(label: str, world: int) -> int:
     return world
 
 
-def _classify(records: list[Any], a2a: list[tuple[str, int]], world: int, bank_bytes: int,
-              dense: bool) -> dict[str, dict[str, int]]:
+def _classify(records: list[Any], world: int, bank_bytes: int, dense: bool) -> dict[str, dict[str, int]]:
     """Per kind ("expert", "other", "local"), per op: bytes of one step's records on this rank."""
     out: dict[str, dict[str, int]] = {"expert": {}, "other": {}, "local": {}}
     for rec in records:
@@ -116,8 +114,6 @@ def _classify(records: list[Any], a2a: list[tuple[str, int]], world: int, bank_b
         else:
             kind = "other"
         out[kind][rec.op] = out[kind].get(rec.op, 0) + rec.bytes
-    for op, nbytes in a2a:
-        out["expert"][op] = out["expert"].get(op, 0) + nbytes
     return out
 
 
@@ -144,14 +140,6 @@ def worker(case: str, size_name: str, warmup: int, steps: int) -> None:
     rank, log = dist.get_rank(), engine.comm.log
     assert log is not None, "comms_logger.enabled should give the engine's Comm a log"
 
-    a2a: list[tuple[str, int]] = []
-    exchange = hf_experts.all_to_all_single
-
-    def counted(output: torch.Tensor, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        a2a.append(("all_to_all", tensor.numel() * tensor.element_size()))
-        return exchange(output, tensor, *args, **kwargs)
-
-    hf_experts.all_to_all_single = counted  # AutoEP's token exchange: not a logged Comm call
     per_step: list[dict[str, dict[str, int]]] = []
     times: list[float] = []
     losses: list[float] = []
@@ -164,7 +152,6 @@ def worker(case: str, size_name: str, warmup: int, steps: int) -> None:
         if step == warmup:
             tx, lo = _tx_bytes(dev), _tx_bytes("lo")
         log.reset()
-        a2a.clear()
         start = time.perf_counter()
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
@@ -175,7 +162,7 @@ def worker(case: str, size_name: str, warmup: int, steps: int) -> None:
         dist.all_reduce(took[1:], op=dist.ReduceOp.SUM)
         if step >= warmup:
             times.append(float(took[0]))
-            per_step.append(_classify(records, list(a2a), world, bank_bytes, case.startswith("dense")))
+            per_step.append(_classify(records, world, bank_bytes, case.startswith("dense")))
         losses.append(float(took[1]) / world)
     dist.barrier()
     tx, lo = _tx_bytes(dev) - tx, _tx_bytes("lo") - lo

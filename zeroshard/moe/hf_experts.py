@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -119,7 +120,11 @@ class _Exchange(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, send: list[int], recv: list[int], comm: "Comm") -> Tensor:
         ctx.send, ctx.recv, ctx.comm = send, recv, comm
         out = x.new_empty((sum(recv), *x.shape[1:]))
+        start = time.perf_counter()
         all_to_all_single(out, x.contiguous(), recv, send, group=comm.groups.dp_group)
+        log = comm.log
+        if log is not None:  # the comms logger counts the tokens moved, as its other records (input bytes)
+            log.record("all_to_all", x.numel() * x.element_size(), time.perf_counter() - start, False, comm.label)
         return out
 
     @staticmethod
