@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from zeroshard import comm
+import zeroshard.comm as comm
 from zeroshard.errors import NotSupportedError
 from zeroshard.moe import gating, layer
 from zeroshard.moe.experts import combine, dispatch, flat_slots
