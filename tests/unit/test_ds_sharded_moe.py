@@ -199,25 +199,26 @@ CASES = [(kind, seed, factor, drop, sparse) for kind in ("top1", "top1-rsample",
          for seed in range(3) for factor in (0.5, 2.0) for drop in (True, False) for sparse in (False, True)]
 
 
+def _one_gate(sm: Any, kind: str, logits: torch.Tensor, factor: float, drop: bool, sparse: bool) -> tuple:
+    kw = {"drop_tokens": drop, "sparse_routes": sparse}
+    if kind == "top1":
+        return sm.top1gating(logits, factor, 1, **kw)
+    if kind == "top1-rsample":
+        return sm.top1gating(logits, factor, 1, noisy_gate_policy="RSample", use_rts=False, **kw)
+    if kind == "top1-used":
+        return sm.top1gating(logits, factor, 0, used_token=(torch.arange(12) % 3 != 0).long(), **kw)
+    if kind == "top2":
+        return sm.top2gating(logits.clone(), factor, 1, **kw)  # DeepSpeed adds its noise to `logits` in place
+    if kind == "top2-plain":
+        return sm.top2gating(logits, factor, 0, top2_2nd_expert_sampling=False, **kw)
+    return sm.topkgating(logits, 3, factor, 1, drop_policy="position" if kind == "top3-position" else "probs", **kw)
+
+
 def _ds_outputs(sm: Any) -> dict[tuple, tuple]:
     out = {}
     for kind, seed, factor, drop, sparse in CASES:
-        logits = logits_for(12, 4, seed)
-        used = (torch.arange(12) % 3 != 0).long()
         torch.manual_seed(100 + seed)
-        out[(kind, seed, factor, drop, sparse)] = {
-            "top1": lambda: sm.top1gating(logits, factor, 1, drop_tokens=drop, sparse_routes=sparse),
-            "top1-rsample": lambda: sm.top1gating(logits, factor, 1, noisy_gate_policy="RSample", use_rts=False,
-                                                  drop_tokens=drop, sparse_routes=sparse),
-            "top1-used": lambda: sm.top1gating(logits, factor, 0, used_token=used, drop_tokens=drop,
-                                               sparse_routes=sparse),
-            "top2": lambda: sm.top2gating(logits.clone(), factor, 1, drop_tokens=drop, sparse_routes=sparse),
-            "top2-plain": lambda: sm.top2gating(logits, factor, 0, drop_tokens=drop, top2_2nd_expert_sampling=False,
-                                                sparse_routes=sparse),
-            "top3": lambda: sm.topkgating(logits, 3, factor, 1, drop_tokens=drop, sparse_routes=sparse),
-            "top3-position": lambda: sm.topkgating(logits, 3, factor, 1, drop_tokens=drop, drop_policy="position",
-                                                   sparse_routes=sparse),
-        }[kind]()
+        out[(kind, seed, factor, drop, sparse)] = _one_gate(sm, kind, logits_for(12, 4, seed), factor, drop, sparse)
     return out
 
 
