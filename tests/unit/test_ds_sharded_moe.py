@@ -1,4 +1,4 @@
-"""`deepspeed.moe.sharded_moe` served by the alias (zeroshard/compat/ds_moe.py): DeepSpeed's gate
+"""`deepspeed.moe.sharded_moe` served by the alias (zeroshard/compat/ds_sharded_moe.py): DeepSpeed's gate
 functions give zeroshard's routes (moe/gating.py) in DeepSpeed's dense and sparse shapes, built here
 by loops from the routes; the dropless capacity's maximum goes through the module's `dist`; the
 layer's all-to-all is the module's `_AllToAll`; what is not built is refused by name. The opt-in

@@ -1,4 +1,4 @@
-"""deepspeed.moe.sharded_moe -> zeroshard.compat.ds_moe over zeroshard.moe (gates, dispatch, all-to-all).
+"""deepspeed.moe.sharded_moe -> zeroshard.compat.ds_sharded_moe over zeroshard.moe (gates, dispatch, all-to-all).
 
 The gate functions keep DeepSpeed 0.19.8's signatures and return values; the routing is
 zeroshard's (`zeroshard/moe/gating.py`). As in DeepSpeed, the dropless capacity's maximum over
@@ -11,7 +11,7 @@ from typing import Any
 from torch import Tensor
 
 from deepspeed import comm as dist
-from zeroshard.compat import ds_moe as _impl
+from zeroshard.compat import ds_sharded_moe as _impl
 from zeroshard.moe.experts import _AllToAll, flat_slots
 
 TUTEL_INSTALLED = False
