@@ -4,23 +4,21 @@
 parameters (`allreduce = False`, `group_name`). `dispatch` packs tokens into a per-expert
 capacity buffer [experts, capacity, model], `exchange` moves it across the expert-parallel group
 with one differentiable all-to-all, and `combine` weights each token's expert outputs back.
-Imports torch, `zeroshard.moe.gating`, `zeroshard.errors` and `zeroshard.comm` (for types:
-collectives go through a `Comm`).
+Imports torch, `zeroshard.moe.gating`, `zeroshard.errors` and `zeroshard.comm` (collectives go
+through a `Comm`, or a process group's `all_to_all_single`).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from zeroshard.comm import Comm, all_to_all_single
 from zeroshard.errors import NotSupportedError
 from zeroshard.moe.gating import Routes
-
-if TYPE_CHECKING:
-    from zeroshard.comm import Comm
 
 
 class Experts(nn.Module):
@@ -60,9 +58,13 @@ class Experts(nn.Module):
 def route_slots(routes: Routes, num_experts: int) -> Tensor:
     """[k, tokens] flat slot expert * capacity + location; dropped routes point at one spare slot
     past the end (num_experts * capacity), which dispatch fills with garbage and combine reads as 0."""
-    spare = num_experts * routes.capacity
-    slots = routes.experts * routes.capacity + routes.locations
-    return torch.where(routes.experts >= 0, slots, torch.full_like(slots, spare))
+    return flat_slots(routes.experts, routes.locations, num_experts, routes.capacity)
+
+
+def flat_slots(experts: Tensor, locations: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """`route_slots` from the per-route tensors ([k, tokens] expert ids, -1 = dropped, and slots)."""
+    slots = experts.long() * capacity + locations.long()
+    return torch.where(experts >= 0, slots, torch.full_like(slots, num_experts * capacity))
 
 
 def dispatch(tokens: Tensor, slots: Tensor, num_experts: int, capacity: int) -> Tensor:
@@ -83,24 +85,32 @@ def combine(expert_out: Tensor, slots: Tensor, weights: Tensor) -> Tensor:
 
 
 class _AllToAll(torch.autograd.Function):
-    """Equal-split all-to-all along dim 0; its gradient is the same exchange of the gradient."""
+    """Equal-split all-to-all along dim 0; its gradient is the same exchange of the gradient.
+
+    Called as DeepSpeed's `sharded_moe._AllToAll` is, `_AllToAll.apply(group, x)`, and served under
+    that name by the alias: `group` is the layer's `Comm`, or a process group (from
+    `deepspeed.comm.new_group`), whose exchange goes through `zeroshard.comm.all_to_all_single`.
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, comm: "Comm") -> Tensor:
-        ctx.comm = comm
+    def forward(ctx: Any, group: Any, x: Tensor) -> Tensor:
+        ctx.group = group
         x = x.contiguous()
         out = torch.empty_like(x)
-        comm.all_to_all(out.view(-1), x.view(-1)).wait()
+        if isinstance(group, Comm):
+            group.all_to_all(out.view(-1), x.view(-1)).wait()
+        else:
+            all_to_all_single(out, x, group=group)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _AllToAll.apply(grad, ctx.comm), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:
+        return None, _AllToAll.apply(ctx.group, grad)
 
 
-def exchange(x: Tensor, comm: "Comm | None") -> Tensor:
+def exchange(x: Tensor, comm: Comm | None) -> Tensor:
     """Block r of dim 0 to rank r of the expert-parallel group; rank s's block lands at position s.
     The identity without a group (ep_size 1)."""
     if comm is None or comm.world_size == 1:
         return x.contiguous()
-    return _AllToAll.apply(x, comm)
+    return _AllToAll.apply(comm, x)

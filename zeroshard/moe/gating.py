@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -136,9 +137,16 @@ def top2(logits: Tensor, capacity_factor: float, min_capacity: int, *, drop_toke
 
 
 def topk(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, *, drop_tokens: bool = True,
-         max_over_group: MaxOverGroup | None = None) -> Routes:
+         max_over_group: MaxOverGroup | None = None, drop_policy: Literal["probs", "position"] = "probs") -> Routes:
     """k > 2: the k best experts per token; an over-full expert keeps the routes with the
-    highest gate values ("probs" drop policy); the k weights are renormalised over kept routes."""
+    highest gate values (`drop_policy` "probs", what DeepSpeed's layer uses) or its first routes in
+    token order ("position"); the k weights are renormalised over kept routes.
+
+    Raises:
+        ValueError: an unknown `drop_policy`.
+    """
+    if drop_policy not in ("probs", "position"):
+        raise ValueError(f"MoE top-k gate: drop_policy={drop_policy!r}, expected 'probs' or 'position'")
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape
     top_gate, top_idx = torch.topk(gates, k=k, dim=1)
@@ -147,9 +155,12 @@ def topk(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, *, d
     l_aux = torch.mean(gates.mean(dim=0) * mask.float().mean(dim=0)) * num_experts * num_experts / k
     if drop_tokens:
         slots = capacity(num_tokens, num_experts, capacity_factor * k, min_capacity)
-        masked = torch.zeros_like(gates).scatter(1, top_idx, top_gate)
-        keep = torch.topk(masked, k=min(slots, num_tokens), dim=0, sorted=False)[1]
-        mask = mask & torch.zeros_like(mask).scatter_(0, keep, True)
+        if drop_policy == "probs":
+            masked = torch.zeros_like(gates).scatter(1, top_idx, top_gate)
+            keep = torch.topk(masked, k=min(slots, num_tokens), dim=0, sorted=False)[1]
+            mask = mask & torch.zeros_like(mask).scatter_(0, keep, True)
+        else:  # the first `slots` routes of each expert in token order keep their places
+            mask = mask & torch.lt(torch.cumsum(mask, dim=0) - 1, slots)
     else:
         slots = _dropless_capacity(exp_counts, max_over_group)
     locations = torch.cumsum(mask, dim=0) - 1

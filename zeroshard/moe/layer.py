@@ -102,12 +102,17 @@ class MOELayer(nn.Module):
         self.gate.ep_comm = comm
 
     def forward(self, hidden_states: Tensor, used_token: Tensor | None = None) -> Tensor:
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # [S, M]
+        return self.run_routes(hidden_states, self.gate(tokens, used_token))
+
+    def run_routes(self, hidden_states: Tensor, routes: gating.Routes) -> Tensor:
+        """Dispatch `hidden_states`' tokens along `routes`, run the experts, combine (the forward
+        after the gate; DeepSpeed's `MOELayer` served by the alias calls it with its gate's routes)."""
         if self.ep_size > 1 and self.ep_comm is None:
             raise RuntimeError(f"MoE layer with ep_size={self.ep_size} has no expert-parallel group: pass the model "
                                "to zeroshard.initialize() (or deepspeed.initialize) before running it")
         model_dim = hidden_states.shape[-1]
         tokens = hidden_states.reshape(-1, model_dim)  # [S, M]
-        routes = self.gate(tokens, used_token)
         num_experts = self.ep_size * self.num_local_experts
         slots = route_slots(routes, num_experts)
         buffer = dispatch(tokens, slots, num_experts, routes.capacity)  # [E, C, M]
