@@ -25,7 +25,7 @@ from torch import Tensor, nn
 import zeroshard
 from zeroshard.checkpoint.manifest import read_manifest
 from zeroshard.checkpoint.to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-from zeroshard.comm import ProcessGroups
+from zeroshard.comm import Comm, ProcessGroups
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.moe.layer import MoE
 from zeroshard.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
@@ -258,7 +258,7 @@ def test_expert_layout_and_groups(groups: ProcessGroups) -> None:
 
 
 @pytest.mark.parametrize("ep_kind", ["ep1", "ep_world", "half"])
-def test_stage3_partitions_experts_over_their_expert_data_parallel_group(groups: ProcessGroups,
+def test_stage3_partitions_experts_over_their_expert_data_parallel_group(groups: ProcessGroups, comm: Comm,
                                                                           ep_kind: str) -> None:
     """DeepSpeed 0.19.8 refuses its MoE layer at stage 3; zeroshard partitions the dense parameters
     over the data-parallel ranks and each expert over the ranks holding it (Note: [experts at
@@ -272,7 +272,7 @@ def test_stage3_partitions_experts_over_their_expert_data_parallel_group(groups:
     # Each rank's pieces summed over every rank: a dense parameter's pieces make it up once; a local
     # expert's make it up once per expert-parallel rank (ep different experts, each split over edp).
     pieces = torch.tensor([p.ds_tensor.numel() for p in params], dtype=torch.float64)
-    torch.distributed.all_reduce(pieces, group=groups.dp_group)
+    comm.all_reduce(pieces)  # a Comm: also at world size 1, where there is no process group
     for p, expert, total in zip(params, experts, pieces.tolist()):
         assert total == p.ds_numel * (ep if expert else 1), (p.ds_shape, expert, total)
     assert {id(p._zs.owner) for p, e in zip(params, experts) if e}.isdisjoint(
