@@ -2,7 +2,8 @@
 # One pass over everything that needs a GPU, sized for a short lease on a one-GPU machine:
 #   1. tests/gpu at world size 1;
 #   2. the NVMe rows of bench/gpu (25M GPT: NVMe against CPU optimizer offload, stages 2 and 3);
-#   3. bench/gpu on the ~1.2B GPT (zeroshard stages 0-3 and offload against FSDP2);
+#   3. bench/gpu on the ~1.2B GPT (zeroshard stages 2-3, stage 3 with FSDP2's lifetimes (zs3_lean,
+#      bench/fsdp_memory.md) and offload against FSDP2: tokens/s and peak allocated memory);
 #   4. the disk the swap files live on: dd with O_DIRECT against `zeroshard bench-io`;
 #   5. tests/gpu again under torchrun (an NCCL process group of one).
 # Each part gets what is left of a global budget (BUDGET_S, default 450 s), in that order, and
@@ -41,7 +42,7 @@ part 150 "$OUT/tests.log" $PY -m pytest -q -rs -p no:cacheprovider --tb=short te
 part 110 "$OUT/bench_stdout.log" $PY bench/gpu/run.py --rows zs2_offload zs2_nvme zs3_offload_opt zs3_nvme \
   --spec '{"model": "25m", "steps": 8, "warmup": 3}' --out-dir /tmp/gb_nvme --results "$OUT/bench_nvme.md" --timeout-s 60
 cp /tmp/gb_nvme/results.json "$OUT/bench_nvme.json" 2>/dev/null
-part 180 "$OUT/bench_stdout.log" $PY bench/gpu/run.py --rows ${GPU_ROWS:-zs3 fsdp2 zs2 zs3_offload} \
+part 180 "$OUT/bench_stdout.log" $PY bench/gpu/run.py --rows ${GPU_ROWS:-zs3 zs3_lean fsdp2 zs2 zs3_offload} \
   --spec '{"steps": 6, "warmup": 2}' --out-dir /tmp/gb_1b --results "$OUT/bench_gpu.md" --timeout-s 100
 cp /tmp/gb_1b/results.json "$OUT/bench_gpu.json" 2>/dev/null
 {

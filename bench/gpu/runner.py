@@ -68,6 +68,8 @@ def ds_config(spec: GpuSpec, stage: int, offload: str, device: str) -> dict[str,
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path, "pin_memory": pin, "buffer_count": 4}
     if offload == "both":
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    if offload == "lean":  # FSDP2's lifetimes: reshard after forward, no gradients between steps
+        zero.update(stage3_max_reuse_distance=0, stage3_release_grads=True)
     return {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -84,6 +86,7 @@ ROWS: dict[str, tuple[str, int, str]] = {
     "zs2_offload": ("zeroshard", 2, "optimizer"),
     "zs3_offload": ("zeroshard", 3, "both"),
     "zs3_offload_opt": ("zeroshard", 3, "optimizer"),
+    "zs3_lean": ("zeroshard", 3, "lean"),  # bench/fsdp_memory.md
     "zs2_nvme": ("zeroshard", 2, "nvme"),
     "zs3_nvme": ("zeroshard", 3, "nvme"),
     **{f"ds{s}": ("deepspeed", s, "none") for s in range(4)},

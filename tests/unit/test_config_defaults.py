@@ -71,6 +71,7 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "zero_optimization.stage3_model_persistence_threshold": 9223372036854775807,  # sys.maxsize
     "zero_optimization.stage3_max_live_parameters": 1_000_000_000,
     "zero_optimization.stage3_max_reuse_distance": 1_000_000_000,
+    "zero_optimization.stage3_release_grads": EXTENSION,
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
     "zero_optimization.stage3_module_granularity_threshold": 0,
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": False,

@@ -104,6 +104,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     _Z + "sub_group_size": ("zero/build.py::sub_group_size", "zero/offload/nvme_swap.py::sub_group_numel"),
     _Z + "stage3_prefetch_bucket_size": _BUILD, _Z + "stage3_param_persistence_threshold": _BUILD,
     _Z + "stage3_max_live_parameters": _BUILD, _Z + "stage3_max_reuse_distance": _BUILD,
+    _Z + "stage3_release_grads": _BUILD,
     _Z + "stage3_model_persistence_threshold": _BUILD, _Z + "stage3_module_granularity_threshold": _BUILD,
     _Z + "pipeline_loading_checkpoint": ("runtime/initialize.py",),
     _Z + "stage3_gather_16bit_weights_on_model_save": ("runtime/engine_queries.py", "runtime/model_export.py"),

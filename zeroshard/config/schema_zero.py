@@ -167,6 +167,14 @@ class ZeroConfig:
     forward to its backward (backward gathers nothing again); set it lower to release units
     after their forward and gather them again for backward (less memory, one more all-gather
     per unit)."""
+    stage3_release_grads: bool = False
+    """zeroshard's extension: give each stage-3 unit's gradient shard its own storage, allocated at
+    the unit's first reduction of a step and released after the optimizer step (FSDP2's
+    gradient lifetime), instead of one shard kept for the whole run (DeepSpeed's); the pool of
+    gradient staging blocks is freed after the step too. Saves the gradient shard (4 bytes per
+    parameter / dp size in fp32) and the pool during forward, where activations peak; the
+    numbers are unchanged. Gradients can then be read (`safe_get_full_grad`) only
+    between backward and step. No effect on an offloaded optimizer (its shard is host memory)."""
     stage3_gather_16bit_weights_on_model_save: bool = False
     """Gather the full 16-bit weights on model save at stage 3 (costly for big models).
     Legacy spelling: stage3_gather_fp16_weights_on_model_save."""

@@ -70,6 +70,7 @@ STAGE_RULES: tuple[StageRule, ...] = (
         "stage3_model_persistence_threshold",
         "stage3_max_live_parameters",
         "stage3_max_reuse_distance",
+        "stage3_release_grads",
         "stage3_gather_16bit_weights_on_model_save",
         "stage3_module_granularity_threshold",
         "stage3_use_all_reduce_for_fetch_params",

@@ -67,10 +67,11 @@ def allocated_bytes(device: torch.device) -> int:
         if obj.device.type == "cpu" and obj.layout == torch.strided:
             try:
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
+                ptr = storage.data_ptr() if storage.nbytes() > 0 else 0
+            except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage, freed storages
                 continue
-            if storage.nbytes() > 0 and not shm.is_arena_buffer(storage.data_ptr()):
-                seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+            if ptr and not shm.is_arena_buffer(ptr):
+                seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
     return sum(seen.values())
 
 

@@ -209,6 +209,7 @@ def _build_stage(cfg: "Config", module: nn.Module, params: list[nn.Parameter], c
             prefetch_numel=int(zero.stage3_prefetch_bucket_size),
             max_live_numel=int(zero.stage3_max_live_parameters),
             max_reuse_distance=int(zero.stage3_max_reuse_distance),
+            release_grads=bool(zero.stage3_release_grads),
             prescale_factor=prescale,
             overlap_comm=bool(zero.overlap_comm),
             reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), comm),

@@ -338,9 +338,14 @@ class GradReducer:
         for key in list(self._staging):
             self._give_back(key)
 
-    def end_step(self) -> None:
-        """The optimizer consumed the targets: the next fold of each bucket copies."""
+    def end_step(self, release_pool: bool = False) -> None:
+        """The optimizer consumed the targets: the next fold of each bucket copies. `release_pool`:
+        free the staging blocks too (Note: [gradient lifetime] in zero/grad_shard.py), so no
+        gradient memory is held until the next backward takes blocks again."""
         self._folded.clear()
+        if release_pool and not self._staging:
+            self._free.clear()
+            self._pool_bytes = 0
 
 
 def _start_exchange(comm: "Comm", pieces: Tensor, bits: int, block: int) -> Callable[[], Tensor]:

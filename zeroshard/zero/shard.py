@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition, ShardFragment
+from zeroshard.zero.grad_shard import GradShard
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.strategy import (
     BytesByHome,
@@ -60,7 +61,8 @@ class OptimizerShard:
                  trainable: Sequence[bool], lp: Tensor, lp_is_flat: bool, device: torch.device,
                  policy: OffloadPolicy, lp_policy: OffloadPolicy = OffloadPolicy(),
                  grad_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32,
-                 whole_grads: Tensor | None = None, norm_group: ModelParallelNorm | None = None) -> None:
+                 whole_grads: Tensor | None = None, norm_group: ModelParallelNorm | None = None,
+                 release_grads: bool = False) -> None:
         self._plan, self._comm, self._rank = plan, comm, comm.rank
         self._params, self._policy = list(params), policy
         self._device = device  # the model's device (collectives, the norm)
@@ -77,10 +79,13 @@ class OptimizerShard:
             self.master = policy.allocate(plan.shard_numel, master_dtype, self._device, zero=False)
             self.load_master_from_lp()
         self._whole_grads = whole_grads if not policy.offloaded else None
-        self.grad_shard: Tensor | None = None  # 1D grad_dtype, shard_numel, at the policy's home
-        if self._whole_grads is None:
-            self.grad_shard = policy.allocate(plan.shard_numel, grad_dtype, self._device)
+        self.grad_shard: GradShard | None = None  # grad_dtype, shard_numel, at the policy's home
+        if self._whole_grads is None:  # Note: [gradient lifetime] in zero/grad_shard.py
+            self.grad_shard = GradShard(plan, policy, grad_dtype, self._device,
+                                        release=release_grads and not policy.offloaded)
         self._init_fragments(trainable)
+        if self.grad_shard is not None:
+            self.grad_shard.release()  # views taken: nothing is held until the first reduction
 
     def _init_fragments(self, trainable: Sequence[bool]) -> None:
         self._fragments: list[ShardFragment] = [f for f in self._plan.rank_fragments(self._rank)
@@ -93,7 +98,7 @@ class OptimizerShard:
             self.fragment_params.append(frag)
             self._master_of[id(self._params[f.param_index])] = frag
             if self.grad_shard is not None:
-                self._fragment_grads.append(self.grad_shard[f.shard_offset : f.shard_offset + f.numel])
+                self._fragment_grads.append(self.grad_shard.fragment(f))
             else:
                 self._fragment_grads.append(self._whole(f.flat_offset, f.numel))
 
@@ -117,7 +122,7 @@ class OptimizerShard:
 
     def grad_target(self, bucket: int) -> Tensor | None:
         """Where bucket `bucket`'s reduced chunk is folded (None: it stays in the whole buffer)."""
-        return None if self.grad_shard is None else self.grad_shard[slice(*self._plan.shard_range(bucket))]
+        return None if self.grad_shard is None else self.grad_shard.bucket(bucket)
 
     def master_chunk(self, bucket: int) -> Tensor | None:
         """This rank's updated fp32 values of bucket `bucket` (None: the parameters are the master)."""
@@ -130,7 +135,7 @@ class OptimizerShard:
 
     def _grad_views(self) -> list[Tensor]:
         if self.grad_shard is not None:
-            return [self.grad_shard]
+            return self.grad_shard.views()
         chunks = [self._plan.chunk_range(b, self._rank) for b in range(len(self._plan.buckets))]
         return [self._whole(start, end - start) for start, end in chunks]
 
@@ -191,6 +196,8 @@ class OptimizerShard:
     def after_step(self) -> None:
         for frag in self.fragment_params:
             frag.grad = None
+        if self.grad_shard is not None:
+            self.grad_shard.release()
 
     def swap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """With an NVMe home, the optimizer whose states live in this shard's swap files (the
@@ -248,7 +255,7 @@ class OptimizerShard:
         """The master shard ("hp_params": the fragments, views of the low-precision values when
         there is no separate master) and the gradient shard ("lp_grads")."""
         hp = [self.master] if self.master is not None else list(self.fragment_params)
-        grads = [self.grad_shard] if self.grad_shard is not None else []
+        grads = self.grad_shard.tensors() if self.grad_shard is not None else []
         if self._whole_grads is not None:
             grads.append(self._whole_grads)
         return {"hp_params": hp, "lp_grads": grads}
@@ -256,7 +263,7 @@ class OptimizerShard:
     def count_bytes(self, acc: BytesByHome, optimizer_state_bytes: int) -> None:
         """Add the gradient shard, master shard and optimizer state at the policy's home."""
         home = self._policy.label(self._device)
-        acc.add(home, "grads", _nbytes(self.grad_shard))
+        acc.add(home, "grads", 0 if self.grad_shard is None else self.grad_shard.nbytes)
         acc.add(home, "master_params", _nbytes(self.master))
         acc.add(home, "optimizer_states", optimizer_state_bytes)
 

@@ -123,7 +123,8 @@ class Stage3Strategy(ShardedStrategyBase):
         self._shard = OptimizerShard(self._plan, comm, self._params, trainable=self._trainable, lp=self._shards.shard,
                                      lp_is_flat=False, device=self._device, policy=options.offload_optimizer,
                                      lp_policy=options.offload_param, grad_dtype=options.grad_dtype,
-                                     master_dtype=options.master_dtype, norm_group=norm_group)
+                                     master_dtype=options.master_dtype, norm_group=norm_group,
+                                     release_grads=options.release_grads)
         self._init_reduction()
         self._exec = ExecutionOrder()
         self._prefetch = PrefetchPolicy(self._exec, [unit.full.numel() for unit in self._units],
@@ -459,7 +460,7 @@ class Stage3Strategy(ShardedStrategyBase):
 
     def after_step(self, applied: bool) -> None:
         self._shard.after_step()
-        self._reducer.end_step()
+        self._reducer.end_step(release_pool=self._opt.release_grads)
         if not applied:
             return
         self._shards.before_write()

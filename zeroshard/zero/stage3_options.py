@@ -28,6 +28,9 @@ class Stage3Options:
     max_reuse_distance: int
     """Keep a unit gathered if it is used again within this many gathered elements."""
     prescale_factor: float = 1.0
+    release_grads: bool = False
+    """`stage3_release_grads`: each unit's gradient shard exists from its first reduction of a step
+    until the step ends (Note: [gradient lifetime] in zero/grad_shard.py)."""
     persistence_budget: int = sys.maxsize
     """At most this many elements in all persistent parameters together
     (`stage3_model_persistence_threshold`): walking the model's parameters in order, one that
