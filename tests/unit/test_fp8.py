@@ -108,7 +108,7 @@ def test_candidates_keep_first_last_and_misaligned() -> None:
     assert verdicts["blocks.0"] == "fp8"
     assert "first or last" in verdicts["inp"] and "first or last" in verdicts["head"]
     assert "not divisible by 16" in verdicts["blocks.1"] and "not divisible by 16" in verdicts["blocks.2"]
-    assert fp8_candidates(_Net(), keep_first_last=False)["head"] == "fp8"
+    assert fp8_candidates(_Net(), keep_last=False)["head"] == "fp8"
     assert "exclude" in fp8_candidates(_Net(), exclude=[r"^blocks\.0$"])["blocks.0"]
 
 
@@ -116,7 +116,7 @@ def test_convert_in_place_keeps_parameters_and_names() -> None:
     net = _Net()
     params = {n: p for n, p in net.named_parameters()}
     block = net.blocks[0]
-    convert_to_fp8(net, recipe="rowwise", keep_first_last=False)
+    convert_to_fp8(net, recipe="rowwise", keep_first=False, keep_last=False)
     assert net.blocks[0] is block and type(block) is Float8Linear and block.fp8_recipe == "rowwise"
     assert fp8_layers(net) == ["inp", "blocks.0", "head"]
     assert {n: p for n, p in net.named_parameters()} == params

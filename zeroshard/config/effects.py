@@ -134,6 +134,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "checkpoint.save_interval_minutes": ("runtime/periodic_save.py::section.save_interval_minutes",),
     "checkpoint.preemption_save": ("runtime/preemption.py::section.preemption_save",),
     "checkpoint.preemption_grace_seconds": ("runtime/preemption.py::section.preemption_grace_seconds",),
+    **{f"fp8.{k}": (f"runtime/initialize.py::fp8.{k}",) for k in ("enabled", "recipe", "exclude", "keep_first_last")},
     "expert_parallel.enabled": ("moe/hf_experts.py::ep.enabled",),
     "expert_parallel.autoep_size": ("runtime/initialize.py::expert_parallel_size_of(raw_config)",
                                     "moe/hf_experts.py::ep.autoep_size"),

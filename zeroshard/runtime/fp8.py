@@ -171,14 +171,16 @@ def _dims(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-def fp8_candidates(model: nn.Module, exclude: Sequence[str] = (), keep_first_last: bool = True) -> dict[str, str]:
+def fp8_candidates(model: nn.Module, exclude: Sequence[str] = (), keep_first: bool = True,
+                   keep_last: bool = True) -> dict[str, str]:
     """Every linear layer of `model` by name -> "fp8" or the reason it stays in high precision:
     a dimension not divisible by 16 (the float8 GEMM's granularity), a name matching one of the
-    `exclude` patterns (`re.search`), or being the first or the last linear layer in module order
-    (`keep_first_last`, as Accelerate's FP8 conversion does: the input and output projections are
-    the most sensitive to rounding)."""
+    `exclude` patterns (`re.search`), or being the first (`keep_first`) or the last (`keep_last`)
+    linear layer in module order, as Accelerate's FP8 conversion keeps them: the input and output
+    projections are the most sensitive to rounding. A pipeline stage passes keep_first only on the
+    first stage and keep_last only on the last (runtime/initialize.py)."""
     linears = [(name, d) for name, m in model.named_modules() if (d := _dims(m)) is not None]
-    edge = {linears[0][0], linears[-1][0]} if keep_first_last and linears else set()
+    edge = {linears[i][0] for i, keep in ((0, keep_first), (-1, keep_last)) if keep and linears}
     verdicts: dict[str, str] = {}
     for name, (k, n) in linears:
         hit = next((p for p in exclude if re.search(p, name)), None)
@@ -194,12 +196,12 @@ def fp8_candidates(model: nn.Module, exclude: Sequence[str] = (), keep_first_las
 
 
 def convert_to_fp8(model: nn.Module, recipe: Recipe = "tensorwise", exclude: Sequence[str] = (),
-                   keep_first_last: bool = True) -> dict[str, str]:
+                   keep_first: bool = True, keep_last: bool = True) -> dict[str, str]:
     """Make the eligible linear layers of `model` run `fp8_linear` (in place, see Note [fp8
     conversion in place]); returns `fp8_candidates`' verdicts."""
     if recipe not in _FUNCTIONS:
         raise ValueError(f"fp8 recipe {recipe!r} is not one of {', '.join(RECIPES)}")
-    verdicts = fp8_candidates(model, exclude, keep_first_last)
+    verdicts = fp8_candidates(model, exclude, keep_first, keep_last)
     for name, module in model.named_modules():
         if verdicts.get(name) != "fp8":
             continue
