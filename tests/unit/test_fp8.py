@@ -14,7 +14,15 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from zeroshard.runtime.fp8 import Float8Linear, convert_to_fp8, fp8_candidates, fp8_layers, fp8_linear
+from zeroshard.errors import NotSupportedError
+from zeroshard.runtime.fp8 import (
+    Float8Linear,
+    convert_to_fp8,
+    fp8_candidates,
+    fp8_layers,
+    fp8_linear,
+    refuse_float8_weight_wrappers,
+)
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0  # the largest finite values of float8_e4m3fn and float8_e5m2
 
@@ -112,6 +120,18 @@ def test_candidates_keep_first_last_and_misaligned() -> None:
     assert "exclude" in fp8_candidates(_Net(), exclude=[r"^blocks\.0$"])["blocks.0"]
 
 
+class _OwnLinear(nn.Linear):
+    """Stands for a layer with its own forward (LoRA, torchao's Float8Linear): never converted."""
+
+
+def test_linear_subclasses_keep_their_forward() -> None:
+    net = _Net()
+    net.blocks[0] = _OwnLinear(64, 64)
+    verdicts = convert_to_fp8(net, keep_first=False, keep_last=False)
+    assert "keeps its own forward" in verdicts["blocks.0"] and type(net.blocks[0]) is _OwnLinear
+    assert verdicts["inp"] == verdicts["head"] == "fp8"
+
+
 def test_convert_in_place_keeps_parameters_and_names() -> None:
     net = _Net()
     params = {n: p for n, p in net.named_parameters()}
@@ -129,3 +149,16 @@ def test_convert_in_place_keeps_parameters_and_names() -> None:
 def test_unknown_recipe_is_refused() -> None:
     with pytest.raises(ValueError, match="blockwise"):
         convert_to_fp8(_Net(), recipe="blockwise")  # type: ignore[arg-type]
+
+
+class _WrappedWeight(torch.Tensor):
+    """Stands for torchao's WeightWithDynamicFloat8CastTensor (FSDP2's float8 all-gather wrapper)."""
+
+
+def test_tensor_subclass_weights_are_refused_by_name() -> None:
+    net = _Net()
+    refuse_float8_weight_wrappers(net)  # plain parameters pass
+    net.blocks[0].weight = nn.Parameter(net.blocks[0].weight.detach().as_subclass(_WrappedWeight))
+    match = r"blocks\.0\.weight .*_WrappedWeight.*fp8_enable_fsdp_float8_all_gather"
+    with pytest.raises(NotSupportedError, match=match):
+        refuse_float8_weight_wrappers(net)

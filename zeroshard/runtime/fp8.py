@@ -36,7 +36,7 @@ same, and checkpoints keep their keys. AutoTP's layers (tensor_parallel/layers.p
 `linear_fn` attribute; conversion sets it to this module's `fp8_linear`, with scales computed over
 this rank's shard (the GEMM it runs).
 
-Imports torch only.
+Imports torch and zeroshard.errors only.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+
+from zeroshard.errors import NotSupportedError
 
 Recipe = Literal["tensorwise", "rowwise"]
 RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
@@ -86,8 +88,12 @@ def scaled_mm(qa: Tensor, scale_a: Tensor, qb: Tensor, scale_b: Tensor, out_dtyp
     float8, scales fp32 (scalars, or M x 1 and 1 x N). `torch._scaled_mm` wants qa row-major and
     qb column-major."""
     qa, qb = _pad_inner(qa, qb)
-    return torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(), scale_a=scale_a.reciprocal(),
-                            scale_b=scale_b.reciprocal(), out_dtype=out_dtype)
+    gemm_dtype = out_dtype
+    if qa.device.type == "cuda" and scale_a.numel() > 1 and out_dtype != torch.bfloat16:
+        gemm_dtype = torch.bfloat16  # CUDA's row-scaled float8 GEMM writes bf16 only (torchao does the same)
+    out = torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(), scale_a=scale_a.reciprocal(),
+                           scale_b=scale_b.reciprocal(), out_dtype=gemm_dtype)
+    return out.to(out_dtype)
 
 
 class _TensorwiseLinear(torch.autograd.Function):
@@ -163,7 +169,8 @@ class Float8Linear(nn.Linear):
 
 
 def _dims(module: nn.Module) -> tuple[int, int] | None:
-    """(in, out) of an nn.Linear or an AutoTP layer (its `linear_fn` seam); None for others."""
+    """(in, out) of an nn.Linear (or a subclass) or an AutoTP layer (its `linear_fn` seam); None
+    for other modules."""
     if isinstance(module, nn.Linear) or callable(getattr(module, "linear_fn", None)):
         weight = getattr(module, "weight", None)
         if isinstance(weight, Tensor) and weight.dim() == 2:
@@ -174,17 +181,23 @@ def _dims(module: nn.Module) -> tuple[int, int] | None:
 def fp8_candidates(model: nn.Module, exclude: Sequence[str] = (), keep_first: bool = True,
                    keep_last: bool = True) -> dict[str, str]:
     """Every linear layer of `model` by name -> "fp8" or the reason it stays in high precision:
-    a dimension not divisible by 16 (the float8 GEMM's granularity), a name matching one of the
-    `exclude` patterns (`re.search`), or being the first (`keep_first`) or the last (`keep_last`)
-    linear layer in module order, as Accelerate's FP8 conversion keeps them: the input and output
-    projections are the most sensitive to rounding. A pipeline stage passes keep_first only on the
-    first stage and keep_last only on the last (runtime/initialize.py)."""
+    a subclass of nn.Linear (LoRA, a quantised layer, or torchao's Float8Linear that Accelerate's
+    `mixed_precision="fp8"` installs: its own forward stays), a dimension not divisible by 16 (the
+    float8 GEMM's granularity), a name matching one of the `exclude` patterns (`re.search`), or
+    being the first (`keep_first`) or the last (`keep_last`) linear layer in module order, as
+    Accelerate's FP8 conversion keeps them: the input and output projections are the most
+    sensitive to rounding. A pipeline stage passes keep_first only on the first stage and keep_last
+    only on the last (runtime/initialize.py)."""
     linears = [(name, d) for name, m in model.named_modules() if (d := _dims(m)) is not None]
     edge = {linears[i][0] for i, keep in ((0, keep_first), (-1, keep_last)) if keep and linears}
     verdicts: dict[str, str] = {}
+    modules = dict(model.named_modules())
     for name, (k, n) in linears:
         hit = next((p for p in exclude if re.search(p, name)), None)
-        if k % 16 or n % 16:
+        cls = type(modules[name])
+        if isinstance(modules[name], nn.Linear) and cls not in (nn.Linear, Float8Linear):
+            verdicts[name] = f"{cls.__module__}.{cls.__qualname__} keeps its own forward (only nn.Linear is converted)"
+        elif k % 16 or n % 16:
             verdicts[name] = f"in/out features {k}/{n} not divisible by 16"
         elif hit is not None:
             verdicts[name] = f"matches fp8.exclude pattern {hit!r}"
@@ -217,3 +230,22 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe = "tensorwise", exclude: Seq
 def fp8_layers(model: nn.Module) -> list[str]:
     """Names of the layers of `model` that run in float8."""
     return [name for name, m in model.named_modules() if getattr(m, "fp8_recipe", None) is not None]
+
+
+def refuse_float8_weight_wrappers(model: nn.Module) -> None:
+    """A parameter that is a tensor subclass (torchao wraps a Float8Linear's weight in one for FSDP2's
+    float8 all-gather, which Accelerate's `mixed_precision="fp8"` turns on by default) cannot live in
+    ZeRO's flat buffers; refused by name before the optimizer is adopted.
+
+    Raises:
+        NotSupportedError: naming the first such parameter and its type.
+    """
+    for name, p in model.named_parameters():
+        if not issubclass(type(p), nn.Parameter):
+            cls = type(p)
+            raise NotSupportedError(
+                f"parameter {name} is a {cls.__module__}.{cls.__qualname__} (a tensor subclass): ZeRO packs "
+                "plain tensors into flat buffers. torchao wraps float8 weights this way for FSDP2's float8 "
+                "all-gather; with Accelerate pass `--fp8_enable_fsdp_float8_all_gather false` (or "
+                "AORecipeKwargs(enable_fsdp_float8_all_gather=False)) so torchao's Float8Linear keeps a plain "
+                "weight, or drop mixed_precision=\"fp8\" and set zeroshard's `fp8` config section instead.")

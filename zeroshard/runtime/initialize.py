@@ -39,7 +39,7 @@ from zeroshard.runtime.autocast import autocast_dtype, safe_module_classes
 from zeroshard.runtime.config_sync import check_same_config
 from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
-from zeroshard.runtime.fp8 import convert_to_fp8
+from zeroshard.runtime.fp8 import convert_to_fp8, refuse_float8_weight_wrappers
 from zeroshard.runtime.keep_fp32 import fp32_buffers, keep_fp32_pattern
 from zeroshard.runtime.loss_scaler import LossScaler, build_loss_scaler
 from zeroshard.runtime.monitor import build_sinks, format_bytes, setup_logging
@@ -349,9 +349,11 @@ def _place_model(model: nn.Module, cfg: Config, device: torch.device) -> None:
 
 
 def _convert_fp8(model: nn.Module, cfg: Config, pipe_module: PipelineModule | None) -> None:
-    """`fp8.enabled`: the eligible linear layers run their GEMMs in float8 (runtime/fp8.py). A
+    """`fp8.enabled`: the eligible linear layers run their GEMMs in float8 (runtime/fp8.py); a model
+    whose parameters are tensor subclasses (torchao's float8 weight wrappers) is refused. A
     pipeline stage keeps its first linear layer only on the first stage and its last only on the last,
     so `fp8.keep_first_last` means the model's first and last layers at any pipeline size."""
+    refuse_float8_weight_wrappers(model)  # torchao's FSDP2 float8 weights (Accelerate's fp8 default)
     fp8 = cfg.fp8
     if not fp8.enabled:
         return
