@@ -6,6 +6,7 @@
   so this holds at any world size. The float8 layer itself equals an fp32 emulation bit for bit
   (tests/unit/test_fp8.py); together: the engine trains exactly the emulated float8 model.
 - fp32 + fp8: stages 1-3 give stage 0's losses (within fp32 round-off of the gradient sum).
+- A checkpoint of the converted model resumes bit for bit (stage 1, stage 2 with CPU offload, stage 3).
 - A 40-step run on a learnable sequence: fp8 (both recipes) stays within a stated band of bf16.
 - A PipelineModule: the model's first and last linear layers stay high precision whatever the
   stage count, and the losses equal the one-process fp8 reference.
@@ -16,6 +17,7 @@ Runs at world sizes 1 and 2.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,6 +78,32 @@ def test_bf16_fp8_equals_one_process_oracle_bitwise(groups: ProcessGroups, comm:
     for i, (got, want) in enumerate(zip(params[-1], want_params[-1], strict=True)):
         assert torch.equal(got, want), f"param {i}: max |diff| {(got - want).abs().max().item()}"
     assert losses[1:] != plain_losses[1:], "fp8 changed nothing: the float8 layers did not run"
+    # the layers hold bf16 weights; the optimizer steps fp32 masters with fp32 state
+    assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
+    for group in engine.optimizer.param_groups:
+        for p in group["params"]:
+            assert p.dtype == torch.float32 and engine.optimizer.state[p]["exp_avg"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("stage,offload", [(1, False), (2, True), (3, False)], ids=["s1", "s2-offload", "s3"])
+def test_resume_is_bitwise_exact(groups: ProcessGroups, shared_dir: Path, stage: int, offload: bool) -> None:
+    """A converted model saves and loads under the same keys (the layers are converted in place)."""
+    rank, world = groups.rank, groups.world_size
+    data = global_batches(6, 2 * world)
+    cfg = _config(stage, "bf16", "rowwise")
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine = init_engine(make_model(), cfg)
+    train_engine(engine, data[:3], rank, world)
+    engine.save_checkpoint(shared_dir)
+    want_losses, want = train_engine(engine, data[3:], rank, world)
+    resumed = init_engine(make_model(seed=7), cfg)
+    resumed.load_checkpoint(shared_dir, load_rng_state=True)
+    got_losses, got = train_engine(resumed, data[3:], rank, world)
+    assert got_losses == want_losses
+    for step, (a_list, b_list) in enumerate(zip(got, want, strict=True)):
+        for i, (a, b) in enumerate(zip(a_list, b_list, strict=True)):
+            assert torch.equal(a, b), f"step {step} parameter {i} differs"
 
 
 def _global_mean(comm: Comm, losses: list[float]) -> list[float]:
