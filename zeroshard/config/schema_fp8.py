@@ -34,6 +34,11 @@ class Fp8Config:
     exclude: tuple[str, ...] = ()
     """zeroshard's extension: regular expressions (`re.search`) on module names; a linear layer
     whose name matches stays in high precision, e.g. ["lm_head", "attn\\\\.qkv"]."""
+    backend: Literal["zeroshard", "torchao"] = "zeroshard"
+    """zeroshard's extension: whose float8 layers run. "zeroshard": runtime/fp8.py (no dependency;
+    also inside AutoTP's split layers and pipeline stages). "torchao": torchao's
+    `convert_to_float8_training` on the same layers with the same recipe (torchao must be
+    installed; AutoTP and pipelines are refused with it)."""
     keep_first_last: bool = True
     """zeroshard's extension: keep the first and the last linear layer (in module order) in high
     precision, as Accelerate's FP8 conversion does: the input and output projections are the most

@@ -25,7 +25,7 @@ The bias is added, and its gradient summed, in the layer's dtype.
 
 Note: [fp8 emulation] On the CPU `torch._scaled_mm` equals dequantise-then-matmul in fp32
 (`(qa.float() * inv_a) @ (qb.float() * inv_b)`, cast to the output dtype) bit for bit, which is
-what tests/unit/test_fp8.py checks; on a GPU it runs the float8 tensor-core kernel, whose
+what tests/unit/test_fp8_linear.py checks; on a GPU it runs the float8 tensor-core kernel, whose
 accumulation order differs. CUDA's kernel needs the contraction dimension divisible by 16;
 `_pad_inner` pads it with zeros there (zero products add nothing).
 
@@ -36,7 +36,8 @@ same, and checkpoints keep their keys. AutoTP's layers (tensor_parallel/layers.p
 `linear_fn` attribute; conversion sets it to this module's `fp8_linear`, with scales computed over
 this rank's shard (the GEMM it runs).
 
-Imports torch and zeroshard.errors only.
+torchao's `convert_to_float8_training` is the other backend (`fp8.backend: "torchao"`), imported
+only when asked for. Imports torch and zeroshard.errors only.
 """
 
 from __future__ import annotations
@@ -209,12 +210,21 @@ def fp8_candidates(model: nn.Module, exclude: Sequence[str] = (), keep_first: bo
 
 
 def convert_to_fp8(model: nn.Module, recipe: Recipe = "tensorwise", exclude: Sequence[str] = (),
-                   keep_first: bool = True, keep_last: bool = True) -> dict[str, str]:
-    """Make the eligible linear layers of `model` run `fp8_linear` (in place, see Note [fp8
-    conversion in place]); returns `fp8_candidates`' verdicts."""
+                   keep_first: bool = True, keep_last: bool = True, backend: str = "zeroshard") -> dict[str, str]:
+    """Make the eligible linear layers of `model` run float8 GEMMs; returns `fp8_candidates`'
+    verdicts. backend "zeroshard": `fp8_linear`, in place (see Note [fp8 conversion in place]);
+    "torchao": torchao's `convert_to_float8_training` with the same recipe and the same layers
+    (its Float8Linear modules replace the chosen nn.Linear ones, sharing their parameters).
+
+    Raises:
+        NotSupportedError: backend "torchao" without torchao, or with AutoTP layers to convert.
+    """
     if recipe not in _FUNCTIONS:
         raise ValueError(f"fp8 recipe {recipe!r} is not one of {', '.join(RECIPES)}")
     verdicts = fp8_candidates(model, exclude, keep_first, keep_last)
+    if backend == "torchao":
+        _convert_with_torchao(model, recipe, verdicts)
+        return verdicts
     for name, module in model.named_modules():
         if verdicts.get(name) != "fp8":
             continue
@@ -227,9 +237,27 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe = "tensorwise", exclude: Seq
     return verdicts
 
 
+def _convert_with_torchao(model: nn.Module, recipe: Recipe, verdicts: dict[str, str]) -> None:
+    """torchao's float8 training on the layers `verdicts` chose (an optional dependency)."""
+    modules = dict(model.named_modules())
+    split = [n for n, why in verdicts.items() if why == "fp8" and not isinstance(modules[n], nn.Linear)]
+    if split:
+        raise NotSupportedError(f'fp8.backend "torchao" converts nn.Linear only, and {split[0]} is an AutoTP layer; '
+                                'set fp8.backend "zeroshard" (its float8 GEMM runs inside the split layers).')
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        raise NotSupportedError(f'fp8.backend "torchao": torchao cannot be imported ({err}); install it '
+                                '(pip install torchao) or set fp8.backend "zeroshard".') from None
+    # torchao's default keeps plain weights (no FSDP2 float8 all-gather wrapper, which ZeRO cannot hold)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn: verdicts.get(fqn) == "fp8")
+
+
 def fp8_layers(model: nn.Module) -> list[str]:
     """Names of the layers of `model` that run in float8."""
-    return [name for name, m in model.named_modules() if getattr(m, "fp8_recipe", None) is not None]
+    return [name for name, m in model.named_modules() if getattr(m, "fp8_recipe", None) is not None
+            or type(m).__module__.startswith("torchao.float8")]
 
 
 def refuse_float8_weight_wrappers(model: nn.Module) -> None:

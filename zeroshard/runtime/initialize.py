@@ -358,12 +358,16 @@ def _convert_fp8(model: nn.Module, cfg: Config, pipe_module: PipelineModule | No
     if not fp8.enabled:
         return
     first = last = fp8.keep_first_last
+    if pipe_module is not None and fp8.backend == "torchao":
+        raise NotSupportedError('fp8.backend "torchao" with a PipelineModule is not built (torchao replaces '
+                                'modules the stage already holds); set fp8.backend "zeroshard".')
     if pipe_module is not None:
         first = first and pipe_module.stage_id == 0
         last = last and pipe_module.stage_id == pipe_module.num_stages - 1
-    verdicts = convert_to_fp8(model, fp8.recipe, fp8.exclude, keep_first=first, keep_last=last)
+    verdicts = convert_to_fp8(model, fp8.recipe, fp8.exclude, keep_first=first, keep_last=last, backend=fp8.backend)
     kept = {name: why for name, why in verdicts.items() if why != "fp8"}
-    logger.info(f"fp8 ({fp8.recipe}): {len(verdicts) - len(kept)} of {len(verdicts)} linear layer(s) in float8"
+    logger.info(f"fp8 ({fp8.recipe}, {fp8.backend}): {len(verdicts) - len(kept)} of {len(verdicts)} linear "
+                "layer(s) in float8"
                 + "".join(f"; {name} kept: {why}" for name, why in list(kept.items())[:6])
                 + ("; ..." if len(kept) > 6 else ""))
 
