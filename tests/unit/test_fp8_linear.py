@@ -162,3 +162,34 @@ def test_tensor_subclass_weights_are_refused_by_name() -> None:
     match = r"blocks\.0\.weight .*_WrappedWeight.*fp8_enable_fsdp_float8_all_gather"
     with pytest.raises(NotSupportedError, match=match):
         refuse_float8_weight_wrappers(net)
+
+
+# -- the `fp8` config section ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"fp8": {"enabled": True, "recipe": "blockwise"}}, r'fp8\.recipe: got "blockwise"'),
+    ({"fp8": {"enabled": True}, "fp16": {"enabled": True}}, r"fp8\.enabled: .*set bf16\.enabled instead"),
+    ({"fp8": {"exclude": ["("]}}, r'fp8\.exclude: "\(" is not a regular expression'),
+    ({"fp8": {"enabled": True, "float8_all_gather": True}}, r"fp8\.float8_all_gather: only ZeRO stage 3"),
+    ({"fp8": {"enabled": True, "float8_all_gather": True, "recipe": "rowwise"}, "zero_optimization": {"stage": 3}},
+     r'needs fp8\.recipe "tensorwise"'),
+    ({"fp8": {"enabled": True, "float8_all_gather": True},
+      "zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+     r"not combined with .*zero_quantized_weights"),
+], ids=["recipe", "fp16", "exclude", "stage", "rowwise-gather", "qwz"])
+def test_config_refusals_name_the_key(extra: dict, match: str) -> None:
+    from zeroshard.config import load_config
+    from zeroshard.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        load_config({"train_batch_size": 2, **extra}, dp_world_size=1)
+
+
+def test_config_accepts_the_section() -> None:
+    from zeroshard.config import load_config
+
+    cfg = load_config({"train_batch_size": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+                       "fp8": {"enabled": True, "float8_all_gather": True, "exclude": ["lm_head"]}}, dp_world_size=1)
+    assert cfg.fp8.enabled and cfg.fp8.recipe == "tensorwise" and cfg.fp8.exclude == ("lm_head",)
+    assert cfg.fp8.float8_all_gather and cfg.fp8.keep_first_last and cfg.fp8.backend == "zeroshard"

@@ -136,6 +136,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "checkpoint.preemption_grace_seconds": ("runtime/preemption.py::section.preemption_grace_seconds",),
     **{f"fp8.{k}": (f"runtime/initialize.py::fp8.{k}",) for k in ("enabled", "recipe", "exclude", "keep_first_last",
                                                                            "backend")},
+    "fp8.float8_all_gather": ("zero/build.py::cfg.fp8.float8_all_gather",),
     "expert_parallel.enabled": ("moe/hf_experts.py::ep.enabled",),
     "expert_parallel.autoep_size": ("runtime/initialize.py::expert_parallel_size_of(raw_config)",
                                     "moe/hf_experts.py::ep.autoep_size"),

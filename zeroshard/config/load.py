@@ -208,7 +208,7 @@ def _check_cross_fields(cfg: Config) -> None:
     check_bf16_master(cfg)
     check_tensor_parallel(cfg.tensor_parallel)
     check_expert_parallel(cfg.expert_parallel)
-    check_fp8(cfg.fp8, cfg.precision)
+    check_fp8(cfg.fp8, cfg.precision, cfg.zero_optimization)
     check_periodic_save(cfg.checkpoint)
     check_preemption_save(cfg)
     stated = cfg.data_types.param_dtype

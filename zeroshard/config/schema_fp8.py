@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from zeroshard.config.fields import show
 from zeroshard.errors import ConfigError
@@ -39,17 +39,24 @@ class Fp8Config:
     also inside AutoTP's split layers and pipeline stages). "torchao": torchao's
     `convert_to_float8_training` on the same layers with the same recipe (torchao must be
     installed; AutoTP and pipelines are refused with it)."""
+    float8_all_gather: bool = False
+    """zeroshard's extension: at ZeRO stage 3, gather the float8 layers' weights as e4m3 codes (one
+    byte per element instead of two or four), with one all-reduce of their amaxes per step
+    (torchtitan's `enable_fsdp_float8_all_gather` with precomputed scales). The forward and both
+    gradients are the same bits as without it (zero/float8_gather.py). Tensorwise recipe, stage 3,
+    without qwZ, hpZ or parameter offload."""
     keep_first_last: bool = True
     """zeroshard's extension: keep the first and the last linear layer (in module order) in high
     precision, as Accelerate's FP8 conversion does: the input and output projections are the most
     sensitive to float8 rounding. Layers whose dimensions are not multiples of 16 always stay."""
 
 
-def check_fp8(fp8: Fp8Config, precision: str) -> None:
-    """The section's own rules and its precision, at load time.
+def check_fp8(fp8: Fp8Config, precision: str, zero: Any) -> None:
+    """The section's own rules, its precision and (float8_all_gather) the ZeRO section, at load time.
 
     Raises:
-        ConfigError: fp8 with fp16 training, or an `exclude` pattern that does not compile.
+        ConfigError: fp8 with fp16 training, an `exclude` pattern that does not compile, or
+            float8_all_gather where it cannot apply.
     """
     for pattern in fp8.exclude:
         try:
@@ -57,7 +64,25 @@ def check_fp8(fp8: Fp8Config, precision: str) -> None:
         except re.error as err:
             raise ConfigError(f"fp8.exclude: {show(pattern)} is not a regular expression ({err}); "
                               "escape special characters, e.g. \"h\\\\.0\\\\.mlp\".") from None
+    if fp8.enabled and fp8.float8_all_gather:
+        _check_float8_all_gather(fp8, zero)
     if fp8.enabled and precision == "fp16":
         raise ConfigError("fp8.enabled: FP8 training needs bf16 or fp32 parameters, and fp16.enabled is true "
                           "(fp16's loss scaling is not combined with float8 scaling); set bf16.enabled instead "
                           "of fp16 (Accelerate's mixed_precision=\"fp8\" does the same).")
+
+
+def _check_float8_all_gather(fp8: Fp8Config, zero: Any) -> None:
+    """float8_all_gather needs stage 3's gathers, one scale per weight, and the plain gather route."""
+    key = "fp8.float8_all_gather"
+    if zero.stage != 3:
+        raise ConfigError(f"{key}: only ZeRO stage 3 gathers weights, and zero_optimization.stage is "
+                          f"{zero.stage}; set stage 3 or remove the key.")
+    if fp8.recipe != "tensorwise" or fp8.backend != "zeroshard":
+        raise ConfigError(f"{key}: gathers one scale per weight, so it needs fp8.recipe \"tensorwise\" and "
+                          f"fp8.backend \"zeroshard\" (got {show(fp8.recipe)}, {show(fp8.backend)}).")
+    for name, on in (("zero_optimization.zero_quantized_weights", zero.zero_quantized_weights),
+                     ("zero_optimization.zero_hpz_partition_size", zero.zero_hpz_partition_size > 1),
+                     ("zero_optimization.offload_param", zero.offload_param.device != "none")):
+        if on:
+            raise ConfigError(f"{key}: not combined with {name} (another gather route); remove one of them.")

@@ -21,7 +21,10 @@ scales, accumulating in fp32 and writing the layer's dtype. Two recipes, as torc
 - "rowwise": one scale per row along each GEMM's contraction axis, rounded down to a power of two
   (so dequantising is exact), every operand in e4m3. Each GEMM quantises along its own axis, so the
   high-precision x and W are saved and quantised again in backward.
-The bias is added, and its gradient summed, in the layer's dtype.
+The bias is added, and its gradient summed, in the layer's dtype. At ZeRO stage 3 with
+`fp8.float8_all_gather`, a tensorwise weight arrives as float8 codes with its scale published on
+the parameter (`zs_float8_scale`), which the layer then uses (Note: [float8 gather] in
+zero/float8_gather.py); conversion marks the weights it may gather so (`zs_float8_weight`).
 
 Note: [fp8 emulation] On the CPU `torch._scaled_mm` equals dequantise-then-matmul in fp32
 (`(qa.float() * inv_a) @ (qb.float() * inv_b)`, cast to the output dtype) bit for bit, which is
@@ -37,7 +40,7 @@ same, and checkpoints keep their keys. AutoTP's layers (tensor_parallel/layers.p
 this rank's shard (the GEMM it runs).
 
 torchao's `convert_to_float8_training` is the other backend (`fp8.backend: "torchao"`), imported
-only when asked for. Imports torch and zeroshard.errors only.
+only when asked for. Imports torch, comm/codecs.py and zeroshard.errors only.
 """
 
 from __future__ import annotations
@@ -50,27 +53,25 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from zeroshard.comm.codecs import float8_scale, to_float8
 from zeroshard.errors import NotSupportedError
 
 Recipe = Literal["tensorwise", "rowwise"]
 RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale (its float8 values are zeros anyway)
 
 
 def fp8_scale(x: Tensor, dtype: torch.dtype, dim: int | None = None, power_of_2: bool = False) -> Tensor:
     """fp32 scale that maps `x`'s amax (over all of x, or along `dim` keeping it) to `dtype`'s
     largest finite value; rounded down to a power of two when asked (rowwise)."""
     xa = x.detach().float().abs()
-    amax = xa.amax() if dim is None else xa.amax(dim=dim, keepdim=True)
-    scale = torch.finfo(dtype).max / amax.clamp(min=AMAX_FLOOR)
+    scale = float8_scale(xa.amax() if dim is None else xa.amax(dim=dim, keepdim=True), dtype)
     return torch.exp2(torch.floor(torch.log2(scale))) if power_of_2 else scale
 
 
-def quantise(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """`x * scale` in fp32, saturated to `dtype`'s finite range, rounded to `dtype`."""
-    top = torch.finfo(dtype).max
-    return (x.detach().float() * scale).clamp(-top, top).to(dtype)
+quantise = to_float8
+"""`x * scale` in fp32, saturated and rounded to a float8 dtype (comm/codecs.py, shared with the
+stage-3 float8 gather)."""
 
 
 def _pad_inner(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -102,7 +103,8 @@ class _TensorwiseLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x2: Tensor, weight: Tensor) -> Tensor:
-        sx, sw = fp8_scale(x2, E4M3), fp8_scale(weight, E4M3)
+        sw = getattr(weight, "zs_float8_scale", None)  # Note: [float8 gather] in zero/float8_gather.py
+        sx, sw = fp8_scale(x2, E4M3), fp8_scale(weight, E4M3) if sw is None else sw
         qx, qw = quantise(x2, sx, E4M3), quantise(weight, sw, E4M3)
         ctx.save_for_backward(qx, sx, qw, sw)
         ctx.dtypes = (x2.dtype, weight.dtype)
@@ -225,9 +227,15 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe = "tensorwise", exclude: Seq
     if backend == "torchao":
         _convert_with_torchao(model, recipe, verdicts)
         return verdicts
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
     for name, module in model.named_modules():
         if verdicts.get(name) != "fp8":
             continue
+        if recipe == "tensorwise" and owners.get(id(module.weight)) == 1:  # not tied to another module
+            module.weight.zs_float8_weight = True  # stage 3 may gather it as float8 (zero/float8_gather.py)
         if isinstance(module, nn.Linear):
             module.__class__ = Float8Linear
             module.fp8_recipe = recipe
