@@ -7,6 +7,7 @@
   (tests/unit/test_fp8_linear.py); together: the engine trains exactly the emulated float8 model.
 - fp32 + fp8: stages 1-3 give stage 0's losses (within fp32 round-off of the gradient sum).
 - A checkpoint of the converted model resumes bit for bit (stage 1, stage 2 with CPU offload, stage 3).
+- Activation checkpointing (torch's, non-reentrant) changes no bit (stage 0; stage 3 with the float8 gather).
 - A 40-step run on a learnable sequence: fp8 (both recipes) stays within a stated band of bf16.
 - A PipelineModule: the model's first and last linear layers stay high precision whatever the
   stage count, and the losses equal the one-process fp8 reference.
@@ -35,6 +36,7 @@ from engine_helpers import (
     train_engine,
 )
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 import zeroshard
 from zeroshard.comm import Comm, ProcessGroups
@@ -154,6 +156,37 @@ def test_fp32_fp8_stages_agree_with_stage0(groups: ProcessGroups, stage: int) ->
     got, _ = train_engine(init_engine(make_model(), _config(stage, "fp32", "tensorwise")), batches, rank, world)
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert math.isclose(a, b, rel_tol=1e-5), f"stage {stage} step {step}: {a} != stage 0's {b}"
+
+
+class _CheckpointedGPT(GPT):
+    """The example GPT whose blocks run under torch's non-reentrant activation checkpointing."""
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = self.lm_head(self.ln_f(x))
+        assert targets is not None
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_activation_checkpointing_recomputes_the_same_float8(groups: ProcessGroups, stage: int) -> None:
+    """The recompute in backward quantises the same inputs with the same dynamic scales (at stage 3
+    after a float8 re-gather), so checkpointing changes no bit."""
+    rank, world = groups.rank, groups.world_size
+    batches = global_batches(STEPS, 2 * world)
+    cfg = _config(stage, "bf16", "tensorwise")
+    if stage == 3:
+        cfg["fp8"]["float8_all_gather"] = True
+    want, want_params = train_engine(init_engine(make_model(), cfg), batches, rank, world)
+    reference = make_model()
+    model = _CheckpointedGPT(reference.config)
+    model.load_state_dict(reference.state_dict())
+    got, got_params = train_engine(init_engine(model, cfg), batches, rank, world)
+    assert got == want, f"stage {stage}: {got} != {want}"
+    for i, (a, b) in enumerate(zip(got_params[-1], want_params[-1], strict=True)):
+        assert torch.equal(a, b), f"param {i}"
 
 
 # -- a loss curve against bf16 --------------------------------------------------------------------
