@@ -138,6 +138,8 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "pipeline.stages": "auto", "pipeline.partition": "best", "pipeline.seed_layers": False,
     "pipeline.activation_checkpoint_interval": 0, "pipeline.pipe_partitioned": True,
     "pipeline.grad_partitioned": True, "pipeline.use_reentrant": True, "pipeline.schedule": EXTENSION,
+    "fp8.enabled": EXTENSION, "fp8.recipe": EXTENSION, "fp8.exclude": EXTENSION, "fp8.keep_first_last": EXTENSION,
+    "fp8.backend": EXTENSION, "fp8.float8_all_gather": EXTENSION,
     # compile/config.py CompileConfig
     **{f"compile.{k}": v for k, v in (
         ("deepcompile", False), ("autoep_non_moe", False), ("free_activation", False),

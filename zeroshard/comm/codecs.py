@@ -1,6 +1,7 @@
 """Blockwise quantisation for compressed communication (ZeRO++ qwZ/qgZ, 1-bit optimizers):
 int8 and packed int4 symmetric codes with one fp32 scale per block, and sign compression with
-error feedback. Pure torch, device-agnostic; imports nothing of ours.
+error feedback; and float8 casts with dynamic scales (FP8 training's layers and stage-3 float8
+gathers). Pure torch, device-agnostic; imports nothing of ours.
 
 Vocabulary: a *block* is `block_numel` consecutive elements of the flattened input sharing
 one scale; the last block may be shorter (it is zero-padded for the arithmetic only: the
@@ -44,6 +45,8 @@ from torch import Tensor
 
 DEFAULT_BLOCK_NUMEL = 2048
 """Elements per scale; see the module docstring for why 2048."""
+FLOAT8_AMAX_FLOOR = 1e-12
+"""The smallest amax a float8 scale is computed from (`float8_scale`)."""
 
 SCALE_BYTES = 4
 """Scales travel as fp32."""
@@ -117,6 +120,19 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
     blocks = padded.view(nblocks, q.block_numel)
     out = (blocks * q.scales.unsqueeze(1)).view(-1)[: q.numel]
     return out.to(dtype)
+
+
+def float8_scale(amax: Tensor, dtype: torch.dtype) -> Tensor:
+    """Dynamic float8 scaling (runtime/fp8.py, zero/float8_gather.py): the fp32 factor mapping
+    `amax` (fp32, any shape) to `dtype`'s largest finite value (448 for e4m3, 57344 for e5m2); an
+    amax below 1e-12 counts as 1e-12, so an all-zero tensor gets a finite scale."""
+    return torch.finfo(dtype).max / amax.float().clamp(min=FLOAT8_AMAX_FLOOR)
+
+
+def to_float8(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """`x * scale` in fp32, saturated to `dtype`'s finite range, rounded to `dtype` (a float8 type)."""
+    top = torch.finfo(dtype).max
+    return (x.detach().float() * scale).clamp(-top, top).to(dtype)
 
 
 def _quantize(x: Tensor, block_numel: int, bits: int) -> Quantized:

@@ -21,6 +21,7 @@ from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, describe_type, hint
 from zeroshard.config.parse import Draft, FieldSpec, parse_document, parse_section
 from zeroshard.config.schema import CheckpointConfig, Config, FP16Config
 from zeroshard.config.schema_ep import check_expert_parallel
+from zeroshard.config.schema_fp8 import check_fp8
 from zeroshard.config.schema_optim import LambParams, OptimizerConfig, SchedulerConfig
 from zeroshard.config.schema_tp import check_tensor_parallel
 from zeroshard.config.stages import check_stages, idle_keys
@@ -207,6 +208,7 @@ def _check_cross_fields(cfg: Config) -> None:
     check_bf16_master(cfg)
     check_tensor_parallel(cfg.tensor_parallel)
     check_expert_parallel(cfg.expert_parallel)
+    check_fp8(cfg.fp8, cfg.precision, cfg.zero_optimization)
     check_periodic_save(cfg.checkpoint)
     check_preemption_save(cfg)
     stated = cfg.data_types.param_dtype

@@ -15,6 +15,7 @@ from zeroshard.config.describe import describe_config
 from zeroshard.config.fields import MAX_SAMPLES, FrozenDict, spec
 from zeroshard.config.schema_compile import CompileConfig
 from zeroshard.config.schema_ep import ExpertParallelConfig
+from zeroshard.config.schema_fp8 import Fp8Config
 from zeroshard.config.schema_optim import OptimizerConfig, SchedulerConfig
 from zeroshard.config.schema_tp import TensorParallelConfig
 from zeroshard.config.schema_zero import ZeroConfig
@@ -420,6 +421,9 @@ class Config:
     data_parallel_size: int | None = spec(None, ge=1)
     """DeepSpeed's data-parallel size beside `sequence_parallel_size`: when given it must equal
     world / (sequence_parallel_size x pp x tp) (a check; the sizes follow from the world)."""
+    fp8: Fp8Config = spec(default_factory=Fp8Config)
+    """zeroshard's extension: FP8 training of the linear layers (runtime/fp8.py), over bf16 or fp32
+    parameters."""
     compile: CompileConfig = spec(default_factory=CompileConfig)
     """DeepSpeed's DeepCompile options, each refused unless at its default; `engine.compile()`
     compiles the model without them (runtime/compile.py)."""

@@ -39,6 +39,7 @@ from zeroshard.runtime.autocast import autocast_dtype, safe_module_classes
 from zeroshard.runtime.config_sync import check_same_config
 from zeroshard.runtime.dataloader import DistributedDataLoader
 from zeroshard.runtime.engine import ZeroEngine
+from zeroshard.runtime.fp8 import convert_to_fp8, refuse_float8_weight_wrappers
 from zeroshard.runtime.keep_fp32 import fp32_buffers, keep_fp32_pattern
 from zeroshard.runtime.loss_scaler import LossScaler, build_loss_scaler
 from zeroshard.runtime.monitor import build_sinks, format_bytes, setup_logging
@@ -199,6 +200,7 @@ def initialize(
     groups = layout.dp  # ZeRO and the batch run over the data-parallel ranks (with SP: dp x sp)
     comm = world_comm if groups is world else Comm(groups, log=world_comm.log, label="dp")
     seq = layout.sequence = make_sequence_groups(dims, groups, model)
+    _convert_fp8(model, cfg, pipe_module)  # after AutoTP's split, before ZeRO packs the parameters
     broadcast_module_state(model, comm)
     pipe = PipeParts(pipe_module, cfg, layout.mesh) if pipe_module is not None else None  # before the strategy's hooks
     param_groups, params = _param_groups_after_split(model, model_parameters, layout)
@@ -344,6 +346,30 @@ def _place_model(model: nn.Module, cfg: Config, device: torch.device) -> None:
         move_unpartitioned(model, device, dtype, buffer_dtype, kept)
     else:
         model.to(device)
+
+
+def _convert_fp8(model: nn.Module, cfg: Config, pipe_module: PipelineModule | None) -> None:
+    """`fp8.enabled`: the eligible linear layers run their GEMMs in float8 (runtime/fp8.py); a model
+    whose parameters are tensor subclasses (torchao's float8 weight wrappers) is refused. A
+    pipeline stage keeps its first linear layer only on the first stage and its last only on the last,
+    so `fp8.keep_first_last` means the model's first and last layers at any pipeline size."""
+    refuse_float8_weight_wrappers(model)  # torchao's FSDP2 float8 weights (Accelerate's fp8 default)
+    fp8 = cfg.fp8
+    if not fp8.enabled:
+        return
+    first = last = fp8.keep_first_last
+    if pipe_module is not None and fp8.backend == "torchao":
+        raise NotSupportedError('fp8.backend "torchao" with a PipelineModule is not built (torchao replaces '
+                                'modules the stage already holds); set fp8.backend "zeroshard".')
+    if pipe_module is not None:
+        first = first and pipe_module.stage_id == 0
+        last = last and pipe_module.stage_id == pipe_module.num_stages - 1
+    verdicts = convert_to_fp8(model, fp8.recipe, fp8.exclude, keep_first=first, keep_last=last, backend=fp8.backend)
+    kept = {name: why for name, why in verdicts.items() if why != "fp8"}
+    logger.info(f"fp8 ({fp8.recipe}, {fp8.backend}): {len(verdicts) - len(kept)} of {len(verdicts)} linear "
+                "layer(s) in float8"
+                + "".join(f"; {name} kept: {why}" for name, why in list(kept.items())[:6])
+                + ("; ..." if len(kept) > 6 else ""))
 
 
 def _loss_scaler(cfg: Config, device_type: str) -> LossScaler | None:

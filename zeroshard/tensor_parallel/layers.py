@@ -117,6 +117,9 @@ class ColumnParallelLinear(nn.Module):
         gather_output: all-gather the output's last dimension (a head whose output every rank needs).
     """
 
+    linear_fn = staticmethod(F.linear)
+    """The local GEMM; runtime/fp8.py's conversion sets a float8 one on the instance."""
+
     def __init__(self, linear: nn.Linear, comm: Comm, *, gather_output: bool = False,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
@@ -136,7 +139,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.sequence_parallel:
             x = copy_to_tp(x, self.comm)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.linear_fn(x, self.weight, self.bias)
         return gather_from_tp(y, self.comm) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -156,6 +159,9 @@ class RowParallelLinear(nn.Module):
             False scatters a whole input first.
     """
 
+    linear_fn = staticmethod(F.linear)
+    """The local GEMM; runtime/fp8.py's conversion sets a float8 one on the instance."""
+
     def __init__(self, linear: nn.Linear, comm: Comm, *, input_is_parallel: bool = True,
                  sequence_parallel: bool = False) -> None:
         super().__init__()
@@ -174,9 +180,9 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.comm)
         if self.sequence_parallel and self.comm.world_size > 1:
-            y = reduce_scatter_seq(F.linear(x, self.weight), self.comm)
+            y = reduce_scatter_seq(self.linear_fn(x, self.weight), self.comm)
         else:
-            y = reduce_from_tp(F.linear(x, self.weight), self.comm)
+            y = reduce_from_tp(self.linear_fn(x, self.weight), self.comm)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -220,6 +220,7 @@ def _build_stage(cfg: "Config", module: nn.Module, params: list[nn.Parameter], c
             quantized_weights=bool(zero.zero_quantized_weights),
             node_size=node_size(groups),
             hpz_size=_hpz_size(int(zero.zero_hpz_partition_size), groups),
+            float8_gather=cfg.fp8.enabled and cfg.fp8.float8_all_gather,
         )
         # `zero_optimization.leaf_module` (default: DeepSpeed's MoE block classes) marks leaves;
         # marks set by set_z3_leaf_modules are kept.

@@ -168,7 +168,7 @@ class Stage3Strategy(ShardedStrategyBase):
                                            device=self._device, quantized=self._opt.quantized_weights)
         self._shards = UnitShards(plan, self._comm, rank=self._comm.rank, home=home, device=self._device,
                                   persistent=self._persistent, quantized=self._opt.quantized_weights,
-                                  secondary=secondary)
+                                  secondary=secondary, float8=self._float8_weights())
         self._units: list[UnitBuffer] = []
         for u in range(len(plan.buckets)):
             full = torch.zeros(plan.layouts[u].padded_numel, dtype=dtype, device=self._device)
@@ -185,6 +185,24 @@ class Stage3Strategy(ShardedStrategyBase):
             if u != self._persistent:
                 self._release(u)
         home.evict_all()  # filled: an NVMe home is on disk until the first forward reads it
+
+    def _float8_weights(self) -> tuple[list[list[tuple[int, int, int]]], list[nn.Parameter]] | None:
+        """`fp8.float8_all_gather`: each unit's float8 weights (runtime/fp8.py marks them
+        `zs_float8_weight`) as (start, end, index) in its flat buffer, and the weights; None when off.
+        The persistent unit always gathers exactly, so its weights are left out."""
+        if not self._opt.float8_gather:
+            return None
+        plan, segments, weights = self._plan, [], []
+        for u, (first, last) in enumerate(plan.buckets):
+            mine = []
+            for i in range(first, last):
+                p = self._params[i]
+                if u != self._persistent and getattr(p, "zs_float8_weight", False):
+                    off = plan.param_flat_offsets[i] - plan.flat_offsets[u]
+                    mine.append((off, off + p.numel(), len(weights)))
+                    weights.append(p)
+            segments.append(mine)
+        return segments, weights
 
     def _node_comms(self, size: int) -> tuple["Comm", "Comm"]:
         """Comms over this rank's node group and cross group (one rank per node)."""

@@ -53,6 +53,9 @@ class Stage3Options:
     node_size: int = 1
     """Ranks per node (comm/groups.py `node_size`): qgZ reduces hierarchically (within the
     node, then across) when 1 < node_size < world size."""
+    float8_gather: bool = False
+    """`fp8.float8_all_gather`: the weights runtime/fp8.py marks `zs_float8_weight` travel as e4m3
+    codes in the gathers of forward and backward (zero/float8_gather.py)."""
     hpz_size: int = 1
     """hpZ (`zero_hpz_partition_size`): ranks per node holding a secondary partition that the
     gathers of forward and backward read (zero/gather.py, SecondaryPartition); 1 = off.

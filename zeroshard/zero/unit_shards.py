@@ -5,7 +5,8 @@ unit's full flat buffer between gathers. zero/stage3.py decides *when* to gather
   `InMemoryShard` (the model's device, or host memory with `offload_param.device: "cpu"`) and
   `MappedParamShard` (zero/offload/nvme_params.py, `"nvme"`: a memory-mapped swap file).
 - `UnitGather` (zero/gather.py): how a unit's chunks become its full buffer; one class per
-  route or wire format (plain, side-stream copies, qwZ int8 codes, hpZ secondary partition).
+  route or wire format (plain, side-stream copies, qwZ int8 codes, hpZ secondary partition;
+  float8 weights as e4m3 codes in zero/float8_gather.py).
 - `UnitShards` owns one home and two gathers: the exact one and the one training uses.
 - `UnitBuffer`: one unit's padded flat buffer and its gather state (FSDP2's `FSDPParam` keeps
   one parameter's sharded and unsharded life; here the shard side is `UnitShards`, the
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from zeroshard.zero.flat import BucketedPartition
+from zeroshard.zero.float8_gather import Float8Gather, Segment
 from zeroshard.zero.gather import QuantizedGather, SecondaryGather, SecondaryPartition, StreamedGather, UnitGather
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.strategy import BytesByHome
@@ -88,11 +90,14 @@ class UnitShards:
         persistent: the unit that always gathers exactly (and has no secondary copy).
         quantized: qwZ, int8 codes on the wire for the gathers of forward and backward.
         secondary: hpZ's secondary partition, or None.
+        float8: `fp8.float8_all_gather`: each unit's float8 weight segments and the weights
+            (zero/float8_gather.py), or None.
     """
 
     def __init__(self, plan: BucketedPartition, comm: "Comm", *, rank: int, home: ShardHome,
                  device: torch.device, persistent: int, quantized: bool,
-                 secondary: SecondaryPartition | None) -> None:
+                 secondary: SecondaryPartition | None,
+                 float8: tuple[list[list[Segment]], list[torch.nn.Parameter]] | None = None) -> None:
         self._plan, self._rank, self.home, self._persistent = plan, rank, home, persistent
         on_host = device.type == "cuda" and home.tensor.device.type == "cpu"
         self._exact = (StreamedGather if on_host else UnitGather)(comm, self.chunk, device)
@@ -102,6 +107,9 @@ class UnitShards:
                                              persistent=persistent, quantized=quantized)
         elif quantized:
             self._training = QuantizedGather(comm, self.chunk, device)
+        elif float8 is not None:
+            self._training = Float8Gather(comm, self.chunk, device, segments=float8[0], weights=float8[1],
+                                          padded_numels=[layout.padded_numel for layout in plan.layouts])
 
     @property
     def shard(self) -> Tensor:
