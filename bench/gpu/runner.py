@@ -70,7 +70,11 @@ def ds_config(spec: GpuSpec, stage: int, offload: str, device: str) -> dict[str,
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     if offload == "lean":  # FSDP2's lifetimes: reshard after forward, no gradients between steps
         zero.update(stage3_max_reuse_distance=0, stage3_release_grads=True)
-    return {
+    extra: dict[str, Any] = {}
+    if offload.startswith("fp8"):  # docs/precision.md; "fp8_ag": stage 3 gathers the float8 weights
+        extra["fp8"] = {"enabled": True, "recipe": "rowwise" if offload == "fp8_rowwise" else "tensorwise",
+                        "float8_all_gather": offload == "fp8_ag"}
+    return {**extra,
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
@@ -87,6 +91,11 @@ ROWS: dict[str, tuple[str, int, str]] = {
     "zs3_offload": ("zeroshard", 3, "both"),
     "zs3_offload_opt": ("zeroshard", 3, "optimizer"),
     "zs3_lean": ("zeroshard", 3, "lean"),  # bench/fsdp_memory.md
+    "zs2_compile": ("zeroshard", 2, "compile"),  # engine.compile(), inductor
+    "zs3_compile": ("zeroshard", 3, "compile"),
+    "zs2_fp8": ("zeroshard", 2, "fp8"),  # fp8 tensorwise against zs2's bf16
+    "zs2_fp8_rowwise": ("zeroshard", 2, "fp8_rowwise"),
+    "zs3_fp8_ag": ("zeroshard", 3, "fp8_ag"),  # fp8 tensorwise + float8 all-gather against zs3
     "zs2_nvme": ("zeroshard", 2, "nvme"),
     "zs3_nvme": ("zeroshard", 3, "nvme"),
     **{f"ds{s}": ("deepspeed", s, "none") for s in range(4)},
@@ -105,6 +114,8 @@ def build(row: str, spec: GpuSpec, device: torch.device):  # engine-specific
 
         engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config(spec, stage, offload, device.type))
+        if offload == "compile":
+            engine.compile()  # compiled on the first forward: its time is in time_to_first_step_s
         return engine, engine.backward, engine.step
     if kind == "deepspeed":
         if device.type == "cpu":
