@@ -142,6 +142,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "expert_parallel.autoep_size": ("runtime/initialize.py::expert_parallel_size_of(raw_config)",
                                     "moe/hf_experts.py::ep.autoep_size"),
     "expert_parallel.preset_model": ("moe/hf_experts.py::ep.preset_model",),
+    "expert_parallel.load_balance_coeff": ("runtime/initialize.py::load_balance_coeff",),
     "tensor_parallel.autotp_size": ("runtime/initialize.py::config_tp=tensor_parallel_size(raw_config)",),
     "tensor_parallel.tensor_parallel.tp_size": ("runtime/initialize.py::config_tp=tensor_parallel_size(raw_config)",),
     "tensor_parallel.preset_model": ("tensor_parallel/tp_plan.py::config.preset_model",),

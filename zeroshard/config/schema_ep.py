@@ -84,7 +84,10 @@ class ExpertParallelConfig:
     comm_max_tokens_per_rank: int = 0
     """DeepEP's token budget (DeepEP only)."""
     load_balance_coeff: float | None = None
-    """Auxiliary-loss-free balancing's bias update rate (DeepSpeed 0.19.8 refuses it too)."""
+    """Auxiliary-loss-free balancing (DeepSeek-V3): after each optimizer step every router's selection
+    bias (`e_score_correction_bias`) moves by this much towards balance, sign(mean load - load) per
+    expert, centred (moe/balance.py). Acted on for routers with such a bias (DeepSeek-V3, GLM-4.5-MoE,
+    dots1, ...), with or without expert parallelism; null: off. DeepSpeed 0.19.8 refuses the key."""
     moe_layer_pattern: str | None = None
     """DeepSpeed's custom-model description: the MoE block's module pattern."""
     expert_pattern: str | None = None

@@ -97,9 +97,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 "expert-parallel group.", fix="Remove the key (or set it to \"comm\")."),
     Unsupported(key="expert_parallel.expert_tensor_parallel_size", why="tensor parallelism inside experts is not "
                 "built.", fix="Remove the key (or set it to 1)."),
-    Unsupported(key="expert_parallel.load_balance_coeff", why="auxiliary-loss-free balancing (an expert bias "
-                "updated between steps) is not built for AutoEP; DeepSpeed 0.19.8 refuses it too.",
-                fix="Remove the key."),
     *(Unsupported(key=f"expert_parallel.{k}", why=f"DeepSpeed's AutoEP x AutoTP option {k} has no meaning without "
                   "AutoTP folding, which is not built.", fix="Remove the key (or set it to false).")
       for k in ("validate_folding_routing", "async_split_plan")),

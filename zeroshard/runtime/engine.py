@@ -38,6 +38,7 @@ from zeroshard.zero.strategy import GradStats, ModelStateBytes, ZeroStrategy
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, ProcessGroups
     from zeroshard.config import Config
+    from zeroshard.moe.balance import ExpertBiasBalance
     from zeroshard.runtime.throughput import ThroughputTimer
     from zeroshard.tensor_parallel.setup import ParallelGroups
 
@@ -87,6 +88,9 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, EngineCheckpoi
     attribute such as `engine.id`); names starting with "_" are not, so that the engine's own
     private state is never silently taken from the model.
     """
+
+    expert_balance: "ExpertBiasBalance | None" = None
+    """`expert_parallel.load_balance_coeff`'s router-bias updates (moe/balance.py); set by `initialize`."""
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -434,6 +438,8 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, EngineCheckpoi
         if not stats.overflow:
             self.optimizer.step()
         self._strategy.after_step(applied=not stats.overflow)
+        if self.expert_balance is not None:
+            self.expert_balance.step()  # Note: [expert bias balancing] in moe/balance.py
         self.timers.stop("step")
         self._last_grad_stats = stats
         self._step_applied = not stats.overflow

@@ -23,6 +23,7 @@ from zeroshard.config.load import sequence_parallel_size
 from zeroshard.config.pipeline import check_for_pipeline
 from zeroshard.config.schema_ep import expert_parallel_size_of
 from zeroshard.errors import ConfigError, InitializeArgumentError, NotSupportedError
+from zeroshard.moe.balance import build_balance
 from zeroshard.moe.hf_experts import mark_expert_banks
 from zeroshard.moe.prepare import expert_parallel_size
 from zeroshard.optim.factory import (
@@ -272,6 +273,7 @@ def _attach(engine: ZeroEngine, cfg: Config, layout: ParallelGroups, world_comm:
     engine.checkpointer = _engine_checkpointer(cfg, layout, world_comm, comm, pipe_module)
     engine.save_schedule = SaveSchedule.from_config(cfg.checkpoint, world_comm)
     engine.preemption = Preemption.from_config(cfg.checkpoint, world_comm)
+    engine.expert_balance = build_balance(engine.module, cfg.expert_parallel.load_balance_coeff, comm)
     _log_start(engine, comm.groups)
 
 
