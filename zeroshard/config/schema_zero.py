@@ -47,6 +47,16 @@ class OffloadOptimizerConfig:
     """DeepSpeed's SuperOffload mode (superchip CPU-GPU optimizer overlap)."""
     cpuadam_cores_perc: float = spec(0.8, ge=0.0, le=1.0)
     """Fraction of CPU cores the CPU optimizer may use (SuperOffload)."""
+    delayed_update: bool = False
+    """zeroshard's extension: the ZeRO-Offload paper's one-step delayed parameter update. After
+    `delayed_update_warmup_steps` synchronous steps, the CPU optimizer step of step k runs in a
+    background thread during step k+1's forward and backward, so the forward of step k+1 uses
+    the weights of step k-1's update (one step of staleness). `device` "cpu" only. Default false:
+    every step's update is applied before the next forward (docs/offload.md)."""
+    delayed_update_warmup_steps: int = spec(40, ge=0)
+    """zeroshard's extension: optimizer steps run synchronously before the delayed update starts
+    (the paper delays only after a few dozen warm-up iterations, when gradients change fastest).
+    Default 40."""
 
 
 DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition, ShardFragment
+from zeroshard.zero.offload.delayed_step import DelayedStep
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.strategy import (
     BytesByHome,
@@ -71,6 +72,7 @@ class OptimizerShard:
         if policy.nvme is not None:  # the master lives in swap files; fragments alias `lp`
             self._separate = False
         self._swap_optimizer: "SwapAdam | None" = None
+        self._delayed: DelayedStep | None = None  # offload_optimizer.delayed_update
         self.model_parallel = norm_group  # Note: [norm groups] in zero/strategy.py
         self.master: Tensor | None = None  # 1D master_dtype, shard_numel, at the policy's home
         if self._separate:
@@ -194,8 +196,12 @@ class OptimizerShard:
 
     def swap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """With an NVMe home, the optimizer whose states live in this shard's swap files (the
-        directory is checked now, before any step); otherwise `optimizer` itself."""
+        directory is checked now, before any step); with the delayed update, the optimizer that
+        steps `optimizer` one step late (zero/offload/delayed_step.py); otherwise `optimizer` itself."""
         home = self._policy.nvme
+        if self._policy.delayed_update is not None:
+            self._delayed = DelayedStep(optimizer, self.fragment_params, self._policy.delayed_update)
+            return self._delayed
         if home is None:
             return optimizer
         from zeroshard.zero.offload.nvme_io import check_swap_dir
@@ -214,6 +220,16 @@ class OptimizerShard:
             raise
         self._swap_optimizer.write_master()
         return self._swap_optimizer
+
+    @property
+    def step_in_flight(self) -> bool:
+        """The delayed update's step runs in the background: the masters are not final yet."""
+        return self._delayed is not None and self._delayed.in_flight
+
+    def settle(self) -> bool:
+        """Wait for the delayed update's step in flight; True when one finished (its masters are
+        then to be published into the model's values)."""
+        return self._delayed is not None and self._delayed.wait()
 
     @torch.no_grad()
     def load_master_from_lp(self) -> None:
@@ -283,7 +299,16 @@ class ShardedStrategyBase(ZeroStrategy):
         return self._shard.master_params_for(params)
 
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
+        self.settle_step()  # Note: [delayed update] in zero/offload/delayed_step.py
         return self._shard.prepare_step(grad_scale, max_norm, self.reduced_mult)
+
+    def settle_step(self) -> None:
+        if self._shard.settle():
+            self._publish_master()
+
+    def _publish_master(self) -> None:
+        """Make the model's values equal the updated masters (the end of an applied step)."""
+        raise NotImplementedError
 
     def checkpoint_fragments(self) -> list[MasterFragment]:
         return self._shard.checkpoint_fragments()

@@ -53,6 +53,9 @@ class OffloadPolicy:
     pin_memory: bool = False
     nvme: NvmeHome | None = None
     """Set when the states live in swap files; `device` is then the CPU that steps them."""
+    delayed_update: int | None = None
+    """`offload_optimizer.delayed_update`: the warm-up steps before the optimizer step runs one
+    step late in the background (zero/offload/delayed_step.py); None: every step synchronous."""
 
     @classmethod
     def from_config(cls, section: "OffloadOptimizerConfig | OffloadParamConfig", *,
@@ -73,7 +76,9 @@ class OffloadPolicy:
             return cls(device=torch.device("cpu"), pin_memory=bool(section.pin_memory), nvme=home)
         if section.device != "cpu":
             raise AssertionError(f"offload device {section.device!r} passed config validation but has no home")
-        return cls(device=torch.device("cpu"), pin_memory=bool(section.pin_memory))
+        delayed = getattr(section, "delayed_update", False)  # an offload_optimizer section only
+        return cls(device=torch.device("cpu"), pin_memory=bool(section.pin_memory),
+                   delayed_update=int(section.delayed_update_warmup_steps) if delayed else None)
 
     @property
     def offloaded(self) -> bool:
