@@ -73,6 +73,7 @@ class OptimizerShard:
             self._separate = False
         self._swap_optimizer: "SwapAdam | None" = None
         self._delayed: DelayedStep | None = None  # offload_optimizer.delayed_update
+        self._spare_grads: Tensor | None = None  # Note: [double gradient buffer]
         self.model_parallel = norm_group  # Note: [norm groups] in zero/strategy.py
         self.master: Tensor | None = None  # 1D master_dtype, shard_numel, at the policy's home
         if self._separate:
@@ -200,7 +201,8 @@ class OptimizerShard:
         steps `optimizer` one step late (zero/offload/delayed_step.py); otherwise `optimizer` itself."""
         home = self._policy.nvme
         if self._policy.delayed_update is not None:
-            self._delayed = DelayedStep(optimizer, self.fragment_params, self._policy.delayed_update)
+            self._delayed = DelayedStep(optimizer, self.fragment_params, self._policy.delayed_update,
+                                        swap_grads=self._swap_grad_buffers)
             return self._delayed
         if home is None:
             return optimizer
@@ -220,6 +222,19 @@ class OptimizerShard:
             raise
         self._swap_optimizer.write_master()
         return self._swap_optimizer
+
+    def _swap_grad_buffers(self) -> None:
+        """Note: [double gradient buffer] The delayed update's background step reads step k's
+        gradient shard in place while step k+1's backward reduces into the other one (allocated
+        at the first delayed step, the size of the gradient shard); the next boundary waits for
+        the step before swapping back. A copy instead would cost a pass over the shard per step
+        on the main thread, about what the CPU Adam step it hides costs (measured on CPU)."""
+        if self.grad_shard is None:
+            raise AssertionError("expected a separate gradient shard to double-buffer")
+        if self._spare_grads is None:
+            self._spare_grads = self._policy.allocate(self._plan.shard_numel, self.grad_shard.dtype, self._device)
+        self.grad_shard, self._spare_grads = self._spare_grads, self.grad_shard
+        self._fragment_grads = [self.grad_shard[f.shard_offset : f.shard_offset + f.numel] for f in self._fragments]
 
     @property
     def step_in_flight(self) -> bool:
@@ -264,7 +279,7 @@ class OptimizerShard:
         """The master shard ("hp_params": the fragments, views of the low-precision values when
         there is no separate master) and the gradient shard ("lp_grads")."""
         hp = [self.master] if self.master is not None else list(self.fragment_params)
-        grads = [self.grad_shard] if self.grad_shard is not None else []
+        grads = [g for g in (self.grad_shard, self._spare_grads) if g is not None]
         if self._whole_grads is not None:
             grads.append(self._whole_grads)
         return {"hp_params": hp, "lp_grads": grads}
@@ -272,7 +287,7 @@ class OptimizerShard:
     def count_bytes(self, acc: BytesByHome, optimizer_state_bytes: int) -> None:
         """Add the gradient shard, master shard and optimizer state at the policy's home."""
         home = self._policy.label(self._device)
-        acc.add(home, "grads", _nbytes(self.grad_shard))
+        acc.add(home, "grads", _nbytes(self.grad_shard) + _nbytes(self._spare_grads))
         acc.add(home, "master_params", _nbytes(self.master))
         acc.add(home, "optimizer_states", optimizer_state_bytes)
 

@@ -9,13 +9,14 @@ compute; the strategy publishes the updated master weights at the next step boun
 Note: [delayed update] The rule, for step k after the warm-up (k > warmup, steps counted from 1):
 the boundary of step k first waits for the update of step k-1 and publishes its master weights
 into the model, then starts update k on step k's (averaged, unscaled, clipped) gradient. The
-forward of step k+1 therefore runs on the weights after update k-1; each update is applied to
-the masters of the previous update, with a gradient one step stale. Warm-up steps (k <= warmup)
+forward of step k+1 therefore runs on the weights after update k-1, and update k+1 applies that
+gradient to the masters after update k: one update older than the weights it was computed on. Warm-up steps (k <= warmup)
 update and publish before returning, as without the switch.
 
 The thread never touches what the main thread uses meanwhile: it steps *shadow* parameters
-(new `nn.Parameter`s over the fragments' master storage) whose gradients are a snapshot of the
-step's gradients, on a copy of each parameter group's hyper-parameters taken at launch, so
+(new `nn.Parameter`s over the fragments' master storage) whose gradients are step k's gradient
+buffer, which the shard retires until the next boundary (Note: [double gradient buffer] in
+zero/shard.py), on a copy of each parameter group's hyper-parameters taken at launch, so
 `zero_grad()`, the next step's gradient reduction and an lr scheduler stepping right after
 `step()` cannot race with it. The optimizer state is shared (the shadows map to the fragments'
 own state dicts). Anything that reads masters or optimizer state (checkpoints,
@@ -44,16 +45,20 @@ class DelayedStep(torch.optim.Optimizer):
             its state and the gradients; one that communicates must not be wrapped).
         fragments: the shard's fragment parameters (all parameters of `inner`'s groups).
         warmup: steps run synchronously before the first delayed one.
+        swap_grads: called once the background step holds the fragments' gradients: the owner
+            then reduces the next step's gradients into its other buffer, so the step reads
+            them in place (Note: [double gradient buffer] in zero/shard.py).
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, fragments: Sequence[nn.Parameter], warmup: int) -> None:
+    def __init__(self, inner: torch.optim.Optimizer, fragments: Sequence[nn.Parameter], warmup: int,
+                 swap_grads: Callable[[], None]) -> None:
         # torch.optim.Optimizer.__init__ is not called: groups and state stay inner's objects.
         self.inner = inner
         self._fragments = list(fragments)
         self._warmup = int(warmup)
+        self._swap_grads = swap_grads
         self.steps = 0
         """Optimizer steps requested (`step()` calls), warm-up ones included."""
-        self._snapshot: Tensor | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._shadow_of: dict[nn.Parameter, nn.Parameter] = {}
@@ -122,6 +127,7 @@ class DelayedStep(torch.optim.Optimizer):
         if self.steps <= self._warmup:
             return self.inner.step()
         stepper = self._stepper()
+        self._swap_grads()
         self._error = None
         self._thread = threading.Thread(target=self._run, args=(stepper,), name="zeroshard-delayed-step",
                                         daemon=True)
@@ -129,22 +135,12 @@ class DelayedStep(torch.optim.Optimizer):
         return None
 
     def _stepper(self) -> torch.optim.Optimizer:
-        """A shallow copy of `inner` over shadow parameters: the gradients snapshotted now, the
-        groups' hyper-parameters copied now, the state dicts shared with `inner`'s."""
-        grads = [p.grad for p in self._fragments]
-        held = [g for g in grads if g is not None]
-        numel = sum(g.numel() for g in held)
-        dtype = held[0].dtype if held else torch.float32
-        if self._snapshot is None or self._snapshot.numel() != numel or self._snapshot.dtype != dtype:
-            self._snapshot = torch.empty(numel, dtype=dtype, device=held[0].device if held else "cpu")
-        views = list(self._snapshot.split([g.numel() for g in held])) if held else []
-        if held:
-            torch._foreach_copy_([v.view_as(g) for v, g in zip(views, held)], held)
+        """A shallow copy of `inner` over shadow parameters: the fragments' gradients handed
+        over now, the groups' hyper-parameters copied now, the state dicts shared with `inner`'s."""
         shadows: dict[nn.Parameter, nn.Parameter] = {}
-        it = iter(views)
-        for p, g in zip(self._fragments, grads):
+        for p in self._fragments:
             s = nn.Parameter(p.detach(), requires_grad=True)  # the master storage, as it is now
-            s.grad = None if g is None else next(it).view_as(g)
+            s.grad = p.grad  # a view of the buffer swap_grads retires, or a cast copy
             shadows[p] = s
         stepper = object.__new__(type(self.inner))
         stepper.__dict__.update(self.inner.__dict__)
