@@ -213,3 +213,31 @@ def test_refused_where_not_built() -> None:
         load_config({"train_batch_size": 2, "zero_optimization": {
             "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "delayed_update": True}}},
             dp_world_size=1)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp32_reads_wait_for_the_step_in_flight(groups, monkeypatch, stage: int) -> None:
+    """`safe_get_full_fp32_param` during a delayed step reads the masters of that update (it waits
+    on this rank), while the module still holds the previous update until the next boundary; the
+    run stays on the reference. The background step is slowed so the read lands while it runs."""
+    import time
+
+    from zeroshard.utils import safe_get_full_fp32_param
+
+    run = DelayedStep._run
+    monkeypatch.setattr(DelayedStep, "_run", lambda self, stepper: (time.sleep(0.2), run(self, stepper)))
+
+    rank, world = groups.rank, groups.world_size
+    model = make_model()
+    batches = global_batches(6, MICRO * world)
+    engine = init_engine(copy.deepcopy(model), config(stage, warmup=1))
+    _, got = train_engine(engine, batches[:5], rank, world)
+    assert engine.optimizer.optimizer.in_flight
+    masters = [safe_get_full_fp32_param(p) for p in engine.module.parameters()]
+    _, got_last = train_engine(engine, batches[5:], rank, world)
+    _, want, _ = reference(model, batches, world, 1, _engine_fused(engine))
+    _, _, want_master5 = reference(model, batches[:5], world, 1, _engine_fused(engine))
+    assert_params_close([m.reshape(-1) for m in masters], [m.reshape(-1) for m in want_master5], 0.0,
+                        f"stage {stage}, masters of update 5 read in flight")
+    assert_params_close(got[4], want[4], 0.0, f"stage {stage}, weights after step 5 (update 4)")
+    assert_params_close(got_last[0], want[5], 0.0, f"stage {stage}, weights after step 6")

@@ -242,9 +242,16 @@ class OptimizerShard:
         return self._delayed is not None and self._delayed.in_flight
 
     def settle(self) -> bool:
-        """Wait for the delayed update's step in flight; True when one finished (its masters are
-        then to be published into the model's values)."""
-        return self._delayed is not None and self._delayed.wait()
+        """Wait for the delayed update's step in flight; True when a step finished since the last
+        call (its masters are then to be published into the model's values)."""
+        if self._delayed is None:
+            return False
+        self._delayed.wait()
+        return self._delayed.take_landed()
+
+    def wait_step(self) -> None:
+        if self._delayed is not None:
+            self._delayed.wait()
 
     @torch.no_grad()
     def load_master_from_lp(self) -> None:
@@ -320,6 +327,9 @@ class ShardedStrategyBase(ZeroStrategy):
     def settle_step(self) -> None:
         if self._shard.settle():
             self._publish_master()
+
+    def wait_step(self) -> None:
+        self._shard.wait_step()
 
     def _publish_master(self) -> None:
         """Make the model's values equal the updated masters (the end of an applied step)."""

@@ -291,6 +291,11 @@ class ZeroStrategy(Protocol):
         optimizer state and parameters agree (checkpoints, `offload_states`). Collective where
         publishing is (every rank has the same step in flight). Default: nothing runs late."""
 
+    def wait_step(self) -> None:
+        """Wait, on this rank only, for the optimizer step running in the background: masters and
+        optimizer state are then final; the model's weights still show the previous update until
+        `settle_step()` (or the next step) publishes it. Local (no collective). Default: none runs."""
+
     def hold_for_batch(self) -> None:
         """A pipeline stage's batch begins (runtime/pipe_engine.py): stage 3 gathers every unit and
         keeps it across the batch's micro-batches. Default: nothing to hold."""

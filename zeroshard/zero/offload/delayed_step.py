@@ -10,8 +10,8 @@ Note: [delayed update] The rule, for step k after the warm-up (k > warmup, steps
 the boundary of step k first waits for the update of step k-1 and publishes its master weights
 into the model, then starts update k on step k's (averaged, unscaled, clipped) gradient. The
 forward of step k+1 therefore runs on the weights after update k-1, and update k+1 applies that
-gradient to the masters after update k: one update older than the weights it was computed on. Warm-up steps (k <= warmup)
-update and publish before returning, as without the switch.
+gradient to the masters after update k: one update newer than the weights it was computed on.
+Warm-up steps (k <= warmup) update and publish before returning, as without the switch.
 
 The thread never touches what the main thread uses meanwhile: it steps *shadow* parameters
 (new `nn.Parameter`s over the fragments' master storage) whose gradients are step k's gradient
@@ -63,6 +63,7 @@ class DelayedStep(torch.optim.Optimizer):
         self._error: BaseException | None = None
         self._shadow_of: dict[nn.Parameter, nn.Parameter] = {}
         self._stepped_state: Any = None
+        self._landed = False
 
     # -- the wrapped optimizer's objects ------------------------------------------------------
 
@@ -122,7 +123,9 @@ class DelayedStep(torch.optim.Optimizer):
         if closure is not None:
             raise NotImplementedError("a closure re-evaluates the loss on the updated weights, which the "
                                       "delayed update does not have yet; step without one")
-        self.wait()
+        if self.wait() or self._landed:
+            raise AssertionError("expected the strategy to publish the previous update (settle_step) before the "
+                                 "next step starts")
         self.steps += 1
         if self.steps <= self._warmup:
             return self.inner.step()
@@ -161,6 +164,12 @@ class DelayedStep(torch.optim.Optimizer):
             self._error = e
         self._stepped_state = stepper.state
 
+    def take_landed(self) -> bool:
+        """Whether an update finished (was waited for) since the last call: its masters are final
+        and not yet published into the model."""
+        landed, self._landed = self._landed, False
+        return landed
+
     def wait(self) -> bool:
         """Wait for the update in flight; True when there was one (its masters are now final).
         A failure of the background step is raised here."""
@@ -168,7 +177,7 @@ class DelayedStep(torch.optim.Optimizer):
         if thread is None:
             return False
         thread.join()
-        self._thread = None
+        self._thread, self._landed = None, True
         state = self._stepped_state
         for p, s in self._shadow_of.items():  # state first created by this step
             if p not in self.inner.state and s in state:
