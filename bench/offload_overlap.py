@@ -1,6 +1,6 @@
 """CPU optimizer offload: synchronous against the one-step delayed update, and against no offload.
 
-    OMP_NUM_THREADS=1 python bench/offload_overlap.py [--passes 6] [--steps 10] [--stage 2]
+    OMP_NUM_THREADS=1 python bench/offload_overlap.py [--passes 8] [--steps 8] [--stage 2]
     python bench/offload_overlap.py --row      # one Markdown row (bench/gpu/device_check.sh)
 
 Three engines from one seed, world size 1, on the default device (the GPU when there is one):
@@ -69,15 +69,15 @@ def _pass(engine: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], step_ca
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--passes", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per pass")
+    parser.add_argument("--passes", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per pass")
     parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--block", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--micro", type=int, default=1)
     parser.add_argument("--row", action="store_true", help="print one Markdown row only")
     args = parser.parse_args()
     engines = {m: _engine(m, args) for m in MODES}

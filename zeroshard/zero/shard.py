@@ -270,6 +270,10 @@ class OptimizerShard:
             return
         for b in range(len(self._plan.buckets)):
             self._own_lp(b).copy_(self.master[slice(*self._plan.shard_range(b))], non_blocking=True)
+        if self._delayed is not None and self._device.type == "cuda":
+            # the copies above read the pinned master asynchronously, and the delayed update's next
+            # step writes it from its thread as soon as the boundary returns
+            torch.cuda.current_stream(self._device).synchronize()
 
     # -- checkpoints and accounting ------------------------------------------------------------
 

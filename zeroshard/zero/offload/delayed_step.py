@@ -132,8 +132,9 @@ class DelayedStep(torch.optim.Optimizer):
         stepper = self._stepper()
         self._swap_grads()
         self._error = None
-        self._thread = threading.Thread(target=self._run, args=(stepper,), name="zeroshard-delayed-step",
-                                        daemon=True)
+        # Not a daemon: a script that ends right after step() lets the update finish (a daemon thread
+        # inside a torch kernel at interpreter exit aborts the process: "terminate called ...").
+        self._thread = threading.Thread(target=self._run, args=(stepper,), name="zeroshard-delayed-step")
         self._thread.start()
         return None
 
