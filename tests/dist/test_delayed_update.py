@@ -209,6 +209,12 @@ def test_refused_where_not_built() -> None:
     with pytest.raises(ConfigError, match="needs offload_optimizer.device"):
         load_config({"train_batch_size": 2, "zero_optimization": {
             "stage": 2, "offload_optimizer": {"device": "none", "delayed_update": True}}}, dp_world_size=1)
+    with pytest.raises(NotSupportedError, match=r"zero_optimization\.zenflow=.*ZenFlow .* is not implemented"):
+        load_config({"train_batch_size": 2, "zero_optimization": {
+            "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.1}}}, dp_world_size=1)
+    with pytest.raises(NotSupportedError, match=r"offload_optimizer\.ratio=0\.5.*partial optimizer offload"):
+        load_config({"train_batch_size": 2, "zero_optimization": {
+            "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, dp_world_size=1)
     with pytest.raises(NotSupportedError, match="delayed_update with device \"nvme\""):
         load_config({"train_batch_size": 2, "zero_optimization": {
             "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "delayed_update": True}}},
@@ -241,3 +247,14 @@ def test_fp32_reads_wait_for_the_step_in_flight(groups, monkeypatch, stage: int)
                         f"stage {stage}, masters of update 5 read in flight")
     assert_params_close(got[4], want[4], 0.0, f"stage {stage}, weights after step 5 (update 4)")
     assert_params_close(got_last[0], want[5], 0.0, f"stage {stage}, weights after step 6")
+
+
+def test_pipeline_refused() -> None:
+    from zeroshard.config import load_config
+    from zeroshard.config.pipeline import check_for_pipeline
+
+    cfg = load_config({"train_batch_size": 2, "zero_optimization": {
+        "stage": 1, "offload_optimizer": {"device": "cpu", "delayed_update": True}}}, dp_world_size=1)
+    with pytest.raises(NotSupportedError, match="delayed_update with a PipelineModule"):
+        check_for_pipeline(cfg, virtual_stages=1)
+

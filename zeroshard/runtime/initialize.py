@@ -497,10 +497,6 @@ def _make_optimizer(cfg: Config, client: Any, param_groups: list[dict[str, Any]]
     if isinstance(opt, OneBitOptimizer) and model_parallel:
         raise NotSupportedError(f"not supported yet: optimizer {type(opt).__name__} with tensor parallelism or an "
                                 "mpu (its compressed stage computes the norm of local gradients only); use Adam/AdamW.")
-    if isinstance(opt, OneBitOptimizer) and cfg.zero_optimization.offload_optimizer.delayed_update:
-        raise NotSupportedError(f"not supported: optimizer {type(opt).__name__} with zero_optimization."
-                                "offload_optimizer.delayed_update (its step all-reduces, which the background "
-                                "step must not); use Adam/AdamW or set delayed_update to false.")
     if isinstance(opt, OneBitOptimizer):  # it all-reduces the momentum itself, after its warm-up
         opt.attach(comm, strategy)
     return strategy.wrap_optimizer(opt) if opt is not None else None
