@@ -46,13 +46,14 @@ def config(stage: int, delayed: bool = True, warmup: int = WARMUP, **zero: Any) 
 
 
 def reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], world: int, warmup: int | None,
-              fused: bool, max_norm: float = 0.0,
-              skip: int | None = None) -> tuple[list[list[float]], list[list[Tensor]], list[Tensor]]:
+              fused: bool, max_norm: float = 0.0, skip: int | None = None,
+              gas: int = 1) -> tuple[list[list[float]], list[list[Tensor]], list[Tensor]]:
     """Per-step losses of each rank's micro-batch, the weights the model holds after each step,
     the final masters. `warmup` None: every step synchronous. `max_norm`: clip step k's averaged
     gradient by its global norm (float64 sum of squares of the rank sum, as documented) before
     it is snapshotted. `skip`: that step's gradient is non-finite: no update starts, the one in
-    flight lands; warm-up counts applied updates."""
+    flight lands; warm-up counts applied updates. `gas` > 1: stage 2's order, each micro-batch's
+    loss / gas summed over ranks, then over micro-batches; the losses are the last micro-batch's."""
     model = copy.deepcopy(model)
     params = list(model.parameters())
     master = [nn.Parameter(p.detach().clone()) for p in params]
@@ -60,13 +61,18 @@ def reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], world: int
     losses, published = [], []
     for k, batch in enumerate(batches, start=1):
         total: list[Tensor] | None = None
-        rank_losses = []
-        for r in range(world):
-            (x, y), = rank_micro_batches(batch, r, world, MICRO, 1)
-            loss = model(x, y)
-            grads = torch.autograd.grad(loss, params)
-            total = list(grads) if total is None else [t + g for t, g in zip(total, grads)]
-            rank_losses.append(loss.item())
+        rank_micro = [rank_micro_batches(batch, r, world, MICRO, gas) for r in range(world)]
+        for m in range(gas):
+            micro_sum: list[Tensor] | None = None
+            rank_losses = []
+            for r in range(world):
+                x, y = rank_micro[r][m]
+                loss = model(x, y)
+                grads = torch.autograd.grad(loss * (1.0 / gas) if gas != 1 else loss, params)
+                micro_sum = list(grads) if micro_sum is None else [t + g for t, g in zip(micro_sum, grads)]
+                rank_losses.append(loss.item())
+            assert micro_sum is not None
+            total = micro_sum if total is None else [t + g for t, g in zip(total, micro_sum)]
         assert total is not None
         mult = 1.0 / world
         norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in total)) * mult
@@ -116,6 +122,26 @@ def test_matches_reference(groups, stage: int) -> None:
     assert not any(torch.equal(a, b) for a, b in zip(sync[WARMUP], want[WARMUP]))
     engine.strategy.settle_step()  # the last update lands: the masters of update STEPS
     assert_params_close(gathered_snapshot(engine.module), want_master, 0.0, f"stage {stage}, after settle")
+
+
+def test_gradient_accumulation(groups, monkeypatch) -> None:
+    """Two micro-batches per step at stage 2, each reduced into the gradient shard the update in
+    flight is not reading: the background step is slowed so that it still runs while the next
+    step's backward reduces (an update reading the shard being written would differ)."""
+    import time
+
+    run = DelayedStep._run
+    monkeypatch.setattr(DelayedStep, "_run", lambda self, stepper: (time.sleep(0.05), run(self, stepper)))
+    rank, world = groups.rank, groups.world_size
+    model = make_model()
+    batches = global_batches(STEPS, MICRO * 2 * world)
+    cfg = config(2)
+    cfg["gradient_accumulation_steps"] = 2
+    engine = init_engine(copy.deepcopy(model), cfg)
+    _, got = train_engine(engine, batches, rank, world)
+    _, want, _ = reference(model, batches, world, WARMUP, _engine_fused(engine), gas=2)
+    for k in range(STEPS):
+        assert_params_close(got[k], want[k], 0.0, f"accumulation, weights after step {k + 1}")
 
 
 @pytest.mark.parametrize("case", ["clip", "skip"])
