@@ -284,3 +284,20 @@ def test_pipeline_refused() -> None:
     with pytest.raises(NotSupportedError, match="delayed_update with a PipelineModule"):
         check_for_pipeline(cfg, virtual_stages=1)
 
+
+
+def test_background_failure_is_raised_at_the_next_boundary(groups, monkeypatch) -> None:
+    """An exception inside the background step is not lost: the next wait for it (a step's
+    boundary, a save, or here `settle_step()` itself) raises it, chained."""
+    rank, world = groups.rank, groups.world_size
+    engine = init_engine(make_model(), config(2, warmup=1))
+    train_engine(engine, global_batches(1, MICRO * world), rank, world)  # the warm-up step
+
+    def broken(self: Any, closure: Any = None) -> None:
+        raise ValueError("injected")
+
+    monkeypatch.setattr(type(engine.optimizer.optimizer.inner), "step", broken)
+    train_engine(engine, global_batches(1, MICRO * world, seed=2), rank, world)  # starts, fails in its thread
+    with pytest.raises(RuntimeError, match="background thread") as info:
+        engine.strategy.settle_step()
+    assert isinstance(info.value.__cause__, ValueError)
