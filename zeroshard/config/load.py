@@ -263,7 +263,19 @@ def check_fp16_scaling(fp16: FP16Config) -> None:
 
 
 def check_delayed_update(section: OffloadOptimizerConfig) -> None:
-    """`offload_optimizer.delayed_update` (zeroshard's extension) overlaps a CPU optimizer step."""
+    """`offload_optimizer.delayed_update` (zeroshard's extension) overlaps a CPU optimizer step;
+    `offload_optimizer.ratio` below 1 keeps part of it on the device."""
+    if section.ratio < 1.0:
+        if section.device == "none":
+            raise ConfigError(f"zero_optimization.offload_optimizer.ratio={show(section.ratio)}: it is the share "
+                              'of the optimizer offloaded, so it needs offload_optimizer.device "cpu" (got "none"); '
+                              "set the device or remove the key.")
+        if section.device == "nvme":
+            raise NotSupportedError("zero_optimization.offload_optimizer.ratio below 1 with device \"nvme\" is not "
+                                    'implemented (partial offload keeps the rest in CPU memory): use device "cpu".')
+        if section.delayed_update:
+            raise NotSupportedError("zero_optimization.offload_optimizer.ratio below 1 with delayed_update is not "
+                                    "implemented (the background step would run device kernels); use one of them.")
     if not section.delayed_update or section.device == "cpu":
         return
     if section.device == "nvme":

@@ -42,7 +42,9 @@ class OffloadOptimizerConfig:
     """Initialise the optimizer states faster when offloading to NVMe."""
     ratio: float = spec(1.0, ge=0.0, le=1.0)
     """Fraction of the optimizer step run on the CPU; below 1.0 is partial offload, stage 3
-    only. Default 1.0: everything offloaded once offload is on."""
+    only: as DeepSpeed does with its sub-groups, the first int((1 - ratio) * n) of the n units
+    keep their master weights, gradient shard and optimizer state on the device, the rest are
+    offloaded (docs/offload.md). Default 1.0: everything offloaded once offload is on."""
     super_offload: bool = False
     """DeepSpeed's SuperOffload mode (superchip CPU-GPU optimizer overlap)."""
     cpuadam_cores_perc: float = spec(0.8, ge=0.0, le=1.0)

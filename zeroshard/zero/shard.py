@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from zeroshard.zero.flat import BucketedPartition, ShardFragment
 from zeroshard.zero.offload.delayed_step import DelayedStep
 from zeroshard.zero.offload.policy import OffloadPolicy
+from zeroshard.zero.offload.split_home import SplitFlat, device_buckets, parts_of
 from zeroshard.zero.strategy import (
     BytesByHome,
     GradStats,
@@ -75,15 +76,28 @@ class OptimizerShard:
         self._delayed: DelayedStep | None = None  # offload_optimizer.delayed_update
         self._spare_grads: Tensor | None = None  # Note: [double gradient buffer]
         self.model_parallel = norm_group  # Note: [norm groups] in zero/strategy.py
-        self.master: Tensor | None = None  # 1D master_dtype, shard_numel, at the policy's home
+        # 1D master_dtype / grad_dtype, shard_numel, at the policy's home (Note: [partial offload]: split)
+        self.master: Tensor | SplitFlat | None = None
         if self._separate:
-            self.master = policy.allocate(plan.shard_numel, master_dtype, self._device, zero=False)
+            self.master = self._allocate(master_dtype, zero=False)
             self.load_master_from_lp()
         self._whole_grads = whole_grads if not policy.offloaded else None
-        self.grad_shard: Tensor | None = None  # 1D grad_dtype, shard_numel, at the policy's home
+        self.grad_shard: Tensor | SplitFlat | None = None
         if self._whole_grads is None:
-            self.grad_shard = policy.allocate(plan.shard_numel, grad_dtype, self._device)
+            self.grad_shard = self._allocate(grad_dtype, zero=True)
         self._init_fragments(trainable)
+
+    def _allocate(self, dtype: torch.dtype, *, zero: bool) -> Tensor | SplitFlat:
+        """A shard-sized buffer at the policy's home; with `offload_optimizer.ratio` below 1, its
+        leading buckets on the model's device (Note: [partial offload] in zero/offload/split_home.py)."""
+        numel, policy = self._plan.shard_numel, self._policy
+        if policy.ratio >= 1.0:
+            return policy.allocate(numel, dtype, self._device, zero=zero)
+        n = device_buckets(policy.ratio, len(self._plan.buckets))
+        split = self._plan.shard_range(n)[0] if n < len(self._plan.buckets) else numel
+        factory = torch.zeros if zero else torch.empty
+        return SplitFlat(numel, split, lambda k: factory(k, dtype=dtype, device=self._device),
+                         lambda k: policy.allocate(k, dtype, self._device, zero=zero))
 
     def _init_fragments(self, trainable: Sequence[bool]) -> None:
         self._fragments: list[ShardFragment] = [f for f in self._plan.rank_fragments(self._rank)
@@ -133,7 +147,7 @@ class OptimizerShard:
 
     def _grad_views(self) -> list[Tensor]:
         if self.grad_shard is not None:
-            return [self.grad_shard]
+            return parts_of(self.grad_shard)
         chunks = [self._plan.chunk_range(b, self._rank) for b in range(len(self._plan.buckets))]
         return [self._whole(start, end - start) for start, end in chunks]
 
@@ -289,8 +303,8 @@ class OptimizerShard:
     def state_tensors(self) -> dict[str, list[Tensor]]:
         """The master shard ("hp_params": the fragments, views of the low-precision values when
         there is no separate master) and the gradient shard ("lp_grads")."""
-        hp = [self.master] if self.master is not None else list(self.fragment_params)
-        grads = [g for g in (self.grad_shard, self._spare_grads) if g is not None]
+        hp = parts_of(self.master) if self.master is not None else list(self.fragment_params)
+        grads = [*parts_of(self.grad_shard), *parts_of(self._spare_grads)]
         if self._whole_grads is not None:
             grads.append(self._whole_grads)
         return {"hp_params": hp, "lp_grads": grads}
@@ -298,9 +312,18 @@ class OptimizerShard:
     def count_bytes(self, acc: BytesByHome, optimizer_state_bytes: int) -> None:
         """Add the gradient shard, master shard and optimizer state at the policy's home."""
         home = self._policy.label(self._device)
-        acc.add(home, "grads", _nbytes(self.grad_shard) + _nbytes(self._spare_grads))
-        acc.add(home, "master_params", _nbytes(self.master))
-        acc.add(home, "optimizer_states", optimizer_state_bytes)
+        on_device = 0  # Note: [partial offload]: the leading buckets stay on the model's device
+        for key, buffer in (("grads", self.grad_shard), ("master_params", self.master)):
+            if isinstance(buffer, SplitFlat):
+                acc.add(self._device.type, key, _nbytes(buffer.parts[0]))
+                on_device = buffer.split
+            acc.add(home, key, _nbytes(parts_of(buffer)[-1] if buffer is not None else None))
+        acc.add(home, "grads", _nbytes(self._spare_grads))
+        # per-element states (Adam's) split as the master does; counted by that share
+        device_states = optimizer_state_bytes * on_device // max(self._plan.shard_numel, 1)
+        if on_device:
+            acc.add(self._device.type, "optimizer_states", device_states)
+        acc.add(home, "optimizer_states", optimizer_state_bytes - device_states)
 
 
 class ShardedStrategyBase(ZeroStrategy):
