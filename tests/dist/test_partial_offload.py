@@ -64,3 +64,29 @@ def test_refused_where_not_built() -> None:
         load({"device": "cpu", "ratio": 0.5, "delayed_update": True})
     with pytest.raises(ConfigError, match="ratio"):  # stage 3 only, as in DeepSpeed
         load({"device": "cpu", "ratio": 0.5}, stage=2)
+
+
+def test_checkpoint_moves_between_ratios(groups, shared_dir) -> None:
+    """A checkpoint saved at ratio 0.5 resumes at ratio 1.0 (and the reverse) exactly: the ratio
+    only places the states."""
+    rank, world = groups.rank, groups.world_size
+    batches = global_batches(6, MICRO * world)
+    for saved, loaded in ((0.5, 1.0), (1.0, 0.5)):
+        engine = init_engine(make_model(), config(saved))
+        train_engine(engine, batches[:3], rank, world)
+        engine.save_checkpoint(shared_dir, tag=f"r{saved}")
+        _, cont = train_engine(engine, batches[3:], rank, world)
+        resumed = init_engine(make_model(seed=7), config(loaded))
+        resumed.load_checkpoint(shared_dir, tag=f"r{saved}")
+        _, again = train_engine(resumed, batches[3:], rank, world)
+        for k in range(3):
+            assert_params_close(again[k], cont[k], 0.0, f"saved at {saved}, loaded at {loaded}, step {k + 4}")
+
+
+def test_pipeline_refused() -> None:
+    from zeroshard.config.pipeline import check_for_pipeline
+
+    cfg = load_config({"train_batch_size": 2, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, dp_world_size=1)
+    with pytest.raises(NotSupportedError, match="offload_optimizer.ratio with a PipelineModule"):
+        check_for_pipeline(cfg, virtual_stages=1)
