@@ -1,7 +1,7 @@
 """The one-step delayed parameter update (`offload_optimizer.delayed_update`) follows its rule bit
 for bit (Note: [delayed update] in zeroshard/zero/offload/delayed_step.py).
 
-The reference is written here in plain torch: fused AdamW on fp32 masters; each rank's gradient
+The reference (`offload_reference` in engine_helpers.py) is plain torch: fused AdamW on fp32 masters; each rank's gradient
 computed on its own micro-batch and summed in rank order (2 ranks: a + b == b + a exactly, so the
 engine's all-reduce gives the same bits), then averaged; the first WARMUP steps update and publish
 before the next forward; after them, step k publishes the masters of update k-1 and then applies
@@ -12,18 +12,20 @@ update k, so the forward of step k+1 runs on the weights of update k-1. Run at w
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 import pytest
 import torch
 from engine_helpers import (
+    MICRO,
     assert_params_close,
     gathered_snapshot,
     global_batches,
     init_engine,
     make_config,
     make_model,
+    offload_reference,
+    publish,
     rank_micro_batches,
     train_engine,
 )
@@ -34,7 +36,6 @@ from zeroshard.zero.offload.delayed_step import DelayedStep
 
 STEPS = 10
 WARMUP = 3
-MICRO = 2
 
 
 def config(stage: int, delayed: bool = True, warmup: int = WARMUP, **zero: Any) -> dict[str, Any]:
@@ -43,59 +44,6 @@ def config(stage: int, delayed: bool = True, warmup: int = WARMUP, **zero: Any) 
         offload.update(delayed_update=True, delayed_update_warmup_steps=warmup)
     return make_config(zero_optimization={"stage": stage, "reduce_bucket_size": 500,
                                           "offload_optimizer": offload, **zero})
-
-
-def reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], world: int, warmup: int | None,
-              fused: bool, max_norm: float = 0.0, skip: int | None = None,
-              gas: int = 1) -> tuple[list[list[float]], list[list[Tensor]], list[Tensor]]:
-    """Per-step losses of each rank's micro-batch, the weights the model holds after each step,
-    the final masters. `warmup` None: every step synchronous. `max_norm`: clip step k's averaged
-    gradient by its global norm (float64 sum of squares of the rank sum, as documented) before
-    it is snapshotted. `skip`: that step's gradient is non-finite: no update starts, the one in
-    flight lands; warm-up counts applied updates. `gas` > 1: stage 2's order, each micro-batch's
-    loss / gas summed over ranks, then over micro-batches; the losses are the last micro-batch's."""
-    model = copy.deepcopy(model)
-    params = list(model.parameters())
-    master = [nn.Parameter(p.detach().clone()) for p in params]
-    opt = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.01, fused=fused)
-    losses, published = [], []
-    for k, batch in enumerate(batches, start=1):
-        total: list[Tensor] | None = None
-        rank_micro = [rank_micro_batches(batch, r, world, MICRO, gas) for r in range(world)]
-        for m in range(gas):
-            micro_sum: list[Tensor] | None = None
-            rank_losses = []
-            for r in range(world):
-                x, y = rank_micro[r][m]
-                loss = model(x, y)
-                grads = torch.autograd.grad(loss * (1.0 / gas) if gas != 1 else loss, params)
-                micro_sum = list(grads) if micro_sum is None else [t + g for t, g in zip(micro_sum, grads)]
-                rank_losses.append(loss.item())
-            assert micro_sum is not None
-            total = micro_sum if total is None else [t + g for t, g in zip(total, micro_sum)]
-        assert total is not None
-        mult = 1.0 / world
-        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in total)) * mult
-        coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
-        for m, g in zip(master, total):
-            m.grad = g * (mult * coef) if mult * coef != 1.0 else g
-        applied = k - (skip is not None and k >= skip)
-        delayed = warmup is not None and applied > warmup
-        if delayed or k == skip:  # the update of step k-1 lands, then update k starts
-            _publish(params, master)
-        if k != skip:
-            opt.step()
-        if not delayed:
-            _publish(params, master)
-        losses.append(rank_losses)
-        published.append([p.detach().clone() for p in params])
-    return losses, published, [m.detach().clone() for m in master]
-
-
-def _publish(params: list[nn.Parameter], master: list[nn.Parameter]) -> None:
-    with torch.no_grad():
-        for p, m in zip(params, master):
-            p.copy_(m)
 
 
 def _engine_fused(engine: Any) -> bool:
@@ -111,13 +59,13 @@ def test_matches_reference(groups, stage: int) -> None:
     batches = global_batches(STEPS, MICRO * world)
     engine = init_engine(copy.deepcopy(model), config(stage))
     losses, got = train_engine(engine, batches, rank, world)
-    want_losses, want, want_master = reference(model, batches, world, WARMUP, _engine_fused(engine))
+    want_losses, want, want_master = offload_reference(model, batches, world, WARMUP, _engine_fused(engine))
     for k in range(STEPS):
         assert_params_close(got[k], want[k], 0.0, f"stage {stage}, weights after step {k + 1}")
     assert losses == [per_rank[rank] for per_rank in want_losses]
     # the synchronous rule agrees through the warm-up and differs from step WARMUP + 1 on, whose
     # update is still in flight when the step returns: the comparison above can fail
-    _, sync, _ = reference(model, batches, world, None, _engine_fused(engine))
+    _, sync, _ = offload_reference(model, batches, world, None, _engine_fused(engine))
     assert all(torch.equal(a, b) for a, b in zip(sync[WARMUP - 1], want[WARMUP - 1]))
     assert not any(torch.equal(a, b) for a, b in zip(sync[WARMUP], want[WARMUP]))
     engine.strategy.settle_step()  # the last update lands: the masters of update STEPS
@@ -139,7 +87,7 @@ def test_gradient_accumulation(groups, monkeypatch) -> None:
     cfg["gradient_accumulation_steps"] = 2
     engine = init_engine(copy.deepcopy(model), cfg)
     _, got = train_engine(engine, batches, rank, world)
-    _, want, _ = reference(model, batches, world, WARMUP, _engine_fused(engine), gas=2)
+    _, want, _ = offload_reference(model, batches, world, WARMUP, _engine_fused(engine), gas=2)
     for k in range(STEPS):
         assert_params_close(got[k], want[k], 0.0, f"accumulation, weights after step {k + 1}")
 
@@ -160,8 +108,8 @@ def test_clip_and_skipped_step(groups, case: str) -> None:
 
     engine = init_engine(copy.deepcopy(model), cfg)
     _, got = train_engine(engine, batches, rank, world, before_backward=hook)
-    _, want, _ = reference(model, batches, world, WARMUP, _engine_fused(engine), max_norm=cfg["gradient_clipping"],
-                           skip=skip)
+    _, want, _ = offload_reference(model, batches, world, WARMUP, _engine_fused(engine),
+                                   max_norm=cfg["gradient_clipping"], skip=skip)
     for k in range(STEPS):
         assert_params_close(got[k], want[k], 0.0, f"{case}, weights after step {k + 1}")
     assert engine.skipped_steps == (1 if skip else 0)
@@ -224,7 +172,7 @@ def test_lr_scheduler_after_launch_does_not_race(groups) -> None:
         for group in opt.param_groups:
             group["lr"] = lr
         if k > 1:
-            _publish(params, master)
+            publish(params, master)
         opt.step()
     assert_params_close(got, [m.detach() for m in master], 0.0, "with WarmupLR")
 
@@ -264,8 +212,8 @@ def test_fp32_reads_wait_for_the_step_in_flight(groups, monkeypatch, stage: int)
     assert engine.optimizer.optimizer.in_flight
     masters = [safe_get_full_fp32_param(p) for p in engine.module.parameters()]
     _, got_last = train_engine(engine, batches[5:], rank, world)
-    _, want, _ = reference(model, batches, world, 1, _engine_fused(engine))
-    _, _, want_master5 = reference(model, batches[:5], world, 1, _engine_fused(engine))
+    _, want, _ = offload_reference(model, batches, world, 1, _engine_fused(engine))
+    _, _, want_master5 = offload_reference(model, batches[:5], world, 1, _engine_fused(engine))
     assert_params_close([m.reshape(-1) for m in masters], [m.reshape(-1) for m in want_master5], 0.0,
                         f"stage {stage}, masters of update 5 read in flight")
     assert_params_close(got[4], want[4], 0.0, f"stage {stage}, weights after step 5 (update 4)")

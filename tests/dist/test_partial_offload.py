@@ -11,8 +11,16 @@ from __future__ import annotations
 import copy
 
 import pytest
-from engine_helpers import assert_params_close, global_batches, init_engine, make_config, make_model, train_engine
-from test_delayed_update import MICRO, reference
+from engine_helpers import (
+    MICRO,
+    assert_params_close,
+    global_batches,
+    init_engine,
+    make_config,
+    make_model,
+    offload_reference,
+    train_engine,
+)
 
 from zeroshard.config import load_config
 from zeroshard.errors import ConfigError, NotSupportedError
@@ -33,7 +41,7 @@ def test_update_rule_and_placement(groups, ratio: float) -> None:
     engine = init_engine(copy.deepcopy(model), config(ratio))
     _, got = train_engine(engine, batches, rank, world)
     fused = bool(engine.optimizer.optimizer.defaults.get("fused"))
-    _, want, _ = reference(model, batches, world, None, fused)
+    _, want, _ = offload_reference(model, batches, world, None, fused)
     for k in range(STEPS):
         assert_params_close(got[k], want[k], 0.0, f"ratio {ratio}, weights after step {k + 1}")
 
