@@ -1,12 +1,12 @@
 """The one-step delayed parameter update (`offload_optimizer.delayed_update`) follows its rule bit
 for bit (Note: [delayed update] in zeroshard/zero/offload/delayed_step.py).
 
-The reference (`offload_reference` in engine_helpers.py) is plain torch: fused AdamW on fp32 masters; each rank's gradient
-computed on its own micro-batch and summed in rank order (2 ranks: a + b == b + a exactly, so the
-engine's all-reduce gives the same bits), then averaged; the first WARMUP steps update and publish
-before the next forward; after them, step k publishes the masters of update k-1 and then applies
-update k, so the forward of step k+1 runs on the weights of update k-1. Run at world sizes 1
-(plain pytest) and 2 (torchrun), ZeRO stages 1-3, fp32, one micro-batch per step.
+The reference (`offload_reference` in engine_helpers.py) is plain torch: fused AdamW on fp32
+masters; each rank's gradient computed on its own micro-batch and summed in rank order (2 ranks:
+a + b == b + a exactly, so the engine's all-reduce gives the same bits), then averaged; the
+first WARMUP steps update and publish before the next forward; after them, step k publishes the
+masters of update k-1 and then applies update k, so the forward of step k+1 runs on the weights
+of update k-1. Run at world sizes 1 (plain pytest) and 2 (torchrun), ZeRO stages 1-3, fp32.
 """
 
 from __future__ import annotations
