@@ -168,8 +168,8 @@ def train_bf16_reference(
 
 
 def offload_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], world: int, warmup: int | None,
-              fused: bool, max_norm: float = 0.0, skip: int | None = None,
-              gas: int = 1) -> tuple[list[list[float]], list[list[Tensor]], list[Tensor]]:
+              fused: bool, max_norm: float = 0.0, skip: int | None = None, gas: int = 1,
+              bf16: bool = False) -> tuple[list[list[float]], list[list[Tensor]], list[Tensor]]:
     """The rule of `offload_optimizer.delayed_update` (tests/dist/test_delayed_update.py) in plain
     torch, fused AdamW on fp32 masters; `warmup` None is the synchronous step.
 
@@ -178,10 +178,11 @@ def offload_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
     gradient by its global norm (float64 sum of squares of the rank sum, as documented) before
     it is snapshotted. `skip`: that step's gradient is non-finite: no update starts, the one in
     flight lands; warm-up counts applied updates. `gas` > 1: stage 2's order, each micro-batch's
-    loss / gas summed over ranks, then over micro-batches; the losses are the last micro-batch's."""
-    model = copy.deepcopy(model)
+    loss / gas summed over ranks, then over micro-batches; the losses are the last micro-batch's.
+    `bf16`: the model in bf16, its gradients summed in fp32 (exact), masters cast back into it."""
+    model = copy.deepcopy(model).to(torch.bfloat16) if bf16 else copy.deepcopy(model)
     params = list(model.parameters())
-    master = [nn.Parameter(p.detach().clone()) for p in params]
+    master = [nn.Parameter(p.detach().float().clone()) for p in params]  # from the (bf16) weights
     opt = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.01, fused=fused)
     losses, published = [], []
     for k, batch in enumerate(batches, start=1):
@@ -193,7 +194,7 @@ def offload_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
             for r in range(world):
                 x, y = rank_micro[r][m]
                 loss = model(x, y)
-                grads = torch.autograd.grad(loss * (1.0 / gas) if gas != 1 else loss, params)
+                grads = [g.float() for g in torch.autograd.grad(loss * (1.0 / gas) if gas != 1 else loss, params)]
                 micro_sum = list(grads) if micro_sum is None else [t + g for t, g in zip(micro_sum, grads)]
                 rank_losses.append(loss.item())
             assert micro_sum is not None
@@ -213,7 +214,7 @@ def offload_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
         if not delayed:
             publish(params, master)
         losses.append(rank_losses)
-        published.append([p.detach().clone() for p in params])
+        published.append([p.detach().float().clone() for p in params])
     return losses, published, [m.detach().clone() for m in master]
 
 
