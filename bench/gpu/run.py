@@ -29,8 +29,9 @@ sys.path.insert(0, str(HERE))
 
 from runner import ROWS, GpuSpec  # noqa: E402  bench/gpu/runner.py loads after the sys.path insert
 
-# The NVMe rows and the optimizer-only CPU offload row they are measured against run by name.
-DEFAULT_ROWS = [r for r in ROWS if "nvme" not in r and r != "zs3_offload_opt"]
+# The NVMe rows, the optimizer-only CPU offload row they are measured against and the delayed-update
+# rows run by name.
+DEFAULT_ROWS = [r for r in ROWS if "nvme" not in r and "delayed" not in r and r != "zs3_offload_opt"]
 
 # Dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets, by device-name substring.
 PEAK_BF16_TFLOPS = [("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0),
@@ -106,6 +107,15 @@ def render(results: list[dict[str, Any]], peak: float | None) -> str:
         if a.get("status") == b.get("status") == "ok":
             lines.append(f"\n{nvme} against {cpu} (NVMe over CPU optimizer offload, throughput): "
                          f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}")
+    for delayed, sync, plain in (("zs2_offload_delayed", "zs2_offload", "zs2"),
+                                 ("zs3_offload_delayed", "zs3_offload_opt", "zs3")):
+        a, b, c = by_row.get(delayed, {}), by_row.get(sync, {}), by_row.get(plain, {})
+        if a.get("status") == "ok" and b.get("status") == "ok":
+            line = (f"\n{delayed} against {sync} (delayed update over synchronous CPU optimizer offload, "
+                    f"throughput): {a['tokens_per_s'] / b['tokens_per_s']:.2f}")
+            if c.get("status") == "ok":
+                line += f"; against {plain} (no offload): {a['tokens_per_s'] / c['tokens_per_s']:.2f}"
+            lines.append(line)
     return "\n".join(lines) + "\n"
 
 

@@ -60,8 +60,10 @@ def ds_config(spec: GpuSpec, stage: int, offload: str, device: str) -> dict[str,
         zero.pop("allgather_bucket_size")
         zero["stage3_prefetch_bucket_size"] = spec.bucket_numel // 10
     pin = device == "cuda"
-    if offload in ("optimizer", "both"):
+    if offload in ("optimizer", "both", "delayed"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if offload == "delayed":  # zeroshard's extension; warm-up 1 so the timed steps are delayed ones
+        zero["offload_optimizer"].update(delayed_update=True, delayed_update_warmup_steps=1)
     if offload == "nvme":  # swap files under $ZS_BENCH_NVME_PATH (bench/nvme.md)
         path = os.environ.get("ZS_BENCH_NVME_PATH", "/tmp/zeroshard-nvme-bench")
         os.makedirs(path, exist_ok=True)
@@ -96,6 +98,8 @@ ROWS: dict[str, tuple[str, int, str]] = {
     "zs2_fp8": ("zeroshard", 2, "fp8"),  # fp8 tensorwise against zs2's bf16
     "zs2_fp8_rowwise": ("zeroshard", 2, "fp8_rowwise"),
     "zs3_fp8_ag": ("zeroshard", 3, "fp8_ag"),  # fp8 tensorwise + float8 all-gather against zs3
+    "zs2_offload_delayed": ("zeroshard", 2, "delayed"),
+    "zs3_offload_delayed": ("zeroshard", 3, "delayed"),
     "zs2_nvme": ("zeroshard", 2, "nvme"),
     "zs3_nvme": ("zeroshard", 3, "nvme"),
     **{f"ds{s}": ("deepspeed", s, "none") for s in range(4)},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,6 +17,8 @@ import zeroshard
 from zeroshard.examples.gpt import GPT, GPTConfig
 
 TINY = GPTConfig.preset("tiny")
+MICRO = 2
+"""Micro-batch of the offload references (`offload_reference`)."""
 
 
 def make_config(**overrides: Any) -> dict[str, Any]:
@@ -162,6 +165,63 @@ def train_bf16_reference(
         losses.append(loss / n)
         snapshots.append([p.detach().float().clone() for p in params])
     return losses, snapshots
+
+
+def offload_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], world: int, warmup: int | None,
+              fused: bool, max_norm: float = 0.0, skip: int | None = None, gas: int = 1,
+              bf16: bool = False) -> tuple[list[list[float]], list[list[Tensor]], list[Tensor]]:
+    """The rule of `offload_optimizer.delayed_update` (tests/dist/test_delayed_update.py) in plain
+    torch, fused AdamW on fp32 masters; `warmup` None is the synchronous step.
+
+    Per-step losses of each rank's micro-batch, the weights the model holds after each step,
+    the final masters. `warmup` None: every step synchronous. `max_norm`: clip step k's averaged
+    gradient by its global norm (float64 sum of squares of the rank sum, as documented) before
+    it is snapshotted. `skip`: that step's gradient is non-finite: no update starts, the one in
+    flight lands; warm-up counts applied updates. `gas` > 1: stage 2's order, each micro-batch's
+    loss / gas summed over ranks, then over micro-batches; the losses are the last micro-batch's.
+    `bf16`: the model in bf16, its gradients summed in fp32 (exact), masters cast back into it."""
+    model = copy.deepcopy(model).to(torch.bfloat16) if bf16 else copy.deepcopy(model)
+    params = list(model.parameters())
+    master = [nn.Parameter(p.detach().float().clone()) for p in params]  # from the (bf16) weights
+    opt = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.01, fused=fused)
+    losses, published = [], []
+    for k, batch in enumerate(batches, start=1):
+        total: list[Tensor] | None = None
+        rank_micro = [rank_micro_batches(batch, r, world, MICRO, gas) for r in range(world)]
+        for m in range(gas):
+            micro_sum: list[Tensor] | None = None
+            rank_losses = []
+            for r in range(world):
+                x, y = rank_micro[r][m]
+                loss = model(x, y)
+                grads = [g.float() for g in torch.autograd.grad(loss * (1.0 / gas) if gas != 1 else loss, params)]
+                micro_sum = list(grads) if micro_sum is None else [t + g for t, g in zip(micro_sum, grads)]
+                rank_losses.append(loss.item())
+            assert micro_sum is not None
+            total = micro_sum if total is None else [t + g for t, g in zip(total, micro_sum)]
+        assert total is not None
+        mult = 1.0 / world
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in total)) * mult
+        coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+        for m, g in zip(master, total):
+            m.grad = g * (mult * coef) if mult * coef != 1.0 else g
+        applied = k - (skip is not None and k >= skip)
+        delayed = warmup is not None and applied > warmup
+        if delayed or k == skip:  # the update of step k-1 lands, then update k starts
+            publish(params, master)
+        if k != skip:
+            opt.step()
+        if not delayed:
+            publish(params, master)
+        losses.append(rank_losses)
+        published.append([p.detach().float().clone() for p in params])
+    return losses, published, [m.detach().clone() for m in master]
+
+
+def publish(params: list[nn.Parameter], master: list[nn.Parameter]) -> None:
+    with torch.no_grad():
+        for p, m in zip(params, master):
+            p.copy_(m)
 
 
 def assert_params_close(got: list[Tensor], want: list[Tensor], rtol: float, what: str) -> None:

@@ -280,13 +280,19 @@ def test_stage3_partitions_experts_over_their_expert_data_parallel_group(groups:
 
 
 def test_stage3_refusals_name_what_is_not_built(groups: ProcessGroups) -> None:
-    """NVMe offload with MoE layers is refused by key at initialize, a MoE layer built under
-    zero.Init where it is built."""
+    """NVMe offload, the delayed update and partial offload with MoE layers are refused by key at
+    initialize, a MoE layer built under zero.Init where it is built."""
     case = CASES["top1_dropless"]
     model = Net(1, **case["moe"])
     params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "a"})
     cfg = config(3, 0.0, offload_param={"device": "nvme", "nvme_path": "/tmp"})
     with pytest.raises(NotSupportedError, match='offload_param.device "nvme" with MoE layers'):
+        zeroshard.initialize(model=model, model_parameters=params, config=cfg)
+    cfg = config(3, 0.0, offload_optimizer={"device": "cpu", "delayed_update": True})
+    with pytest.raises(NotSupportedError, match="offload_optimizer.delayed_update with MoE layers"):
+        zeroshard.initialize(model=model, model_parameters=params, config=cfg)
+    cfg = config(3, 0.0, offload_optimizer={"device": "cpu", "ratio": 0.5})
+    with pytest.raises(NotSupportedError, match="offload_optimizer.ratio below 1 with MoE layers"):
         zeroshard.initialize(model=model, model_parameters=params, config=cfg)
     with zeroshard.zero.Init(config_dict_or_path=config(3, 0.0)):
         with pytest.raises(NotSupportedError, match="MoE layer built inside zeroshard.zero.Init"):

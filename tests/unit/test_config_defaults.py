@@ -101,6 +101,8 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "zero_optimization.offload_optimizer.fast_init": False, "zero_optimization.offload_optimizer.ratio": 1.0,
     "zero_optimization.offload_optimizer.super_offload": False,
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": 0.8,
+    "zero_optimization.offload_optimizer.delayed_update": EXTENSION,
+    "zero_optimization.offload_optimizer.delayed_update_warmup_steps": EXTENSION,
     # monitor/config.py
     "tensorboard.enabled": False, "tensorboard.output_path": "", "tensorboard.job_name": "DeepSpeedJobName",
     "csv_monitor.enabled": False, "csv_monitor.output_path": "", "csv_monitor.job_name": "DeepSpeedJobName",

@@ -98,6 +98,12 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     _Z + "offload_optimizer.buffer_count": ("zero/offload/policy.py::section.buffer_count",
                                             "zero/offload/nvme_swap.py::buffer_count"),
     _Z + "offload_optimizer.fast_init": ("zero/offload/policy.py::fast_init", "zero/offload/nvme_swap.py::fast_init"),
+    _Z + "offload_optimizer.ratio": ("zero/offload/policy.py::section, \"ratio\"",
+                                     "zero/offload/split_home.py::def device_buckets"),
+    _Z + "offload_optimizer.delayed_update": ("zero/offload/policy.py::section, \"delayed_update\"",
+                                              "zero/offload/delayed_step.py::class DelayedStep"),
+    _Z + "offload_optimizer.delayed_update_warmup_steps": (
+        "zero/offload/policy.py::section.delayed_update_warmup_steps", "zero/offload/delayed_step.py::self._warmup"),
     "aio.block_size": ("zero/offload/policy.py::aio.block_size",),
     "aio.queue_depth": ("zero/offload/policy.py::aio.queue_depth",),
     "aio.intra_op_parallelism": ("zero/offload/policy.py::aio.intra_op_parallelism",),

@@ -24,6 +24,7 @@ from zeroshard.config.schema_ep import check_expert_parallel
 from zeroshard.config.schema_fp8 import check_fp8
 from zeroshard.config.schema_optim import LambParams, OptimizerConfig, SchedulerConfig
 from zeroshard.config.schema_tp import check_tensor_parallel
+from zeroshard.config.schema_zero import OffloadOptimizerConfig
 from zeroshard.config.stages import check_stages, idle_keys
 from zeroshard.config.support import check_supported
 from zeroshard.errors import ConfigConflictError, ConfigError, NotSupportedError
@@ -205,6 +206,7 @@ def _check_cross_fields(cfg: Config) -> None:
                 f'zero_optimization.{name}.nvme_path: required when device is "nvme"; set it to a '
                 'directory on the NVMe drive, e.g. "/local_nvme".'
             )
+    check_delayed_update(zero.offload_optimizer)
     check_bf16_master(cfg)
     check_tensor_parallel(cfg.tensor_parallel)
     check_expert_parallel(cfg.expert_parallel)
@@ -260,6 +262,30 @@ def check_fp16_scaling(fp16: FP16Config) -> None:
             f"fp16.min_loss_scale: got {show(fp16.min_loss_scale)}, expected a number > 0 and <= the initial "
             f"loss scale 2**fp16.initial_scale_power = {fp16.initial_loss_scale:g}. DeepSpeed's default is 1."
         )
+
+
+def check_delayed_update(section: OffloadOptimizerConfig) -> None:
+    """`offload_optimizer.delayed_update` (zeroshard's extension) overlaps a CPU optimizer step;
+    `offload_optimizer.ratio` below 1 keeps part of it on the device."""
+    if section.ratio < 1.0:
+        if section.device == "none":
+            raise ConfigError(f"zero_optimization.offload_optimizer.ratio={show(section.ratio)}: it is the share "
+                              'of the optimizer offloaded, so it needs offload_optimizer.device "cpu" (got "none"); '
+                              "set the device or remove the key.")
+        if section.device == "nvme":
+            raise NotSupportedError("zero_optimization.offload_optimizer.ratio below 1 with device \"nvme\" is not "
+                                    'implemented (partial offload keeps the rest in CPU memory): use device "cpu".')
+        if section.delayed_update:
+            raise NotSupportedError("zero_optimization.offload_optimizer.ratio below 1 with delayed_update is not "
+                                    "implemented (the background step would run device kernels); use one of them.")
+    if not section.delayed_update or section.device == "cpu":
+        return
+    if section.device == "nvme":
+        raise NotSupportedError('zero_optimization.offload_optimizer.delayed_update with device "nvme" is not '
+                                'implemented (the swapped step runs synchronously): set device to "cpu" or '
+                                'delayed_update to false.')
+    raise ConfigError('zero_optimization.offload_optimizer.delayed_update: it delays the CPU optimizer step, '
+                      'so it needs offload_optimizer.device "cpu" (got "none"); set the device or remove the key.')
 
 
 def check_bf16_master(cfg: Config) -> None:

@@ -35,6 +35,12 @@ def check_for_pipeline(cfg: Config, virtual_stages: int) -> None:
         raise NotSupportedError(
             "not supported yet: gradient_allreduce_op='sum' with a PipelineModule (the pipeline engine averages "
             'its gradients over the data-parallel ranks); use "mean", or train the model without pipeline stages.')
+    offload = cfg.zero_optimization.offload_optimizer
+    for key, on in (("delayed_update", offload.delayed_update), ("ratio", offload.ratio < 1.0)):
+        if on:
+            raise NotSupportedError(
+                f"not supported yet: zero_optimization.offload_optimizer.{key} with a PipelineModule (proven for "
+                "the data-parallel engine only); remove it, or train without stages.")
     name = cfg.pipeline.schedule
     if name in ONE_STAGE_PER_RANK and virtual_stages != 1:
         raise ConfigError(

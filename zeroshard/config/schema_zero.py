@@ -42,11 +42,23 @@ class OffloadOptimizerConfig:
     """Initialise the optimizer states faster when offloading to NVMe."""
     ratio: float = spec(1.0, ge=0.0, le=1.0)
     """Fraction of the optimizer step run on the CPU; below 1.0 is partial offload, stage 3
-    only. Default 1.0: everything offloaded once offload is on."""
+    only: as DeepSpeed does with its sub-groups, the first int((1 - ratio) * n) of the n units
+    keep their master weights, gradient shard and optimizer state on the device, the rest are
+    offloaded (docs/offload.md). Default 1.0: everything offloaded once offload is on."""
     super_offload: bool = False
     """DeepSpeed's SuperOffload mode (superchip CPU-GPU optimizer overlap)."""
     cpuadam_cores_perc: float = spec(0.8, ge=0.0, le=1.0)
     """Fraction of CPU cores the CPU optimizer may use (SuperOffload)."""
+    delayed_update: bool = False
+    """zeroshard's extension: the ZeRO-Offload paper's one-step delayed parameter update. After
+    `delayed_update_warmup_steps` synchronous steps, the CPU optimizer step of step k runs in a
+    background thread during step k+1's forward and backward, so the forward of step k+1 uses
+    the weights of step k-1's update (one step of staleness). `device` "cpu" only. Default false:
+    every step's update is applied before the next forward (docs/offload.md)."""
+    delayed_update_warmup_steps: int = spec(40, ge=0)
+    """zeroshard's extension: optimizer steps run synchronously before the delayed update starts
+    (the paper delays only after a few dozen warm-up iterations, when gradients change fastest).
+    Default 40."""
 
 
 DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (

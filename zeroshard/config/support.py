@@ -75,8 +75,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 fix="Drop it in your dataset, and remove the key."),
     Unsupported(key="zero_optimization.load_from_fp32_weights", why="loading always rebuilds the 16-bit "
                 "weights from the fp32 master copy.", fix="Remove the key."),
-    Unsupported(key="zero_optimization.offload_optimizer.ratio", why="partial optimizer offload (a ratio "
-                "below 1.0) is not implemented.", fix="Remove the key (the whole optimizer step is offloaded)."),
     Unsupported(key="compile.deepcompile", why="DeepCompile (DeepSpeed's own compiler passes for ZeRO, "
                 "GPU-oriented) is not implemented; engine.compile() compiles the model with torch.compile and "
                 "keeps zeroshard's ZeRO hooks and collectives eager.",
@@ -123,9 +121,14 @@ UNMODELLED: dict[str, str] = {
         "comet", "quantize_training", "graph_harvesting", "timers",
         "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "vocabulary_size",
         "disable_python_gc", "log_level",
-        "zero_optimization.zenflow", "zero_optimization.zeropp_loco_param",
+        "zero_optimization.zeropp_loco_param",
         "checkpoint.writer",
     )
+} | {
+    "zero_optimization.zenflow": "DeepSpeed's ZenFlow (top-k gradient columns updated on the device, the rest "
+    "accumulated and stepped on the CPU) is not implemented; the overlap zeroshard has is "
+    "offload_optimizer.delayed_update, and offload_optimizer.ratio keeps part of the step on the device "
+    "(docs/offload.md).",
 }
 """DeepSpeed keys and sections zeroshard does not model. Accepted when they ask for nothing
 (`is_inactive`); anything else raises NotSupportedError naming the key."""

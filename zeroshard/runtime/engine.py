@@ -240,8 +240,10 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, EngineCheckpoi
     def destroy(self) -> None:
         """Forget this engine's parameters in `zeroshard.utils.safe_*` look-ups (DeepSpeed's
         `destroy` releases its optimizer's buffers). The engine stays usable for inference.
-        An asynchronous save in flight is published first (collective: every rank calls it)."""
+        An asynchronous save in flight is published first, and an optimizer step running late
+        (the delayed update) finishes (collective: every rank calls it)."""
         self.wait_for_checkpoint()
+        self._strategy.settle_step()
         forget_engine(self)
 
     @property

@@ -161,6 +161,7 @@ class AccumulationControl:
         if self.optimizer is None:
             raise UsageError("offload_states() on an engine without an optimizer: there are no training states "
                              "to move (DeepSpeed asserts the same)")
+        self.strategy.settle_step()  # the delayed update's step in flight writes the masters
         self._offload_with(states, pin_memory=pin_memory, non_blocking=non_blocking, move_host_storages=False)
 
     def _state_tensors(self) -> dict[str, list["torch.Tensor"]]:

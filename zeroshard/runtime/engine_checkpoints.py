@@ -50,7 +50,10 @@ class EngineCheckpoints:
     """The emergency save on SIGTERM / SIGUSR1 (checkpoint.preemption_save); set by `initialize`."""
 
     def state(self, *, include_frozen: bool = False) -> EngineState:
-        """This rank's state for a checkpoint: views of the live tensors plus the Manifest."""
+        """This rank's state for a checkpoint: views of the live tensors plus the Manifest.
+        Collective: an optimizer step still running late (the delayed update) finishes and is
+        published first, so masters, optimizer state and weights are one step's."""
+        self.strategy.settle_step()
         return collect_state(self, self.strategy, include_frozen=include_frozen)
 
     def apply_state(self, loaded: LoadedState, *, load_lr_scheduler_states: bool = True,

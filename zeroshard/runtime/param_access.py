@@ -88,7 +88,9 @@ def _count_ownership(engine: "EngineView") -> _Ownership:
 
 
 def _fragments(engine: "EngineView", param: nn.Parameter) -> list[tuple[int, MasterFragment]]:
-    """(position in checkpoint_fragments(), fragment) of `param` on this rank."""
+    """(position in checkpoint_fragments(), fragment) of `param` on this rank; a delayed
+    optimizer step in flight finishes first, so masters and optimizer state read whole."""
+    engine.strategy.wait_step()
     return [(i, f) for i, f in enumerate(engine.strategy.checkpoint_fragments()) if f.param is param]
 
 

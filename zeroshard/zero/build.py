@@ -145,6 +145,12 @@ def _check_experts_config(cfg: "Config", params: list[nn.Parameter]) -> None:
             raise NotSupportedError(
                 f"zero_optimization.{key}.device \"nvme\" with MoE layers is not implemented: set it to \"cpu\" "
                 "(or \"none\")")
+    if zero.offload_optimizer.delayed_update:  # each part would need its own settle; not built
+        raise NotSupportedError("zero_optimization.offload_optimizer.delayed_update with MoE layers is not "
+                                "implemented: set it to false (the CPU offload itself works)")
+    if zero.offload_optimizer.ratio < 1.0:
+        raise NotSupportedError("zero_optimization.offload_optimizer.ratio below 1 with MoE layers is not "
+                                "implemented: remove the key (the CPU offload itself works)")
     if zero.stage != 3:
         return
     if int(zero.zero_hpz_partition_size) > 1:

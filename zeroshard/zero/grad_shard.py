@@ -14,16 +14,18 @@ either way: the reducer's first fold of a step copies and later ones add (zero/r
 Only a shard on the model's device is released: an offloaded one is host memory that the
 device never holds.
 
-Imports nothing of ours but zero/flat.py and zero/offload/policy.py.
+Imports nothing of ours but zero/flat.py and zero/offload/split_home.py.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from zeroshard.zero.flat import BucketedPartition, ShardFragment
-from zeroshard.zero.offload.policy import OffloadPolicy
+from zeroshard.zero.offload.split_home import SplitFlat, parts_of
 
 
 class GradShard:
@@ -31,22 +33,28 @@ class GradShard:
 
     Args:
         plan: the bucketed partition; bucket b's piece is `plan.shard_range(b)` of the shard.
-        policy: the optimizer's home, which allocates the storage.
+        allocate_flat: the whole shard, kept for the run (a tensor, or split between the device and
+            the offload home with `offload_optimizer.ratio`, zero/offload/split_home.py).
+        allocate_piece: one bucket's own tensor of n elements (`release`).
         release: give each bucket its own storage and release it after every step.
     """
 
-    def __init__(self, plan: BucketedPartition, policy: OffloadPolicy, dtype: torch.dtype, device: torch.device,
-                 *, release: bool) -> None:
+    def __init__(self, plan: BucketedPartition, allocate_flat: Callable[[], "Tensor | SplitFlat"],
+                 allocate_piece: Callable[[int], Tensor], *, release: bool) -> None:
         self._plan = plan
         ranges = [plan.shard_range(b) for b in range(len(plan.buckets))]
         self.released_after_step = release
-        self.flat: Tensor | None = None
+        self.flat: Tensor | SplitFlat | None = None
         if release:  # allocated now so that views can be taken; the owner calls `release()` after
-            self._pieces = [policy.allocate(end - start, dtype, device) for start, end in ranges]
+            self._pieces = [allocate_piece(end - start) for start, end in ranges]
         else:
-            self.flat = policy.allocate(plan.shard_numel, dtype, device)
-            self._pieces = [self.flat[start:end] for start, end in ranges]
+            flat = self.flat = allocate_flat()
+            self._pieces = [flat[start:end] for start, end in ranges]
         self._live = [True] * len(ranges)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._pieces[0].dtype if self._pieces else torch.float32
 
     def bucket(self, b: int) -> Tensor:
         """Bucket `b`'s piece, materialised (zeroed) if the last step released it."""
@@ -66,7 +74,7 @@ class GradShard:
     def views(self) -> list[Tensor]:
         """Every piece holding this step's gradients (the whole shard unless released)."""
         if self.flat is not None:
-            return [self.flat]
+            return parts_of(self.flat)
         return [p for p, live in zip(self._pieces, self._live) if live]
 
     def release(self) -> None:

@@ -24,7 +24,9 @@ from torch import Tensor, nn
 
 from zeroshard.zero.flat import BucketedPartition, ShardFragment
 from zeroshard.zero.grad_shard import GradShard
+from zeroshard.zero.offload.delayed_step import DelayedStep
 from zeroshard.zero.offload.policy import OffloadPolicy
+from zeroshard.zero.offload.split_home import SplitFlat, device_buckets, parts_of
 from zeroshard.zero.strategy import (
     BytesByHome,
     GradStats,
@@ -73,19 +75,35 @@ class OptimizerShard:
         if policy.nvme is not None:  # the master lives in swap files; fragments alias `lp`
             self._separate = False
         self._swap_optimizer: "SwapAdam | None" = None
+        self._delayed: DelayedStep | None = None  # offload_optimizer.delayed_update
+        self._spare_grads: GradShard | None = None  # Note: [double gradient buffer]
         self.model_parallel = norm_group  # Note: [norm groups] in zero/strategy.py
-        self.master: Tensor | None = None  # 1D master_dtype, shard_numel, at the policy's home
+        # 1D master_dtype / grad_dtype, shard_numel, at the policy's home (Note: [partial offload]: split)
+        self.master: Tensor | SplitFlat | None = None
         if self._separate:
-            self.master = policy.allocate(plan.shard_numel, master_dtype, self._device, zero=False)
+            self.master = self._allocate(master_dtype, zero=False)
             self.load_master_from_lp()
         self._whole_grads = whole_grads if not policy.offloaded else None
         self.grad_shard: GradShard | None = None  # grad_dtype, shard_numel, at the policy's home
         if self._whole_grads is None:  # Note: [gradient lifetime] in zero/grad_shard.py
-            self.grad_shard = GradShard(plan, policy, grad_dtype, self._device,
+            self.grad_shard = GradShard(plan, lambda: self._allocate(grad_dtype, zero=True),
+                                        lambda n: policy.allocate(n, grad_dtype, self._device),
                                         release=release_grads and not policy.offloaded)
         self._init_fragments(trainable)
         if self.grad_shard is not None:
             self.grad_shard.release()  # views taken: nothing is held until the first reduction
+
+    def _allocate(self, dtype: torch.dtype, *, zero: bool) -> Tensor | SplitFlat:
+        """A shard-sized buffer at the policy's home; with `offload_optimizer.ratio` below 1, its
+        leading buckets on the model's device (Note: [partial offload] in zero/offload/split_home.py)."""
+        numel, policy = self._plan.shard_numel, self._policy
+        if policy.ratio >= 1.0:
+            return policy.allocate(numel, dtype, self._device, zero=zero)
+        n = device_buckets(policy.ratio, len(self._plan.buckets))
+        split = self._plan.shard_range(n)[0] if n < len(self._plan.buckets) else numel
+        factory = torch.zeros if zero else torch.empty
+        return SplitFlat(numel, split, lambda k: factory(k, dtype=dtype, device=self._device),
+                         lambda k: policy.allocate(k, dtype, self._device, zero=zero))
 
     def _init_fragments(self, trainable: Sequence[bool]) -> None:
         self._fragments: list[ShardFragment] = [f for f in self._plan.rank_fragments(self._rank)
@@ -201,8 +219,13 @@ class OptimizerShard:
 
     def swap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """With an NVMe home, the optimizer whose states live in this shard's swap files (the
-        directory is checked now, before any step); otherwise `optimizer` itself."""
+        directory is checked now, before any step); with the delayed update, the optimizer that
+        steps `optimizer` one step late (zero/offload/delayed_step.py); otherwise `optimizer` itself."""
         home = self._policy.nvme
+        if self._policy.delayed_update is not None:
+            self._delayed = DelayedStep(optimizer, self.fragment_params, self._policy.delayed_update,
+                                        swap_grads=self._swap_grad_buffers)
+            return self._delayed
         if home is None:
             return optimizer
         from zeroshard.zero.offload.nvme_io import check_swap_dir
@@ -222,6 +245,38 @@ class OptimizerShard:
         self._swap_optimizer.write_master()
         return self._swap_optimizer
 
+    def _swap_grad_buffers(self) -> None:
+        """Note: [double gradient buffer] The delayed update's background step reads step k's
+        gradient shard in place while step k+1's backward reduces into the other one (allocated
+        at the first delayed step, the size of the gradient shard); the next boundary waits for
+        the step before swapping back. A copy instead would cost a pass over the shard per step
+        on the main thread, about what the CPU Adam step it hides costs (measured on CPU)."""
+        if self.grad_shard is None:
+            raise AssertionError("expected a separate gradient shard to double-buffer")
+        if self._spare_grads is None:
+            numel, dtype, policy = self._plan.shard_numel, self.grad_shard.dtype, self._policy
+            self._spare_grads = GradShard(self._plan, lambda: policy.allocate(numel, dtype, self._device),
+                                          lambda n: policy.allocate(n, dtype, self._device), release=False)
+        self.grad_shard, self._spare_grads = self._spare_grads, self.grad_shard
+        self._fragment_grads = [self.grad_shard.fragment(f) for f in self._fragments]
+
+    @property
+    def step_in_flight(self) -> bool:
+        """The delayed update's step runs in the background: the masters are not final yet."""
+        return self._delayed is not None and self._delayed.in_flight
+
+    def settle(self) -> bool:
+        """Wait for the delayed update's step in flight; True when a step finished since the last
+        call (its masters are then to be published into the model's values)."""
+        if self._delayed is None:
+            return False
+        self._delayed.wait()
+        return self._delayed.take_landed()
+
+    def wait_step(self) -> None:
+        if self._delayed is not None:
+            self._delayed.wait()
+
     @torch.no_grad()
     def load_master_from_lp(self) -> None:
         """(Re-)initialise the master from the low-precision values (construction, weights-only load)."""
@@ -239,6 +294,10 @@ class OptimizerShard:
             return
         for b in range(len(self._plan.buckets)):
             self._own_lp(b).copy_(self.master[slice(*self._plan.shard_range(b))], non_blocking=True)
+        if self._delayed is not None and self._device.type == "cuda":
+            # the copies above read the pinned master asynchronously, and the delayed update's next
+            # step writes it from its thread as soon as the boundary returns
+            torch.cuda.current_stream(self._device).synchronize()
 
     # -- checkpoints and accounting ------------------------------------------------------------
 
@@ -254,8 +313,8 @@ class OptimizerShard:
     def state_tensors(self) -> dict[str, list[Tensor]]:
         """The master shard ("hp_params": the fragments, views of the low-precision values when
         there is no separate master) and the gradient shard ("lp_grads")."""
-        hp = [self.master] if self.master is not None else list(self.fragment_params)
-        grads = self.grad_shard.tensors() if self.grad_shard is not None else []
+        hp = parts_of(self.master) if self.master is not None else list(self.fragment_params)
+        grads = [t for g in (self.grad_shard, self._spare_grads) if g is not None for t in g.tensors()]
         if self._whole_grads is not None:
             grads.append(self._whole_grads)
         return {"hp_params": hp, "lp_grads": grads}
@@ -263,9 +322,21 @@ class OptimizerShard:
     def count_bytes(self, acc: BytesByHome, optimizer_state_bytes: int) -> None:
         """Add the gradient shard, master shard and optimizer state at the policy's home."""
         home = self._policy.label(self._device)
-        acc.add(home, "grads", 0 if self.grad_shard is None else self.grad_shard.nbytes)
-        acc.add(home, "master_params", _nbytes(self.master))
-        acc.add(home, "optimizer_states", optimizer_state_bytes)
+        on_device = 0  # Note: [partial offload]: the leading buckets stay on the model's device
+        grads = self.grad_shard
+        for key, buffer in (("grads", None if grads is None else grads.flat), ("master_params", self.master)):
+            if isinstance(buffer, SplitFlat):
+                acc.add(self._device.type, key, _nbytes(buffer.parts[0]))
+                on_device = buffer.split
+            acc.add(home, key, _nbytes(parts_of(buffer)[-1] if buffer is not None else None))
+        if grads is not None and grads.flat is None:  # per-bucket pieces, released after each step
+            acc.add(home, "grads", grads.nbytes)
+        acc.add(home, "grads", 0 if self._spare_grads is None else self._spare_grads.nbytes)
+        # per-element states (Adam's) split as the master does; counted by that share
+        device_states = optimizer_state_bytes * on_device // max(self._plan.shard_numel, 1)
+        if on_device:
+            acc.add(self._device.type, "optimizer_states", device_states)
+        acc.add(home, "optimizer_states", optimizer_state_bytes - device_states)
 
 
 class ShardedStrategyBase(ZeroStrategy):
@@ -290,7 +361,19 @@ class ShardedStrategyBase(ZeroStrategy):
         return self._shard.master_params_for(params)
 
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
+        self.settle_step()  # Note: [delayed update] in zero/offload/delayed_step.py
         return self._shard.prepare_step(grad_scale, max_norm, self.reduced_mult)
+
+    def settle_step(self) -> None:
+        if self._shard.settle():
+            self._publish_master()
+
+    def wait_step(self) -> None:
+        self._shard.wait_step()
+
+    def _publish_master(self) -> None:
+        """Make the model's values equal the updated masters (the end of an applied step)."""
+        raise NotImplementedError
 
     def checkpoint_fragments(self) -> list[MasterFragment]:
         return self._shard.checkpoint_fragments()

@@ -190,8 +190,11 @@ class PartitionedStrategy(ShardedStrategyBase):
         self._shard.after_step()
         self._reducer.end_step()
         self._reset_step()
-        if applied:
+        if applied and not self._shard.step_in_flight:  # in flight: published at the next settle_step
             self._gather_params()
+
+    def _publish_master(self) -> None:
+        self._gather_params()
 
     def _own_chunk(self, bucket: int) -> Tensor:
         return self._flat_params[slice(*self._plan.chunk_range(bucket, self._rank))]

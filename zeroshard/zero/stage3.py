@@ -479,8 +479,10 @@ class Stage3Strategy(ShardedStrategyBase):
     def after_step(self, applied: bool) -> None:
         self._shard.after_step()
         self._reducer.end_step(release_pool=self._opt.release_grads)
-        if not applied:
-            return
+        if applied and not self._shard.step_in_flight:  # in flight: published at the next settle_step
+            self._publish_master()
+
+    def _publish_master(self) -> None:
         self._shards.before_write()
         self._shard.store_master_to_lp()
         self._shards.refresh()

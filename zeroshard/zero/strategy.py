@@ -285,6 +285,17 @@ class ZeroStrategy(Protocol):
         zero/stage3.py). Default: nothing to do, no stage below 3 has module hooks (the gradient
         hooks run in the autograd engine, outside any graph)."""
 
+    def settle_step(self) -> None:
+        """Finish the optimizer step still running in the background (the delayed update,
+        zero/offload/delayed_step.py) and publish its weights into the model, so masters,
+        optimizer state and parameters agree (checkpoints, `offload_states`). Collective where
+        publishing is (every rank has the same step in flight). Default: nothing runs late."""
+
+    def wait_step(self) -> None:
+        """Wait, on this rank only, for the optimizer step running in the background: masters and
+        optimizer state are then final; the model's weights still show the previous update until
+        `settle_step()` (or the next step) publishes it. Local (no collective). Default: none runs."""
+
     def hold_for_batch(self) -> None:
         """A pipeline stage's batch begins (runtime/pipe_engine.py): stage 3 gathers every unit and
         keeps it across the batch's micro-batches. Default: nothing to hold."""

@@ -53,6 +53,12 @@ class OffloadPolicy:
     pin_memory: bool = False
     nvme: NvmeHome | None = None
     """Set when the states live in swap files; `device` is then the CPU that steps them."""
+    ratio: float = 1.0
+    """`offload_optimizer.ratio`: the share of the optimizer's buckets at this home; the leading
+    others stay on the model's device (Note: [partial offload] in zero/offload/split_home.py)."""
+    delayed_update: int | None = None
+    """`offload_optimizer.delayed_update`: the warm-up steps before the optimizer step runs one
+    step late in the background (zero/offload/delayed_step.py); None: every step synchronous."""
 
     @classmethod
     def from_config(cls, section: "OffloadOptimizerConfig | OffloadParamConfig", *,
@@ -73,7 +79,10 @@ class OffloadPolicy:
             return cls(device=torch.device("cpu"), pin_memory=bool(section.pin_memory), nvme=home)
         if section.device != "cpu":
             raise AssertionError(f"offload device {section.device!r} passed config validation but has no home")
-        return cls(device=torch.device("cpu"), pin_memory=bool(section.pin_memory))
+        delayed = getattr(section, "delayed_update", False)  # an offload_optimizer section only
+        return cls(device=torch.device("cpu"), pin_memory=bool(section.pin_memory),
+                   ratio=float(getattr(section, "ratio", 1.0)),
+                   delayed_update=int(section.delayed_update_warmup_steps) if delayed else None)
 
     @property
     def offloaded(self) -> bool:
