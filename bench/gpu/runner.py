@@ -72,11 +72,7 @@ def ds_config(spec: GpuSpec, stage: int, offload: str, device: str) -> dict[str,
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     if offload == "lean":  # FSDP2's lifetimes: reshard after forward, no gradients between steps
         zero.update(stage3_max_reuse_distance=0, stage3_release_grads=True)
-    extra: dict[str, Any] = {}
-    if offload.startswith("fp8"):  # docs/precision.md; "fp8_ag": stage 3 gathers the float8 weights
-        extra["fp8"] = {"enabled": True, "recipe": "rowwise" if offload == "fp8_rowwise" else "tensorwise",
-                        "float8_all_gather": offload == "fp8_ag"}
-    return {**extra,
+    cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
@@ -85,6 +81,10 @@ def ds_config(spec: GpuSpec, stage: int, offload: str, device: str) -> dict[str,
         "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
+    if offload.startswith("fp8"):  # docs/precision.md; "fp8_ag": stage 3 gathers the float8 weights
+        cfg["fp8"] = {"enabled": True, "recipe": "rowwise" if offload == "fp8_rowwise" else "tensorwise",
+                      "float8_all_gather": offload == "fp8_ag"}
+    return cfg
 
 
 ROWS: dict[str, tuple[str, int, str]] = {
@@ -127,8 +127,10 @@ def build(row: str, spec: GpuSpec, device: torch.device):  # engine-specific
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config(spec, stage, offload, device.type))
+        cfg = ds_config(spec, stage, offload, device.type)
+        if os.environ.get("ZS_DS_TORCH_ADAM") == "1":  # DeepSpeed without its CUDA ops (bench/gpu/README.md)
+            cfg["optimizer"]["params"]["torch_adam"] = True
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         return engine, engine.backward, engine.step
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
