@@ -8,6 +8,7 @@ checkpoint_format, errors and comm (a type), never runtime/.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -33,6 +34,7 @@ from zeroshard.checkpoint.pipe_files import (
     resolve_tag,
     stage_dir,
 )
+from zeroshard.checkpoint.verify import Resumable, newest_verified
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest
 from zeroshard.errors import CheckpointError
 
@@ -109,6 +111,12 @@ class PipelineCheckpointer:
         loaded = read_agreed(self._world, "loading the pipeline checkpoint", load_dir, read)
         agree_found(self._world, loaded is not None, load_dir)
         return loaded
+
+    def newest_verified(self, load_dir: str | os.PathLike[str]) -> Resumable | None:
+        """Auto-resume: the newest tag under `load_dir` whose every stage directory is complete and
+        verified, agreed over the whole world (checkpoint/verify.py checks `pipeline.json`'s stage
+        directories). Collective."""
+        return newest_verified(self._world, load_dir)
 
     def _reader(self, ckpt: Path, want: set[str]) -> MultiReader:
         """The saved directories of `ckpt`, whatever wrote it, as one reader in this layout's names."""

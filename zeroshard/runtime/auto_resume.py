@@ -38,13 +38,13 @@ def find_resumable(checkpointer: Any, load_dir: str | os.PathLike[str]) -> Any:
     """The newest complete, verified checkpoint under `load_dir` (collective), or None with a note.
 
     Raises:
-        NotSupportedError: the engine's checkpointer cannot choose one (pipeline or tensor
-            parallelism, for now).
+        NotSupportedError: the engine's checkpointer cannot choose one (Megatron-style pieces a
+            script split itself with an mpu).
     """
     if not isinstance(checkpointer, ResumeFinder):
         raise NotSupportedError(
-            "not supported yet: auto-resume (checkpoint.auto_resume_dir, engine.auto_resume) with a PipelineModule, "
-            "tensor parallelism or an mpu (issue 42); call engine.load_checkpoint(dir, tag=..., load_rng_state=True)")
+            "not supported yet: auto-resume (checkpoint.auto_resume_dir) with an mpu (tensor-parallel pieces the "
+            "script split itself, issue 42); call engine.load_checkpoint(dir, tag=..., load_rng_state=True)")
     found = checkpointer.newest_verified(load_dir)
     if found is None:
         logger.info(f"auto-resume: no complete, verified checkpoint in {load_dir}; training starts fresh")

@@ -248,9 +248,11 @@ def _find_resumable(cfg: Config, dims: ParallelDims, world_comm: Comm) -> tuple[
     resume_dir = cfg.checkpoint.auto_resume_dir
     if resume_dir is None:
         return cfg, None
-    plain = dims.pp == 1 and dims.tp == 1 and not dims.from_mpu
-    resumable = find_resumable(_checkpointer(world_comm, cfg.checkpoint.use_node_local_storage) if plain
-                               else None, resume_dir)
+    # A checkpoint's files are checked the same way whatever layout wrote it (checkpoint/verify.py
+    # reads a pipeline's stage directories), so a checkpointer over the world chooses for every
+    # layout; Megatron-style pieces a script split itself (an mpu) are refused by find_resumable.
+    finder = None if dims.from_mpu else _checkpointer(world_comm, cfg.checkpoint.use_node_local_storage)
+    resumable = find_resumable(finder, resume_dir)
     return keep_global_batch(cfg, resumable), resumable
 
 

@@ -83,6 +83,21 @@ class PipeParts:
         return out
 
 
+class LoaderPass:
+    """A pass over the engine's own data loader (`set_dataloader`), distinguishable from an iterator
+    the script set, so that a load that restores the loader's position can start a new pass there."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self._it = iter(loader)
+
+    def __iter__(self) -> "LoaderPass":
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._it)
+
+
 class PipelineEngine(ZeroEngine):
     """Trains a PipelineModule: `loss = engine.train_batch(data_iter)`, as DeepSpeed's.
 
@@ -183,7 +198,7 @@ class PipelineEngine(ZeroEngine):
     def set_dataloader(self, loader: Any) -> None:
         if self.is_first_stage() or self.is_last_stage():
             self.training_dataloader = loader
-            self.data_iterator = iter(loader)
+            self.data_iterator = LoaderPass(loader)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError("Only train_batch() is accessible in pipeline mode.")
@@ -224,10 +239,15 @@ class PipelineEngine(ZeroEngine):
         """
         if custom_load_fn is not None:
             raise NotSupportedError("load_checkpoint(custom_load_fn=...) with a pipeline is not supported yet")
-        return ZeroEngine.load_checkpoint(
+        loaded = ZeroEngine.load_checkpoint(
             self, load_dir, tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             load_rng_state=load_rng_state)
+        if load_rng_state and isinstance(self.data_iterator, LoaderPass):
+            # The built-in loader's position was restored; the pass begun at construction still starts
+            # at the old one, so train_batch() draws from a fresh pass at the saved position.
+            self.data_iterator = LoaderPass(self.data_iterator.loader)
+        return loaded
 
     # -- whole-model export -------------------------------------------------------------------
 

@@ -123,6 +123,11 @@ class TensorParallelCheckpointer:
         glob, _, _ = self._to_global(state)
         return self._inner.save(glob, str(save_dir), tag, client_state, save_latest, save_optimizer_states)
 
+    def newest_verified(self, load_dir: str | os.PathLike[str]) -> Any:
+        """Auto-resume: the inner checkpointer's choice (the files are checked in global names, so
+        any layout reads them). Collective."""
+        return self._inner.newest_verified(load_dir)
+
     def load(self, target: EngineState, load_dir: str | os.PathLike[str], tag: str | None, *,
              load_optimizer_states: bool, load_module_only: bool, strict: bool = True) -> LoadedState | None:
         glob, fsegs, psegs = self._to_global(dataclasses.replace(target, module={}))
