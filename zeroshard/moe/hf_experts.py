@@ -89,14 +89,14 @@ class ExpertParallelBank(nn.Module):
         local, ep = self.num_experts, self.ep_size
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # routes grouped by expert, so by destination rank
-        counts = torch.bincount(flat, minlength=self.num_global_experts).to(torch.int64)
+        counts = torch.bincount(flat, minlength=self.num_global_experts)  # int64
         if self.route_counter is not None and self.training and not in_backward():  # not a recompute
             self.route_counter.record_counts(counts)  # Note: [routing telemetry]
         received = torch.empty_like(counts)
         all_to_all_single(received, counts, group=comm.groups.dp_group)  # [ep, L] counts each way
-        send = counts.view(ep, local).sum(1).tolist()
         recv_counts = received.view(ep, local)
-        recv = recv_counts.sum(1).tolist()
+        # one read to the host for both split lists (the uneven all-to-all needs them there)
+        send, recv = torch.stack([counts.view(ep, local).sum(1), recv_counts.sum(1)]).tolist()
         routed = _Exchange.apply(hidden_states[order // k], send, recv, comm)
         experts = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(ep),
                                           recv_counts.reshape(-1).to(flat.device))
