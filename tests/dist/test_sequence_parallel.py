@@ -400,3 +400,25 @@ def test_a_model_built_for_sequence_parallelism_needs_the_size(groups: ProcessGr
             continue
         with pytest.raises(ConfigError, match=match):
             zeroshard.initialize(model=TinyLM(seq.sp.dp_group), config=config(1, False, sp, 0.0))
+
+
+@pytest.mark.parametrize("extra, want", [({"communication_data_type": "bf16"}, "fp32"),
+                                         ({"seq_parallel_communication_data_type": "bf16"}, "bf16")])
+def test_seq_parallel_communication_data_type_replaces_communication_data_type(groups: ProcessGroups,
+                                                                            extra: dict, want: str) -> None:
+    """DeepSpeed's engine: with sequence parallelism the gradients are reduced in
+    `seq_parallel_communication_data_type` (default fp32), whatever `communication_data_type` says."""
+    dp = _layout(groups, 2)
+    seq = create_sequence_groups(groups, 2)
+    cfg = config(2, False, 2, 0.0, comms_logger={"enabled": True, "prof_ops": ["reduce_scatter"]}, **extra)
+    engine, *_ = zeroshard.initialize(model=TinyLM(seq.sp.dp_group), config=cfg)
+    assert engine.zs_config.communication_data_type == want
+    engine._comm.log.reset()
+    losses = train(engine, groups, dp, 2, range(1))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    records = [r for r in engine._comm.log.records if r.op == "reduce_scatter"]
+    elements = sum(p.numel() for p in engine.module.parameters())
+    itemsize = {"fp32": 4, "bf16": 2}[want]
+    # every gradient element crosses once per micro-batch in the communication dtype (padding aside)
+    sent = sum(r.bytes for r in records)
+    assert GAS * elements * itemsize <= sent < GAS * elements * itemsize * 1.5, (sent, elements, want)

@@ -456,8 +456,6 @@ def test_stage0_accepts_its_keys_and_common_defaults() -> None:
     ({"tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True}},
      "not supported yet: tensor_parallel.vocab_parallel_lm_head=true."),
     ({"log_level": "info"}, 'not supported yet: log_level="info".'),
-    ({"seq_parallel_communication_data_type": "bf16"},
-     'not supported yet: seq_parallel_communication_data_type="bf16".'),
     ({"flops_profiler": {"enabled": True}}, 'not supported yet: flops_profiler={"enabled": true}.'),
     ({"optimizer": {"type": "Lion", "params": {"lr": 1e-4}}},
      'not supported yet: optimizer.type="Lion".'),

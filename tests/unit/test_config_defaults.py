@@ -37,7 +37,8 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "managed_gradient_accumulation": True,
     "optimizer": None, "scheduler": None,
     "gradient_clipping": 1.0, "steps_per_print": None, "wall_clock_breakdown": False, "dump_state": False,
-    "communication_data_type": None, "prescale_gradients": False, "gradient_predivide_factor": 1.0,
+    "communication_data_type": None, "seq_parallel_communication_data_type": "fp32",
+    "prescale_gradients": False, "gradient_predivide_factor": 1.0,
     # read from the raw dict by DeepSpeed (absent: no sequence parallelism, no data-parallel check)
     "sequence_parallel_size": 1, "data_parallel_size": None,
     "gradient_allreduce_op": "mean", "zero_allow_untested_optimizer": False, "zero_force_ds_cpu_optimizer": True,

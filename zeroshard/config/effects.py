@@ -63,7 +63,9 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     "data_types.buffer_dtype": ("runtime/initialize.py::cfg.data_types.buffer_dtype",),
     "data_types.keep_in_fp32_modules": ("runtime/initialize.py::cfg.data_types.keep_in_fp32_modules",),
     # gradients and communication
-    "gradient_clipping": _ENGINE, "communication_data_type": _BUILD, "prescale_gradients": _BUILD,
+    "gradient_clipping": _ENGINE, "communication_data_type": _BUILD,
+    "seq_parallel_communication_data_type": ("runtime/initialize.py::cfg.seq_parallel_communication_data_type",),
+    "prescale_gradients": _BUILD,
     "gradient_predivide_factor": _BUILD, "gradient_allreduce_op": _BUILD,
     "sequence_parallel_size": ("runtime/initialize.py::sequence_parallel_size(raw_config)",
                                "sequence/sp_setup.py::Note: [sequence-parallel gradients]"),

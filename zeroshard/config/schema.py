@@ -385,6 +385,9 @@ class Config:
     communication_data_type: DType | None = None
     """dtype gradients are communicated (all-reduced / reduce-scattered) in; null = the dtype
     they are accumulated in (see data_types.grad_accum_dtype)."""
+    seq_parallel_communication_data_type: DType = "fp32"
+    """With sequence parallelism (size > 1) the dtype gradients are communicated in, replacing
+    `communication_data_type` (as DeepSpeed's engine does); ignored without it. Default "fp32"."""
     prescale_gradients: bool = False
     """Divide gradients by gradient_predivide_factor before the reduction (not only after)."""
     gradient_predivide_factor: float = spec(1.0, gt=0.0)

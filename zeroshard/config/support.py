@@ -119,7 +119,7 @@ UNMODELLED: dict[str, str] = {
         "curriculum_learning", "data_efficiency", "sparse_attention", "compression_training",
         "hybrid_engine", "nebula", "datastates", "elasticity", "weight_quantization",
         "comet", "quantize_training", "graph_harvesting", "timers",
-        "seq_parallel_communication_data_type", "use_data_before_expert_parallelism", "vocabulary_size",
+        "use_data_before_expert_parallelism", "vocabulary_size",
         "disable_python_gc", "log_level",
         "zero_optimization.zeropp_loco_param",
         "checkpoint.writer",
@@ -140,8 +140,6 @@ def _all_off(value: Any, gates: Mapping[str, tuple[Any, ...]]) -> bool:
 
 
 OFF_VALUES: dict[str, Callable[[Any], bool]] = {
-    # Sequence parallelism's all-to-alls run in the activations' dtype; DeepSpeed's default asks nothing more.
-    "seq_parallel_communication_data_type": lambda v: v in ("fp32", "float32", "torch.float32"),
     "vocabulary_size": lambda v: v is None,
 }
 """UNMODELLED keys whose DeepSpeed default (or "off") spelling is more than null/false/{}:
@@ -149,7 +147,6 @@ key -> predicate that is true when the value asks for nothing."""
 
 
 OFF_HINTS: dict[str, str] = {
-    "seq_parallel_communication_data_type": 'Remove it, or set it to "fp32" (DeepSpeed\'s default).',
     "log_level": 'Remove it, and set the level of the "zeroshard" logger in the script '
                  '(logging.getLogger("zeroshard").setLevel(...)).',
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -316,6 +317,8 @@ def _config_and_dims(source: Any, raw_config: Mapping[str, Any], world_size: int
     check_sequence_layout(dims, cfg, pipeline=pipe_module is not None, mesh_param=mesh_param)
     if cfg.zero_optimization.stage == 3:  # hpZ's secondary copy exists at stage 3 only
         dims = dims.with_hpz(cfg.zero_optimization.zero_hpz_partition_size)
+    if dims.sp > 1:  # DeepSpeed: with sequence parallelism this dtype replaces communication_data_type
+        cfg = dataclasses.replace(cfg, communication_data_type=cfg.seq_parallel_communication_data_type)
     _log_dims(dims, cfg)
     logger.info(
         "resolved config (values not at their DeepSpeed default, with their source; "
