@@ -136,7 +136,9 @@ def clip_oracle(model: nn.Module, stage: int, world: int, ep: int) -> None:
 
 
 def train_oracle(model: nn.Module, data: list[Any], world: int, steps: range, stage: int = 1,
-                 ep: int = 1) -> list[list[float]]:
+                 ep: int = 1, after_step: Any = None) -> list[list[float]]:
+    """Losses per step and rank of the unmodified model on every rank's micro-batches; `after_step()`
+    runs after each optimizer step (test_expert_balance.py's bias update)."""
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     out = []
     for step in steps:
@@ -153,6 +155,8 @@ def train_oracle(model: nn.Module, data: list[Any], world: int, steps: range, st
         clip_oracle(model, stage, world, ep)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step()
         out.append(per_rank)
     return out
 

@@ -1,11 +1,11 @@
 """`expert_parallel.load_balance_coeff`: auxiliary-loss-free balancing of DeepSeek-V3-style routers
 (Note: [expert bias balancing] in moe/balance.py), against a one-process oracle written here.
 
-The oracle trains the unmodified model on every rank's micro-batches, counts each router's chosen
-experts with its own hook and, after each optimizer step, moves each bias by
-coeff * sign(mean load - load), centred. The engine must give the same losses and the same biases
-at every step, with and without expert parallelism, at ZeRO 1 and 3, with gradient accumulation
-(GAS 2: the counts span the step's micro-batches). Evaluation forwards and activation-checkpointing
+The oracle (test_autoep's: the unmodified model on every rank's micro-batches, clipped as the
+engine clips) counts each router's chosen experts with its own hook and, after each optimizer
+step, moves each bias by coeff * sign(mean load - load), centred. The engine must give the same
+losses and the same biases at every step, with and without expert parallelism, at ZeRO 1 and 3,
+with gradient accumulation (GAS 2: the counts span the step's micro-batches). Evaluation forwards and activation-checkpointing
 recomputes do not count; the biases resume from a checkpoint; routers without a bias, and a
 coefficient that is not positive, are refused at initialize.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_autoep import GAS, STEPS, batches, check_losses, config, reference, train_engine
+from test_autoep import STEPS, batches, check_losses, config, reference, train_engine, train_oracle
 from torch import Tensor, nn
 
 import zeroshard
@@ -34,8 +34,10 @@ def biases(model: nn.Module) -> list[Tensor]:
     return [b.detach().clone() for name, b in model.named_buffers() if name.endswith(BIAS)]
 
 
-def oracle_run(model: nn.Module, data: list[Any], world: int) -> tuple[list[list[float]], list[list[Tensor]]]:
-    """Losses per step and rank, and the biases after every step (SGD as test_autoep's config, no clipping)."""
+def oracle_run(model: nn.Module, data: list[Any], world: int, stage: int,
+               ep: int) -> tuple[list[list[float]], list[list[Tensor]]]:
+    """Losses per step and rank (test_autoep's oracle), and the biases after every step, each moved by
+    the rule above from this oracle's own counts of the routers' choices."""
     routers = [m for m in model.modules() if isinstance(getattr(m, BIAS, None), Tensor)]
     counts = [torch.zeros(r.e_score_correction_bias.numel(), dtype=torch.float64) for r in routers]
 
@@ -45,33 +47,25 @@ def oracle_run(model: nn.Module, data: list[Any], world: int) -> tuple[list[list
             counts[i].index_add_(0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.float64))
         return hook
 
-    handles = [r.register_forward_hook(counter(i)) for i, r in enumerate(routers)]
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses, seen = [], []
-    for step in range(STEPS):
-        per_rank = [0.0] * world
-        for micro in range(GAS):
-            for rank in range(world):
-                x = data[step][micro][rank]
-                loss = model(input_ids=x, labels=x).loss
-                (loss / (world * GAS)).backward()
-                per_rank[rank] += loss.item() / GAS
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for router, load in zip(routers, counts):
-                step_delta = COEFF * torch.sign(load.mean() - load)
-                router.e_score_correction_bias += (step_delta - step_delta.mean()).float()
-                load.zero_()
-        losses.append(per_rank)
+    seen: list[list[Tensor]] = []
+
+    @torch.no_grad()
+    def update() -> None:
+        for router, load in zip(routers, counts):
+            step_delta = COEFF * torch.sign(load.mean() - load)
+            router.e_score_correction_bias += (step_delta - step_delta.mean()).float()
+            load.zero_()
         seen.append(biases(model))
+
+    handles = [r.register_forward_hook(counter(i)) for i, r in enumerate(routers)]
+    losses = train_oracle(model, data, world, range(STEPS), stage=stage, ep=ep, after_step=update)
     for h in handles:
         h.remove()
     return losses, seen
 
 
 def balanced_config(stage: int, ep: int, **extra: Any) -> dict[str, Any]:
-    cfg = config(stage, ep, gradient_clipping=0.0, **extra)
+    cfg = config(stage, ep, **extra)
     cfg["expert_parallel"] = {"enabled": ep > 1, "autoep_size": ep, "load_balance_coeff": COEFF}
     return cfg
 
@@ -93,7 +87,7 @@ def test_biases_and_losses_equal_the_oracle(groups: ProcessGroups, stage: int, e
     for step in range(STEPS):
         got += train_engine(engine, data, rank, range(step, step + 1))
         got_biases.append(biases(engine.module))
-    want, want_biases = oracle_run(oracle, data, world)
+    want, want_biases = oracle_run(oracle, data, world, stage, ep)
     check_losses(got, want, rank, f"stage {stage} ep {ep}")
     assert engine.expert_balance.updates == STEPS  # once per optimizer step, not per micro-batch
     for step, (g, w) in enumerate(zip(got_biases, want_biases)):
