@@ -74,12 +74,13 @@ def test_compile_arguments_refused_by_name(engine: ZeroEngine, kwargs: dict[str,
     assert not engine.is_compiled and engine.compile_stats is None
 
 
-def test_pipeline_and_tensor_parallel_refused_by_name(engine: ZeroEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine, "pipeline_parallelism", True)
-    with pytest.raises(NotSupportedError, match=r"engine\.compile\(\) with a pipeline \(PipelineModule\)"):
-        engine.compile()
-    monkeypatch.setattr(engine, "pipeline_parallelism", False)
+def test_model_parallel_layers_of_your_own_refused_by_name(engine: ZeroEngine,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An mpu's (or a Megatron-style PipelineModule's) model parallelism: its collectives are not
+    zeroshard's, so compile refuses it; AutoTP (a `parallel.tp` state) and pipelines compile
+    (tests/dist/test_compile.py)."""
     monkeypatch.setattr(ZeroEngine, "mp_world_size", property(lambda self: 2))
-    with pytest.raises(NotSupportedError, match=r"engine\.compile\(\) with tensor parallelism \(AutoTP"):
+    with pytest.raises(NotSupportedError, match=r"engine\.compile\(\) with model-parallel layers of your own "
+                                                r"\(an mpu"):
         engine.compile()
     assert not engine.is_compiled
