@@ -4,9 +4,10 @@ weights at ZeRO stages 0 and 3, with AutoTP and with a pipeline, the graph break
 Compiling costs ~15 s per stage on two cores, so the sweep is the two ends (stage 0: no module
 hooks, one graph; stage 3: the gather/release hooks stay eager, a graph break at each);
 bench/compile_step.py times all four stages. Runs at 1 and 2 ranks (skipped at 3). AutoTP (TP 2,
-and TP 2 x DP 2 at 4 ranks: tests/run.py's dist4) at ZeRO 0 and 3: the collectives stay eager, a
-graph break at each; a pipeline (one stage at 1 rank, PP 2, and PP 2 x DP 2 at 4 ranks) at ZeRO 0,
-1 and 3, tied embedding and head: each layer of the stage is compiled, the schedule stays eager.
+and TP 2 x DP 2 at 4 ranks: tests/run.py's dist4) at ZeRO 0 and 3, and with its sequence
+parallelism at ZeRO 1: the collectives stay eager, a graph break at each. A pipeline (one stage at
+1 rank, PP 2, and PP 2 x DP 2 at 4 ranks) at ZeRO 0, 1 and 3, tied embedding and head: each layer
+of the stage is compiled, the schedule stays eager.
 """
 
 from __future__ import annotations
@@ -89,12 +90,14 @@ def _sources(stats: CompileStats) -> set[str]:
 
 STAGE3_HOOKS = {"Stage3Strategy._pre_forward", "Stage3Strategy._post_forward"}
 TP_COLLECTIVES = {"copy_to_tp", "reduce_from_tp", "gather_from_tp"}  # a Llama's q/k/v + gate/up, o + down, head
+SP_COLLECTIVES = {"_split", "_gather_in", "_join", "reduce_scatter_seq"}  # tensor_parallel/sequence.py
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_compiled_tensor_parallel_equals_eager(groups: ProcessGroups, stage: int) -> None:
-    """AutoTP at TP 2 (2 ranks) and TP 2 x DP 2 (4 ranks): compiled == eager, every graph break at a
-    tensor-parallel collective (or stage 3's hooks), the collectives' numbers unchanged."""
+@pytest.mark.parametrize("stage, sequence_parallel", [(0, False), (3, False), (1, True)])
+def test_compiled_tensor_parallel_equals_eager(groups: ProcessGroups, stage: int, sequence_parallel: bool) -> None:
+    """AutoTP at TP 2 (2 ranks) and TP 2 x DP 2 (4 ranks), and with its sequence parallelism:
+    compiled == eager, every graph break at a tensor-parallel collective (or stage 3's hooks), the
+    collectives' numbers unchanged."""
     world = groups.world_size
     if world not in (2, 4):
         pytest.skip(f"compiled AutoTP runs at TP 2 (2 ranks) and TP 2 x DP 2 (4 ranks); this run has {world}")
@@ -106,7 +109,11 @@ def test_compiled_tensor_parallel_equals_eager(groups: ProcessGroups, stage: int
     data_ = batches(STEPS, dp)
 
     def run(compiled: bool) -> tuple[Any, list[float], dict[str, torch.Tensor] | None]:
-        engine, *_ = zeroshard.initialize(model=tiny_llama(), config=cfg)
+        model = tiny_llama()
+        if sequence_parallel:
+            model = zeroshard.tp_model_init(model, tp, torch.float32, sequence_parallel=True)
+        engine, *_ = zeroshard.initialize(model=model, config=cfg)
+        assert engine.parallel.tp.sequence_parallel == sequence_parallel
         if compiled:
             engine.compile()
         rank = engine.parallel.dp.rank
@@ -129,8 +136,9 @@ def test_compiled_tensor_parallel_equals_eager(groups: ProcessGroups, stage: int
     # Only what this engine traced is counted: code Dynamo compiled for an earlier engine of the same
     # classes in this process (the stage-0 case) is reused, its breaks not reported again.
     sources = _sources(stats)
-    assert sources & TP_COLLECTIVES and sources <= TP_COLLECTIVES | STAGE3_HOOKS, stats.break_reasons
-    assert (STAGE3_HOOKS <= sources) == (stage == 3), stats.break_reasons
+    collectives = SP_COLLECTIVES if sequence_parallel else TP_COLLECTIVES
+    assert sources & collectives and sources <= TP_COLLECTIVES | SP_COLLECTIVES | STAGE3_HOOKS, stats.break_reasons
+    assert bool(sources & STAGE3_HOOKS) == (stage == 3), stats.break_reasons
     if groups.rank == 0:
         assert f"{stats.graph_breaks} graph break(s)" in log.getvalue(), log.getvalue()
 

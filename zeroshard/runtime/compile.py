@@ -157,6 +157,13 @@ def _refuse(engine: "EngineView", schedule: Any, compiled_autograd_enabled: bool
             "AutoTP (tensor_parallel.autotp_size) instead, or train eagerly.")
 
 
+def _has_own_code(module: nn.Module) -> bool:
+    """Whether some forward in `module` is not torch's own: Dynamo skips frames in torch's files, so a
+    torch.nn layer alone (nn.Linear, nn.Embedding, a Sequential of them) runs eagerly even when
+    compiled, and compiling it would only count a region that never gets a graph."""
+    return any(not type(m).forward.__module__.startswith("torch.") for m in module.modules())
+
+
 def _backend_name(backend: str | Callable[..., Any]) -> str:
     return backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
 
@@ -202,8 +209,11 @@ def compile_model(engine: "EngineView", backend: str | Callable[..., Any], compi
             first = False
             return call
 
-        stats.regions = module.compile_layers(compile_one)
+        stats.regions, left = module.compile_layers(compile_one, _has_own_code)
         what = f"{stats.regions} layer(s) of this rank's pipeline stage(s)"
+        if left:
+            what += (f" (left eager: {', '.join(left)}, torch.nn modules with no code of the script's, which "
+                     "Dynamo does not compile)")
     else:
         module.compile(backend=backend, **kwargs)
         compiled = getattr(module, "_compiled_call_impl", None)
@@ -213,4 +223,7 @@ def compile_model(engine: "EngineView", backend: str | Callable[..., Any], compi
         what = "the model"
     logger.info(f"engine.compile: compiling {what} with backend {stats.backend}"
                 + (f", {kwargs}" if kwargs else "") + " on the first forward")
+    if not stats.regions or not _has_own_code(module):
+        logger.warning("engine.compile: the model has no forward of the script's, only torch.nn modules, which "
+                       "Dynamo does not compile: it runs eagerly.")
     return stats
