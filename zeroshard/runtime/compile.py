@@ -37,7 +37,8 @@ class CompileStats:
     """What torch.compile made of the model so far (`engine.compile_stats`).
 
     Counted from `torch._dynamo.utils.counters` around each call of the compiled model, so code the
-    model itself compiles is counted with it.
+    model itself compiles is counted with it, and code Dynamo already traced for an earlier engine
+    of the same classes in this process (reused from its cache) is not counted again.
     """
 
     backend: str
