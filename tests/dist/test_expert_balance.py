@@ -5,8 +5,8 @@ The oracle (test_autoep's: the unmodified model on every rank's micro-batches, c
 engine clips) counts each router's chosen experts with its own hook and, after each optimizer
 step, moves each bias by coeff * sign(mean load - load), centred. The engine must give the same
 losses and the same biases at every step, with and without expert parallelism, at ZeRO 1 and 3,
-with gradient accumulation (GAS 2: the counts span the step's micro-batches). Evaluation forwards and activation-checkpointing
-recomputes do not count; the biases resume from a checkpoint; routers without a bias, and a
+with gradient accumulation (GAS 2: the counts span the step's micro-batches). Evaluation forwards
+and activation-checkpointing recomputes do not count; the biases resume from a checkpoint; routers without a bias, and a
 coefficient that is not positive, are refused at initialize.
 """
 

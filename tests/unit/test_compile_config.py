@@ -74,12 +74,48 @@ def test_compile_arguments_refused_by_name(engine: ZeroEngine, kwargs: dict[str,
     assert not engine.is_compiled and engine.compile_stats is None
 
 
-def test_pipeline_and_tensor_parallel_refused_by_name(engine: ZeroEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine, "pipeline_parallelism", True)
-    with pytest.raises(NotSupportedError, match=r"engine\.compile\(\) with a pipeline \(PipelineModule\)"):
-        engine.compile()
-    monkeypatch.setattr(engine, "pipeline_parallelism", False)
+def test_model_parallel_layers_of_your_own_refused_by_name(engine: ZeroEngine,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An mpu's (or a Megatron-style PipelineModule's) model parallelism: its collectives are not
+    zeroshard's, so compile refuses it; AutoTP (a `parallel.tp` state) and pipelines compile
+    (tests/dist/test_compile.py)."""
     monkeypatch.setattr(ZeroEngine, "mp_world_size", property(lambda self: 2))
-    with pytest.raises(NotSupportedError, match=r"engine\.compile\(\) with tensor parallelism \(AutoTP"):
+    with pytest.raises(NotSupportedError, match=r"engine\.compile\(\) with model-parallel layers of your own "
+                                                r"\(an mpu"):
         engine.compile()
     assert not engine.is_compiled
+
+
+def test_torch_nn_layers_alone_are_said_to_run_eagerly(caplog: pytest.LogCaptureFixture) -> None:
+    """Dynamo does not compile torch's own modules (their frames are in torch's files): a model of
+    nothing else, or a pipeline layer of nothing else, is reported as running eagerly, not counted as
+    compiled (no forward runs here, so nothing is compiled)."""
+    from zeroshard.pipe import LayerSpec, PipelineModule
+
+    class Scaled(torch.nn.Module):  # code of the script's: compiled
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * self.inner(x)
+
+    config = {**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    engine, *_ = zeroshard.initialize(model=plain, model_parameters=plain.parameters(), config=config)
+    with caplog.at_level("WARNING", logger="zeroshard"):
+        engine.compile()
+    assert "only torch.nn modules, which Dynamo does not compile: it runs eagerly" in caplog.text
+    caplog.clear()
+
+    net = PipelineModule([LayerSpec(torch.nn.Embedding, 8, 4), LayerSpec(Scaled), LayerSpec(torch.nn.Linear, 4, 8)],
+                         num_stages=1, loss_fn=torch.nn.functional.cross_entropy)
+    engine, *_ = zeroshard.initialize(model=net, model_parameters=net.parameters(), config=config)
+    with caplog.at_level("INFO", logger="zeroshard"):
+        engine.compile()
+    assert engine.compile_stats is not None and engine.compile_stats.regions == 1  # Scaled only
+    assert "compiling 1 layer(s) of this rank's pipeline stage(s) (left eager: 0:Embedding, 2:Linear" in caplog.text
+    assert "runs eagerly" not in caplog.text
+    assert net.get_submodule("1")._compiled_call_impl is not None
+    assert net.get_submodule("0")._compiled_call_impl is None

@@ -319,6 +319,33 @@ class PipelineModule(nn.Module):
             return x
         return run
 
+    def compile_layers(self, compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]],
+                       eligible: Callable[[nn.Module], bool]) -> tuple[int, list[str]]:
+        """Compile each layer this rank runs, in place (Note: [compiling a pipeline's layers] in
+        runtime/compile.py): a module's call becomes `compile_fn(module._call_impl)` (what
+        `nn.Module.compile` sets, hooks included), a tied layer's `forward_fn` is replaced by
+        `compile_fn` of it; a module used by several layers is compiled once. Modules `eligible`
+        refuses and plain functions (lambdas between layers) stay eager.
+
+        Returns:
+            The number of callables compiled, and the modules left eager ("<layer index>:<class>").
+        """
+        done: set[int] = set()
+        left: list[str] = []
+        for chunk in self.local_chunks:
+            funcs = self._funcs[chunk]
+            for i, f in enumerate(funcs):
+                if isinstance(f, nn.Module) and id(f) not in done:
+                    done.add(id(f))
+                    if eligible(f):
+                        f._compiled_call_impl = compile_fn(f._call_impl)
+                    else:
+                        left.append(f"{self.parts[chunk] + i}:{type(f).__name__}")
+                elif isinstance(f, partial) and f.args and isinstance(f.args[0], nn.Module):
+                    funcs[i] = compile_fn(f)  # a TiedLayerSpec's forward_fn on its module
+                    done.add(id(funcs[i]))
+        return len(done) - len(left), left
+
     def _is_checkpointable(self, funcs: list[Any]) -> bool:
         if self.checkpointable_layers is not None:
             return all(f.__class__.__name__ in self.checkpointable_layers for f in funcs)

@@ -480,9 +480,11 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, EngineCheckpoi
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
         """Compile the wrapped model with torch.compile, in place (DeepSpeed 0.19.8's signature).
 
-        The ZeRO hooks stay eager (at stage 3 the graph breaks at each unit's gather and release);
-        the number of graphs and graph breaks, and later recompiles, are logged and kept in
-        `engine.compile_stats`. A second call does nothing, as in DeepSpeed.
+        The ZeRO hooks and AutoTP's collectives stay eager (the graph breaks at each: stage 3's
+        gather and release, a tensor-parallel layer's all-reduce / all-gather); with a pipeline each
+        layer of this rank's stages is compiled and the schedule stays eager. The number of graphs and
+        graph breaks, and later recompiles, are logged and kept in `engine.compile_stats`. A second
+        call does nothing, as in DeepSpeed.
 
         Args:
             backend: torch.compile's backend; "inductor" is DeepSpeed's default on every accelerator
@@ -492,7 +494,8 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, EngineCheckpoi
             compiled_autograd_enabled: only False (compiled autograd would trace the gradient hooks).
 
         Raises:
-            NotSupportedError: a schedule, compiled autograd, a pipeline or tensor parallelism.
+            NotSupportedError: a schedule, compiled autograd, or model-parallel layers of the script's
+                own (an mpu).
 
         Example::
 

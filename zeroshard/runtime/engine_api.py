@@ -5,7 +5,7 @@ The engine (runtime/engine.py) imports those helpers; they take the engine as an
 that argument with `ZeroEngine` itself would make each helper name the engine back, so the two
 could never be read, tested or changed apart. They name this protocol instead, which `ZeroEngine`
 satisfies structurally. A member is listed here only when a helper reads it. Imports torch,
-checkpoint_format, comm, config, zero and runtime/loss_scaler for types only.
+checkpoint_format, comm, config, zero, tensor_parallel and runtime/loss_scaler for types only.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from zeroshard.comm import Comm
     from zeroshard.config import Config
     from zeroshard.runtime.loss_scaler import LossScaler
+    from zeroshard.tensor_parallel.setup import ParallelGroups
     from zeroshard.zero.strategy import ZeroStrategy
 
 
@@ -37,6 +38,7 @@ class EngineView(Protocol):
     skipped_steps: int
     micro_steps: int
     pipeline_parallelism: bool
+    parallel: ParallelGroups | None
 
     @property
     def zs_config(self) -> Config: ...

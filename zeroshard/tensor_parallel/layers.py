@@ -12,7 +12,7 @@ maths is the same as torch's styles: a column-parallel layer copies its input (a
 input gradient in backward) and keeps its output sharded (or gathers it, `gather_output`); a
 row-parallel layer takes sharded input and all-reduces its output (identity in backward).
 
-Imports torch, zeroshard.comm (types) and tensor_parallel/sequence only.
+Imports torch, zeroshard.comm (types) and tensor_parallel/sequence only (torch._dynamo when compiling).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from zeroshard.tensor_parallel.sequence import reduce_scatter_seq
+import zeroshard.tensor_parallel.sequence as sequence
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
@@ -89,6 +89,26 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         return _GatherFromTP.apply(grad, ctx.comm), None
+
+
+COLLECTIVES = ("copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp")
+"""The entry points above that run a collective in forward or backward."""
+
+
+def keep_collectives_eager() -> None:
+    """Note: [TP collectives under torch.compile] the tensor-parallel collectives run through
+    zeroshard's `Comm` (gloo/NCCL process groups, buffers allocated here) inside autograd
+    Functions whose backward is a collective too. Dynamo must not trace them: each entry point
+    (`COLLECTIVES` here and in tensor_parallel/sequence.py) is rebound, once, to its
+    `torch._dynamo.disable` form, so a compiled model breaks its graph at each and compiles the
+    GEMMs and elementwise code between; the autograd Function runs eagerly, its backward between
+    the compiled backward graphs (runtime/compile.py counts the breaks, which name these functions).
+    The layers look the functions up at call time, so layers built earlier are covered; eager runs
+    see the same functions (`disable` does nothing outside a compiled frame). Tracing them as
+    torch's functional collectives instead would keep one graph, but needs the process groups as
+    torch's and each backward rewritten; not built. Imports torch._dynamo (sequence.keep_eager)."""
+    sequence.keep_collectives_eager()
+    sequence.keep_eager(globals(), COLLECTIVES)
 
 
 def copy_to_tp(x: Tensor, comm: Comm) -> Tensor:
@@ -180,7 +200,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.comm)
         if self.sequence_parallel and self.comm.world_size > 1:
-            y = reduce_scatter_seq(self.linear_fn(x, self.weight), self.comm)
+            y = sequence.reduce_scatter_seq(self.linear_fn(x, self.weight), self.comm)
         else:
             y = reduce_from_tp(self.linear_fn(x, self.weight), self.comm)
         return y if self.bias is None else y + self.bias

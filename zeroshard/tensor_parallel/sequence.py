@@ -82,6 +82,29 @@ def reduce_scatter_seq(x: Tensor, comm: "Comm") -> Tensor:
     return _SeqOp.apply(x, comm, _reduce_scatter_seq, _gather_seq)
 
 
+def keep_eager(namespace: dict[str, Any], names: tuple[str, ...]) -> None:
+    """Rebind each function `names` in a module's `namespace` (its globals) to run outside any
+    torch.compile graph (`torch._dynamo.disable`), once; see Note: [TP collectives under torch.compile]
+    in tensor_parallel/layers.py. Imports torch._dynamo, which only a compiled engine pays for."""
+    import torch._dynamo  # 2-4 s to import: only engines that compile pay for it
+
+    for name in names:
+        fn = namespace[name]
+        if not getattr(fn, "_zs_eager", False):
+            eager = torch._dynamo.disable(fn)
+            eager._zs_eager = True  # type: ignore[attr-defined]
+            namespace[name] = eager
+
+
+COLLECTIVES = ("_gather_in", "_split", "_join", "reduce_scatter_seq")
+"""This module's entry points that run a collective (Note: [TP collectives under torch.compile])."""
+
+
+def keep_collectives_eager() -> None:
+    """The sequence-parallel collectives run eagerly under torch.compile (graph breaks around them)."""
+    keep_eager(globals(), COLLECTIVES)
+
+
 def _first(value: Any) -> Tensor:
     return value[0] if isinstance(value, tuple) else value
 
