@@ -43,17 +43,19 @@ CASES = {  # name -> (topk_ratio, select_interval, update_interval, full_warm_up
 }
 
 
-def config(stage: int, topk: float, select: int, update: int, warmup: int) -> dict[str, Any]:
-    return make_config(zero_optimization={
+def config(stage: int, topk: float, select: int, update: int, warmup: int, gas: int = 1) -> dict[str, Any]:
+    return make_config(gradient_accumulation_steps=gas, zero_optimization={
         "stage": stage, "reduce_bucket_size": 500, "offload_optimizer": {"device": "cpu"},
         "zenflow": {"topk_ratio": topk, "select_strategy": "step", "select_interval": select,
                     "update_interval": update, "full_warm_up_rounds": warmup}})
 
 
 def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], world: int, topk: float,
-                      select: int, update: int, warmup: int,
-                      fused: bool) -> tuple[list[list[float]], list[list[Tensor]]]:
-    """DeepSpeed's ZenFlow rule, written out: per-step losses of each rank and the weights after each step."""
+                      select: int, update: int, warmup: int, fused: bool,
+                      gas: int = 1) -> tuple[list[list[float]], list[list[Tensor]]]:
+    """DeepSpeed's ZenFlow rule, written out: per-step losses of each rank (its last micro-batch's)
+    and the weights after each step. `gas` > 1: stage 2's order, each micro-batch's loss / gas
+    summed over the ranks, then over the micro-batches; a ZenFlow step is an optimizer step."""
     model = copy.deepcopy(model)
     params = list(model.parameters())
     master = [nn.Parameter(p.detach().clone()) for p in params]
@@ -66,13 +68,18 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
     losses, weights = [], []
     for k, batch in enumerate(batches):
         total: list[Tensor] | None = None
-        rank_losses = []
-        for r in range(world):
-            (x, y), = rank_micro_batches(batch, r, world, MICRO, 1)
-            loss = model(x, y)
-            grads = torch.autograd.grad(loss, params)
-            total = list(grads) if total is None else [t + g for t, g in zip(total, grads)]
-            rank_losses.append(loss.item())
+        rank_micro = [rank_micro_batches(batch, r, world, MICRO, gas) for r in range(world)]
+        for m in range(gas):
+            micro_sum: list[Tensor] | None = None
+            rank_losses = []
+            for r in range(world):
+                x, y = rank_micro[r][m]
+                loss = model(x, y)
+                grads = torch.autograd.grad(loss * (1.0 / gas) if gas != 1 else loss, params)
+                micro_sum = list(grads) if micro_sum is None else [t + g for t, g in zip(micro_sum, grads)]
+                rank_losses.append(loss.item())
+            assert micro_sum is not None
+            total = micro_sum if total is None else [t + g for t, g in zip(total, micro_sum)]
         assert total is not None
         grads = [(t * (1.0 / world) if world != 1 else t) / update for t in total]
         with torch.no_grad():
@@ -147,6 +154,20 @@ def test_matches_reference(groups, stage: int, case: str) -> None:
     assert losses == [per_rank[rank] for per_rank in want_losses]
 
 
+def test_gradient_accumulation(groups) -> None:
+    """Two micro-batches per optimizer step at stage 2: a ZenFlow step is an optimizer step, on the
+    gradient averaged over its micro-batches (DeepSpeed counts micro-steps instead)."""
+    rank, world = groups.rank, groups.world_size
+    topk, select, update, warmup = CASES["intervals"]
+    model = make_model()
+    batches = global_batches(8, MICRO * world * 2)
+    engine = init_engine(copy.deepcopy(model), config(2, topk, select, update, warmup, gas=2))
+    _, got = train_engine(engine, batches, rank, world)
+    _, want = zenflow_reference(model, batches, world, topk, select, update, warmup, _fused(engine), gas=2)
+    for k in range(len(batches)):
+        assert_params_close(got[k], want[k], 0.0, f"gradient accumulation 2, weights after step {k + 1}")
+
+
 def test_rule_is_not_plain_offload(groups) -> None:
     """The comparison above can fail: at step 0 the reference moves only the selected columns of
     each 2-D weight (a warm-up step moves all of them, by the same first AdamW step), and 1-D
@@ -205,5 +226,9 @@ def test_refused_pairings() -> None:
     with pytest.raises(NotSupportedError, match=r"zenflow with gradient_clipping"):
         load_config({"train_batch_size": 2, "zero_optimization": {
             "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": STEP}}, dp_world_size=1)
+    with pytest.raises(NotSupportedError, match=r"zenflow with bf16 training: not implemented"):
+        load_config({"train_batch_size": 2, "gradient_clipping": 0.0, "bf16": {"enabled": True},
+                     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": STEP}},
+                    dp_world_size=1)
     with pytest.raises(NotSupportedError, match=r"zenflow with offload_optimizer\.delayed_update"):
         _load(STEP, offload_optimizer={"device": "cpu", "delayed_update": True})

@@ -342,7 +342,9 @@ def check_zenflow(cfg: Config) -> None:
     for key, on, why in (
             ("gradient_clipping", cfg.gradient_clipping > 0,
              "DeepSpeed clips the accumulated gradient of the CPU step only; set gradient_clipping to 0"),
-            ("fp16.enabled", cfg.fp16.enabled, "a skipped fp16 step has no ZenFlow rule here; use bf16 or fp32")):
+            (f"{cfg.precision} training", cfg.precision != "fp32",
+             "only fp32 is built and checked; DeepSpeed steps the selected columns in the low-precision values "
+             "and skips fp16 overflow steps, neither checked here. Use fp32")):
         if on:
             raise NotSupportedError(f"{_ZENFLOW} with {key}: not implemented ({why}).")
 
