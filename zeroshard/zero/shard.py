@@ -261,11 +261,11 @@ class OptimizerShard:
             shape = self._params[f.param_index].shape
             columns = None
             if len(shape) == 2:
-                columns = torch.arange(f.param_offset, f.param_offset + f.numel) % shape[1]
+                columns = torch.arange(f.param_offset, f.param_offset + f.numel, device=self._device) % shape[1]
             pieces.append(ZenFlowPiece(master=frag, lp=self._lp[f.flat_offset : f.flat_offset + f.numel],
                                        param_index=f.param_index, columns=columns))
         return ZenFlowStep(optimizer, pieces, [p.shape for p in self._params], rule,
-                           all_reduce=self._sum_over_ranks)
+                           all_reduce=self._sum_over_ranks, device=self._device)
 
     def _sum_over_ranks(self, t: Tensor) -> None:
         self._comm.all_reduce(t)

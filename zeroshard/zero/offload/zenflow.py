@@ -95,7 +95,8 @@ class ZenFlowPiece:
     """1-D view of the same elements in the model's values (the flat buffer)."""
     param_index: int
     columns: Tensor | None
-    """1-D int64, the column (dim 1) of each element of a 2-D weight; None for 1-D parameters."""
+    """1-D int64 on the model's device, the column (dim 1) of each element of a 2-D weight; None
+    for 1-D parameters."""
     acc: Tensor = field(init=False)
     """1-D fp32, the gradient accumulated since the last CPU step (at the master's home)."""
     selected: Tensor | None = None
@@ -119,11 +120,12 @@ class ZenFlowStep(torch.optim.Optimizer):
         pieces: the shard's fragments with their views in the model's values.
         shapes: every model parameter's shape, in plan order (the same on every rank).
         rule: the intervals and ratio.
-        all_reduce: sums a 1-D fp32 tensor over the data-parallel ranks, in place.
+        all_reduce: sums a 1-D fp32 tensor on `device` over the data-parallel ranks, in place.
+        device: the model's device (the selective step and the column norms run there).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, pieces: Sequence[ZenFlowPiece], shapes: Sequence[torch.Size],
-                 rule: ZenFlowRule, all_reduce: Callable[[Tensor], None]) -> None:
+                 rule: ZenFlowRule, all_reduce: Callable[[Tensor], None], device: torch.device) -> None:
         # torch.optim.Optimizer.__init__ is not called: groups and state stay inner's objects.
         if not isinstance(inner, torch.optim.Adam):  # torch's AdamW subclasses Adam
             raise NotSupportedError(f"zero_optimization.zenflow steps Adam or AdamW; got {type(inner).__name__}. "
@@ -135,7 +137,7 @@ class ZenFlowStep(torch.optim.Optimizer):
             bad = [tuple(s) for s in shapes if len(s) > 2]
             raise NotSupportedError(f"zero_optimization.zenflow selects columns of 1-D and 2-D parameters only "
                                     f"(as DeepSpeed does); the model has parameters of shapes {bad[:3]}.")
-        self.inner, self._rule, self._all_reduce = inner, rule, all_reduce
+        self.inner, self._rule, self._all_reduce, self._device = inner, rule, all_reduce, device
         self._pieces = list(pieces)
         self._shapes = [torch.Size(s) for s in shapes]
         self._group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
@@ -207,12 +209,11 @@ class ZenFlowStep(torch.optim.Optimizer):
 
     def _select(self, k: int, grads: Sequence[Tensor]) -> None:
         """New top-k columns from this step's gradient (Note: [zenflow rule])."""
-        norms = torch.zeros(self._norm_numel, dtype=torch.float32, device=self._pieces[0].lp.device
-                            if self._pieces else "cpu")
+        norms = torch.zeros(self._norm_numel, dtype=torch.float32, device=self._device)
         for piece, g in zip(self._pieces, grads):
             if piece.columns is not None:
                 off = self._norm_offset[piece.param_index]
-                norms.index_add_(0, piece.columns + off, g.abs().to(norms.device))
+                norms.index_add_(0, piece.columns + off, g.abs().to(self._device))
         self._all_reduce(norms)
         chosen: dict[int, Tensor] = {}
         for i, off in self._norm_offset.items():
@@ -225,8 +226,8 @@ class ZenFlowStep(torch.optim.Optimizer):
             if piece.columns is None:
                 piece.selected = torch.arange(piece.lp.numel(), device=piece.lp.device)
             else:
-                hit = torch.isin(piece.columns, chosen[piece.param_index].to(piece.columns.device))
-                piece.selected = hit.nonzero().squeeze(1).to(piece.lp.device)
+                hit = torch.isin(piece.columns, chosen[piece.param_index])
+                piece.selected = hit.nonzero().squeeze(1)
             n = piece.selected.numel()
             piece.exp_avg = torch.zeros(n, dtype=piece.lp.dtype, device=piece.lp.device)
             piece.exp_avg_sq = torch.zeros(n, dtype=piece.lp.dtype, device=piece.lp.device)
