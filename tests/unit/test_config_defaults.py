@@ -102,6 +102,12 @@ DEEPSPEED_0_19_8: dict[str, Any] = {
     "zero_optimization.offload_optimizer.fast_init": False, "zero_optimization.offload_optimizer.ratio": 1.0,
     "zero_optimization.offload_optimizer.super_offload": False,
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": 0.8,
+    # runtime/zenflow/zenflow_config.py (ZenFlowConfig; the section is None unless given)
+    "zero_optimization.zenflow.topk_ratio": 0.1, "zero_optimization.zenflow.select_strategy": "auto",
+    "zero_optimization.zenflow.select_interval": "auto", "zero_optimization.zenflow.update_interval": "auto",
+    "zero_optimization.zenflow.overlap_step": False, "zero_optimization.zenflow.offload": False,
+    "zero_optimization.zenflow.auto_ratio": 0.99, "zero_optimization.zenflow.full_warm_up_rounds": 0,
+    "zero_optimization.zenflow.pt_reserved_cores_perc": 0.5, "zero_optimization.zenflow.steps_per_epoch": None,
     "zero_optimization.offload_optimizer.delayed_update": EXTENSION,
     "zero_optimization.offload_optimizer.delayed_update_warmup_steps": EXTENSION,
     # monitor/config.py

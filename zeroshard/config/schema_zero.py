@@ -61,6 +61,54 @@ class OffloadOptimizerConfig:
     Default 40."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZenFlowConfig:
+    """`zero_optimization.zenflow`: DeepSpeed's ZenFlow (stages 1 and 2 with CPU optimizer offload).
+
+    Each step, the top-k columns of every 2-D weight (by the L1 norm of their gradient) and every
+    1-D parameter are updated on the model's device by their own AdamW; the whole gradient is
+    accumulated and stepped by the CPU optimizer every `update_interval` steps, whose update
+    lands on the other columns (docs/offload.md, Note: [zenflow rule] in zero/offload/zenflow.py).
+    The section's presence turns it on (`{}` too), as in DeepSpeed; `enabled` is set by the loader.
+    Built for fp32 training without gradient clipping; the rest is refused by name.
+    """
+
+    enabled: bool = spec(False, json_key=False)
+    """True when the config has a `zenflow` section (set by the loader, not a JSON key)."""
+    topk_ratio: float = spec(0.1, gt=0.0, lt=1.0)
+    """Share of each 2-D weight's columns updated every step on the device: max(1, int(columns *
+    topk_ratio)) columns. DeepSpeed's default 0.1."""
+    select_strategy: Literal["auto", "step", "epoch"] = "auto"
+    """How `select_interval` counts: "step" (optimizer steps, built), "epoch" or "auto" (DeepSpeed:
+    "auto" is "epoch" with select_interval 1, an epoch being the length of initialize()'s
+    training_data; not built, refused by name). Default "auto", as in DeepSpeed."""
+    select_interval: int = "auto"  # type: ignore[assignment]  # DeepSpeed's "auto" (auto.py::OFF_RULES keeps it)
+    """Steps between two selections of the top-k columns (0: select once, at the first step after
+    the warm-up); "auto" only with select_strategy "auto". At least `update_interval`. Default "auto"."""
+    update_interval: int = "auto"  # type: ignore[assignment]  # DeepSpeed's "auto" (auto.py::OFF_RULES keeps it)
+    """Steps between two CPU optimizer steps on the accumulated gradient (an integer >= 1, built;
+    "auto", DeepSpeed's adaptive interval driven by `auto_ratio`, is refused by name). Default "auto"."""
+    overlap_step: bool = False
+    """DeepSpeed: run the CPU step in a separate process overlapping the next steps. Not built:
+    true is refused by name (the delayed update, `offload_optimizer.delayed_update`, is zeroshard's
+    overlap). Default false."""
+    offload: bool = False
+    """DeepSpeed: keep the selected columns' AdamW states in CPU memory between steps (same numbers,
+    less device memory). Not built: true is refused by name. Default false."""
+    auto_ratio: float = spec(0.99, ge=0.0, le=1.0)
+    """Threshold of the adaptive update interval (`update_interval` "auto", not built): without
+    effect otherwise. DeepSpeed's default 0.99."""
+    full_warm_up_rounds: int = spec(0, ge=0)
+    """Steps, from the first, in which the CPU optimizer steps every step on the whole gradient
+    with no selection; selection starts after them. Default 0."""
+    pt_reserved_cores_perc: float = spec(0.5, ge=0.0, le=1.0)
+    """DeepSpeed: share of the CPU cores left to PyTorch by the overlapped optimizer process
+    (`overlap_step`); without effect here (no such process). Default 0.5."""
+    steps_per_epoch: int | None = spec(None, ge=1)
+    """DeepSpeed sets it from the training dataloader for the "epoch" strategy ("should not be set
+    by users"); without effect here (that strategy is refused). Default null."""
+
+
 DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (
     "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
     "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
@@ -157,6 +205,9 @@ class ZeroConfig:
     """Leaf modules: gathered whole at stage 3 (stage 3 only)."""
     offload_optimizer: OffloadOptimizerConfig = spec(default_factory=OffloadOptimizerConfig)
     """Optimizer-state offload (stages 1-3; NVMe and partial ratios at stage 3 only)."""
+    zenflow: ZenFlowConfig = spec(default_factory=ZenFlowConfig)
+    """DeepSpeed's ZenFlow: top-k gradient columns stepped on the device every step, the rest
+    accumulated and stepped on the CPU every `update_interval` steps (stages 1-2, CPU offload)."""
     sub_group_size: int = spec(1_000_000_000, ge=0)
     """Elements updated per optimizer sub-step at stage 3 (the NVMe swap granularity).
     Lower it on out-of-memory during the step. Default 1e9."""

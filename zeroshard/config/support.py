@@ -41,6 +41,11 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 why="DeepSpeed's SuperOffload is not implemented.", fix="Remove the key."),
     *(Unsupported(key=f"zero_optimization.{k}", why=_ZPP, fix="Remove the key.") for k in (
         "zero_quantized_nontrainable_weights", "mics_shard_size", "mics_hierarchical_params_gather")),
+    Unsupported(key="zero_optimization.zenflow.overlap_step", why="ZenFlow's CPU step overlapped in a separate "
+                "process is not built (zeroshard's overlap is offload_optimizer.delayed_update, without ZenFlow).",
+                fix="Set it to false."),
+    Unsupported(key="zero_optimization.zenflow.offload", why="ZenFlow's selective optimizer states in CPU "
+                "memory are not built.", fix="Set it to false."),
     Unsupported(key="zero_optimization.legacy_stage1", why="DeepSpeed's legacy stage 1 is not provided.",
                 fix="Remove the key."),
     Unsupported(key="fp16.fp16_master_weights_and_grads",
@@ -124,11 +129,6 @@ UNMODELLED: dict[str, str] = {
         "zero_optimization.zeropp_loco_param",
         "checkpoint.writer",
     )
-} | {
-    "zero_optimization.zenflow": "DeepSpeed's ZenFlow (top-k gradient columns updated on the device, the rest "
-    "accumulated and stepped on the CPU) is not implemented; the overlap zeroshard has is "
-    "offload_optimizer.delayed_update, and offload_optimizer.ratio keeps part of the step on the device "
-    "(docs/offload.md).",
 }
 """DeepSpeed keys and sections zeroshard does not model. Accepted when they ask for nothing
 (`is_inactive`); anything else raises NotSupportedError naming the key."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ from zeroshard.zero.expert_split import build_expert_split
 from zeroshard.zero.init_partition import init_partitioned
 from zeroshard.zero.leaf import apply_leaf_config, granularity_units, leaf_units
 from zeroshard.zero.offload.policy import OffloadPolicy
+from zeroshard.zero.offload.zenflow import ZenFlowRule
 from zeroshard.zero.stage0 import Stage0Strategy
 from zeroshard.zero.stage3 import Stage3Strategy
 from zeroshard.zero.stage3_options import Stage3Options
@@ -197,8 +199,9 @@ def _build_stage(cfg: "Config", module: nn.Module, params: list[nn.Parameter], c
             overlap_comm=bool(zero.overlap_comm),
             reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), comm),
             allgather_partitions=bool(zero.allgather_partitions),
-            offload=OffloadPolicy.from_config(zero.offload_optimizer, sub_group_size=int(zero.sub_group_size),
-                                              aio=cfg.aio),
+            offload=dataclasses.replace(
+                OffloadPolicy.from_config(zero.offload_optimizer, sub_group_size=int(zero.sub_group_size), aio=cfg.aio),
+                zenflow=ZenFlowRule.from_config(zero.zenflow)),
             ignore_unused=bool(zero.ignore_unused_parameters),
             param_names=_names(module, params) if not zero.ignore_unused_parameters else (),
         )

@@ -27,6 +27,7 @@ from zeroshard.zero.grad_shard import GradShard
 from zeroshard.zero.offload.delayed_step import DelayedStep
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.offload.split_home import SplitFlat, device_buckets, parts_of
+from zeroshard.zero.offload.zenflow import ZenFlowPiece, ZenFlowStep
 from zeroshard.zero.strategy import (
     BytesByHome,
     GradStats,
@@ -143,8 +144,11 @@ class OptimizerShard:
         return None if self.grad_shard is None else self.grad_shard.bucket(bucket)
 
     def master_chunk(self, bucket: int) -> Tensor | None:
-        """This rank's updated fp32 values of bucket `bucket` (None: the parameters are the master)."""
-        return None if self.master is None else self.master[slice(*self._plan.shard_range(bucket))]
+        """This rank's updated fp32 values of bucket `bucket` (None: the parameters are the master,
+        or ZenFlow wrote the step's values into them: Note: [zenflow rule] in zero/offload/zenflow.py)."""
+        if self.master is None or self._policy.zenflow is not None:
+            return None
+        return self.master[slice(*self._plan.shard_range(bucket))]
 
     def _own_lp(self, bucket: int) -> Tensor:
         if self._lp_is_flat:
@@ -222,6 +226,8 @@ class OptimizerShard:
         directory is checked now, before any step); with the delayed update, the optimizer that
         steps `optimizer` one step late (zero/offload/delayed_step.py); otherwise `optimizer` itself."""
         home = self._policy.nvme
+        if self._policy.zenflow is not None:
+            return self._zenflow(optimizer)
         if self._policy.delayed_update is not None:
             self._delayed = DelayedStep(optimizer, self.fragment_params, self._policy.delayed_update,
                                         swap_grads=self._swap_grad_buffers)
@@ -244,6 +250,25 @@ class OptimizerShard:
             raise
         self._swap_optimizer.write_master()
         return self._swap_optimizer
+
+    def _zenflow(self, optimizer: torch.optim.Optimizer) -> ZenFlowStep:
+        """ZenFlow over the fragments (stages 1-2: the model's values are the whole flat buffer)."""
+        rule = self._policy.zenflow
+        if rule is None or not self._lp_is_flat or self.master is None:
+            raise AssertionError("expected ZenFlow at stage 1 or 2 with a separate (offloaded) master")
+        pieces = []
+        for f, frag in zip(self._fragments, self.fragment_params):
+            shape = self._params[f.param_index].shape
+            columns = None
+            if len(shape) == 2:
+                columns = torch.arange(f.param_offset, f.param_offset + f.numel, device=self._device) % shape[1]
+            pieces.append(ZenFlowPiece(master=frag, lp=self._lp[f.flat_offset : f.flat_offset + f.numel],
+                                       param_index=f.param_index, columns=columns))
+        return ZenFlowStep(optimizer, pieces, [p.shape for p in self._params], rule,
+                           all_reduce=self._sum_over_ranks, device=self._device)
+
+    def _sum_over_ranks(self, t: Tensor) -> None:
+        self._comm.all_reduce(t)
 
     def _swap_grad_buffers(self) -> None:
         """Note: [double gradient buffer] The delayed update's background step reads step k's

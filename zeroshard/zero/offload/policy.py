@@ -4,7 +4,8 @@
 One policy for the optimizer shard (`offload_optimizer`: fp32 master, gradient shard,
 optimizer state) and one for stage-3 parameter shards (`offload_param`). A new home (NVMe
 swap files) is one more policy here; strategies only ask `home`, `allocate` and `label`.
-Imports nothing of ours but `config` types and nvme_io.py (the `aio` options).
+Imports nothing of ours but `config` types, nvme_io.py (the `aio` options) and, for typing,
+zenflow.py's rule.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from zeroshard.zero.offload.nvme_io import IOOptions
 if TYPE_CHECKING:
     from zeroshard.config.schema import AioConfig
     from zeroshard.config.schema_zero import OffloadOptimizerConfig, OffloadParamConfig
+    from zeroshard.zero.offload.zenflow import ZenFlowRule
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,9 @@ class OffloadPolicy:
     delayed_update: int | None = None
     """`offload_optimizer.delayed_update`: the warm-up steps before the optimizer step runs one
     step late in the background (zero/offload/delayed_step.py); None: every step synchronous."""
+    zenflow: "ZenFlowRule | None" = None
+    """`zero_optimization.zenflow` (stages 1-2): the optimizer steps by ZenFlow's rule
+    (zero/offload/zenflow.py); set by zero/build.py, not by `from_config`."""
 
     @classmethod
     def from_config(cls, section: "OffloadOptimizerConfig | OffloadParamConfig", *,

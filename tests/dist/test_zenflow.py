@@ -1,0 +1,234 @@
+"""ZenFlow (`zero_optimization.zenflow`) follows DeepSpeed 0.19.8's rule (Note: [zenflow rule] in
+zeroshard/zero/offload/zenflow.py), checked against `zenflow_reference` below.
+
+The reference is plain torch over whole parameters: each rank's gradient computed on its own
+micro-batch and summed in rank order (the engine's all-reduce of two ranks gives the same
+bits), averaged and divided by update_interval; per 2-D weight the top-k columns by the L1
+norm of that gradient over dim 0, chosen by torch.topk, every 1-D parameter whole; the gradient
+accumulated in fp32; the CPU AdamW on fp32 masters at the rule's steps with step count k + 1,
+cast into the model except the selected columns; torch's AdamW arithmetic on the selected columns
+every step after the warm-up. Run at world sizes 1 (plain pytest) and 2 (torchrun), ZeRO stages
+1 and 2, fp32; the intervals make both the CPU step and a reselection happen several times.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import (
+    MICRO,
+    assert_params_close,
+    global_batches,
+    init_engine,
+    make_config,
+    make_model,
+    rank_micro_batches,
+    train_engine,
+)
+from torch import Tensor, nn
+from torch.optim.adamw import adamw
+
+from zeroshard.config import load_config
+from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.zero.offload.zenflow import ZenFlowStep
+
+STEPS = 12
+LR, WD = 1e-2, 0.01
+CASES = {  # name -> (topk_ratio, select_interval, update_interval, full_warm_up_rounds)
+    "intervals": (0.25, 4, 2, 0),  # selections at 0, 4, 8; CPU steps at every odd k
+    "warm-up": (0.25, 5, 2, 3),  # CPU steps at 0-2, 4, 6, 8, 10 and 9 (before the reselection at 10)
+}
+
+
+def config(stage: int, topk: float, select: int, update: int, warmup: int, gas: int = 1) -> dict[str, Any]:
+    return make_config(gradient_accumulation_steps=gas, zero_optimization={
+        "stage": stage, "reduce_bucket_size": 500, "offload_optimizer": {"device": "cpu"},
+        "zenflow": {"topk_ratio": topk, "select_strategy": "step", "select_interval": select,
+                    "update_interval": update, "full_warm_up_rounds": warmup}})
+
+
+def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], world: int, topk: float,
+                      select: int, update: int, warmup: int, fused: bool,
+                      gas: int = 1) -> tuple[list[list[float]], list[list[Tensor]]]:
+    """DeepSpeed's ZenFlow rule, written out: per-step losses of each rank (its last micro-batch's)
+    and the weights after each step. `gas` > 1: stage 2's order, each micro-batch's loss / gas
+    summed over the ranks, then over the micro-batches; a ZenFlow step is an optimizer step."""
+    model = copy.deepcopy(model)
+    params = list(model.parameters())
+    master = [nn.Parameter(p.detach().clone()) for p in params]
+    opt = torch.optim.AdamW(master, lr=LR, weight_decay=WD, fused=fused)
+    acc = [torch.zeros_like(p) for p in params]
+    cols: list[Tensor | None] = [None] * len(params)  # selected columns (2-D) / None
+    exp_avg: list[Tensor] = []
+    exp_avg_sq: list[Tensor] = []
+    sel_step = [torch.zeros(()) for _ in params]
+    losses, weights = [], []
+    for k, batch in enumerate(batches):
+        total: list[Tensor] | None = None
+        rank_micro = [rank_micro_batches(batch, r, world, MICRO, gas) for r in range(world)]
+        for m in range(gas):
+            micro_sum: list[Tensor] | None = None
+            rank_losses = []
+            for r in range(world):
+                x, y = rank_micro[r][m]
+                loss = model(x, y)
+                grads = torch.autograd.grad(loss * (1.0 / gas) if gas != 1 else loss, params)
+                micro_sum = list(grads) if micro_sum is None else [t + g for t, g in zip(micro_sum, grads)]
+                rank_losses.append(loss.item())
+            assert micro_sum is not None
+            total = micro_sum if total is None else [t + g for t, g in zip(total, micro_sum)]
+        assert total is not None
+        grads = [(t * (1.0 / world) if world != 1 else t) / update for t in total]
+        with torch.no_grad():
+            if k >= warmup and (k == warmup or (select > 0 and k % select == 0)):  # select
+                if k > 0:
+                    for m, p in zip(master, params):
+                        m.copy_(p)
+                for i, (p, g) in enumerate(zip(params, grads)):
+                    if p.dim() == 2:
+                        n = max(1, int(p.shape[1] * topk))
+                        cols[i] = torch.topk(g.abs().sum(dim=0), n).indices.sort().values
+                exp_avg = [torch.zeros_like(_selected(p, c)) for p, c in zip(params, cols)]
+                exp_avg_sq = [torch.zeros_like(_selected(p, c)) for p, c in zip(params, cols)]
+            for a, g in zip(acc, grads):
+                a.add_(g)
+            if k + 1 < warmup or (k + 1 - warmup) % update == 0 or (select > 0 and (k + 1) % select == 0):
+                kept = [_selected(p, c).clone() for p, c in zip(params, cols)] if k >= warmup else None
+                for m, a in zip(master, acc):
+                    m.grad = a.clone()
+                    state = opt.state[m]
+                    if not state:
+                        state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m),
+                                     exp_avg_sq=torch.zeros_like(m))
+                    state["step"].fill_(float(k))  # DeepSpeed's CPU step id is k + 1
+                opt.step()
+                for i, (p, m, a) in enumerate(zip(params, master, acc)):
+                    p.copy_(m)
+                    if kept is not None:
+                        _set_selected(p, cols[i], kept[i])
+                    a.zero_()
+            if k >= warmup:  # the selective AdamW
+                for i, (p, g) in enumerate(zip(params, grads)):
+                    values = _selected(p, cols[i]).clone()
+                    adamw([values], [_selected(g, cols[i])], [exp_avg[i]], [exp_avg_sq[i]], [], [sel_step[i]],
+                          foreach=False, amsgrad=False, beta1=0.9, beta2=0.999, lr=LR, weight_decay=WD,
+                          eps=1e-8, maximize=False)
+                    _set_selected(p, cols[i], values)
+        losses.append(rank_losses)
+        weights.append([p.detach().clone() for p in params])
+    return losses, weights
+
+
+def _selected(t: Tensor, columns: Tensor | None) -> Tensor:
+    return t[:, columns] if t.dim() == 2 else t
+
+
+def _set_selected(t: Tensor, columns: Tensor | None, values: Tensor) -> None:
+    if t.dim() == 2:
+        t[:, columns] = values
+    else:
+        t.copy_(values)
+
+
+def _fused(engine: Any) -> bool:
+    inner = engine.optimizer.optimizer
+    assert isinstance(inner, ZenFlowStep), f"expected ZenFlow's step, got {type(inner).__name__}"
+    return bool(inner.inner.defaults.get("fused"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_matches_reference(groups, stage: int, case: str) -> None:
+    rank, world = groups.rank, groups.world_size
+    topk, select, update, warmup = CASES[case]
+    model = make_model()
+    batches = global_batches(STEPS, MICRO * world)
+    engine = init_engine(copy.deepcopy(model), config(stage, topk, select, update, warmup))
+    losses, got = train_engine(engine, batches, rank, world)
+    want_losses, want = zenflow_reference(model, batches, world, topk, select, update, warmup, _fused(engine))
+    for k in range(STEPS):
+        assert_params_close(got[k], want[k], 0.0, f"stage {stage}, {case}, weights after step {k + 1}")
+    assert losses == [per_rank[rank] for per_rank in want_losses]
+
+
+def test_gradient_accumulation(groups) -> None:
+    """Two micro-batches per optimizer step at stage 2: a ZenFlow step is an optimizer step, on the
+    gradient averaged over its micro-batches (DeepSpeed counts micro-steps instead)."""
+    rank, world = groups.rank, groups.world_size
+    topk, select, update, warmup = CASES["intervals"]
+    model = make_model()
+    batches = global_batches(8, MICRO * world * 2)
+    engine = init_engine(copy.deepcopy(model), config(2, topk, select, update, warmup, gas=2))
+    _, got = train_engine(engine, batches, rank, world)
+    _, want = zenflow_reference(model, batches, world, topk, select, update, warmup, _fused(engine), gas=2)
+    for k in range(len(batches)):
+        assert_params_close(got[k], want[k], 0.0, f"gradient accumulation 2, weights after step {k + 1}")
+
+
+def test_rule_is_not_plain_offload(groups) -> None:
+    """The comparison above can fail: at step 0 the reference moves only the selected columns of
+    each 2-D weight (a warm-up step moves all of them, by the same first AdamW step), and 1-D
+    parameters whole in both."""
+    world = groups.world_size
+    model = make_model()
+    batches = global_batches(2, MICRO * world)
+    _, zen = zenflow_reference(model, batches, world, 0.25, 4, 2, 0, fused=False)
+    _, warm = zenflow_reference(model, batches, world, 0.25, 4, 2, 2, fused=False)  # CPU steps only
+    for p, z, w in zip(model.parameters(), zen[0], warm[0]):
+        moved = (z != p.detach()).any(dim=0) if p.dim() == 2 else (z != p.detach())
+        if p.dim() == 2:
+            assert int(moved.sum()) == max(1, int(p.shape[1] * 0.25)), "only the top-k columns move"
+            assert not torch.equal(z, w)
+        else:
+            assert torch.equal(z, w)
+
+
+def _load(zenflow: dict[str, Any], stage: int = 2, **zero: Any) -> Any:
+    offload = zero.pop("offload_optimizer", {"device": "cpu"})
+    return load_config({"train_batch_size": 2, "gradient_clipping": 0.0, "zero_optimization": {
+        "stage": stage, "offload_optimizer": offload, "zenflow": zenflow, **zero}}, dp_world_size=1)
+
+
+STEP = {"select_strategy": "step", "select_interval": 4, "update_interval": 2}
+
+
+def test_config_as_deepspeed() -> None:
+    cfg = _load(STEP).zero_optimization.zenflow
+    assert cfg.enabled and (cfg.topk_ratio, cfg.full_warm_up_rounds, cfg.overlap_step) == (0.1, 0, False)
+    assert not load_config({"train_batch_size": 2}, dp_world_size=1).zero_optimization.zenflow.enabled
+    with pytest.raises(ConfigError, match=r"zenflow\.topk_ratio: got 1\.0"):
+        _load({**STEP, "topk_ratio": 1.0})
+    with pytest.raises(ConfigError, match="select interval must be greater or equal to update interval"):
+        _load({**STEP, "select_interval": 1})
+    with pytest.raises(ConfigError, match=r"update_interval: got 0, expected an integer >= 1"):
+        _load({**STEP, "update_interval": 0})
+    with pytest.raises(ConfigError, match="must be used with CPU offload"):
+        _load(STEP, offload_optimizer={"device": "none"})
+
+
+@pytest.mark.parametrize("zenflow, stage, match", [
+    ({}, 2, r'zenflow\.select_strategy="auto": not implemented'),
+    ({**STEP, "select_strategy": "epoch"}, 2, r'zenflow\.select_strategy="epoch": not implemented'),
+    ({**STEP, "update_interval": "auto"}, 2, r'zenflow\.update_interval="auto": not implemented'),
+    ({**STEP, "overlap_step": True}, 2, r"zenflow\.overlap_step=true\. ZenFlow's CPU step overlapped"),
+    ({**STEP, "offload": True}, 2, r"zenflow\.offload=true\. ZenFlow's selective optimizer states"),
+    (STEP, 3, r"zenflow with ZeRO stage 3: not implemented"),
+])
+def test_refused_by_name(zenflow: dict[str, Any], stage: int, match: str) -> None:
+    with pytest.raises(NotSupportedError, match=match):
+        _load(zenflow, stage=stage)
+
+
+def test_refused_pairings() -> None:
+    with pytest.raises(NotSupportedError, match=r"zenflow with gradient_clipping"):
+        load_config({"train_batch_size": 2, "zero_optimization": {
+            "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": STEP}}, dp_world_size=1)
+    with pytest.raises(NotSupportedError, match=r"zenflow with bf16 training: not implemented"):
+        load_config({"train_batch_size": 2, "gradient_clipping": 0.0, "bf16": {"enabled": True},
+                     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": STEP}},
+                    dp_world_size=1)
+    with pytest.raises(NotSupportedError, match=r"zenflow with offload_optimizer\.delayed_update"):
+        _load(STEP, offload_optimizer={"device": "cpu", "delayed_update": True})
