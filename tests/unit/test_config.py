@@ -309,10 +309,38 @@ def test_auto_values_win_over_the_model_rule() -> None:
     assert cfg.source_of("zero_optimization.reduce_bucket_size") == "auto (from initialize arguments)"
 
 
+def test_auto_left_in_a_deepspeed_model_section_takes_the_default_with_a_note() -> None:
+    """OpenRLHF's deepspeed_utils.py passes Transformers' "auto"s straight to deepspeed.initialize;
+    DeepSpeed 0.19.8's config models drop "auto" and use the default (issue 39 item 2)."""
+    keys = ["sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+            "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "reduce_bucket_size"]
+    cfg = make_config(zero_optimization={"stage": 3, **dict.fromkeys(keys, "auto")})
+    default = make_config(zero_optimization={"stage": 3}).zero_optimization
+    for key in keys:
+        assert getattr(cfg.zero_optimization, key) == getattr(default, key), key
+        assert cfg.source_of(f"zero_optimization.{key}").startswith("auto (the default"), key
+        assert sum(n.startswith(f'zero_optimization.{key}: "auto"') for n in cfg.notes) == 1, cfg.notes
+    with_model = make_config(hidden_size=64, zero_optimization={"reduce_bucket_size": "auto"})
+    assert with_model.zero_optimization.reduce_bucket_size == 64 * 64 and not with_model.notes
+
+
+def test_keys_a_listed_client_writes_and_deepspeed_ignores_load_with_a_note() -> None:
+    """LLaMA-Factory's examples/deepspeed/ds_z3_fp8_config.json (two versions: `comms_config` and
+    `monitor_config`; an `fp8` section carrying fp16's loss-scaler keys) loads; a near miss of a
+    real key is still refused."""
+    cfg = make_config(comms_config={"verbose": False},
+                      monitor_config={"enabled": True, "tag": "DeepSpeedMonitor", "csv_monitor": {"enabled": False}},
+                      fp8={"enabled": True, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1})
+    ignored = ["comms_config", "monitor_config", "fp8.loss_scale_window", "fp8.hysteresis", "fp8.min_loss_scale"]
+    for key in ignored:
+        assert sum(n.startswith(f"{key}: no effect") for n in cfg.notes) == 1, (key, cfg.notes)
+    assert cfg.fp8.enabled
+    near_miss = config_error(comms_loger={"enabled": True})
+    assert near_miss.startswith('comms_loger: unknown key. Did you mean "comms_logger"')
+    assert config_error(fp8={"loss_scale": 0}).startswith("fp8.loss_scale: unknown key")
+
+
 def test_unresolvable_auto_says_how_to_resolve_it() -> None:
-    assert config_error(zero_optimization={"reduce_bucket_size": "auto"}) == (
-        'zero_optimization.reduce_bucket_size: is "auto" but the model has no config.hidden_size; '
-        "set it to a number of elements, e.g. 5e8.")
     assert config_error(gradient_clipping="auto").startswith(
         'gradient_clipping: is "auto" but initialize() supplied no value for it; set it to a maximum')
     assert "optimizer.params.lr" in config_error(optimizer={"type": "AdamW", "params": {"lr": "auto"}})

@@ -2,8 +2,11 @@
 
 Order, per key: `auto_values[dotted_key]` from initialize(); then the model rule when the hidden
 size is known; then the key's own rule ("feature off" for enable flags, the optimizer's lr for
-warmup_max_lr); otherwise an error saying what could resolve it. The batch triad's "auto"s are
-left to `batch.py`. Imports nothing of zeroshard but `errors` and `config`.
+warmup_max_lr); then, inside the sections DeepSpeed 0.19.8 reads through its pydantic models
+(`DEEPSPEED_DROPS_AUTO`), the key's default with a start-up note, because DeepSpeed drops an
+"auto" there and uses its default (a config passed straight to `deepspeed.initialize` by a
+client such as OpenRLHF keeps Transformers' "auto"s); otherwise an error saying what could
+resolve it. The batch triad's "auto"s are left to `batch.py`. Imports nothing of zeroshard but `errors` and `config`.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from zeroshard.errors import ConfigError
 FROM_ARGS = "auto (from initialize arguments)"
 BATCH_KEYS = (TBS, MICRO, GAS)
 
-HIDDEN_SIZE_RULES: dict[str, tuple[Callable[[int], int], str]] = {
-    "zero_optimization.reduce_bucket_size": (lambda h: h * h, "e.g. 5e8"),
-    "zero_optimization.stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), "e.g. 5e7"),
-    "zero_optimization.stage3_param_persistence_threshold": (lambda h: 10 * h, "e.g. 1e5"),
+HIDDEN_SIZE_RULES: dict[str, Callable[[int], int]] = {
+    "zero_optimization.reduce_bucket_size": lambda h: h * h,
+    "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
 }
 """Keys sized from the model's hidden size h, as HF Transformers does (h*h, 0.9*h*h, 10*h)."""
 
@@ -50,6 +53,13 @@ HINTS: dict[str, str] = {
     "scheduler.params.total_num_steps": "set it to the number of optimizer steps in the run, e.g. 10000",
 }
 """What to tell the user when an "auto" cannot be resolved (default: set it to a value)."""
+
+DEEPSPEED_DROPS_AUTO = ("zero_optimization.", "bf16.", "fp16.", "tensor_parallel.", "hybrid_engine.", "compile.",
+                        "comms_logger.", "tensorboard.", "wandb.", "csv_monitor.", "comet.", "timers.")
+"""Sections DeepSpeed 0.19.8 parses with its `DeepSpeedConfigModel`, whose constructor drops every
+"auto" value (runtime/config_utils.py), so the key takes its default there. Keys elsewhere
+(`gradient_clipping`, `optimizer.params.*`, `scheduler.params.*`) reach DeepSpeed's code as the
+string and fail later; zeroshard refuses those at load with what would resolve them."""
 
 
 def _from_args(draft: Draft, path: str, value: Any) -> None:
@@ -84,20 +94,19 @@ def resolve_autos(draft: Draft, *, hidden_size: int | None, auto_values: Mapping
         draft.autos.pop(key)
     for path in list(draft.autos):
         if path in HIDDEN_SIZE_RULES and hidden_size is not None:
-            rule, _ = HIDDEN_SIZE_RULES[path]
-            draft.set(path, rule(hidden_size), f"auto (model hidden_size={hidden_size})")
+            draft.set(path, HIDDEN_SIZE_RULES[path](hidden_size), f"auto (model hidden_size={hidden_size})")
         elif path in OFF_RULES:
             value, source = OFF_RULES[path]
             draft.set(path, value, source)
         elif path == "scheduler.params.warmup_max_lr" and _optimizer_lr(draft, auto_values) is not None:
             _from_args(draft, path, _optimizer_lr(draft, auto_values))
             draft.sources[path] = "auto (optimizer.params.lr)"
+    for path in [p for p in draft.autos if p.startswith(DEEPSPEED_DROPS_AUTO)]:
+        default = draft.autos[path].default
+        draft.set(path, default, "auto (the default: nothing supplied a value, DeepSpeed drops the \"auto\")")
+        draft.notes.append(f'{path}: "auto" and neither initialize() nor the model supplied a value; using the '
+                           f"default {default!r}, as DeepSpeed 0.19.8 does (it drops \"auto\" in this section).")
     for path in draft.autos:
-        if path in HIDDEN_SIZE_RULES:
-            raise ConfigError(
-                f'{path}: is "auto" but the model has no config.hidden_size; set it to a number of '
-                f"elements, {HIDDEN_SIZE_RULES[path][1]}."
-            )
         hint = HINTS.get(path, "set it to a value (see docs/config.md)")
         raise ConfigError(f'{path}: is "auto" but initialize() supplied no value for it; {hint}.')
     return batch_autos

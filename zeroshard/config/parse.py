@@ -53,6 +53,22 @@ REMOVED: dict[str, str] = {
 }
 """Keys users invent, with the spelling to use instead."""
 
+CLIENT_IGNORED: dict[str, str] = {
+    "comms_config": "LLaMA-Factory's examples/deepspeed/*.json write it; no DeepSpeed 0.19.8 key reads it "
+                    "(the comms logger is \"comms_logger\")",
+    "monitor_config": "LLaMA-Factory's examples/deepspeed/*.json write it; no DeepSpeed 0.19.8 key reads it "
+                      "(the monitors are \"tensorboard\", \"csv_monitor\", \"wandb\", \"comet\")",
+    "fp8.loss_scale_window": "LLaMA-Factory's ds_z3_fp8_config.json copies fp16's loss-scaler keys into \"fp8\", a "
+                             "section DeepSpeed ignores whole; zeroshard's fp8 section (its extension) acts on "
+                             "\"enabled\", and its float8 scales come from each tensor's amax: nothing is loss-scaled",
+    "fp8.hysteresis": "as fp8.loss_scale_window",
+    "fp8.min_loss_scale": "as fp8.loss_scale_window",
+}
+"""Keys a listed client (docs/clients.md) writes that DeepSpeed 0.19.8 ignores (it reads no such
+key, or no such section): accepted with one start-up note that they do nothing, never refused
+(issue 39's rule: a config DeepSpeed accepts and a real client writes loads). A misspelling of a
+real key is still refused with "did you mean"."""
+
 DEPRECATED_BOOLS: dict[str, tuple[tuple[str, ...], str]] = {
     "zero_optimization.cpu_offload": (("zero_optimization.offload_optimizer.device",),
                                       '"offload_optimizer": {"device": "cpu"}'),
@@ -168,6 +184,9 @@ def parse_section(draft: Draft, cls: type, raw: Any, prefix: str) -> None:
             key, path = name, current
         if path in UNMODELLED:
             draft.unmodelled[path] = value
+            continue
+        if path in CLIENT_IGNORED:
+            draft.notes.append(f"{path}: no effect, as in DeepSpeed 0.19.8 ({CLIENT_IGNORED[path]}); remove it.")
             continue
         if prefix == "" and key in _TOP_SPECIAL:
             _TOP_SPECIAL[key](draft, value)
