@@ -128,3 +128,18 @@ def test_offload_between_backward_and_step_keeps_the_gradients(groups: Any) -> N
     twin.step()
     mine, theirs = weights(engine), weights(twin)
     assert all(torch.equal(mine[n], theirs[n]) for n in mine)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_optimizer_offloads_and_reloads_as_the_engine(groups: Any, stage: int) -> None:
+    """OpenRLHF calls `engine.optimizer.offload_states(include, device, pin_memory, non_blocking)`
+    and `reload_states()` (DeepSpeed's ZeRO optimizers have both): the engine's calls."""
+    engine, twin = build(stage, "fp32", False), build(stage, "fp32", False)
+    assert train(engine, groups.rank, range(2)) == train(twin, groups.rank, range(2))
+    engine.optimizer.offload_states(include=None, device="cpu", pin_memory=False, non_blocking=False)
+    assert engine._offloaded.active
+    with pytest.raises(UsageError, match="call engine.reload_states"):
+        engine.step()
+    engine.optimizer.reload_states(non_blocking=False)
+    assert not engine._offloaded.active
+    assert train(engine, groups.rank, range(2, 4)) == train(twin, groups.rank, range(2, 4))

@@ -121,7 +121,8 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, EngineCheckpoi
         self._config = config
         self.config: Mapping[str, Any] = raw_config if raw_config is not None else {}
         self.optimizer = None if optimizer is None else ZeroOptimizer(
-            optimizer, loss_scaler=loss_scaler, parameter_offload=strategy.parameter_offload())
+            optimizer, loss_scaler=loss_scaler, parameter_offload=strategy.parameter_offload(),
+            states=(self.offload_states, self.reload_states))
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self._groups, self._comm, self._strategy = groups, comm, strategy

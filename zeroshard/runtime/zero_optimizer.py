@@ -35,6 +35,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             as DeepSpeed's ZeRO optimizers carry a `LossScaler(scale=1.0)` there.
         parameter_offload: the stage-3 hook handles (zero/parameter_offload.py); None below
             stage 3, where, as in DeepSpeed, the attribute does not exist.
+        states: the engine's `offload_states` and `reload_states` (DeepSpeed's ZeRO optimizers
+            carry both; OpenRLHF calls them on `engine.optimizer`); None: the names are absent.
 
     Attributes:
         optimizer: the wrapped torch optimizer (DeepSpeed's name).
@@ -49,12 +51,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, loss_scaler: LossScaler | None,
-                 parameter_offload: "ParameterOffload | None") -> None:
+                 parameter_offload: "ParameterOffload | None",
+                 states: "tuple[Callable[..., None], Callable[..., None]] | None" = None) -> None:
         # torch.optim.Optimizer.__init__ is not called: the groups and state stay the wrapped
         # optimizer's objects, not copies (an lr scheduler built on either must see the same).
         self.optimizer = optimizer
         self._loss_scaler = loss_scaler if loss_scaler is not None else StaticLossScaler(1.0)
         self._parameter_offload = parameter_offload
+        self._states = states
         self.overflow = False
 
     def __getattr__(self, name: str) -> Any:
@@ -132,3 +136,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise AttributeError("'ZeroOptimizer' object has no attribute 'parameter_offload' "
                                  "(it exists at ZeRO stage 3 only, as in DeepSpeed)")
         return self._parameter_offload
+
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """The engine's `offload_states` (DeepSpeed's ZeRO optimizers have the same call)."""
+        self._engine_states("offload_states")[0](include=include, device=device, pin_memory=pin_memory,
+                                                  non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """The engine's `reload_states`."""
+        self._engine_states("reload_states")[1](non_blocking=non_blocking)
+
+    def _engine_states(self, name: str) -> "tuple[Callable[..., None], Callable[..., None]]":
+        if self._states is None:
+            raise AttributeError(f"'ZeroOptimizer' object has no attribute {name!r} (this optimizer was built "
+                                 f"without an engine; call engine.{name}() instead)")
+        return self._states
