@@ -61,6 +61,8 @@ CheckpointingSettings = ActivationCheckpointingSettings
 """The name `zeroshard.checkpointing` exported before the class said which checkpointing it is."""
 
 _settings: ActivationCheckpointingSettings | None = None
+_mpu: Any = None
+"""The model-parallel unit given to `configure()` (its tensor-parallel rank offsets the seed)."""
 _recompute_s = 0.0
 _forward_s = 0.0
 
@@ -144,16 +146,36 @@ def get_cuda_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
+def _tensor_parallel_rank() -> int:
+    """The tensor-parallel rank of the mpu given to `configure()` (0 without one), read as
+    DeepSpeed's `bwc_tensor_model_parallel_rank` reads it."""
+    if _mpu is None:
+        return 0
+    for name in ("get_tensor_model_parallel_rank", "get_model_parallel_rank", "get_slice_parallel_rank"):
+        if hasattr(_mpu, name):
+            return int(getattr(_mpu, name)())
+    return 0
+
+
 def model_parallel_cuda_manual_seed(seed: int) -> None:
     """Seed the default generator with `seed` and the tracker's model-parallel state with
-    `seed + 2718 + model-parallel rank`, as DeepSpeed does (the rank is 0 without model
-    parallelism). Forward and recompute draw the same masks from both (Note: [rng of the recompute])."""
-    tp_rank = 0
+    `seed + 2718 + tensor-parallel rank`, as DeepSpeed does (the rank comes from the mpu given to
+    `configure()`, 0 without one). Forward and recompute draw the same masks from both (Note:
+    [rng of the recompute])."""
+    tp_rank = _tensor_parallel_rank()
     _TRACKER.reset()
     _device_manual_seed(seed)
     if _device_type() != "cpu":
         torch.manual_seed(seed)
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+
+
+def model_parallel_reconfigure_tp_seed(seed: int) -> None:
+    """Re-seed only the tracker's model-parallel state, to `seed + 2718 + tensor-parallel rank`
+    (DeepSpeed's call for Megatron's tensor-parallel seed after a resize); the default generator
+    is left as it is. Needs `model_parallel_cuda_manual_seed` first, as in DeepSpeed."""
+    with _TRACKER.fork():
+        _device_manual_seed(seed + 2718 + _tensor_parallel_rank())
 
 
 # -- configuration ------------------------------------------------------------------------
@@ -219,7 +241,7 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
         zeroshard.checkpointing.configure(None, deepspeed_config="ds_config.json")
         hidden = zeroshard.checkpointing.checkpoint(block, hidden)
     """
-    global _settings
+    global _settings, _mpu
     values: dict[str, Any] = {}
     if deepspeed_config is not None:
         sec = _section_from(deepspeed_config)
@@ -240,7 +262,7 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
             "activations over. Set partition_activations to false.")
     check_contiguous_checkpointing(settings.contiguous_checkpointing, settings.partition_activations,
                                    settings.num_checkpoints)
-    _settings = settings
+    _settings, _mpu = settings, mpu_
     logger.info(f"activation checkpointing: {settings}")
 
 
@@ -270,8 +292,8 @@ def recompute_seconds(*, reset: bool = True) -> float:
 
 def _unconfigure() -> None:
     """Back to "never configured" (tests)."""
-    global _settings, _recompute_s
-    _settings, _recompute_s = None, 0.0
+    global _settings, _recompute_s, _mpu
+    _settings, _recompute_s, _mpu = None, 0.0, None
 
 
 # -- checkpoint ---------------------------------------------------------------------------

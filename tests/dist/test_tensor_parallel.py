@@ -310,3 +310,32 @@ def test_measured_roundoff_bounds_still_see_a_defect(groups: ProcessGroups) -> N
     unclipped_losses, unclipped = reference_run(_model(groups.world_size), data, lr=LR, clip=0.0)
     assert max((unclipped[k] - v).abs().max().item() for k, v in ref.weights.items()) > 10 * ref.weight_tol
     assert max(abs(a - b) for x, y in zip(unclipped_losses, ref.losses) for a, b in zip(x, y)) > ref.loss_tol
+
+
+def test_gather_replaced_layer_params_gives_whole_weights(groups: ProcessGroups) -> None:
+    """OpenRLHF (TP > 1) reads whole weights inside DeepSpeed's `GatherReplacedLayerParams`:
+    inside, each split parameter is the unsplit model's; after, the shards are back, and an edit
+    made inside on every rank lands in each rank's slice."""
+    from zeroshard.tensor_parallel.gathered import GatheredSplitParameters
+
+    tp = _tp(groups.world_size)
+    whole_model = _model(groups.world_size)
+    engine, *_ = zeroshard.initialize(model=copy.deepcopy(whole_model),
+                                      config=tp_config(tp, 1, groups.world_size // tp))
+    attn, mlp = engine.module.model.layers[0].self_attn, engine.module.model.layers[0].mlp
+    want = whole_model.model.layers[0]
+    params = [attn.q_proj.weight, attn.o_proj.weight, mlp.down_proj.weight, engine.module.model.norm.weight]
+    shards = [p.detach().clone() for p in params]
+    with GatheredSplitParameters(params, engine.module):
+        assert torch.equal(attn.q_proj.weight, want.self_attn.q_proj.weight)
+        assert torch.equal(attn.o_proj.weight, want.self_attn.o_proj.weight)
+        assert torch.equal(mlp.down_proj.weight, want.mlp.down_proj.weight)
+        assert torch.equal(engine.module.model.norm.weight, shards[3])  # not split: left alone
+        mlp.down_proj.weight.data[:, -1] = 7.0  # the last column lives on the last TP rank
+    for p, before in zip(params, shards):
+        assert p.shape == before.shape
+    tp_rank = mlp.down_proj.comm.rank
+    edited = mlp.down_proj.weight[:, -1]
+    assert torch.equal(edited, torch.full_like(edited, 7.0)) == (tp_rank == tp - 1)
+    with GatheredSplitParameters(params, engine.module, enabled=False):
+        assert attn.q_proj.weight.shape == shards[0].shape

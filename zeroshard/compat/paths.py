@@ -42,8 +42,9 @@ VIEWS: dict[str, dict[str, str]] = {
     "zeroshard.checkpointing": {
         **{n: f"{_ACTIVATION_CHECKPOINTING}:{n}" for n in [
             "ActivationCheckpointingSettings", "CheckpointingSettings", "RNGStatesTracker", "checkpoint", "configure",
-            "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed", "non_reentrant_checkpoint",
-            "recompute_seconds", "reset", "settings"]},
+            "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed",
+            "model_parallel_reconfigure_tp_seed", "non_reentrant_checkpoint", "recompute_seconds", "reset",
+            "settings"]},
         "CudaRNGStatesTracker": f"{_ACTIVATION_CHECKPOINTING}:RNGStatesTracker",  # DeepSpeed's name
     },
     "zeroshard.runtime.zero": {},  # a package: its submodules below

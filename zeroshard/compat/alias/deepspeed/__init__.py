@@ -15,12 +15,14 @@ __served_by_zeroshard__ = True
 __version_major__, __version_minor__, __version_patch__ = 0, 19, 8
 __git_hash__ = None
 __git_branch__ = None
+version, git_hash, git_branch = __version__, None, None  # DeepSpeed exports git_version_info's names too
 
 __getattr__, __dir__ = _reexport(__name__, {
     "initialize": "zeroshard.compat.comm:initialize",
     "init_distributed": "zeroshard.compat.comm:init_distributed",
     "add_config_arguments": "zeroshard:add_config_arguments",
     "DeepSpeedEngine": "zeroshard.runtime.engine:ZeroEngine",
+    "PipelineEngine": "zeroshard.runtime.pipe_engine:PipelineEngine",  # Megatron-DeepSpeed's isinstance checks
     "DeepSpeedConfig": "zeroshard.config:Config",
     "DeepSpeedConfigError": "zeroshard.errors:ConfigError",
     "tp_model_init": "zeroshard.tensor_parallel:tp_model_init",
@@ -34,6 +36,7 @@ from deepspeed import (
     comm,
     compression,
     launcher,
+    module_inject,
     moe,
     ops,
     pipe,

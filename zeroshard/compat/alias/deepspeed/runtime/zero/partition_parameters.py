@@ -17,7 +17,9 @@ from zeroshard.compat.refused import refused_class as _refused
 
 __getattr__, __dir__ = _reexport(__name__, {
     **{n: f"zeroshard.zero:{n}" for n in ["GatheredParameters", "register_external_parameter"]},
-    "Init": "zeroshard.compat.comm:Init", "ZeroParamStatus": "zeroshard.zero.units:ZeroParamStatus"})
+    "Init": "zeroshard.compat.comm:Init", "ZeroParamStatus": "zeroshard.zero.units:ZeroParamStatus",
+    # Transformers' zero.Init wrapper (integrations/deepspeed.py) reads it off this module
+    "get_accelerator": "zeroshard.accelerator:get_accelerator"})
 
 _orig_torch_arange = torch.arange
 _orig_torch_empty = torch.empty
