@@ -171,6 +171,8 @@ class Stage0Strategy(ZeroStrategy):
     def _on_grad_ready(self, index: int, param: Tensor) -> None:
         # Runs inside autograd, once per parameter per backward: fold the micro-batch
         # gradient into the flat buffer and free the parameter's own .grad.
+        if not getattr(param, "ds_grad_is_ready", True):  # Note: [ds_grad_is_ready] in stage12.py
+            return
         grad = param.grad
         if grad is None:
             return

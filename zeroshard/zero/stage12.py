@@ -153,6 +153,13 @@ class PartitionedStrategy(ShardedStrategyBase):
 
     def _on_grad_ready(self, index: int, param: Tensor) -> None:
         # Inside autograd, once per parameter per backward (Note: [step protocol]).
+        # Note: [ds_grad_is_ready] A caller that accumulates one parameter's gradient over several
+        # autograd calls inside one backward (axolotl's tiled MLP runs each tile's backward itself)
+        # sets DeepSpeed's `param.ds_grad_is_ready = False` for all but the last; the gradient then
+        # stays in `param.grad`, summing, and is taken once, when the flag is back to True (or
+        # absent), as DeepSpeed's ZeRO hooks do.
+        if not getattr(param, "ds_grad_is_ready", True):
+            return
         grad = param.grad
         if grad is None:
             return

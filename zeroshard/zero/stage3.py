@@ -438,6 +438,8 @@ class Stage3Strategy(ShardedStrategyBase):
         return None
 
     def _on_grad_ready(self, index: int, param: Tensor) -> None:
+        if not getattr(param, "ds_grad_is_ready", True):  # Note: [ds_grad_is_ready] in stage12.py
+            return
         grad = param.grad
         if grad is None:
             return
