@@ -155,7 +155,7 @@ class MultiReader:
                     buffers.setdefault(name, TensorInfo(name, b.shape, b.dtype, b.trainable))
         m = self.primary.manifest
         self.manifest = Manifest(
-            world_size=m.world_size, stage=m.stage, precision=m.precision, params=params, aliases={},
+            world_size=m.world_size, zero_stage=m.zero_stage, precision=m.precision, params=params, aliases={},
             buffers=list(buffers.values()), optimizer=m.optimizer, param_groups=m.param_groups,
             fragments=[[] for _ in range(m.world_size)], weight_pieces=None,
             frozen_saved=all(s.reader.manifest.frozen_saved for s in sources),
