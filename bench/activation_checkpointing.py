@@ -113,11 +113,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--stages", dest="zero_stages", default="0,1,2,3")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
-    for stage in (int(s) for s in args.stages.split(",")):
+    for stage in (int(s) for s in args.zero_stages.split(",")):
         for on in (False, True):
             rows.append(measure(stage, on, args.steps, args.warmup))
     groups = zeroshard.init_distributed()

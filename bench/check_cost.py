@@ -186,7 +186,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     out = {}
-    for stage in args.stages:
+    for stage in args.zero_stages:
         out[stage] = _instrumented(stage, args) if args.instrumented else _measure(stage, args)
         gc.collect()
     if int(os.environ.get("RANK", "0")) == 0:
@@ -195,7 +195,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--stages", dest="zero_stages", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps", type=int, default=2, help="steps per half-round")
     p.add_argument("--warmup", type=int, default=2)
@@ -208,7 +208,7 @@ def main() -> int:
         worker(args)
         return 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           str(Path(__file__).resolve()), "--worker", "--stages", *map(str, args.stages), "--rounds",
+           str(Path(__file__).resolve()), "--worker", "--stages", *map(str, args.zero_stages), "--rounds",
            str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
            *(["--instrumented"] if args.instrumented else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

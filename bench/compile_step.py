@@ -133,10 +133,10 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--layouts", default="0,1,2,3,tp,pp",
                         help="ZeRO stages at world size 1, and tp / pp (2 ranks), comma-separated")
-    parser.add_argument("--stage", default=None, help="run one layout here (the parent runs --layouts)")
+    parser.add_argument("--layout", default=None, help="run one layout here (the parent runs --layouts)")
     args = parser.parse_args()
-    if args.stage is not None:
-        row = run_stage(args.stage, args)
+    if args.layout is not None:
+        row = run_stage(args.layout, args)
         if int(os.environ.get("RANK", "0")) == 0:
             print(row, flush=True)
         return
@@ -145,7 +145,7 @@ def main() -> None:
         launch = [sys.executable] if layout.isdigit() else [sys.executable, "-m", "torch.distributed.run",
                                                              "--standalone", "--nproc-per-node=2"]
         with tempfile.TemporaryDirectory(prefix="zeroshard-compile-bench-") as cache:
-            out = subprocess.run([*launch, __file__, "--stage", layout, "--steps", str(args.steps),
+            out = subprocess.run([*launch, __file__, "--layout", layout, "--steps", str(args.steps),
                                   "--preset", args.preset, "--micro", str(args.micro)], check=True, text=True,
                                  capture_output=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
         rows.append(next(line for line in out.stdout.splitlines() if line.startswith("| ")))

@@ -59,10 +59,10 @@ def main() -> None:
     p.add_argument("--preset", default="small")
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--stage", type=int, default=0)
+    p.add_argument("--stage", dest="zero_stage", type=int, default=0)
     args = p.parse_args()
     cfg = GPTConfig.preset(args.preset)
-    engines = {name: _engine(args.preset, args.stage, args.micro, fp8) for name, fp8 in RUNS.items()}
+    engines = {name: _engine(args.preset, args.zero_stage, args.micro, fp8) for name, fp8 in RUNS.items()}
     device = next(engines["bf16"].module.parameters()).device
     g = torch.Generator().manual_seed(1)
     times: dict[str, list[float]] = {name: [] for name in RUNS}
@@ -75,7 +75,7 @@ def main() -> None:
             losses[name].append(loss)
     tokens_per_step = args.micro * cfg.block_size
     base = statistics.median(times["bf16"][2:])
-    print(f"GPT {args.preset}, micro-batch {args.micro} x {cfg.block_size} tokens, ZeRO {args.stage}, {device}, "
+    print(f"GPT {args.preset}, micro-batch {args.micro} x {cfg.block_size} tokens, ZeRO {args.zero_stage}, {device}, "
           f"{args.steps} steps")
     print("| run | float8 layers | steady step s | tokens/s | vs bf16 | largest loss gap |")
     print("|---|---|---|---|---|---|")

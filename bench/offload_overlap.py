@@ -33,7 +33,7 @@ def _engine(mode: str, args: argparse.Namespace) -> Any:
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.width,
                           vocab_size=args.vocab))
-    zero: dict[str, Any] = {"stage": args.stage}
+    zero: dict[str, Any] = {"stage": args.zero_stage}
     if mode != "none":
         zero["offload_optimizer"] = {"device": "cpu"}
     if mode == "delayed":
@@ -71,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--passes", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per pass")
-    parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
+    parser.add_argument("--stage", dest="zero_stage", type=int, default=2, choices=(1, 2, 3))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
@@ -96,14 +96,14 @@ def main() -> None:
     step = {m: statistics.median(t) for m, t in times.items()}
     rate = {m: 1.0 / s for m, s in step.items()}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"
-    row = (f"| offload, ZeRO {args.stage}, {params / 1e6:.1f}M params | {device} | {rate['none']:.2f} | "
+    row = (f"| offload, ZeRO {args.zero_stage}, {params / 1e6:.1f}M params | {device} | {rate['none']:.2f} | "
            f"{rate['sync']:.2f} | {rate['delayed']:.2f} | {rate['delayed'] / rate['sync']:.2f} | "
            f"{rate['sync'] / rate['none']:.2f} | {rate['delayed'] / rate['none']:.2f} |")
     if args.row:
         print(row)
         return
     print(f"model {args.layers} x {args.width}, {params / 1e6:.2f}M params, micro-batch {args.micro} x {args.block}, "
-          f"ZeRO {args.stage}, {args.passes} passes of {args.steps} steps, torch {torch.__version__}")
+          f"ZeRO {args.zero_stage}, {args.passes} passes of {args.steps} steps, torch {torch.__version__}")
     for m in MODES:
         print(f"{m:8s} ms/step per pass: " + " ".join(f"{1e3 * t:.0f}" for t in times[m])
               + f"; engine.step() call, median {1e3 * statistics.median(calls[m]):.1f} ms")

@@ -78,11 +78,11 @@ def run(stage: int, steps: int, warmup: int) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    p.add_argument("--stages", dest="zero_stages", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
-    results = {s: run(s, args.steps, args.warmup) for s in args.stages}
+    results = {s: run(s, args.steps, args.warmup) for s in args.zero_stages}
     if torch.distributed.get_rank() == 0:
         print("| stage | " + " | ".join(PHASES) + " | total (ms) |")
         print("|---|" + "---:|" * (len(PHASES) + 1))

@@ -254,11 +254,11 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: bo
                      synchronize=synchronize, profile=profile)
     values.update({k: v for k, v in overrides.items() if v is not None})
     settings = ActivationCheckpointingSettings(**values)
-    mp_size = _model_parallel_size(mpu_)
-    if settings.partition_activations and mp_size > 1:
+    tp_size = _model_parallel_size(mpu_)
+    if settings.partition_activations and tp_size > 1:
         raise NotSupportedError(
             f"not supported yet: activation_checkpointing.partition_activations=true with a "
-            f"model-parallel size of {mp_size}. zeroshard has no model parallelism to partition "
+            f"model-parallel size of {tp_size}. zeroshard has no model parallelism to partition "
             "activations over. Set partition_activations to false.")
     check_contiguous_checkpointing(settings.contiguous_checkpointing, settings.partition_activations,
                                    settings.num_checkpoints)

@@ -88,7 +88,7 @@ class Manifest:
     """
 
     world_size: int
-    stage: int
+    zero_stage: int
     precision: str
     params: list[TensorInfo]
     """Every parameter of the module (tied parameters once), in `named_parameters()` order."""

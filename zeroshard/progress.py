@@ -1,8 +1,8 @@
 """Progress of long work (to-fp32, checkpoint save/load, plan --probe, sharded from_pretrained).
 
 On a terminal: a tqdm bar when tqdm is installed (`pip install 'zeroshard[progress]'`), else a
-plain bar redrawn in place. Otherwise (a log file, CI): one line per stage, at most one per 10%
-of the total when stages are many. Imports nothing of zeroshard's, so every layer may use it.
+plain bar redrawn in place. Otherwise (a log file, CI): one line per update, at most one per 10%
+of the total when updates are many. Imports nothing of zeroshard's, so every layer may use it.
 
     with Progress(total_bytes, "save", unit="B") as bar:
         for name, nbytes in files:
@@ -25,8 +25,8 @@ T = TypeVar("T")
 PROGRESS_MIN_BYTES = 2**30
 """Checkpoint save/load show progress from this size on (small ones finish in a blink)."""
 
-MANY_STAGES = 20
-"""Above this many updates, a non-terminal stream gets a line per 10% instead of per stage."""
+MANY_UPDATES = 20
+"""Above this many updates, a non-terminal stream gets a line per 10% instead of one per update."""
 
 
 def _fmt(n: float, unit: str) -> str:
@@ -44,7 +44,7 @@ class Progress:
         enabled: False draws nothing (other ranks, --no-progress).
         unit: "B" for bytes (shown in MiB), else a noun ("file", "candidate").
         stream: where to draw; default stderr.
-        expected_updates: how many `advance` calls are coming, when known (picks per-stage lines).
+        expected_updates: how many `advance` calls are coming, when known (picks one line per update).
     """
 
     def __init__(self, total: int, desc: str = "", enabled: bool = True, *, unit: str = "B",
@@ -53,7 +53,7 @@ class Progress:
         self.desc, self.unit = desc, unit
         self.stream = stream or sys.stderr
         self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._per_stage = expected_updates is not None and expected_updates <= MANY_STAGES
+        self._line_per_update = expected_updates is not None and expected_updates <= MANY_UPDATES
         self._last_decile = -1
         self._start = time.perf_counter()
         self._tqdm: Any = None
@@ -67,7 +67,7 @@ class Progress:
                 self._tqdm = tqdm(total=self.total, desc=desc, file=self.stream, leave=True, **scale)
 
     def advance(self, n: int, label: str = "") -> None:
-        """`n` more units done; `label` names the stage just finished."""
+        """`n` more units done; `label` names the step just finished."""
         self.done += n
         if not self.enabled:
             return
@@ -81,7 +81,7 @@ class Progress:
                 f"{time.perf_counter() - self._start:.1f}s {label}")
         if self._tty:
             self.stream.write("\r" + line[:150].ljust(150))
-        elif self._per_stage or int(frac * 10) != self._last_decile:
+        elif self._line_per_update or int(frac * 10) != self._last_decile:
             self._last_decile = int(frac * 10)
             self.stream.write(line + "\n")
         self.stream.flush()

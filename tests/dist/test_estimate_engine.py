@@ -17,14 +17,14 @@ import torch
 from engine_helpers import init_engine, make_config
 
 from zeroshard.config import load_config
-from zeroshard.estimate import Setup, estimate_rank, spec_from_counts, spec_from_module, stage_supported
-from zeroshard.estimate.states import Device, RankEstimate, Stage, StateBytes
+from zeroshard.estimate import Setup, estimate_rank, spec_from_counts, spec_from_module, zero_stage_supported
+from zeroshard.estimate.states import Device, RankEstimate, StateBytes, ZeroStage
 from zeroshard.examples.gpt import GPT, GPTConfig
 
-COMBOS: list[tuple[Stage, Device, Device]] = [
+COMBOS: list[tuple[ZeroStage, Device, Device]] = [
     (0, "none", "none"), (1, "none", "none"), (1, "cpu", "none"), (2, "none", "none"),
     (2, "cpu", "none"), (3, "none", "none"), (3, "cpu", "none"), (3, "none", "cpu"), (3, "cpu", "cpu")]
-SUPPORTED = [c for c in COMBOS if stage_supported(*c)]
+SUPPORTED = [c for c in COMBOS if zero_stage_supported(*c)]
 """Asked of the config loader at collection time; identical on every rank (skips never differ)."""
 
 
@@ -68,13 +68,13 @@ def test_stage3_is_compared_once_supported() -> None:
     # and parameter offload are compared as soon as they load (never a silent skip).
     assert (0, "none", "none") in SUPPORTED and (2, "cpu", "none") in SUPPORTED
     for combo in COMBOS:
-        assert (combo in SUPPORTED) == stage_supported(*combo)
+        assert (combo in SUPPORTED) == zero_stage_supported(*combo)
 
 
 @pytest.mark.parametrize("precision,grad_dtype", [("fp32", None), ("bf16", None), ("bf16", "bf16")],
                          ids=["fp32", "bf16-fp32-grads", "bf16-bf16-grads"])
 @pytest.mark.parametrize("combo", SUPPORTED, ids=["-".join(map(str, c)) for c in SUPPORTED])
-def test_estimate_matches_engine(groups, combo: tuple[Stage, Device, Device], precision: str,
+def test_estimate_matches_engine(groups, combo: tuple[ZeroStage, Device, Device], precision: str,
                                  grad_dtype: str | None) -> None:
     model = _model()
     spec = spec_from_module(model)  # before initialize: the model as the user builds it

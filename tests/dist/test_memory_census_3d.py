@@ -84,7 +84,7 @@ def _census_check(groups: ProcessGroups, engine: Any, model: nn.Module, cfg: dic
     assert local.total_params == share.total_params, (label, groups.rank, local.total_params, share.total_params)
     measured = allocated_bytes(torch.device("cpu")) - baseline
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    setup = Setup(stage=cfg["zero_optimization"]["stage"], precision="bf16", devices_per_node=2,
+    setup = Setup(zero_stage=cfg["zero_optimization"]["stage"], precision="bf16", devices_per_node=2,
                   bucket_numel=20_000, param_persistence_threshold=300)
     est = estimate_rank(share, setup, dp_rank)
     pool = engine.transient_bytes()

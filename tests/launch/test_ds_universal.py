@@ -88,7 +88,7 @@ def test_bad_conversions_are_refused_by_name(exported: Path, tmp_path: Path) -> 
     broken = tmp_path / "broken"
     shutil.copytree(exported / "s2-fp32-uc", broken)
     (broken / "global_step3" / "zero" / "blocks.0.mlp.0.weight" / "fp32.pt").unlink()
-    hint = Manifest(world_size=1, stage=0, precision="fp32", params=[], aliases={}, buffers=[], optimizer=None,
+    hint = Manifest(world_size=1, zero_stage=0, precision="fp32", params=[], aliases={}, buffers=[], optimizer=None,
                     param_groups=0, fragments=[[]], weight_pieces=None)
     with pytest.raises(CheckpointError, match=r"zero/blocks\.0\.mlp\.0\.weight/fp32\.pt: missing"):
         read_universal_layout(broken / "global_step3", hint)

@@ -70,7 +70,7 @@ def test_any_partition_reassembles_from_any_other(saved_world: int, loaded_world
 
 
 def manifest(**changes: object) -> Manifest:
-    m = Manifest(world_size=2, stage=2, precision="bf16",
+    m = Manifest(world_size=2, zero_stage=2, precision="bf16",
                  params=[TensorInfo("w", (4, 3), "bfloat16", True), TensorInfo("frozen", (2,), "bfloat16", False)],
                  aliases={"head.w": "w"}, buffers=[TensorInfo("mask", (3,), "bool")], optimizer="AdamW",
                  param_groups=1, fragments=[[(0, 0, 8)], [(0, 8, 4)]], weight_pieces=None, tag="t",

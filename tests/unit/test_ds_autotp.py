@@ -23,7 +23,7 @@ SPLITS = {"a.weight": 0, "b.weight": 1, "n.weight": None, "h.weight": 0}
 
 def _hint(shapes: dict[str, tuple[int, ...]]) -> Manifest:
     params = [TensorInfo(n, s, "float32", True) for n, s in shapes.items()]
-    return Manifest(world_size=1, stage=0, precision="fp32", params=params, aliases={}, buffers=[],
+    return Manifest(world_size=1, zero_stage=0, precision="fp32", params=params, aliases={}, buffers=[],
                     optimizer="adam", param_groups=1, fragments=[[]], weight_pieces=None)
 
 

@@ -29,15 +29,15 @@ from zeroshard.estimate import (
     spec_from_gpt,
 )
 from zeroshard.estimate.activations import layer_bytes
-from zeroshard.estimate.states import Device, Precision, Stage
+from zeroshard.estimate.states import Device, Precision, ZeroStage
 
 PHI = 1_200_000_000  # divisible by every world size below times 16: no padding in the closed forms
 GiB = 2**30
 
 
-def total(stage: Stage, n: int, precision: Precision = "bf16", grads: Precision | None = None,
+def total(stage: ZeroStage, n: int, precision: Precision = "bf16", grads: Precision | None = None,
           opt: Device = "none", param: Device = "none") -> tuple[int, int]:
-    setup = Setup(stage=stage, precision=precision, grad_accum_dtype=grads, offload_optimizer=opt,
+    setup = Setup(zero_stage=stage, precision=precision, grad_accum_dtype=grads, offload_optimizer=opt,
                   offload_param=param, devices_per_node=n)
     est = estimate_rank(spec_from_counts(PHI), setup)
     return est.device.total, est.host.total
@@ -47,7 +47,8 @@ def total(stage: Stage, n: int, precision: Precision = "bf16", grads: Precision 
 def test_seed_003_formulas_with_16_bit_gradients(n: int) -> None:
     # Seed 003 (mixed precision, Adam, 16-bit gradients): 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N.
     pad = 32 * n  # counts-only estimates add at most one aligned chunk per bucket (or unit)
-    cases: list[tuple[Stage, int]] = [(1, 4 * PHI + 12 * PHI // n), (2, 2 * PHI + 14 * PHI // n), (3, 16 * PHI // n)]
+    cases: list[tuple[ZeroStage, int]] = [(1, 4 * PHI + 12 * PHI // n), (2, 2 * PHI + 14 * PHI // n),
+                                          (3, 16 * PHI // n)]
     for stage, want in cases:
         dev, host = total(stage, n, grads="bf16")
         assert host == 0
@@ -78,7 +79,7 @@ def test_partition_padding_is_reproduced_exactly_from_sizes() -> None:
     from zeroshard.estimate.spec import ModelSpec
 
     spec = ModelSpec(name="one", total_params=1000, largest_layer_params=1000, param_numels=(1000,))
-    setup = Setup(stage=2, precision="fp32", devices_per_node=3)
+    setup = Setup(zero_stage=2, precision="fp32", devices_per_node=3)
     ranks = [estimate_rank(spec, setup, r) for r in range(3)]
     assert [r.device.optimizer_states for r in ranks] == [8 * 336, 8 * 336, 8 * 328]
     assert {r.device.params for r in ranks} == {4 * 1008}
@@ -92,7 +93,7 @@ def test_setup_from_config() -> None:
                        "zero_optimization": {"stage": 2, "reduce_bucket_size": 7000, "allgather_bucket_size": 5000,
                                              "offload_optimizer": {"device": "cpu"}}}, dp_world_size=4)
     s = Setup.from_config(cfg, devices_per_node=4)
-    assert (s.stage, s.offload_optimizer, s.precision, s.grad_bytes) == (2, "cpu", "bf16", 2)
+    assert (s.zero_stage, s.offload_optimizer, s.precision, s.grad_bytes) == (2, "cpu", "bf16", 2)
     assert s.bucket_numel == 5000 and s.optimizer_state_bytes == 4 and s.world_size == 4
 
 
@@ -101,8 +102,8 @@ def test_stage2_nvme_optimizer_moves_master_and_states_to_the_swap_files() -> No
     states leave host memory for the swap files, the gradient shard stays on the host, and the
     host keeps the swap pool (buffer_count slots x 3 states x sub-group)."""
     spec = spec_from_counts(100e6)
-    cpu = estimate_rank(spec, Setup(stage=2, offload_optimizer="cpu", precision="bf16"), 0)
-    nv = estimate_rank(spec, Setup(stage=2, offload_optimizer="nvme", precision="bf16",
+    cpu = estimate_rank(spec, Setup(zero_stage=2, offload_optimizer="cpu", precision="bf16"), 0)
+    nv = estimate_rank(spec, Setup(zero_stage=2, offload_optimizer="nvme", precision="bf16",
                                    sub_group_size=10_000_000, nvme_buffer_count=4), 0)
     assert nv.device == cpu.device and nv.host.grads == cpu.host.grads
     assert nv.nvme.master_params == cpu.host.master_params and nv.nvme.optimizer_states == cpu.host.optimizer_states
@@ -112,18 +113,18 @@ def test_stage2_nvme_optimizer_moves_master_and_states_to_the_swap_files() -> No
 
 def test_setup_rejects_impossible_combinations() -> None:
     with pytest.raises(ZeroshardError, match="offload_param needs stage 3"):
-        Setup(stage=2, offload_param="cpu")
+        Setup(zero_stage=2, offload_param="cpu")
     with pytest.raises(ZeroshardError, match="rank 4 outside"):
-        estimate_rank(spec_from_counts(1e6), Setup(stage=1, devices_per_node=4), 4)
+        estimate_rank(spec_from_counts(1e6), Setup(zero_stage=1, devices_per_node=4), 4)
 
 
 def test_node_figures_count_local_ranks_and_init() -> None:
     spec = spec_from_counts(PHI, 1e7)
-    node = estimate_node(spec, Setup(stage=2, offload_optimizer="cpu", devices_per_node=8, nodes=2))
+    node = estimate_node(spec, Setup(zero_stage=2, offload_optimizer="cpu", devices_per_node=8, nodes=2))
     assert node.cpu_steady == pytest.approx(8 * 16 * PHI / 16, rel=1e-6)  # 8 local ranks, 1/16 each
     assert node.cpu_init == 8 * 4 * PHI  # every local rank builds the fp32 model first
     assert node.cpu_peak == node.cpu_init
-    z3 = estimate_node(spec, Setup(stage=3, offload_optimizer="cpu", offload_param="cpu", devices_per_node=8,
+    z3 = estimate_node(spec, Setup(zero_stage=3, offload_optimizer="cpu", offload_param="cpu", devices_per_node=8,
                                    zero_init=True))
     assert z3.cpu_init == 8 * 4 * 10**7  # zero.Init: one layer per rank
 

@@ -32,7 +32,7 @@ def llama70b():  # type: ignore[no-untyped-def]
 def test_no_parallelism_is_the_plain_estimate() -> None:
     spec = count_hf_params(SMALL_LLAMA, "AutoModelForCausalLM")
     for stage in (0, 1, 2, 3):
-        setup = Setup(stage=stage, devices_per_node=4)
+        setup = Setup(zero_stage=stage, devices_per_node=4)
         est = estimate_stage(spec, setup, Layout(dp=4), 0)
         assert est.pipeline_buffers == 0
         assert est.rank == max((estimate_rank(spec, setup, r) for r in range(4)), key=lambda e: e.device_peak)
@@ -69,7 +69,7 @@ def test_zero_factors_per_rank_at_pp2_dp2(llama70b) -> None:  # type: ignore[no-
     # whose padding and persistent parameters weigh more; see the census test for measured agreement).
     want = {0: 18.0, 1: 12.0, 2: 10.0, 3: 9.0}
     for stage, bpp in want.items():
-        est = estimate_stage(llama70b, Setup(stage=stage), Layout(pp=2, dp=2), 0, every_rank=False)
+        est = estimate_stage(llama70b, Setup(zero_stage=stage), Layout(pp=2, dp=2), 0, every_rank=False)
         got = est.rank.device.total / est.spec.total_params
         assert got == pytest.approx(bpp, rel=2e-3), (stage, got)
         assert est.pipeline_buffers >= 4 * est.spec.total_params  # the batch's fp32 gradient kept aside
@@ -105,9 +105,9 @@ def test_tensor_parallel_activations_follow_korthikanti() -> None:
 
 def test_pipeline_activations_per_stage(llama70b) -> None:  # type: ignore[no-untyped-def]
     act = ActivationOptions(seq_len=4096, micro_batch=1)
-    one_f_one_b = estimate_layout(llama70b, Setup(stage=1), Layout(tp=8, pp=4, dp=2, micro_batches=16), act,
+    one_f_one_b = estimate_layout(llama70b, Setup(zero_stage=1), Layout(tp=8, pp=4, dp=2, micro_batches=16), act,
                                   every_rank=False)
-    gpipe = estimate_layout(llama70b, Setup(stage=1), Layout(tp=8, pp=4, dp=2, micro_batches=16,
+    gpipe = estimate_layout(llama70b, Setup(zero_stage=1), Layout(tp=8, pp=4, dp=2, micro_batches=16,
                                                              schedule="gpipe"), act, every_rank=False)
     # 1F1B: the first stage keeps 4 micro-batches, the last 1 (+ its logits); GPipe all 16 everywhere.
     assert one_f_one_b[0].activations > 3 * one_f_one_b[3].activations / 2
@@ -129,14 +129,14 @@ def test_plan_70b_on_64_nodes_of_8x80gb(llama70b) -> None:  # type: ignore[no-un
     assert all(8 % c.layout.tp == 0 for c in plan.candidates)  # a node-crossing TP is never searched
     assert best.memory <= cluster.device_budget
     assert lay.tp > 1 and lay.pp > 1 and lay.dp > 1  # 70B needs all three here
-    assert best.stage == 1  # ZeRO-1 over DP (ZeRO-2 ties under a pipeline; ZeRO-3 costs more traffic)
+    assert best.zero_stage == 1  # ZeRO-1 over DP (ZeRO-2 ties under a pipeline; ZeRO-3 costs more traffic)
     # It beats every other layout that fits, in the model's own time; plain ZeRO-3 data parallelism
     # does not fit (activations of 80 layers) or is slower.
     assert all(best.time.total <= c.time.total for c in plan.fitting)
-    zero3 = [c for c in plan.candidates if c.layout.tp == 1 and c.layout.pp == 1 and c.stage == 3]
+    zero3 = [c for c in plan.candidates if c.layout.tp == 1 and c.layout.pp == 1 and c.zero_stage == 3]
     assert zero3 and all(not c.fits or c.time.total > best.time.total for c in zero3)
     # The time is the model's: recomputing it gives the same figure.
-    again = step_time(llama70b, train, cluster, lay, Setup(stage=best.stage), best.worst, best.micro_batch,
+    again = step_time(llama70b, train, cluster, lay, Setup(zero_stage=best.zero_stage), best.worst, best.micro_batch,
                       best.checkpointing)
     assert again.total == pytest.approx(best.time.total)
     text = report_3d(plan)
@@ -159,7 +159,7 @@ def test_plan_seed_chapter_32_device_example() -> None:
     assert seed_fit, "the chapter's layout fits this cluster"
     assert best.time.total <= seed_fit[0].time.total
     # ZeRO-3 alone over the 32 ranks fits too, but its parameter all-gathers cross the slow links.
-    zero3 = [c for c in plan.fitting if c.layout.tp == 1 and c.layout.pp == 1 and c.stage == 3]
+    zero3 = [c for c in plan.fitting if c.layout.tp == 1 and c.layout.pp == 1 and c.zero_stage == 3]
     assert zero3 and zero3[0].time.dp > 5 * best.time.dp
 
 

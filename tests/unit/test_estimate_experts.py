@@ -47,7 +47,7 @@ def test_experts_shard_over_the_expert_data_parallel_ranks() -> None:
     """At ZeRO 1 a rank holds its 1 / ep of the experts whole, and their optimizer states over the
     dp / ep ranks holding them: parameters shrink with ep, optimizer states do not (up to padding)."""
     split = split_experts(tiny())
-    setup = Setup(stage=1, precision="fp32", devices_per_node=4, optimizer_state_bytes=8)
+    setup = Setup(zero_stage=1, precision="fp32", devices_per_node=4, optimizer_state_bytes=8)
     one, two, four = (estimate_rank_ep(split, setup, ep) for ep in (1, 2, 4))
     assert one.device.params > two.device.params > four.device.params
     pad = 4 * 16 * 8  # fp32 bytes of 16-element alignment over a few buckets
@@ -68,7 +68,7 @@ def test_cli_table_is_the_function(tmp_path: Path) -> None:
     rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
     assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
     for zero, row in zip(range(4), rows):
-        est = estimate_rank_ep(split, Setup(stage=zero, precision="bf16", devices_per_node=4), 2)
+        est = estimate_rank_ep(split, Setup(zero_stage=zero, precision="bf16", devices_per_node=4), 2)
         assert float(row[-1]) == pytest.approx(round(est.device_peak / 2**30, 2), abs=0.006)
         assert int(row[1].replace(",", "")) == split.expert_params // 2
     with pytest.raises(ZeroshardError, match="must divide"):

@@ -110,8 +110,8 @@ def read_autotp_layout(ckpt: Path, hint: Manifest) -> AutoTpLayout:
         raise CheckpointError(f"{ckpt / model_name(0)}: mp_world_size {tp}, but the directory holds model files "
                               f"{sorted(p.name for p in ckpt.glob('mp_rank_*_model_states.pt'))}: files from "
                               "different saves?")
-    stage = int(((first.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
-    if stage == 3:
+    zero_stage = int(((first.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
+    if zero_stage == 3:
         raise CheckpointError(f"{ckpt}: an AutoTP checkpoint at ZeRO-3; zeroshard reads DeepSpeed's AutoTP files "
                               "at ZeRO stages 0-2 (DeepSpeed 0.19.8 trains AutoTP at those)")
     whole = {p.name: tuple(p.shape) for p in hint.params}
@@ -125,7 +125,7 @@ def read_autotp_layout(ckpt: Path, hint: Manifest) -> AutoTpLayout:
         local = dataclasses.replace(hint, params=[dataclasses.replace(p, shape=tuple(mod[p.name].shape))
                                                   if p.name in mod else p for p in hint.params])
         world = int(model.get("dp_world_size", 1) or 1)
-        ranks.append(layout_of(list_files(ckpt, world, stage, mp=t, tp=tp), model, local, stage))
+        ranks.append(layout_of(list_files(ckpt, world, zero_stage, tp_rank=t, tp=tp), model, local, zero_stage))
     base = ranks[0].manifest
     for t, lay in enumerate(ranks[1:], 1):
         if [p.name for p in lay.manifest.params] != [p.name for p in base.params] or \
@@ -192,6 +192,6 @@ def load_autotp(target: EngineState, comm: "Comm", ckpt: Path, *, load_optimizer
 
     lay, loaded = read_agreed(comm, "loading the DeepSpeed AutoTP checkpoint", f"{ckpt}: DeepSpeed AutoTP checkpoint",
                               read)
-    logger.info(f"loaded DeepSpeed AutoTP checkpoint {ckpt} (stage {lay.ranks[0].stage}, TP {len(lay.ranks)} x "
+    logger.info(f"loaded DeepSpeed AutoTP checkpoint {ckpt} (stage {lay.ranks[0].zero_stage}, TP {len(lay.ranks)} x "
                 f"DP {lay.ranks[0].manifest.world_size})")
     return loaded

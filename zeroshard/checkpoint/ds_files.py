@@ -90,13 +90,13 @@ def address(value: Any) -> tuple[int, int]:
 # -- what a DeepSpeed checkpoint directory holds ------------------------------------------------
 
 
-def optim_name(rank: int, bf16: bool, mp: int = 0) -> str:
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
+def optim_name(rank: int, bf16: bool, tp_rank: int = 0) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
 
 
-def model_name(mp: int = 0) -> str:
-    """The model file of model-parallel (AutoTP) rank `mp` (stages 0-2)."""
-    return f"mp_rank_{mp:02d}_model_states.pt"
+def model_name(tp_rank: int = 0) -> str:
+    """The model file of tensor-parallel (AutoTP) rank `tp_rank` (ZeRO stages 0-2); DeepSpeed names it mp_rank."""
+    return f"mp_rank_{tp_rank:02d}_model_states.pt"
 
 
 def zero3_model_name(rank: int) -> str:
@@ -147,22 +147,22 @@ def resolve_ds(load_dir: Path, tag: str | None) -> Path | None:
     return ckpt if is_deepspeed_dir(ckpt) else None
 
 
-def list_files(ckpt: Path, world_size: int, stage: int, mp: int = 0, tp: int = 1) -> DsFiles:
+def list_files(ckpt: Path, world_size: int, zero_stage: int, tp_rank: int = 0, tp: int = 1) -> DsFiles:
     """Check the directory holds exactly one data-parallel layout we can map; refuse the rest.
-    `mp` / `tp`: the files of AutoTP rank `mp` of `tp` (checkpoint/ds_autotp.py joins them)."""
+    `tp_rank` / `tp`: the files of AutoTP rank `tp_rank` of `tp` (checkpoint/ds_autotp.py joins them)."""
     names = sorted(p.name for p in ckpt.iterdir() if p.is_file())
     for name in names:
         for pattern, reason in _UNMAPPABLE[:1] + (_UNMAPPABLE[2:] if tp > 1 else _UNMAPPABLE[1:]):
             if pattern.match(name):
                 raise CheckpointError(f"{ckpt / name}: {reason}; this checkpoint cannot be loaded by zeroshard")
-    if stage == 0:
+    if zero_stage == 0:
         optim: list[str] = []
-        bf16 = (ckpt / optim_name(0, True, mp)).is_file()
+        bf16 = (ckpt / optim_name(0, True, tp_rank)).is_file()
         if bf16:  # a BF16_Optimizer file (bf16, fp32 grad accumulation) partitions like ZeRO-1
-            optim = [optim_name(r, True, mp) for r in range(world_size)]
+            optim = [optim_name(r, True, tp_rank) for r in range(world_size)]
     else:
-        bf16 = (ckpt / optim_name(0, True, mp)).is_file()
-        optim = [optim_name(r, bf16, mp) for r in range(world_size)]
+        bf16 = (ckpt / optim_name(0, True, tp_rank)).is_file()
+        optim = [optim_name(r, bf16, tp_rank) for r in range(world_size)]
     for name in optim:
         if not (ckpt / name).is_file():
             raise CheckpointError(f"{ckpt / name}: missing; the checkpoint was saved by {world_size} data-parallel "
@@ -172,11 +172,12 @@ def list_files(ckpt: Path, world_size: int, stage: int, mp: int = 0, tp: int = 1
     if extra:
         raise CheckpointError(f"{ckpt / extra[0]}: a rank >= dp_world_size ({world_size}) recorded in the model "
                               "file; files from two different saves are mixed in this directory")
-    zero3 = [zero3_model_name(r) for r in range(world_size)] if stage == 3 else []
+    zero3 = [zero3_model_name(r) for r in range(world_size)] if zero_stage == 3 else []
     for name in zero3:
         if not (ckpt / name).is_file():
             raise CheckpointError(f"{ckpt / name}: missing (stage 3 writes one model file per rank)")
-    return DsFiles(ckpt=ckpt, model=zero3[0] if stage == 3 else model_name(mp), zero3_models=zero3, optim=optim)
+    return DsFiles(ckpt=ckpt, model=zero3[0] if zero_stage == 3 else model_name(tp_rank), zero3_models=zero3,
+                   optim=optim)
 
 
 def check_parallelism(model: dict[str, Any], path: Path, tp_ok: bool = False, moe_ok: bool = False) -> None:
@@ -184,12 +185,12 @@ def check_parallelism(model: dict[str, Any], path: Path, tp_ok: bool = False, mo
     save, read per tensor-parallel rank by checkpoint/ds_autotp.py; `moe_ok`: legacy MoE layers,
     read by checkpoint/ds_moe.py)."""
     dims = model.get("checkpoint_parallel_dimensions") or {}
-    mp = int(model.get("mp_world_size", 1) or 1)
+    mp_world_size = int(model.get("mp_world_size", 1) or 1)
     pp, tp = int(dims.get("pp_degree", 1) or 1), int(dims.get("tp_degree", 1) or 1)
-    if (mp > 1 or tp > 1) and tp_ok and pp == 1:
+    if (mp_world_size > 1 or tp > 1) and tp_ok and pp == 1:
         pass
-    elif mp > 1 or pp > 1 or tp > 1:
-        raise CheckpointError(f"{path}: saved with model parallelism (mp_world_size {mp}, pp_degree {pp}, "
+    elif mp_world_size > 1 or pp > 1 or tp > 1:
+        raise CheckpointError(f"{path}: saved with model parallelism (mp_world_size {mp_world_size}, pp_degree {pp}, "
                               f"tp_degree {tp}); zeroshard loads data-parallel (ZeRO) checkpoints only")
     if not moe_ok and (model.get("num_experts") or model.get("ds_autoep_layers")):
         raise CheckpointError(f"{path}: an MoE checkpoint (expert parallelism) with tensor or pipeline parallelism; "

@@ -50,7 +50,14 @@ from zeroshard.checkpoint.ds_files import (
     loss_scaler_state,
     resolve_ds,
 )
-from zeroshard.checkpoint.ds_moe import DsExperts, Entries, expp_name, group_ep_sizes, match_moe_stage0, read_experts
+from zeroshard.checkpoint.ds_moe import (
+    DsExperts,
+    Entries,
+    expp_name,
+    group_ep_sizes,
+    match_moe_zero_stage0,
+    read_experts,
+)
 from zeroshard.checkpoint.files import MODEL_FILE
 from zeroshard.checkpoint.load import CheckpointReader, read_checked
 from zeroshard.checkpoint.reshard import RangeIndex
@@ -85,7 +92,7 @@ class DsLayout:
     """A DeepSpeed checkpoint's content as fragments; `manifest` is zeroshard's view of it."""
 
     files: DsFiles
-    stage: int
+    zero_stage: int
     manifest: Manifest
     locs: list[list[Loc]]
     """Per saved rank, aligned with `manifest.fragments[rank]`."""
@@ -103,8 +110,8 @@ class DsLayout:
 # -- building the layout ------------------------------------------------------------------------
 
 
-def _match_stage0(entries: list[tuple[tuple[int, ...], Tensor | None]], hint: Manifest,
-                  module: dict[str, Tensor], path: Path) -> list[str]:
+def _match_zero_stage0(entries: list[tuple[tuple[int, ...], Tensor | None]], hint: Manifest,
+                       module: dict[str, Tensor], path: Path) -> list[str]:
     """Stage 0 stores no names with the optimizer: its k-th parameter (in the optimizer's group
     order) is the first unmatched trainable parameter of the model, in model order, with its
     shape and, when a 16-bit copy is saved, whose saved weight is its fp32 master cast. This
@@ -148,10 +155,10 @@ def _buffers(model: dict[str, Any]) -> list[TensorInfo]:
             for n in model.get("buffer_names") or [] if n in module]
 
 
-def _new_manifest(world: int, stage: int, precision: str, params: list[TensorInfo], aliases: dict[str, str],
+def _new_manifest(world: int, zero_stage: int, precision: str, params: list[TensorInfo], aliases: dict[str, str],
                   buffers: list[TensorInfo], groups: int, fragments: list[list[Range]], has_opt: bool,
                   model: dict[str, Any], tag: str) -> Manifest:
-    return Manifest(world_size=world, stage=stage, precision=precision, params=params, aliases=aliases,
+    return Manifest(world_size=world, zero_stage=zero_stage, precision=precision, params=params, aliases=aliases,
                     buffers=buffers, optimizer="deepspeed", param_groups=groups, fragments=fragments,
                     weight_pieces=None, frozen_saved=any(not p.trainable for p in params),
                     has_optimizer_states=has_opt, global_steps=int(model.get("global_steps", 0)), tag=tag)
@@ -166,7 +173,7 @@ def _precision(model: dict[str, Any]) -> str:
     return "fp32"
 
 
-def _stage0_entries(opt: dict[str, Any], path: Path) -> tuple[dict[str, Any], Entries]:
+def _zero_stage0_entries(opt: dict[str, Any], path: Path) -> tuple[dict[str, Any], Entries]:
     """(the torch optimizer state dict, (shape, fp32 master or None) per parameter in its order)."""
     inner = opt.get("optimizer_state_dict", opt)
     if "fp32_groups" in opt:
@@ -180,7 +187,7 @@ def _stage0_entries(opt: dict[str, Any], path: Path) -> tuple[dict[str, Any], En
     return inner, [(tuple(state[k]["exp_avg"].shape), None) for k in numbered]
 
 
-def _stage0(files: DsFiles, model: dict[str, Any], hint: Manifest, experts: DsExperts | None = None) -> DsLayout:
+def _zero_stage0(files: DsFiles, model: dict[str, Any], hint: Manifest, experts: DsExperts | None = None) -> DsLayout:
     """Stage 0: one source, the model file's optimizer; with MoE layers one per expert-parallel
     rank (`expp_rank_R`), each holding the dense parameters and that rank's experts."""
     path = files.ckpt / files.model
@@ -190,18 +197,18 @@ def _stage0(files: DsFiles, model: dict[str, Any], hint: Manifest, experts: DsEx
         params = _module_infos(model, {p.name for p in hint.params if p.trainable}, aliases)
         m = _new_manifest(1, 0, _precision(model), params, aliases, _buffers(model), 0, [[]], False, model,
                           files.ckpt.name)
-        return DsLayout(files=files, stage=0, manifest=m, locs=[[]], model=model)
+        return DsLayout(files=files, zero_stage=0, manifest=m, locs=[[]], model=model)
     sources: list[list[tuple[str, tuple[int, ...]]]] = []
     for name in files.optim if experts is not None else [files.model]:
         where = files.ckpt / name
         opt = model["optimizer"] if experts is None else load_ds(where).get("optimizer")
         if not isinstance(opt, dict):
             raise CheckpointError(f"{where}: no optimizer state (an MoE checkpoint saved without an optimizer)")
-        inner, entries = _stage0_entries(opt, where)
+        inner, entries = _zero_stage0_entries(opt, where)
         groups_n = len(inner["param_groups"])
-        names = (_match_stage0(entries, hint, module, where) if experts is None
-                 else match_moe_stage0(inner, entries, hint, experts, len(sources), where,
-                                       lambda e, h, w=where: _match_stage0(e, h, module, w)))
+        names = (_match_zero_stage0(entries, hint, module, where) if experts is None
+                 else match_moe_zero_stage0(inner, entries, hint, experts, len(sources), where,
+                                            lambda e, h, w=where: _match_zero_stage0(e, h, module, w)))
         sources.append([(n, shape) for n, (shape, _) in zip(names, entries, strict=True)])
     trainable = {n for order in sources for n, _ in order}
     params = _module_infos(model, trainable, aliases)
@@ -214,7 +221,7 @@ def _stage0(files: DsFiles, model: dict[str, Any], hint: Manifest, experts: DsEx
     frags = [[(index[n], 0, math.prod(s)) for n, s in order] for order in sources]
     m = _new_manifest(len(sources), 0, _precision(model), params, aliases, _buffers(model), groups_n, frags, True,
                       model, files.ckpt.name)
-    return DsLayout(files=files, stage=0, manifest=m, locs=[[(k, 0) for k in range(len(f))] for f in frags],
+    return DsLayout(files=files, zero_stage=0, manifest=m, locs=[[(k, 0) for k in range(len(f))] for f in frags],
                     model=model, experts=experts)
 
 
@@ -252,8 +259,8 @@ def _partition_numel(osds: list[dict[str, Any]], g: int, padded_files: bool, pat
     return sizes.pop()
 
 
-def _stage12(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int,
-             experts: DsExperts | None = None) -> DsLayout:
+def _zero_stage12(files: DsFiles, model: dict[str, Any], hint: Manifest, zero_stage: int,
+                  experts: DsExperts | None = None) -> DsLayout:
     world = len(files.optim)
     module = model.get("module") or {}
     path0 = files.ckpt / files.optim[0]
@@ -321,13 +328,13 @@ def _stage12(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int,
     params += [TensorInfo(n, s, dtype(n), False) for n, s in frozen.items()]
     index = {p.name: i for i, p in enumerate(params)}
     fragments = [[(index[n], off, numel) for n, off, numel in rank_rows] for rank_rows in rows]
-    m = _new_manifest(world, stage, _precision(model), params, aliases, _buffers(model), groups_n, fragments, True,
+    m = _new_manifest(world, zero_stage, _precision(model), params, aliases, _buffers(model), groups_n, fragments, True,
                       model, files.ckpt.name)
-    return DsLayout(files=files, stage=stage, manifest=m, locs=locs, model=model, partition_numel=partition_numel,
-                    experts=experts)
+    return DsLayout(files=files, zero_stage=zero_stage, manifest=m, locs=locs, model=model,
+                    partition_numel=partition_numel, experts=experts)
 
 
-def _stage3(files: DsFiles, model: dict[str, Any]) -> DsLayout:
+def _zero_stage3(files: DsFiles, model: dict[str, Any]) -> DsLayout:
     world = len(files.zero3_models)
     path0 = files.ckpt / files.zero3_models[0]
     sub_groups = model.get("param_shapes") or []
@@ -368,7 +375,7 @@ def _stage3(files: DsFiles, model: dict[str, Any]) -> DsLayout:
     m = _new_manifest(world, 3, precision, params, aliases, _buffers(model), 0, fragments, True, model, files.ckpt.name)
     inner = (load_ds(files.ckpt / files.optim[0]).get("optimizer_state_dict") or {}).get("optimizer_state_dict") or {}
     m.param_groups = len(inner.get("param_groups", []))
-    return DsLayout(files=files, stage=3, manifest=m, locs=locs, frozen_pieces=frozen_pieces, model=model)
+    return DsLayout(files=files, zero_stage=3, manifest=m, locs=locs, frozen_pieces=frozen_pieces, model=model)
 
 
 def _storage_aliases(model: dict[str, Any], names: list[str]) -> dict[str, str]:
@@ -410,28 +417,28 @@ def read_layout(ckpt: Path, hint: Manifest | None) -> DsLayout:
         hint = _hint_from_module(model)
     check_parallelism(model, first, moe_ok=True)
     world = int(model.get("dp_world_size", 1) or 1)
-    stage = int(((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
+    zero_stage = int(((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
     if first.name != DS_MODEL_FILE:
-        stage = 3
-    files = list_files(ckpt, world, stage)
-    experts = read_experts(ckpt, model, stage, ckpt / files.optim[0] if files.optim else None)
-    if experts is not None and stage == 0:  # ZeRO 0: one optimizer file per expert-parallel rank
+        zero_stage = 3
+    files = list_files(ckpt, world, zero_stage)
+    experts = read_experts(ckpt, model, zero_stage, ckpt / files.optim[0] if files.optim else None)
+    if experts is not None and zero_stage == 0:  # ZeRO 0: one optimizer file per expert-parallel rank
         files = dataclasses.replace(files, optim=[expp_name(r) for r in range(experts.ep_size)])
         for name in files.optim:
             if not (ckpt / name).is_file():
                 raise CheckpointError(f"{ckpt / name}: missing; a ZeRO-0 MoE checkpoint saved with ep_size "
                                       f"{experts.ep_size} has one optimizer file per expert-parallel rank")
-    return layout_of(files, model, hint, stage, experts)
+    return layout_of(files, model, hint, zero_stage, experts)
 
 
-def layout_of(files: DsFiles, model: dict[str, Any], hint: Manifest, stage: int,
+def layout_of(files: DsFiles, model: dict[str, Any], hint: Manifest, zero_stage: int,
               experts: DsExperts | None = None) -> DsLayout:
     """The layout of the files `files` lists (`model`: their model file's contents)."""
-    if stage == 3:
-        return _stage3(files, model)
-    if stage == 0 and (not files.optim or experts is not None):
-        return _stage0(files, model, hint, experts)
-    return _stage12(files, model, hint, stage, experts)
+    if zero_stage == 3:
+        return _zero_stage3(files, model)
+    if zero_stage == 0 and (not files.optim or experts is not None):
+        return _zero_stage0(files, model, hint, experts)
+    return _zero_stage12(files, model, hint, zero_stage, experts)
 
 
 # -- reading, through zeroshard's reader -------------------------------------------------------
@@ -490,7 +497,7 @@ class DeepSpeedReader(CheckpointReader):
     def _optimizer_parts(self, rank: int) -> tuple[list[Tensor], dict[int, dict[str, Any]], list[dict[str, Any]]]:
         """(flat fp32 tensors per group, moments per group, param_groups) of saved rank `rank`."""
         lay = self.layout
-        if lay.stage == 0:  # one tensor per parameter: in the model file, or (MoE) expp_rank_<rank>'s
+        if lay.zero_stage == 0:  # one tensor per parameter: in the model file, or (MoE) expp_rank_<rank>'s
             opt = lay.model["optimizer"] if not lay.files.optim else self.raw(lay.files.optim[rank])["optimizer"]
             inner = opt.get("optimizer_state_dict", opt)
             if "fp32_groups" in opt:
@@ -499,7 +506,7 @@ class DeepSpeedReader(CheckpointReader):
                 flats = [self._saved(self.names[i]) for i, _, _ in lay.manifest.fragments[rank]]
             return flats, inner.get("state", {}), inner["param_groups"]
         osd = self.raw(lay.files.optim[rank]).get("optimizer_state_dict") or {}
-        if lay.stage == 3:
+        if lay.zero_stage == 3:
             inner = osd.get("optimizer_state_dict") or {}
             return list(osd["fp32_flat_groups"]), inner.get("state", {}), inner.get("param_groups", [])
         base = osd.get("base_optimizer_state") or {}
@@ -549,7 +556,7 @@ class DeepSpeedReader(CheckpointReader):
         experts = self.layout.experts
         if experts is not None and name in experts.files:
             return self._saved(name).reshape(-1)[offset : offset + numel].to(dtype, copy=True)
-        if self.layout.stage != 3:
+        if self.layout.zero_stage != 3:
             return super().weights(name, offset, numel, dtype)
         info = self.manifest.params[self.index_of[name]]
         if info.trainable:  # stage 3 saves no low-precision copy: it is the master, cast
@@ -578,7 +585,7 @@ def load_deepspeed(target: EngineState, comm: "Comm", ckpt: Path, *, load_optimi
                                     strict=strict, global_experts=layout.experts is not None)
 
     layout, loaded = read_agreed(comm, "loading the DeepSpeed checkpoint", f"{ckpt}: DeepSpeed checkpoint", read)
-    logger.info(f"loaded DeepSpeed checkpoint {ckpt} (stage {layout.stage}, saved by "
+    logger.info(f"loaded DeepSpeed checkpoint {ckpt} (stage {layout.zero_stage}, saved by "
                 f"{layout.manifest.world_size} ranks)")
     return loaded
 

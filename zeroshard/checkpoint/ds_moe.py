@@ -85,11 +85,11 @@ def moe_group_sizes(param_groups: list[dict[str, Any]], where: Path) -> list[int
     return out
 
 
-def _refuse_variants(ckpt: Path, model: dict[str, Any], stage: int) -> None:
+def _refuse_variants(ckpt: Path, model: dict[str, Any], zero_stage: int) -> None:
     if model.get("ds_autoep_layers"):
         raise CheckpointError(f"{ckpt}: an AutoEP checkpoint (ds_autoep_layers: DeepSpeed's AutoEPMoELayer); "
                               "zeroshard reads legacy deepspeed.moe.layer.MoE checkpoints only")
-    if stage == 3:
+    if zero_stage == 3:
         raise CheckpointError(f"{ckpt}: MoE layers at ZeRO stage 3; zeroshard (like DeepSpeed 0.19.8) does not "
                               "train legacy MoE layers at stage 3, so it has no layout to load it into")
 
@@ -118,7 +118,7 @@ def _key(name: str) -> tuple[int, int]:
     return int(m[1]), int(m[2])
 
 
-def read_experts(ckpt: Path, model: dict[str, Any], stage: int, first_optim: Path | None) -> DsExperts | None:
+def read_experts(ckpt: Path, model: dict[str, Any], zero_stage: int, first_optim: Path | None) -> DsExperts | None:
     """The experts of DeepSpeed tag directory `ckpt` (None without MoE layers), checked: each
     layer's experts all present, each file holding one expert's parameters under its own global
     id. `first_optim`: rank 0's ZeRO-1/2 file (None at ZeRO 0: expert-parallel rank 0's file).
@@ -131,7 +131,7 @@ def read_experts(ckpt: Path, model: dict[str, Any], stage: int, first_optim: Pat
     counts = [int(c) for c in (model.get("num_experts") or [])]
     if not names and not any(counts) and not model.get("ds_autoep_layers"):
         return None
-    _refuse_variants(ckpt, model, stage)
+    _refuse_variants(ckpt, model, zero_stage)
     ep_size = _ep_size(ckpt, first_optim if first_optim is not None else ckpt / expp_name(0))
     per_layer: dict[int, list[int]] = {}
     for n in names:
@@ -177,8 +177,8 @@ def group_ep_sizes(osds: list[dict[str, Any]], experts: DsExperts | None, world:
     return sizes
 
 
-def match_moe_stage0(inner: dict[str, Any], entries: Entries, hint: Manifest, experts: DsExperts, ep_rank: int,
-                     path: Path, match: Callable[[Entries, Manifest], list[str]]) -> list[str]:
+def match_moe_zero_stage0(inner: dict[str, Any], entries: Entries, hint: Manifest, experts: DsExperts, ep_rank: int,
+                          path: Path, match: Callable[[Entries, Manifest], list[str]]) -> list[str]:
     """The names of expert-parallel rank `ep_rank`'s ZeRO-0 optimizer entries: `match` (ds_import's
     stage-0 matcher) of its dense groups against the model's dense parameters, and of its expert
     groups against its own experts under global names (frozen where the model's are)."""

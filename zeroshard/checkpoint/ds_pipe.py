@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from zeroshard.checkpoint.ds_files import DsFiles, load_ds
-from zeroshard.checkpoint.ds_import import DeepSpeedReader, _hint_from_module, _precision, _stage0, _stage12
+from zeroshard.checkpoint.ds_import import DeepSpeedReader, _hint_from_module, _precision, _zero_stage0, _zero_stage12
 from zeroshard.checkpoint.pipe_files import TIED_PREFIX, PipeLayout, Source, layer_file
 from zeroshard.checkpoint_format import Manifest, TensorInfo
 from zeroshard.errors import CheckpointError
@@ -76,19 +76,19 @@ def _stage_source(ckpt: Path, stage: int, lo: int, hi: int, tied: dict[str, list
                 f"{ckpt / ds_model_file(stage)}: stage {stage} holds {sorted(named - set(model['module']))[:3]}, "
                 f"not among layers [{lo}, {hi}) of this model's partition: the checkpoint was cut with another "
                 "partition_method; load it into a PipelineModule with the saving one")
-    zero = int(((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
+    zero_stage = int(((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
     dp = int(model.get("dp_world_size", 1) or 1)
     bf16 = (ckpt / ds_optim_file(0, stage, True)).is_file()
-    optim = [ds_optim_file(d, stage, bf16) for d in range(dp)] if zero > 0 or bf16 else []
+    optim = [ds_optim_file(d, stage, bf16) for d in range(dp)] if zero_stage > 0 or bf16 else []
     for name in optim:
         if not (ckpt / name).is_file():
             raise CheckpointError(f"{ckpt / name}: missing; stage {stage} was saved by {dp} data-parallel ranks")
-    if zero > 1:
-        raise CheckpointError(f"{ckpt}: a pipeline checkpoint at ZeRO stage {zero}, which DeepSpeed 0.19 does not "
-                              "write (ZeRO-2/3 are refused with a pipeline there)")
+    if zero_stage > 1:
+        raise CheckpointError(f"{ckpt}: a pipeline checkpoint at ZeRO stage {zero_stage}, which DeepSpeed 0.19 "
+                              "does not write (ZeRO-2/3 are refused with a pipeline there)")
     files = DsFiles(ckpt=ckpt, model=ds_model_file(stage), zero3_models=[], optim=optim)
     hint = _hint_from_module(model)
-    layout = _stage0(files, model, hint) if not optim else _stage12(files, model, hint, max(zero, 1))
+    layout = _zero_stage0(files, model, hint) if not optim else _zero_stage12(files, model, hint, max(zero_stage, 1))
     return DeepSpeedReader(layout)
 
 
@@ -152,7 +152,7 @@ def offline_deepspeed_pipeline(ckpt: Path) -> tuple[Path, Manifest, Callable[[],
     buffers = set(first.get("buffer_names") or [])
     params = [TensorInfo(n, tuple(t.shape), str(t.dtype).removeprefix("torch."), True)
               for n, t in tensors.items() if n.partition(".")[2] not in buffers]
-    manifest = Manifest(world_size=1, stage=0, precision=_precision(first), params=params, aliases={}, buffers=[],
+    manifest = Manifest(world_size=1, zero_stage=0, precision=_precision(first), params=params, aliases={}, buffers=[],
                         optimizer="deepspeed", param_groups=1, fragments=[[]], weight_pieces=None,
                         has_optimizer_states=fp32, global_steps=int(first.get("global_steps", 0)), tag=ckpt.name)
     return ckpt, manifest, lambda: WeightsReader(ckpt, tensors, manifest)

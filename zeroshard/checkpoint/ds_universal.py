@@ -100,7 +100,7 @@ def read_universal_layout(ckpt: Path, hint: Manifest) -> DsLayout:
     groups = model.get("param_shapes") or []
     if not groups:
         raise CheckpointError(f"{ckpt / model_file}: no \"param_shapes\" (not a DeepSpeed save?)")
-    stage = 3 if zero3 else int(((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
+    zero_stage = 3 if zero3 else int(((model.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
     trainable = [(n, tuple(s)) for g in groups for n, s in g.items()]
     frozen = {n: tuple(s) for n, s in (model.get("frozen_param_shapes") or {}).items()}
     if not zero3:  # stages 0-2 list only the frozen parameters the optimizer was given; the module has all
@@ -120,11 +120,12 @@ def read_universal_layout(ckpt: Path, hint: Manifest) -> DsLayout:
                if c in names and a not in names}
     fragments = [[(i, 0, math.prod(s)) for i, (_, s) in enumerate(trainable)]]
     opt = load_ds(ckpt / ZERO_DIR / OPTIMIZER_STATE)
-    manifest = _new_manifest(1, stage, precision, params, aliases, _buffers(model), len(opt.get("param_groups") or []),
-                             fragments, True, model, ckpt.name)
+    manifest = _new_manifest(1, zero_stage, precision, params, aliases, _buffers(model),
+                             len(opt.get("param_groups") or []), fragments, True, model, ckpt.name)
     manifest.frozen_saved = frozen_saved and bool(frozen)
     files = DsFiles(ckpt=ckpt, model=model_file, zero3_models=zero3, optim=[])
-    return DsLayout(files=files, stage=stage, manifest=manifest, locs=[[(0, 0)] * len(trainable)], model=model)
+    return DsLayout(files=files, zero_stage=zero_stage, manifest=manifest, locs=[[(0, 0)] * len(trainable)],
+                    model=model)
 
 
 class _PerParam:
@@ -219,5 +220,5 @@ def load_universal(target: EngineState, comm: "Comm", ckpt: Path, *, load_optimi
 
     layout, loaded = read_agreed(comm, "loading the universal checkpoint", f"{ckpt}: DeepSpeed universal checkpoint",
                                  read)
-    logger.info(f"loaded DeepSpeed universal checkpoint {ckpt} (converted from a stage-{layout.stage} save)")
+    logger.info(f"loaded DeepSpeed universal checkpoint {ckpt} (converted from a stage-{layout.zero_stage} save)")
     return loaded

@@ -24,7 +24,9 @@ FORMAT_NAME = "zeroshard-checkpoint"
 
 def to_json(manifest: Manifest) -> str:
     d = dataclasses.asdict(manifest)
-    d = {"format": FORMAT_NAME, "format_version": d.pop("format_version"), **d}
+    # The JSON keeps the key "stage" for the ZeRO stage (field `zero_stage`): files written before stay readable.
+    d = {"format": FORMAT_NAME, "format_version": d.pop("format_version"),
+         **{("stage" if k == "zero_stage" else k): v for k, v in d.items()}}
     # One line per parameter, per buffer and per rank's range list: readable, and diffable.
     lines = []
     for key, value in d.items():
@@ -56,7 +58,7 @@ def from_json(text: str, path: Path) -> Manifest:
     try:
         pieces = d["weight_pieces"]
         return Manifest(
-            world_size=int(d["world_size"]), stage=int(d["stage"]), precision=str(d["precision"]),
+            world_size=int(d["world_size"]), zero_stage=int(d["stage"]), precision=str(d["precision"]),
             params=[_info(r) for r in d["params"]], aliases={str(k): str(v) for k, v in d["aliases"].items()},
             buffers=[_info(r) for r in d["buffers"]], optimizer=d["optimizer"],
             param_groups=int(d["param_groups"]),

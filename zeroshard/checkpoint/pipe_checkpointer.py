@@ -71,8 +71,8 @@ class PipelineCheckpointer:
         self.layout, self._stage, self._dp_rank = layout, stage_id, dp_rank
         self._layer_states = layer_states
         self._tp_rank = tp_rank
-        # Megatron-style pieces (layout.model_parallel > 1) have no global names: one directory per tp rank.
-        self._model_rank = tp_rank if layout.model_parallel > 1 else None
+        # Megatron-style pieces (layout.tp_size > 1) have no global names: one directory per tp rank.
+        self._model_rank = tp_rank if layout.tp_size > 1 else None
 
     def save(self, state: EngineState, save_dir: str, tag: str, client_state: Mapping[str, Any] | None,
              save_latest: bool, save_optimizer_states: bool = True) -> str:
@@ -127,10 +127,10 @@ class PipelineCheckpointer:
                                       f"has {self.layout.num_layers}; a pipeline checkpoint loads into the same layers")
             if saved.tied != self.layout.tied:
                 raise CheckpointError(f"{ckpt}: tied layers {saved.tied} when saved, {self.layout.tied} now")
-            if saved.model_parallel != self.layout.model_parallel:
+            if saved.tp_size != self.layout.tp_size:
                 raise CheckpointError(
-                    f"{ckpt}: saved as {saved.model_parallel} Megatron-style tensor-parallel pieces per stage, this "
-                    f"engine has {self.layout.model_parallel}; pieces a script split itself load into the same "
+                    f"{ckpt}: saved as {saved.tp_size} Megatron-style tensor-parallel pieces per stage, this "
+                    f"engine has {self.layout.tp_size}; pieces a script split itself load into the same "
                     "tensor-parallel degree only (AutoTP checkpoints, keyed by global names, reshard)")
             sources = pipeline_sources(ckpt, saved, lambda n: n, self._model_rank)
             return MultiReader(sources, min(self._stage, len(sources) - 1), ckpt, want)

@@ -74,7 +74,7 @@ class PipeLayout:
     tied: dict[str, list[int]] = field(default_factory=dict)
     """Tie key -> the global layer indices built from it."""
     num_layers: int = 0
-    model_parallel: int = 1
+    tp_size: int = 1
     """Megatron-style tensor-parallel ranks whose pieces each stage saved in a directory per rank
     (`stage_dir(s, model_rank)`); 1 for stages saved whole or by AutoTP under global names."""
     partition: Callable[[int], list[int]] | None = field(default=None, compare=False, repr=False)
@@ -84,7 +84,7 @@ class PipeLayout:
     def to_json(self) -> str:
         return json.dumps({"format": "zeroshard-pipeline", "num_stages": self.num_stages, "parts": self.parts,
                            "virtual_stages": self.virtual_stages, "tied": self.tied,
-                           "num_layers": self.num_layers or self.parts[-1], "model_parallel": self.model_parallel})
+                           "num_layers": self.num_layers or self.parts[-1], "model_parallel": self.tp_size})
 
     @classmethod
     def from_json(cls, text: str, path: Path) -> PipeLayout:
@@ -94,7 +94,7 @@ class PipeLayout:
                        virtual_stages=int(d.get("virtual_stages", 1)),
                        tied={str(k): [int(i) for i in v] for k, v in (d.get("tied") or {}).items()},
                        num_layers=int(d.get("num_layers", d["parts"][-1])),
-                       model_parallel=int(d.get("model_parallel", 1)))
+                       tp_size=int(d.get("model_parallel", 1)))
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{path}: not a pipeline layout file ({type(e).__name__}: {e})") from e
 
@@ -155,7 +155,7 @@ class MultiReader:
                     buffers.setdefault(name, TensorInfo(name, b.shape, b.dtype, b.trainable))
         m = self.primary.manifest
         self.manifest = Manifest(
-            world_size=m.world_size, stage=m.stage, precision=m.precision, params=params, aliases={},
+            world_size=m.world_size, zero_stage=m.zero_stage, precision=m.precision, params=params, aliases={},
             buffers=list(buffers.values()), optimizer=m.optimizer, param_groups=m.param_groups,
             fragments=[[] for _ in range(m.world_size)], weight_pieces=None,
             frozen_saved=all(s.reader.manifest.frozen_saved for s in sources),
@@ -204,13 +204,13 @@ def pipeline_sources(root: Path, layout: PipeLayout, rename: Callable[[str], str
                      model_rank: int | None = None) -> list[Source]:
     """One source per saved pipeline rank's directory (zeroshard's pipeline format); under
     Megatron-style tensor parallelism, the directories of tensor-parallel rank `model_rank`."""
-    if layout.model_parallel > 1 and model_rank is None:
-        raise CheckpointError(f"{root}: its stages were saved as {layout.model_parallel} Megatron-style "
+    if layout.tp_size > 1 and model_rank is None:
+        raise CheckpointError(f"{root}: its stages were saved as {layout.tp_size} Megatron-style "
                               "tensor-parallel pieces without global names; load it into the same pipeline and "
                               "tensor-parallel layout")
     out = []
     for s in range(layout.num_stages):
-        ckpt = root / stage_dir(s, model_rank if layout.model_parallel > 1 else None)
+        ckpt = root / stage_dir(s, model_rank if layout.tp_size > 1 else None)
         out.append(Source(CheckpointReader(ckpt, read_manifest(ckpt)), rename))
     return out
 

@@ -167,7 +167,7 @@ def _model_payload(state: EngineState, client_state: Mapping[str, Any] | bytes |
         "frozen_param_names": [p.name for p in m.params if not p.trainable],
         "zeroshard_format_version": FORMAT_VERSION,
         "dp_world_size": m.world_size,
-        "zero_stage": m.stage,
+        "zero_stage": m.zero_stage,
         **state.run_state,
         "client_state": client_state,
     }
@@ -250,9 +250,9 @@ def save_state(state: EngineState, comm: "Comm", save_dir: str | os.PathLike[str
         first rank of each node whose disk rank 0 does not share).
     """
     target = begin_save_state(state, comm, save_dir, tag, node_leader)
-    stages = int(save_optimizer_states) + int(state.manifest.weight_pieces is not None) + int(target.writer) + 1
-    bar = Progress(stages, f"save {tag} (rank 0's files)",
-                   state.rank == 0 and _state_bytes(state) >= PROGRESS_MIN_BYTES, unit="stage", expected_updates=stages)
+    steps = int(save_optimizer_states) + int(state.manifest.weight_pieces is not None) + int(target.writer) + 1
+    bar = Progress(steps, f"save {tag} (rank 0's files)",
+                   state.rank == 0 and _state_bytes(state) >= PROGRESS_MIN_BYTES, unit="stage", expected_updates=steps)
     sizes, error = write_rank_files(target, state, client_state, save_optimizer_states, bar)
     end_save_state(target, state, comm, sizes, error, save_latest, save_optimizer_states)
     bar.advance(1, f"published {target.root / tag}")

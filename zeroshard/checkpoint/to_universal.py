@@ -123,7 +123,7 @@ def convert_to_universal(checkpoint_dir: str | os.PathLike[str], output_dir: str
         reader.close()
     step = steps[0] if steps else 0
     total += _save(zero / "optimizer_state.pt", {
-        "ds_version": DS_FORMAT_VERSION, "zero_stage": manifest.stage, "param_groups": groups,
+        "ds_version": DS_FORMAT_VERSION, "zero_stage": manifest.zero_stage, "param_groups": groups,
         "optimizer_state_dict": {"state": {0: {"step": torch.as_tensor(step, dtype=torch.float32).clone()}},
                                  "param_groups": groups}})
     sched, client = _run_state(run)
@@ -141,7 +141,7 @@ def convert_to_universal(checkpoint_dir: str | os.PathLike[str], output_dir: str
         "global_steps": int(run.get("global_steps") or 0),
         "global_samples": int(run.get("global_samples") or 0),
         "dp_world_size": manifest.world_size, "mp_world_size": 1,
-        "ds_config": {"zero_optimization": {"stage": manifest.stage}},
+        "ds_config": {"zero_optimization": {"stage": manifest.zero_stage}},
         "ds_version": DS_FORMAT_VERSION,
         "universal_checkpoint_info": {},
         "zeroshard_converted_from": str(ckpt),

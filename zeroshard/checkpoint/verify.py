@@ -65,10 +65,10 @@ def verify(tag_dir: str | os.PathLike[str], *, rank: int = 0, world_size: int = 
     """
     ckpt = Path(tag_dir)
     if not (ckpt / MANIFEST).is_file() and (ckpt / PIPELINE_FILE).is_file():
-        stages = sorted(p for p in ckpt.iterdir() if p.is_dir() and p.name.startswith("pipe_stage_"))
-        if not stages:
+        pipe_stage_dirs = sorted(p for p in ckpt.iterdir() if p.is_dir() and p.name.startswith("pipe_stage_"))
+        if not pipe_stage_dirs:
             return [f"{PIPELINE_FILE} but no pipe_stage_* directory"]
-        return [f"{s.name}/{p}" for s in stages for p in verify(s, rank=rank, world_size=world_size)]
+        return [f"{s.name}/{p}" for s in pipe_stage_dirs for p in verify(s, rank=rank, world_size=world_size)]
     if not (ckpt / MANIFEST).is_file():
         return [f"no {MANIFEST} (the manifest is written last: the save did not finish, or it was removed)"]
     try:

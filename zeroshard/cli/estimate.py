@@ -85,7 +85,7 @@ def _base_setups(args: argparse.Namespace, spec: ModelSpec) -> list[Setup]:
         return [replace(base, precision=p) for p in precisions]
     chosen: str = args.precision or "both"
     precisions = ["bf16", "fp32"] if chosen == "both" else [cast(Precision, chosen)]
-    return [Setup(stage=0, precision=p, **hw) for p in precisions]
+    return [Setup(zero_stage=0, precision=p, **hw) for p in precisions]
 
 
 def _activation_lines(spec: ModelSpec, args: argparse.Namespace, precision: Precision) -> list[str]:
@@ -122,7 +122,7 @@ def _parallel_lines(spec: ModelSpec, args: argparse.Namespace, base: Setup) -> l
              f"({base.precision}; activations {acts})",
              "  ZeRO  stage  layers  params/rank |  states  buffers  pipeline  activations = device"]
     for zero in (0, 1, 2, 3):
-        for e in estimate_layout(spec, replace(base, stage=zero), layout, act):
+        for e in estimate_layout(spec, replace(base, zero_stage=zero), layout, act):
             lines.append(f"  {zero:>4}  {e.stage:>5}  {e.layers:6.1f}  {e.spec.total_params:>11,} |"
                          f"{e.rank.device.total / 2**30:8.2f} {e.rank.device_buffers / 2**30:8.2f} "
                          f"{e.pipeline_buffers / 2**30:9.2f} {e.activations / 2**30:12.2f} "
@@ -146,7 +146,7 @@ def _expert_lines(spec: ModelSpec, args: argparse.Namespace, base: Setup) -> lis
              f"EP {args.ep} x expert-data-parallel {world // args.ep} ({base.precision}), one rank, GB",
              "  ZeRO  experts/rank |  EP 1 states  EP 1 device | states  buffers  device"]
     for zero in (0, 1, 2, 3):
-        setup = replace(base, stage=zero)
+        setup = replace(base, zero_stage=zero)
         one = estimate_rank_ep(split, setup, 1)
         est = estimate_rank_ep(split, setup, args.ep)
         lines.append(f"  {zero:>4}  {experts // args.ep:>12,} | {one.device.total / 2**30:11.2f} "

@@ -98,16 +98,16 @@ def _print_model_state_saving(engine: Any, n_params: int) -> None:
     mine = torch.tensor([sum(s.total for s in held)], dtype=torch.int64, device=engine.device)
     every = torch.zeros(engine.world_size, dtype=torch.int64, device=engine.device)
     engine.comm.all_gather(every, mine)
-    setup = dataclasses.replace(Setup.from_config(engine.zs_config), stage=0,
+    setup = dataclasses.replace(Setup.from_config(engine.zs_config), zero_stage=0,
                                 offload_optimizer="none", offload_param="none")
-    stage0 = estimate_rank(spec_from_counts(n_params), setup).device.total
+    zero_stage0_bytes = estimate_rank(spec_from_counts(n_params), setup).device.total
     if engine.rank != 0:
         return
     homes = " + ".join(f"{format_bytes(s.total)} {s.device}" for s in held if s.total)
     ranks = ", ".join(f"rank {r}: {format_bytes(int(b))}" for r, b in enumerate(every.tolist()))
-    ratio = stage0 / max(1, int(every.max()))
+    ratio = zero_stage0_bytes / max(1, int(every.max()))
     print(f"[zeroshard] model states per rank (stage {engine.zs_config.zero_optimization.stage}): "
-          f"{ranks} (rank 0: {homes}) | stage 0 would hold {format_bytes(stage0)} on every rank "
+          f"{ranks} (rank 0: {homes}) | stage 0 would hold {format_bytes(zero_stage0_bytes)} on every rank "
           f"({ratio:.1f}x the largest rank here)", flush=True)
 
 

@@ -237,14 +237,14 @@ def _from_mpu(world_size: int, mpu: MpuShape, autotp: int, pipe: PipeShape | Non
             "the PipelineModule topology=PipeModelDataParallelTopology(num_pp, num_mp, num_dp) for Megatron-style "
             "layers (split parameters marked tensor_model_parallel = True), or let AutoTP split the stages "
             "(tensor_parallel.autotp_size with a preset_model or partition_config).")
-    mp, dp = mpu.model_parallel, mpu.data_parallel
-    if mp < 1 or dp < 1 or mp * dp * sp != world_size:
-        raise ConfigError(f"initialize(mpu=...): model-parallel size {mp} x data-parallel size {dp} "
+    tp, dp = mpu.model_parallel, mpu.data_parallel
+    if tp < 1 or dp < 1 or tp * dp * sp != world_size:
+        raise ConfigError(f"initialize(mpu=...): model-parallel size {tp} x data-parallel size {dp} "
                           f"!= world size {world_size}; the mpu's groups must cover every rank once.")
-    if mp > 1:
+    if tp > 1:
         sources.append(("tp", "the mpu"))
-    return _finish(ParallelDims, world_size=world_size, pp=1, dp=dp, tp=mp, ep=ep, sp=sp, hpz=hpz,
-                   tp_split="script" if mp > 1 else None, from_mpu=True, sources=sources)
+    return _finish(ParallelDims, world_size=world_size, pp=1, dp=dp, tp=tp, ep=ep, sp=sp, hpz=hpz,
+                   tp_split="script" if tp > 1 else None, from_mpu=True, sources=sources)
 
 
 def _finish(cls: type[ParallelDims], *, dp: int, ep: int, sp: int, hpz: int, sources: list[tuple[str, str]],

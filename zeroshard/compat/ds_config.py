@@ -156,7 +156,7 @@ class DeepSpeedZeroLeafModuleConfig(_ZeroshardSection):
     _zs_prefix = "zero_optimization.leaf_module."
 
 
-_STAGE3_SHORT = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+_ZERO_STAGE3_SHORT = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
                  "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
                  "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential")
 
@@ -168,7 +168,7 @@ class DeepSpeedZeroConfig(_ZeroshardSection):
 
     _zs_cls = ZeroConfig
     _zs_prefix = "zero_optimization."
-    _ds_names = {short: f"stage3_{short}" for short in _STAGE3_SHORT}
+    _ds_names = {short: f"stage3_{short}" for short in _ZERO_STAGE3_SHORT}
     _sections = {"offload_param": DeepSpeedZeroOffloadParamConfig,
                  "offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig,
                  "leaf_module": DeepSpeedZeroLeafModuleConfig}

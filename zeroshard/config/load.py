@@ -2,7 +2,7 @@
 
 Steps, in order: read JSON; walk it against the schema (parse.py: unknown keys, aliases, removed
 keys, types, ranges); resolve "auto" (auto.py); solve the batch triad (batch.py); build the
-dataclasses; cross-field checks; stage applicability (stages.py); not-supported (support.py).
+dataclasses; cross-field checks; ZeRO-stage applicability (zero_stages.py); not-supported (support.py).
 Imports nothing of zeroshard but `errors` and `config`.
 """
 
@@ -25,8 +25,8 @@ from zeroshard.config.schema_fp8 import check_fp8
 from zeroshard.config.schema_optim import LambParams, OptimizerConfig, SchedulerConfig
 from zeroshard.config.schema_tp import check_tensor_parallel
 from zeroshard.config.schema_zero import OffloadOptimizerConfig
-from zeroshard.config.stages import check_stages, idle_keys
 from zeroshard.config.support import check_supported
+from zeroshard.config.zero_stages import check_zero_stages, idle_keys
 from zeroshard.errors import ConfigConflictError, ConfigError, NotSupportedError
 
 ConfigSource = str | os.PathLike[str] | Mapping[str, Any]
@@ -163,7 +163,7 @@ def _build_scheduler(draft: Draft) -> SchedulerConfig | None:
     return SchedulerConfig(type=canonical, params=_build_params(kind, "scheduler.params.", draft, canonical))
 
 
-def _apply_stage_defaults(draft: Draft) -> None:
+def _apply_zero_stage_defaults(draft: Draft) -> None:
     """DeepSpeed's stage-dependent default: overlap_comm is on at stage 3, off below."""
     if "zero_optimization.overlap_comm" not in draft.values:
         draft.values["zero_optimization.overlap_comm"] = draft.values.get("zero_optimization.stage", 0) == 3
@@ -431,7 +431,7 @@ def load_section(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
         raise ConfigError(f"{next(iter(draft.autos))}: \"auto\" is resolved by initialize(), not in a "
                           "section read alone; give a value.")
     if prefix == "zero_optimization.":
-        _apply_stage_defaults(draft)
+        _apply_zero_stage_defaults(draft)
     section = _build(cls, prefix, draft)
     if isinstance(section, FP16Config):
         check_fp16_scaling(section)
@@ -495,7 +495,7 @@ def load_config(
                 raise ConfigError(
                     f"{key}: derived as {draft.values[key]} from the other batch sizes, larger than any "
                     f"real run (the bound is {MAX_SAMPLES}); check {TBS}, {MICRO} and {GAS}.")
-    _apply_stage_defaults(draft)
+    _apply_zero_stage_defaults(draft)
     cfg = Config(
         **_kwargs(Config, "", draft),
         dp_world_size=dp_world_size,
@@ -507,7 +507,7 @@ def load_config(
     _check_cross_fields(cfg)
     check_allreduce_op(cfg, draft.unmodelled)
     check_zenflow(cfg)
-    notes = check_stages(cfg)
+    notes = check_zero_stages(cfg)
     check_supported(cfg, draft.unmodelled, draft.pending, skip=idle_keys(cfg))
     return dataclasses.replace(cfg, notes=(*draft.notes, *notes))
 

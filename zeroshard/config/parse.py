@@ -281,10 +281,10 @@ def _read_dotted(draft: Draft, root: type, items: list[tuple[str, Any]], top_key
 def parse_zero(draft: Draft, raw: Any) -> None:
     """`zero_optimization`, which older DeepSpeed tutorials give as a bare boolean (true = stage 1)."""
     if isinstance(raw, bool):
-        stage = 1 if raw else 0
+        zero_stage = 1 if raw else 0
         draft.notes.append(f'"zero_optimization": {show(raw)} is DeepSpeed\'s old format, read as stage '
-                           f'{stage}; write "zero_optimization": {{"stage": {stage}}}.')
-        draft.set("zero_optimization.stage", stage, "file (zero_optimization: " + show(raw) + ")")
+                           f'{zero_stage}; write "zero_optimization": {{"stage": {zero_stage}}}.')
+        draft.set("zero_optimization.stage", zero_stage, "file (zero_optimization: " + show(raw) + ")")
         return
     parse_section(draft, ZeroConfig, raw, "zero_optimization.")
 

@@ -1,7 +1,7 @@
 """The `zero_optimization` section: stage, buckets, offload, stage-3 and ZeRO++ keys.
 
 Field names are DeepSpeed's JSON keys; sizes are counts of elements, not bytes. Which stage each
-key applies to is data in `config/stages.py`. Imports nothing of zeroshard but `config.fields`.
+key applies to is data in `config/zero_stages.py`. Imports nothing of zeroshard but `config.fields`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 from zeroshard.config.fields import default_at, get_dotted, show
 from zeroshard.errors import NotSupportedError
 
-_STAGES = "zeroshard implements stages 0-3."
+_ZERO_STAGES = "zeroshard implements stages 0-3."
 _PLAN = "Use a stage between 0 and 3."
 _ZPP = "ZeRO++ / MiCS communication tricks are not implemented."
 
@@ -36,7 +36,7 @@ class Unsupported:
 
 
 NOT_SUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported(key="zero_optimization.stage", allowed=(0, 1, 2, 3), why=_STAGES, fix=_PLAN),
+    Unsupported(key="zero_optimization.stage", allowed=(0, 1, 2, 3), why=_ZERO_STAGES, fix=_PLAN),
     Unsupported(key="zero_optimization.offload_optimizer.super_offload",
                 why="DeepSpeed's SuperOffload is not implemented.", fix="Remove the key."),
     *(Unsupported(key=f"zero_optimization.{k}", why=_ZPP, fix="Remove the key.") for k in (

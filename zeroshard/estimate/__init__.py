@@ -1,7 +1,7 @@
 """Memory model and plan search: arithmetic on a Config, never a process group or a weight.
 
     from zeroshard.estimate import spec_from_module, Setup, estimate_rank
-    est = estimate_rank(spec_from_module(model), Setup(stage=2, precision="bf16", devices_per_node=8))
+    est = estimate_rank(spec_from_module(model), Setup(zero_stage=2, precision="bf16", devices_per_node=8))
     est.device.total, est.host.total      # bytes per rank on the device / offloaded to the CPU
 
 DeepSpeed's estimator API is here under its names (`estimate_zero2_model_states_mem_needs_all_live`
@@ -25,7 +25,7 @@ from zeroshard.estimate.model_source import load_model_spec, spec_from_hf_config
 from zeroshard.estimate.plan import Decision, Hardware, Plan, Workload, make_plan
 from zeroshard.estimate.spec import ModelSpec, TransformerShape, spec_from_counts, spec_from_gpt, spec_from_module
 from zeroshard.estimate.states import NodeEstimate, RankEstimate, Setup, StateBytes, estimate_node, estimate_rank
-from zeroshard.estimate.table import stage_supported
+from zeroshard.estimate.table import zero_stage_supported
 
 __all__ = [
     "ActivationOptions",
@@ -55,5 +55,5 @@ __all__ = [
     "spec_from_gpt",
     "spec_from_hf_config",
     "spec_from_module",
-    "stage_supported",
+    "zero_stage_supported",
 ]

@@ -147,7 +147,7 @@ def in_flight(schedule: Schedule, stages: int, stage: int, micro_batches: int, v
       one forward with one backward: min(p - s, m).
     - interleaved_1f1b, interleaved_zero_bubble (torch's schedules, v chunks per rank): rank s
       warms up with (v - 1) * p + 2 * (p - 1 - s) chunk forwards and keeps one more in flight,
-      capped at the v * m chunks of a batch; at stage 0 that is p * (1 + (p - 1) / (p v)) micro-batches,
+      capped at the v * m chunks of a batch; at pipeline stage 0 that is p * (1 + (p - 1) / (p v)) micro-batches,
       Narayanan et al.'s (2021) memory factor. The zero-bubble variant defers weight gradients but
       keeps the same forward order, so its count is the interleaved one (an approximation: W ops
       hold their inputs a little longer).

@@ -102,7 +102,7 @@ def zero2_rows(spec: ModelSpec, num_gpus_per_node: int, num_nodes: int, addition
             cpu, gpu = estimate_zero2_model_states_mem_needs(spec.total_params, num_gpus_per_node, num_nodes,
                                                              offload, additional_buffer_factor)
         else:
-            node = estimate_node(spec, Setup(stage=2, offload_optimizer="cpu" if offload else "none",
+            node = estimate_node(spec, Setup(zero_stage=2, offload_optimizer="cpu" if offload else "none",
                                              precision=precision, devices_per_node=num_gpus_per_node,
                                              nodes=num_nodes))
             cpu, gpu = int(node.cpu_peak * additional_buffer_factor), node.device_peak
@@ -121,7 +121,7 @@ def zero3_rows(spec: ModelSpec, num_gpus_per_node: int, num_nodes: int, addition
                     opt_off, param_off, zero_init, additional_buffer_factor)
             else:
                 node = estimate_node(spec, Setup(
-                    stage=3, offload_optimizer="cpu" if opt_off else "none",
+                    zero_stage=3, offload_optimizer="cpu" if opt_off else "none",
                     offload_param="cpu" if param_off else "none", precision=precision,
                     devices_per_node=num_gpus_per_node, nodes=num_nodes, zero_init=zero_init))
                 cpu, gpu = int(node.cpu_peak * additional_buffer_factor), node.device_peak

@@ -6,9 +6,9 @@ the `dp` ranks of its (stage, TP rank) coordinate, exactly as estimate/states.py
 model. So `stage_spec` builds the per-rank `ModelSpec` and `estimate_stage` hands it to
 `estimate_rank` with the data-parallel size as the world:
 
-- stages: the transformer blocks (the spec's stage-3 units after the root) split uniformly
+- stages: the transformer blocks (the spec's ZeRO-3 units after the root) split uniformly
   over `pp` stages (Megatron's layout; the first stages take one more when it does not divide);
-  the token embedding on stage 0, the output head and the final norm on the last stage (a tied
+  the token embedding on pipeline stage 0, the output head and the final norm on the last stage (a tied
   head keeps a copy there, as DeepSpeed's `TiedLayerSpec` does), other root parameters (position
   embeddings) on stage 0.
 - tensor parallelism: every block parameter larger than the hidden size is split over `tp` (the
@@ -17,9 +17,9 @@ model. So `stage_spec` builds the per-rank `ModelSpec` and `estimate_stage` hand
   zeroshard's AutoTP leaves whole as the Hugging Face plans do), so a TP rank holds more than 1 / tp.
 - the pipeline engine (runtime/pipe_engine.py) keeps each micro-batch's gradient aside until the
   batch ends (Note: [pipeline gradient capture]): a whole local gradient per stage in the
-  accumulation dtype, on top of the strategy's buffers, at every ZeRO stage; at stages 2 and 3
+  accumulation dtype, on top of the strategy's buffers, at every ZeRO stage; at ZeRO stages 2 and 3
   the reducer's staging pool then grows towards a whole gradient too (the batch's gradient
-  arrives in one burst), and at stage 3 the stage's parameters stay gathered for the batch.
+  arrives in one burst), and at ZeRO stage 3 the pipeline stage's parameters stay gathered for the batch.
 - activations: `stage_activation_bytes` with the schedule's micro-batches in flight and the
   TP (and sequence-parallel) split.
 
@@ -81,7 +81,7 @@ class StageEstimate:
     Attributes:
         spec: the rank's share of the model (its stage's parameters, TP-split).
         rank: the model states and ZeRO buffers of the rank with the most (over its dp group).
-        pipeline_buffers: the gradient kept aside during a batch (and stage 3's parameters
+        pipeline_buffers: the gradient kept aside during a batch (and ZeRO stage 3's parameters
             gathered for it); 0 without a pipeline.
         activations: activation bytes at the schedule's peak.
         layers: transformer layers on the stage.
@@ -196,12 +196,12 @@ def estimate_stage(spec: ModelSpec, setup: Setup, layout: Layout, stage: int,
     pipe = 0
     if layout.pp > 1:
         pipe = setup.grad_bytes * share.total_params
-        if setup.stage >= 2:
+        if setup.zero_stage >= 2:
             # The batch's gradient reaches the reducer in one burst, so its staging pool holds
             # up to every bucket at once, not the plain engine's window (measured at PP 2 x DP 2:
             # 6 of 8 blocks, tests/dist/test_memory_census_3d.py): bounded by a whole gradient.
             pipe += max(0, setup.grad_bytes * share.total_params - rank.staging_pool)
-        if setup.stage == 3 and setup.offload_param == "none":
+        if setup.zero_stage == 3 and setup.offload_param == "none":
             pipe += setup.param_bytes * share.total_params
     layers = _layers_on(spec, layout.pp, stage)
     act = 0 if activations is None else estimate_activations(spec, layout, stage, layers, activations)

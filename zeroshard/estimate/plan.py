@@ -20,12 +20,12 @@ from zeroshard.config import load_config
 from zeroshard.errors import ConfigError, NotSupportedError, ZeroshardError
 from zeroshard.estimate.activations import ActivationOptions, activation_bytes
 from zeroshard.estimate.spec import ModelSpec
-from zeroshard.estimate.states import Device, NodeEstimate, Precision, Setup, Stage, estimate_node
+from zeroshard.estimate.states import Device, NodeEstimate, Precision, Setup, ZeroStage, estimate_node
 from zeroshard.estimate.table import zero_section
 
 GiB = 2**30
 
-STEP_DOWN: tuple[tuple[Stage, Device, Device], ...] = (
+STEP_DOWN: tuple[tuple[ZeroStage, Device, Device], ...] = (
     (0, "none", "none"),
     (1, "none", "none"),
     (2, "none", "none"),
@@ -144,7 +144,7 @@ def bucket_numel(spec: ModelSpec) -> int:
     return int(min(5e8, max(1e6, hidden * hidden))) if hidden else 50_000_000
 
 
-def build_ds_config(spec: ModelSpec, work: Workload, hw: Hardware, stage: int, opt: Device, param: Device,
+def build_ds_config(spec: ModelSpec, work: Workload, hw: Hardware, zero_stage: int, opt: Device, param: Device,
                     precision: Precision, micro: int, gas: int) -> dict[str, Any]:
     """A complete ds_config for one candidate (the user's base keys kept)."""
     cfg = copy.deepcopy(dict(work.base_config))
@@ -159,13 +159,13 @@ def build_ds_config(spec: ModelSpec, work: Workload, hw: Hardware, stage: int, o
         cfg[precision] = {"enabled": True}
     bucket = bucket_numel(spec)
     extra: dict[str, Any] = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": bucket}
-    if stage in (1, 2):
+    if zero_stage in (1, 2):
         extra["allgather_bucket_size"] = bucket
-    if stage == 3 and spec.shape:
+    if zero_stage == 3 and spec.shape:
         h = spec.shape.hidden_size
         extra["stage3_prefetch_bucket_size"] = int(0.9 * h * h)
         extra["stage3_param_persistence_threshold"] = 10 * h
-    cfg["zero_optimization"] = zero_section(stage, opt, param, hw.nvme_path, **extra)
+    cfg["zero_optimization"] = zero_section(zero_stage, opt, param, hw.nvme_path, **extra)
     return cfg
 
 
@@ -191,19 +191,19 @@ def _activations(spec: ModelSpec, work: Workload, precision: Precision, micro: i
         act_bytes=4 if precision == "fp32" else 2))
 
 
-def evaluate(spec: ModelSpec, work: Workload, hw: Hardware, stage: Stage, opt: Device, param: Device,
+def evaluate(spec: ModelSpec, work: Workload, hw: Hardware, zero_stage: ZeroStage, opt: Device, param: Device,
              precision: Precision, checkpointing: bool | None = None) -> Decision:
     """Estimate one candidate at the smallest batch; say in one line whether it fits.
 
     `checkpointing` None: as the workload says (True only when it is True)."""
     ckpt = work.checkpointing is True if checkpointing is None else checkpointing
-    name = Setup(stage=stage, offload_optimizer=opt, offload_param=param).label()
+    name = Setup(zero_stage=zero_stage, offload_optimizer=opt, offload_param=param).label()
     if ckpt and work.checkpointing == "auto":
         name += " + activation checkpointing"
     micro, gas = _batches(work, hw.world_size)[0]
     if opt == "nvme" and hw.nvme_path is None:
         return Decision(name=name, status="skipped", line=f"{name}: skipped, no --nvme-path given")
-    ds = build_ds_config(spec, work, hw, stage, opt, param, precision, micro, gas)
+    ds = build_ds_config(spec, work, hw, zero_stage, opt, param, precision, micro, gas)
     try:
         cfg = load_config(ds, dp_world_size=hw.world_size,
                           hidden_size=spec.shape.hidden_size if spec.shape else None)
@@ -276,7 +276,8 @@ def raise_batch(spec: ModelSpec, work: Workload, hw: Hardware, d: Decision) -> D
         act = _activations(spec, work, s.precision, micro, d.checkpointing)
         if act == 0 or d.estimate.device_peak + act > hw.device_budget:
             break
-        ds = build_ds_config(spec, work, hw, s.stage, s.offload_optimizer, s.offload_param, s.precision, micro, gas)
+        ds = build_ds_config(spec, work, hw, s.zero_stage, s.offload_optimizer, s.offload_param, s.precision,
+                             micro, gas)
         best = Decision(name=d.name, status="fits", line=d.line, estimate=d.estimate, activations=act,
                         micro_batch=micro, ds_config=ds, checkpointing=d.checkpointing)
     return best
@@ -295,9 +296,9 @@ def make_plan(spec: ModelSpec, work: Workload, hw: Hardware, *, evaluate_all: bo
     for i, precision in enumerate(precisions):
         if i == 1:
             notes.append("nothing fits in fp32: trying bf16 mixed precision (the seeds' next step)")
-        for stage, opt, param in STEP_DOWN:
-            for ckpt in _checkpointing_choices(work, stage):
-                d = evaluate(spec, work, hw, stage, opt, param, precision, ckpt)
+        for zero_stage, opt, param in STEP_DOWN:
+            for ckpt in _checkpointing_choices(work, zero_stage):
+                d = evaluate(spec, work, hw, zero_stage, opt, param, precision, ckpt)
                 if d.status == "skipped" and ckpt and work.checkpointing == "auto":
                     continue  # said once, for the candidate without checkpointing
                 decisions.append(d)
@@ -323,11 +324,11 @@ def make_plan(spec: ModelSpec, work: Workload, hw: Hardware, *, evaluate_all: bo
     return Plan(decisions=decisions, chosen=chosen, notes=notes, hardware=hw)
 
 
-def _checkpointing_choices(work: Workload, stage: int) -> tuple[bool, ...]:
+def _checkpointing_choices(work: Workload, zero_stage: int) -> tuple[bool, ...]:
     """Checkpointing settings to try for one candidate. Under "auto", stages 0 and 1 are tried
     without it only: stage 2 runs as fast with less memory, so it comes before any recompute."""
     if work.checkpointing == "auto":
-        return (False, True) if stage >= 2 else (False,)
+        return (False, True) if zero_stage >= 2 else (False,)
     return (bool(work.checkpointing),)
 
 

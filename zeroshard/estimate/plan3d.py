@@ -17,7 +17,7 @@ step time is a sum of terms, each a plain formula printed with the choice:
 - TP: 4 all-reduces of a micro-batch's b*s*h activations per layer (6 with recompute) on the
   node's links, a ring moving 2 (t - 1) / t of the bytes;
 - PP: one activation and one gradient p2p per micro-batch (and chunk) per stage boundary;
-- DP / ZeRO: stage 0 all-reduces the gradient, 1 reduce-scatters it and all-gathers the
+- DP / ZeRO: ZeRO stage 0 all-reduces the gradient, 1 reduce-scatters it and all-gathers the
   parameters, 2 reduce-scatters every micro-batch (once per batch under a pipeline, which hands
   the batch's gradient over once), 3 also all-gathers the parameters for each micro-batch's
   forward and backward (once per batch under a pipeline); on the inter-node links when the group
@@ -37,7 +37,7 @@ from zeroshard.errors import ZeroshardError
 from zeroshard.estimate.activations import ActivationOptions, bubble_fraction
 from zeroshard.estimate.parallel import Layout, StageEstimate, estimate_activations, estimate_layout
 from zeroshard.estimate.spec import ModelSpec
-from zeroshard.estimate.states import Precision, Setup, Stage
+from zeroshard.estimate.states import Precision, Setup, ZeroStage
 
 GiB = 2**30
 
@@ -81,7 +81,7 @@ class Training:
     """Largest micro batch tried (powers of two dividing the per-replica batch)."""
     checkpointing: bool | Literal["auto"] = "auto"
     """"auto": layouts are tried with and without recompute (costing 1/3 more compute)."""
-    stages: tuple[Stage, ...] = (0, 1, 2, 3)
+    zero_stages: tuple[ZeroStage, ...] = (0, 1, 2, 3)
     schedules: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble")
     tp_sizes: tuple[int, ...] | None = None
     """Only these TP sizes (None: every divisor of the node's devices that divides the heads)."""
@@ -106,7 +106,7 @@ class StepTime:
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
     layout: Layout
-    stage: Stage
+    zero_stage: ZeroStage
     micro_batch: int
     checkpointing: bool
     memory: int
@@ -117,7 +117,7 @@ class Candidate:
 
     def label(self) -> str:
         ckpt = ", recompute" if self.checkpointing else ""
-        return (f"{self.layout.label()}, ZeRO-{self.stage}, micro batch {self.micro_batch} x "
+        return (f"{self.layout.label()}, ZeRO-{self.zero_stage}, micro batch {self.micro_batch} x "
                 f"{self.layout.micro_batches}{ckpt}")
 
 
@@ -190,7 +190,7 @@ def step_time(spec: ModelSpec, train: Training, cluster: Cluster, layout: Layout
         volume = {0: 2 * frac * n * g,
                   1: frac * n * (g + p),
                   2: frac * n * (g * per_batch_grads + p),
-                  3: frac * n * (g * per_batch_grads + 2 * p * per_batch_grads)}[setup.stage]
+                  3: frac * n * (g * per_batch_grads + 2 * p * per_batch_grads)}[setup.zero_stage]
         bw = cluster.inter_bandwidth if dp_spans_nodes(layout, cluster.devices_per_node) else cluster.intra_bandwidth
         dp = volume / bw
     return StepTime(compute=compute, bubble=bubble, tp=tp, pp=pp, dp=dp)
@@ -220,7 +220,7 @@ def make_3d_plan(spec: ModelSpec, train: Training, cluster: Cluster) -> Plan3D:
     shape = spec.shape
     world, g = cluster.world_size, cluster.devices_per_node
     tps = [t for t in _divisors(g) if shape.num_heads % t == 0 and (train.tp_sizes is None or t in train.tp_sizes)]
-    base = Setup(stage=0, precision=train.precision, optimizer_state_bytes=train.optimizer_state_bytes,
+    base = Setup(zero_stage=0, precision=train.precision, optimizer_state_bytes=train.optimizer_state_bytes,
                  bucket_numel=int(min(5e8, max(1e6, shape.hidden_size**2))))
     act = ActivationOptions(seq_len=train.seq_len, micro_batch=1, act_bytes=4 if train.precision == "fp32" else 2)
     ckpts = (False, True) if train.checkpointing == "auto" else (bool(train.checkpointing),)
@@ -233,8 +233,8 @@ def make_3d_plan(spec: ModelSpec, train: Training, cluster: Cluster) -> Plan3D:
             if train.global_batch % dp:
                 continue
             per_rank = train.global_batch // dp
-            for stage in train.stages:
-                setup = replace(base, stage=stage)
+            for zero_stage in train.zero_stages:
+                setup = replace(base, zero_stage=zero_stage)
                 states = estimate_layout(spec, setup, Layout(tp=tp, pp=pp, dp=dp), every_rank=False)
                 for micro in (b for b in _divisors(per_rank) if b <= train.max_micro_batch and b & (b - 1) == 0):
                     m = per_rank // micro
@@ -248,7 +248,7 @@ def make_3d_plan(spec: ModelSpec, train: Training, cluster: Cluster) -> Plan3D:
         raise ZeroshardError(f"global batch {train.global_batch} divides over no layout of {world} devices: "
                              "give a multiple of the data-parallel sizes (e.g. of the device count)")
     # Times within 0.1% are a tie: the larger memory margin wins, then the lower ZeRO stage.
-    out.sort(key=lambda c: (not c.fits, float(f"{c.time.total:.3g}"), c.memory, c.stage))
+    out.sort(key=lambda c: (not c.fits, float(f"{c.time.total:.3g}"), c.memory, c.zero_stage))
     return Plan3D(candidates=out, cluster=cluster, training=train, spec=spec)
 
 
@@ -259,7 +259,7 @@ def _candidate(spec: ModelSpec, train: Training, cluster: Cluster, layout: Layou
     i = max(range(len(states)), key=peaks.__getitem__)
     worst = replace(states[i], activations=peaks[i] - states[i].device_peak)
     time = step_time(spec, train, cluster, layout, setup, worst, micro, ckpt)
-    return Candidate(layout=layout, stage=setup.stage, micro_batch=micro, checkpointing=ckpt,
+    return Candidate(layout=layout, zero_stage=setup.zero_stage, micro_batch=micro, checkpointing=ckpt,
                      memory=peaks[i], worst=worst, time=time, fits=peaks[i] <= cluster.device_budget)
 
 
@@ -344,7 +344,7 @@ def report_3d(plan: Plan3D, top: int = 5) -> str:
         (f"TP other than {lay.tp}", lambda c: c.layout.tp != lay.tp),
         ("no pipeline (PP 1)" if lay.pp > 1 else "a pipeline (PP > 1)", lambda c: (c.layout.pp > 1) != (lay.pp > 1)),
         (f"PP other than {lay.pp}", lambda c: c.layout.pp not in (1, lay.pp) if lay.pp > 1 else False),
-        (f"ZeRO stage other than {best.stage}", lambda c: c.stage != best.stage),
+        (f"ZeRO stage other than {best.zero_stage}", lambda c: c.zero_stage != best.zero_stage),
         ("no recompute" if best.checkpointing else "activation checkpointing",
          lambda c: c.checkpointing != best.checkpointing),
     ]

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from zeroshard.estimate.spec import ModelSpec
 
 Precision = Literal["fp32", "bf16", "fp16"]
-Stage = Literal[0, 1, 2, 3]
+ZeroStage = Literal[0, 1, 2, 3]
 Device = Literal["none", "cpu", "nvme"]
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -54,7 +54,7 @@ class Setup:
     Build it from a loaded config with `Setup.from_config(cfg, ...)`, or directly.
     """
 
-    stage: Stage
+    zero_stage: ZeroStage
     offload_optimizer: Device = "none"
     offload_param: Device = "none"
     precision: Precision = "bf16"
@@ -87,9 +87,9 @@ class Setup:
     def __post_init__(self) -> None:
         if self.devices_per_node < 1 or self.nodes < 1:
             raise ZeroshardError(f"devices per node ({self.devices_per_node}) and nodes ({self.nodes}) must be >= 1")
-        if self.stage < 3 and self.offload_param != "none":
-            raise ZeroshardError(f"offload_param needs stage 3 (got stage {self.stage})")
-        if self.stage == 0 and self.offload_optimizer != "none":
+        if self.zero_stage < 3 and self.offload_param != "none":
+            raise ZeroshardError(f"offload_param needs stage 3 (got stage {self.zero_stage})")
+        if self.zero_stage == 0 and self.offload_optimizer != "none":
             raise ZeroshardError("offload_optimizer needs stage 1, 2 or 3")
 
     @property
@@ -118,7 +118,7 @@ class Setup:
         return self.precision != "fp32"
 
     def label(self) -> str:
-        parts = [f"stage {self.stage}"]
+        parts = [f"stage {self.zero_stage}"]
         if self.offload_optimizer != "none":
             parts.append(f"offload_optimizer={self.offload_optimizer}")
         if self.offload_param != "none":
@@ -137,8 +137,8 @@ class Setup:
         bf16_masters = cfg.bf16.bf16_master_weights_and_grads and cfg.bf16.bf16_optimizer_states
         state_bytes = optimizer_state_bytes_per_param(opt.type if opt else "adamw", amsgrad)
         return cls(
-            stage=zero.stage, offload_optimizer=zero.offload_optimizer.device, bf16_masters=bf16_masters,
-            # offload_param below stage 3 is accepted with a note and has no effect (config/stages.py)
+            zero_stage=zero.stage, offload_optimizer=zero.offload_optimizer.device, bf16_masters=bf16_masters,
+            # offload_param below stage 3 is accepted with a note and has no effect (config/zero_stages.py)
             offload_param=zero.offload_param.device if zero.stage == 3 else "none", precision=cfg.precision,
             grad_accum_dtype=cfg.data_types.grad_accum_dtype,
             optimizer_state_bytes=state_bytes // 2 if bf16_masters else state_bytes,
@@ -239,7 +239,7 @@ class _Stage3Layout:
     """Padded elements of each gathered (non-persistent) unit."""
 
 
-def _stage3_layout(spec: "ModelSpec", setup: Setup, rank: int) -> _Stage3Layout:
+def _zero_stage3_layout(spec: "ModelSpec", setup: Setup, rank: int) -> _Stage3Layout:
     """Stage 3 as zero/stage3.py lays it out: each unit one flat buffer split evenly over the
     ranks (16-element aligned chunks); parameters under the persistence threshold move to one
     last, persistent unit that stays gathered (and is sharded too, for the optimizer)."""
@@ -266,27 +266,27 @@ def estimate_rank(spec: "ModelSpec", setup: Setup, rank: int = 0) -> RankEstimat
 
     Example:
         >>> from zeroshard.estimate.spec import spec_from_counts
-        >>> r = estimate_rank(spec_from_counts(1e9), Setup(stage=0, precision="bf16"))
+        >>> r = estimate_rank(spec_from_counts(1e9), Setup(zero_stage=0, precision="bf16"))
         >>> r.device.total // 10**9   # 2 (bf16) + 4 (fp32 grads) + 4 (master) + 8 (Adam)
         18
     """
     if not 0 <= rank < setup.world_size:
         raise ZeroshardError(f"rank {rank} outside world size {setup.world_size}")
-    if setup.stage == 0:
-        return _stage0(spec, setup)
-    if setup.stage in (1, 2):
-        return _stage12(spec, setup, rank)
-    return _stage3(spec, setup, rank)
+    if setup.zero_stage == 0:
+        return _zero_stage0(spec, setup)
+    if setup.zero_stage in (1, 2):
+        return _zero_stage12(spec, setup, rank)
+    return _zero_stage3(spec, setup, rank)
 
 
 def _init_host(spec: "ModelSpec", setup: Setup) -> int:
     # Each rank builds the model in fp32 on the CPU before moving it (4 bytes per element).
-    if setup.stage == 3 and setup.zero_init:
+    if setup.zero_stage == 3 and setup.zero_init:
         return 4 * spec.largest_layer_params
     return 4 * spec.total_params
 
 
-def _stage0(spec: "ModelSpec", setup: Setup) -> RankEstimate:
+def _zero_stage0(spec: "ModelSpec", setup: Setup) -> RankEstimate:
     phi = spec.total_params
     device = StateBytes(params=setup.param_bytes * phi, grads=setup.grad_bytes * phi,
                         master_params=MASTER_BYTES * phi if setup.mixed else 0,
@@ -294,15 +294,15 @@ def _stage0(spec: "ModelSpec", setup: Setup) -> RankEstimate:
     return RankEstimate(device, StateBytes(), StateBytes(), 0, 0, _init_host(spec, setup))
 
 
-def _stage12(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
+def _zero_stage12(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
     lay = _partition_layout(spec, setup, rank)
     nvme = setup.offload_optimizer == "nvme"
     offload = setup.offload_optimizer == "cpu" or nvme
     g = setup.grad_bytes
-    full_grad = g * lay.padded_numel if setup.stage == 1 else 0
+    full_grad = g * lay.padded_numel if setup.zero_stage == 1 else 0
     # The gradient shard exists at stage 2, and at stage 1 only with offload (a CPU copy of
     # the reduced chunk); stage 1 otherwise reads its chunk in place in the whole gradient.
-    shard_grad = g * lay.shard_numel if (setup.stage == 2 or offload) else 0
+    shard_grad = g * lay.shard_numel if (setup.zero_stage == 2 or offload) else 0
     # fp32 master shard when the model is 16-bit, or when it must live apart on the CPU;
     # fp32 training without offload steps on the flat buffer itself (no second copy).
     master = setup.master_bytes * lay.shard_numel if (not setup.master_is_params or offload) else 0
@@ -323,7 +323,7 @@ def _stage12(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
                             optimizer_states=opt)
         host = StateBytes()
     buffers = 0
-    if setup.stage == 2:
+    if setup.zero_stage == 2:
         # Staging: the bucket being filled plus those in flight (two with overlap_comm, see
         # MAX_BUCKETS_IN_FLIGHT in zero/reduce.py); the pool keeps them after the step.
         # Blocks are all of the largest bucket's size, so similar buckets share them.
@@ -355,8 +355,8 @@ def nvme_pool_bytes(setup: Setup, shard_numel: int) -> int:
     return slots * 3 * group * 4
 
 
-def _stage3(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
-    lay = _stage3_layout(spec, setup, rank)
+def _zero_stage3(spec: "ModelSpec", setup: Setup, rank: int) -> RankEstimate:
+    lay = _zero_stage3_layout(spec, setup, rank)
     p, g = setup.param_bytes, setup.grad_bytes
     separate_master = (not setup.master_is_params or setup.offload_optimizer != "none"
                        or setup.offload_param != "none")
@@ -422,7 +422,7 @@ class NodeEstimate:
 
 def estimate_node(spec: "ModelSpec", setup: Setup) -> NodeEstimate:
     """Per device (the fullest rank) and per node (all its ranks) figures for `setup`."""
-    exact = setup.stage > 0 and spec.param_numels is not None and setup.world_size <= 64
+    exact = setup.zero_stage > 0 and spec.param_numels is not None and setup.world_size <= 64
     ests = [estimate_rank(spec, setup, r) for r in (range(setup.world_size) if exact else [0])]
     worst_dev = max(ests, key=lambda e: e.device_peak)
     local = setup.devices_per_node

@@ -14,11 +14,11 @@ from typing import Any
 from zeroshard.config import load_config
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.estimate.spec import ModelSpec
-from zeroshard.estimate.states import Device, NodeEstimate, Precision, Setup, Stage, estimate_node
+from zeroshard.estimate.states import Device, NodeEstimate, Precision, Setup, ZeroStage, estimate_node
 
 GiB = 2**30
 
-COMBINATIONS: tuple[tuple[Stage, Device, Device], ...] = (
+COMBINATIONS: tuple[tuple[ZeroStage, Device, Device], ...] = (
     (0, "none", "none"),
     (1, "none", "none"),
     (1, "cpu", "none"),
@@ -33,10 +33,10 @@ COMBINATIONS: tuple[tuple[Stage, Device, Device], ...] = (
 """(stage, offload_optimizer, offload_param) rows, fastest first."""
 
 
-def zero_section(stage: int, offload_optimizer: Device, offload_param: Device,
+def zero_section(zero_stage: int, offload_optimizer: Device, offload_param: Device,
                  nvme_path: str | None = None, **extra: Any) -> dict[str, Any]:
     """The `zero_optimization` section for one combination (NVMe paths when offloading there)."""
-    zero: dict[str, Any] = {"stage": stage, **extra}
+    zero: dict[str, Any] = {"stage": zero_stage, **extra}
     if offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": offload_optimizer}
         if offload_optimizer == "nvme":
@@ -59,10 +59,10 @@ def support_status(ds_config: Mapping[str, Any], world_size: int) -> str | None:
     return None
 
 
-def stage_supported(stage: int, offload_optimizer: Device = "none", offload_param: Device = "none") -> bool:
+def zero_stage_supported(zero_stage: int, offload_optimizer: Device = "none", offload_param: Device = "none") -> bool:
     """Whether the installed zeroshard runs this combination (asks the config loader)."""
     cfg = {"train_micro_batch_size_per_gpu": 1,
-           "zero_optimization": zero_section(stage, offload_optimizer, offload_param)}
+           "zero_optimization": zero_section(zero_stage, offload_optimizer, offload_param)}
     return support_status(cfg, 1) is None
 
 
@@ -75,9 +75,9 @@ class TableRow:
 def table_rows(spec: ModelSpec, base: Setup) -> list[TableRow]:
     """One row per combination; `base` supplies precision, buckets, optimizer and hardware."""
     rows = []
-    for stage, opt, param in COMBINATIONS:
-        setup = replace(base, stage=stage, offload_optimizer=opt, offload_param=param)
-        cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero_section(stage, opt, param)}
+    for zero_stage, opt, param in COMBINATIONS:
+        setup = replace(base, zero_stage=zero_stage, offload_optimizer=opt, offload_param=param)
+        cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero_section(zero_stage, opt, param)}
         rows.append(TableRow(estimate_node(spec, setup), support_status(cfg, 1)))
     return rows
 
@@ -104,7 +104,7 @@ def format_table(spec: ModelSpec, base: Setup, rows: list[TableRow]) -> str:
     for row in rows:
         e, s = row.estimate, row.estimate.setup
         lines.append(
-            f"  {s.stage:>5}  {s.offload_optimizer:<17}  {s.offload_param:<13} |"
+            f"  {s.zero_stage:>5}  {s.offload_optimizer:<17}  {s.offload_param:<13} |"
             f"{_gb(e.device_states)} {_gb(e.device_peak - e.device_states)} {_gb(e.device_peak)} |"
             f"{_gb(e.cpu_steady)} {_gb(e.cpu_init)} | {_gb(e.nvme)}  | {row.unsupported or 'yes'}")
     lines += [

@@ -144,7 +144,7 @@ def collect_state(engine: "EngineView", strategy: ZeroStrategy, *, include_froze
                 piece_data.append(pc.data.detach().reshape(-1))
     whole.update({n: b.detach() for n, b in buffers})
     manifest = Manifest(
-        world_size=world, stage=engine.zs_config.zero_optimization.stage, precision=engine.zs_config.precision,
+        world_size=world, zero_stage=engine.zs_config.zero_optimization.stage, precision=engine.zs_config.precision,
         params=params, aliases=aliases,
         buffers=[TensorInfo(n, tuple(b.shape), _dtype_name(b.dtype)) for n, b in buffers],
         optimizer=type(optimizer).__name__ if optimizer is not None else None,

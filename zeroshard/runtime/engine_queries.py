@@ -137,7 +137,7 @@ class EngineQueries:
     def mp_world_size(self) -> int:
         """Ranks holding pieces of one model replica (the tensor-parallel size; 1 without)."""
         parallel = getattr(self, "parallel", None)
-        return parallel.mp_comm.world_size if parallel is not None and parallel.mp_comm is not None else 1
+        return parallel.tp_comm.world_size if parallel is not None and parallel.tp_comm is not None else 1
 
     @property
     def data_parallel_group(self) -> Any:

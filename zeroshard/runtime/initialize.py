@@ -162,7 +162,7 @@ def initialize(
         mesh_param: DeepSpeed's (data-parallel size, sequence-parallel size) device mesh; the same
             as `sequence_parallel_size` in the config (zeroshard/sequence/sp_setup.py).
         config_params: DeepSpeed's legacy name for `config`.
-        zero_units: stage 3 only: the modules (or module classes) whose parameters are
+        zero_units: ZeRO stage 3 only: the modules (or module classes) whose parameters are
             gathered together; default every block of a ModuleList plus the root.
 
     Returns:
@@ -209,7 +209,7 @@ def initialize(
     norm_group = layout.norm_group(model, world_comm, tied_duplicates=pipe_module.tied_duplicates()
                                    if pipe_module is not None else frozenset())
     strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units, norm_group=norm_group)
-    opt = _make_optimizer(cfg, optimizer, param_groups, strategy, comm, model_parallel=layout.mp_comm is not None)
+    opt = _make_optimizer(cfg, optimizer, param_groups, strategy, comm, tensor_parallel=layout.tp_comm is not None)
     sched, scaler = _make_scheduler(cfg, lr_scheduler, opt), _loss_scaler(cfg, groups.device.type)
     loader_at, loader_of = loader_rank(groups, seq)  # a sequence-parallel group reads the same samples
     loader = None if training_data is None else DistributedDataLoader(
@@ -315,7 +315,7 @@ def _config_and_dims(source: Any, raw_config: Mapping[str, Any], world_size: int
     if pipe_module is not None:  # the pipeline's refusals, before anything else reads the config
         check_for_pipeline(cfg, pipe_module.virtual_stages)
     check_sequence_layout(dims, cfg, pipeline=pipe_module is not None, mesh_param=mesh_param)
-    if cfg.zero_optimization.stage == 3:  # hpZ's secondary copy exists at stage 3 only
+    if cfg.zero_optimization.stage == 3:  # hpZ's secondary copy exists at ZeRO stage 3 only
         dims = dims.with_hpz(cfg.zero_optimization.zero_hpz_partition_size)
     if dims.sp > 1:  # DeepSpeed: with sequence parallelism this dtype replaces communication_data_type
         cfg = dataclasses.replace(cfg, communication_data_type=cfg.seq_parallel_communication_data_type)
@@ -418,7 +418,7 @@ def _parallel_layout(world: ProcessGroups, world_comm: Comm, model: nn.Module, c
     mesh = build_mesh(world, dims.topology)
     if dims.tp_split == "script":  # a PipelineModule with a model axis: its layers are split by the script (Megatron's)
         return layout_for_model_axis(world, world_comm, mesh, model)
-    return ParallelGroups(world=world, dp=mesh.axis("dp"), mp_comm=None, mp_rank=0, mesh=mesh)
+    return ParallelGroups(world=world, dp=mesh.axis("dp"), tp_comm=None, tp_rank=0, mesh=mesh)
 
 
 def _log_dims(dims: ParallelDims, cfg: Config) -> None:
@@ -499,35 +499,35 @@ def _layered_checkpointer(cfg: Config, layout: ParallelGroups, world_comm: Comm,
         inner = _checkpointer(comm, node_local, cfg.checkpoint)
         if pipe_module is None:
             return inner
-        return _pipe_checkpointer(inner, world_comm, pipe_module, comm.rank, tp_rank, model_parallel=tp_size)
+        return _pipe_checkpointer(inner, world_comm, pipe_module, comm.rank, tp_rank, tp_size=tp_size)
     from zeroshard.tensor_parallel.checkpoint import TensorParallelCheckpointer
 
     pieces = world_comm if pipe_module is None or mesh is None or mesh.topology.pp == 1 else Comm(
         mesh.axes("dp", "tp"), log=world_comm.log, label="stage")
     inner = _checkpointer(pieces, node_local)
     if pipe_module is not None:
-        inner = _pipe_checkpointer(inner, world_comm, pipe_module, comm.rank, tp_rank, model_parallel=1)
+        inner = _pipe_checkpointer(inner, world_comm, pipe_module, comm.rank, tp_rank, tp_size=1)
     return TensorParallelCheckpointer(inner, layout.tp, pieces.rank, pieces.world_size)
 
 
 def _pipe_checkpointer(inner: Checkpointer, world_comm: Comm, module: PipelineModule, dp_rank: int,
-                       tp_rank: int | None, model_parallel: int) -> Checkpointer:
+                       tp_rank: int | None, tp_size: int) -> Checkpointer:
     from zeroshard.checkpoint.pipe_checkpointer import PipelineCheckpointer
     from zeroshard.checkpoint.pipe_files import PipeLayout
 
     layout = PipeLayout(num_stages=module.num_stages, parts=list(module.parts), virtual_stages=module.virtual_stages,
-                        tied=module.tie_map(), num_layers=module.num_layers, model_parallel=model_parallel,
+                        tied=module.tie_map(), num_layers=module.num_layers, tp_size=tp_size,
                         partition=module.partition_for)
     return PipelineCheckpointer(inner, world_comm, layout, module.stage_id, dp_rank,
                                 lambda: [(i, layer.state_dict()) for i, layer in module.local_layers()], tp_rank)
 
 
 def _make_optimizer(cfg: Config, client: Any, param_groups: list[dict[str, Any]], strategy: ZeroStrategy,
-                    comm: Comm, *, model_parallel: bool) -> torch.optim.Optimizer | None:
+                    comm: Comm, *, tensor_parallel: bool) -> torch.optim.Optimizer | None:
     """The client's or the config's optimizer over the strategy's master parameters, wrapped by the
     strategy (an NVMe home swaps its states); a 1-bit optimizer attached to the data-parallel group."""
     opt = _optimizer_over_masters(cfg, client, param_groups, strategy)
-    if isinstance(opt, OneBitOptimizer) and model_parallel:
+    if isinstance(opt, OneBitOptimizer) and tensor_parallel:
         raise NotSupportedError(f"not supported yet: optimizer {type(opt).__name__} with tensor parallelism or an "
                                 "mpu (its compressed stage computes the norm of local gradients only); use Adam/AdamW.")
     if isinstance(opt, OneBitOptimizer):  # it all-reduces the momentum itself, after its warm-up

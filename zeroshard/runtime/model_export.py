@@ -43,7 +43,7 @@ class ModelExport:
         state = self.module.state_dict(keep_vars=True)
         banks = {id(p): b for b in expert_banks(self.module) for p in b.parameters(recurse=False)}
         tp = self.parallel.tp if self.parallel is not None else None
-        first = self.rank == 0 and (self.parallel is None or self.parallel.mp_rank == 0)
+        first = self.rank == 0 and (self.parallel is None or self.parallel.tp_rank == 0)
         out: dict[str, Tensor] = {}
         done: dict[int, Tensor] = {}
         for name, value in state.items():

@@ -252,7 +252,7 @@ class PipelineEngine(ZeroEngine):
     # -- whole-model export -------------------------------------------------------------------
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Tensor] | None:
-        """Every stage's whole weights (tensor-parallel pieces joined, stage-3 shards gathered) in one
+        """Every stage's whole weights (tensor-parallel pieces joined, ZeRO-3 shards gathered) in one
         state_dict on world rank 0, None elsewhere; every rank calls it. Keys are the PipelineModule's
         own (global layer index, `tied_modules.<key>` once), so `save_16bit_model` writes one file of
         the whole model, where each stage's first rank would otherwise write its own stage over the
@@ -360,7 +360,7 @@ class PipelineEngine(ZeroEngine):
                 self._pipe.capture.deliver(part)
                 self._strategy.after_backward()
             self._strategy.begin_micro_batch(True)
-            self._strategy.begin_delivered_backward()  # stage 3: start its arrivals afresh
+            self._strategy.begin_delivered_backward()  # ZeRO-3: start its arrivals afresh
             self._pipe.capture.deliver(last)
             self._strategy.after_backward()
         self._micro.batch_reduced(self.micro_batches)  # the delivered backward reduced the batch's gradients
@@ -372,7 +372,7 @@ class PipelineEngine(ZeroEngine):
 
     @contextmanager
     def _held(self) -> Iterator[None]:
-        """Stage 3: the stage's parameters gathered for the whole batch (the strategy's hooks
+        """ZeRO-3: the pipeline stage's parameters gathered for the whole batch (the strategy's hooks
         gather per root forward, which a pipeline stage never calls)."""
         self._strategy.hold_for_batch()
         try:

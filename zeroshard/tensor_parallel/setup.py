@@ -104,9 +104,9 @@ class ParallelGroups:
     world: ProcessGroups
     dp: ProcessGroups
     """ZeRO's data-parallel group (the batch is split over it)."""
-    mp_comm: Comm | None
+    tp_comm: Comm | None
     """The model-parallel group the gradient norm spans; None without model parallelism."""
-    mp_rank: int
+    tp_rank: int
     mesh: MeshGroups | None = None
     tp: TensorParallelState | None = None
     sequence: SequenceGroups | None = None
@@ -122,13 +122,13 @@ class ParallelGroups:
         pipeline stages the stages too (``axes("pp", "tp")``); a parameter not split over tp is counted
         by tp rank 0 only, a tied weight by the first stage holding it (`tied_duplicates`: this rank's
         tied weights when its stage is not their first holder). None without model parallelism."""
-        stages = self.mesh.topology.pp if self.mesh is not None else 1
-        if self.mp_comm is None and stages == 1:
+        pp = self.mesh.topology.pp if self.mesh is not None else 1
+        if self.tp_comm is None and pp == 1:
             return None
-        comm = self.mp_comm if stages == 1 else Comm(self.mesh.axes("pp", "tp"), timeout_s=world_comm.timeout_s,
-                                                     log=world_comm.log, label="norm")
+        comm = self.tp_comm if pp == 1 else Comm(self.mesh.axes("pp", "tp"), timeout_s=world_comm.timeout_s,
+                                                 log=world_comm.log, label="norm")
         dup = set(tied_duplicates)
-        if self.mp_rank != 0:
+        if self.tp_rank != 0:
             split = set(self.tp.split) if self.tp is not None else set()
             dup |= {id(p) for n, p in model.named_parameters()
                     if n not in split and not getattr(p, "tensor_model_parallel", False)}
@@ -158,14 +158,14 @@ def layout_for_tensor_parallel(world: ProcessGroups, world_comm: Comm, model: nn
             raise NotSupportedError("not supported yet: sequence parallelism with a PipelineModule (3D); drop "
                                     "tp_model_init(..., sequence_parallel=True).")
         plan = resolve_plan(model, config)
-        stage = world_comm if topology.pp == 1 else Comm(mesh.axes("dp", "tp"), timeout_s=world_comm.timeout_s,
+        pp_stage_comm = world_comm if topology.pp == 1 else Comm(mesh.axes("dp", "tp"), timeout_s=world_comm.timeout_s,
                                                           log=world_comm.log, label="stage")
-        broadcast_module_state(model, stage)  # every tp rank cuts its piece from the same weights
+        broadcast_module_state(model, pp_stage_comm)  # every tp rank cuts its piece from the same weights
         state = shard_model(model, plan, tp_comm, sequence_parallel=model in _SEQUENCE_PARALLEL, keep_whole=keep_whole)
     elif state.size != tp_size:
         raise ConfigError(f"the model is already split over {state.size} tensor-parallel ranks; the config asks "
                           f"for {tp_size}.")
-    return ParallelGroups(world=world, dp=mesh.axis("dp"), mp_comm=tp_comm, mp_rank=tp_groups.rank,
+    return ParallelGroups(world=world, dp=mesh.axis("dp"), tp_comm=tp_comm, tp_rank=tp_groups.rank,
                           mesh=mesh, tp=state)
 
 
@@ -179,7 +179,7 @@ def layout_for_model_axis(world: ProcessGroups, world_comm: Comm, mesh: MeshGrou
                        "parameter of this stage is marked tensor_model_parallel = True: the tensor-parallel ranks "
                        "hold replicas. Split the layers (Megatron's) or set tensor_parallel.autotp_size.")
     tp_comm = Comm(tp, timeout_s=world_comm.timeout_s, log=world_comm.log, label="tp")
-    return ParallelGroups(world=world, dp=mesh.axis("dp"), mp_comm=tp_comm, mp_rank=tp.rank, mesh=mesh)
+    return ParallelGroups(world=world, dp=mesh.axis("dp"), tp_comm=tp_comm, tp_rank=tp.rank, mesh=mesh)
 
 
 def check_mpu(mpu: Any) -> None:
@@ -206,8 +206,8 @@ def mpu_shape(mpu: Any) -> MpuShape:
 def layout_for_mpu(world: ProcessGroups, world_comm: Comm, mpu: Any) -> ParallelGroups:
     """The groups of a Megatron-style `mpu` (get_model_parallel_* and get_data_parallel_*), whose sizes
     comm/parallel_dims.py's `resolve_dims` has checked (`mpu_shape`)."""
-    mp_size, dp_size = int(mpu.get_model_parallel_world_size()), int(mpu.get_data_parallel_world_size())
+    tp_size, dp_size = int(mpu.get_model_parallel_world_size()), int(mpu.get_data_parallel_world_size())
     dp = wrap_process_group(world, mpu.get_data_parallel_group(), int(mpu.get_data_parallel_rank()), dp_size)
-    mp = wrap_process_group(world, mpu.get_model_parallel_group(), int(mpu.get_model_parallel_rank()), mp_size)
-    mp_comm = Comm(mp, timeout_s=world_comm.timeout_s, log=world_comm.log, label="mp") if mp_size > 1 else None
-    return ParallelGroups(world=world, dp=dp, mp_comm=mp_comm, mp_rank=mp.rank)
+    tp_group = wrap_process_group(world, mpu.get_model_parallel_group(), int(mpu.get_model_parallel_rank()), tp_size)
+    tp_comm = Comm(tp_group, timeout_s=world_comm.timeout_s, log=world_comm.log, label="mp") if tp_size > 1 else None
+    return ParallelGroups(world=world, dp=dp, tp_comm=tp_comm, tp_rank=tp_group.rank)

@@ -115,21 +115,21 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     """
     experts = prepare_experts(module, params, groups, comm, model_parallel=norm_group is not None)
     if not experts:
-        return _build_stage(cfg, module, params, comm, groups, units, norm_group)
+        return _build_group_strategy(cfg, module, params, comm, groups, units, norm_group)
     _check_experts_config(cfg, params)
     dense = [p for p in params if not is_moe_param(p)]
-    stage3 = cfg.zero_optimization.stage == 3
-    dense_ids = {id(p) for p in module.parameters() if not is_moe_param(p)} if stage3 else None
+    zero3 = cfg.zero_optimization.stage == 3
+    dense_ids = {id(p) for p in module.parameters() if not is_moe_param(p)} if zero3 else None
 
     def build_part(part: list[nn.Parameter], part_comm: "Comm", part_groups: "ProcessGroups") -> ZeroStrategy:
         if part is dense:
-            return _build_stage(cfg, module, part, part_comm, part_groups, units if stage3 else None, None,
-                                include=dense_ids)
-        if not stage3:
-            return _build_stage(cfg, module, part, part_comm, part_groups, None, None)
+            return _build_group_strategy(cfg, module, part, part_comm, part_groups, units if zero3 else None, None,
+                                         include=dense_ids)
+        if not zero3:
+            return _build_group_strategy(cfg, module, part, part_comm, part_groups, None, None)
         expert_units = expert_modules(module, part[0].group_name)  # Note: [experts at stage 3]
-        return _build_stage(cfg, module, part, part_comm, part_groups, [module, *expert_units], None,
-                            include={id(p) for m in expert_units for p in m.parameters()}, exact_units=True)
+        return _build_group_strategy(cfg, module, part, part_comm, part_groups, [module, *expert_units], None,
+                                     include={id(p) for m in expert_units for p in m.parameters()}, exact_units=True)
 
     return build_expert_split(
         dense, [(e.params, e.groups.edp_comm, e.groups.edp, e.groups.ep_comm) for e in experts], build_part,
@@ -167,10 +167,10 @@ def _check_experts_config(cfg: "Config", params: list[nn.Parameter]) -> None:
             "group at initialize)")
 
 
-def _build_stage(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
-                 groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None,
-                 norm_group: ModelParallelNorm | None, *, include: set[int] | None = None,
-                 exact_units: bool = False) -> ZeroStrategy:
+def _build_group_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
+                          groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None,
+                          norm_group: ModelParallelNorm | None, *, include: set[int] | None = None,
+                          exact_units: bool = False) -> ZeroStrategy:
     """`build_strategy` for one set of parameters over one group. Stage 3: `include` limits the
     partition to those parameters, and `exact_units` takes `units` (modules, root first) as they
     are, without leaf modules or coarsening (Note: [experts at stage 3])."""

@@ -78,7 +78,7 @@ class OptimizerShard:
         self._swap_optimizer: "SwapAdam | None" = None
         self._delayed: DelayedStep | None = None  # offload_optimizer.delayed_update
         self._spare_grads: GradShard | None = None  # Note: [double gradient buffer]
-        self.model_parallel = norm_group  # Note: [norm groups] in zero/strategy.py
+        self.norm_group = norm_group  # Note: [norm groups] in zero/strategy.py
         # 1D master_dtype / grad_dtype, shard_numel, at the policy's home (Note: [partial offload]: split)
         self.master: Tensor | SplitFlat | None = None
         if self._separate:
@@ -185,12 +185,13 @@ class OptimizerShard:
         and clip in place and give the fragments their gradients (Note: [norm rounding])."""
         views = self._grad_views()
         sq = sum_of_squares(views).to(self._device)
-        mp = self.model_parallel
-        if mp is not None and mp.duplicates:  # before the dp sum: each rank drops its own fragments' squares
-            sq -= sum_of_squares(self._duplicate_grads(mp.duplicates)).to(self._device)
+        norm_group = self.norm_group
+        # Before the dp sum: each rank drops its own fragments' squares.
+        if norm_group is not None and norm_group.duplicates:
+            sq -= sum_of_squares(self._duplicate_grads(norm_group.duplicates)).to(self._device)
         self._comm.all_reduce(sq)
-        if mp is not None:  # Note: [norm groups] in zero/strategy.py
-            sq = mp.finish(sq, ())
+        if norm_group is not None:  # Note: [norm groups] in zero/strategy.py
+            sq = norm_group.finish(sq, ())
         stats = unscale_and_clip(views, sq.item(), grad_scale * reduced_mult, max_norm)
         # The NVMe step reads the full-precision gradient shard itself (SwapAdam(grads=...)), and
         # its fragments alias the parameters on the model's device while that shard is on the
@@ -330,7 +331,7 @@ class OptimizerShard:
         swap = self._swap_optimizer
         staged: list[Tensor | None] = [None] * len(self._fragments)
         if swap is not None and any(p.dtype != torch.float32 for p in self.fragment_params):
-            staged = swap.stage_masters()  # fp32 copies read from the swap file (save and load)
+            staged = swap.fetch_masters()  # fp32 copies read from the swap file (save and load)
         return [MasterFragment(param=self._params[f.param_index], param_offset=f.param_offset,
                                numel=f.numel, master=frag, values=v)
                 for f, frag, v in zip(self._fragments, self.fragment_params, staged)]

@@ -111,7 +111,7 @@ class Stage0Strategy(ZeroStrategy):
         self._boundary = False
         self._reduce_grads = True  # set_grad_reduction: the 1-bit optimizers' compression stage
         self._reducing = True  # latched per micro-batch: whether this step's gradients are reduced
-        self._model_parallel = norm_group  # Note: [norm groups] in zero/strategy.py
+        self._norm_group = norm_group  # Note: [norm groups] in zero/strategy.py
         for index, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(lambda t, i=index: self._on_grad_ready(i, t))
 
@@ -200,12 +200,12 @@ class Stage0Strategy(ZeroStrategy):
     def prepare_step(self, grad_scale: float, max_norm: float) -> GradStats:
         flat = self._grads.flat
         mult = self._grad_mult(grad_scale)
-        mp = self._model_parallel
-        if self._reducing and mp is not None:
+        norm_group = self._norm_group
+        if self._reducing and norm_group is not None:
             # Identical on every dp rank; summed over the model-parallel group (zero/strategy.py).
             dup = [self._grads.flat[o : o + n] for o, n, p in zip(self._layout.offsets, self._layout.numels,
-                                                                   self._params) if id(p) in mp.duplicates]
-            sq_sum = mp.finish(sum_of_squares([flat]), dup).item()
+                                                                  self._params) if id(p) in norm_group.duplicates]
+            sq_sum = norm_group.finish(sum_of_squares([flat]), dup).item()
         elif self._reducing:
             # The flat buffer holds the sum over ranks (identical on every rank): no collective.
             sq_sum = sum_of_squares([flat]).item()

@@ -106,7 +106,7 @@ class SwapAdam(torch.optim.Optimizer):
         self.swap.step_fragments([g.to("cpu", torch.float32) for g in grads], self._settings(), self.fragments)
 
     def write_master(self, *, from_params: bool = False) -> None:
-        """The fp32 master from the staged values of a checkpoint load (`stage_masters`), else
+        """The fp32 master from the staged values of a checkpoint load (`fetch_masters`), else
         from the fragments' current values (construction, weights-only loads)."""
         staged = None if from_params else self._staged
         if not from_params:
@@ -115,7 +115,7 @@ class SwapAdam(torch.optim.Optimizer):
             values = staged[i] if staged is not None else p.detach().to("cpu", torch.float32)
             self.swap.load_fragment_state("master", i, values)
 
-    def stage_masters(self) -> list[Tensor]:
+    def fetch_masters(self) -> list[Tensor]:
         """fp32 copies of each fragment's master, read from the swap file, for a checkpoint to
         save, or to fill on load (then `load_state_dict` writes them back). Temporarily one fp32
         copy of the shard in memory."""

@@ -24,12 +24,12 @@ _Z = "zero_optimization."
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StageRule:
+class ZeroStageRule:
     """`key` only has an effect at `stages`."""
 
     key: str
     """Dotted key the error names."""
-    stages: tuple[int, ...]
+    zero_stages: tuple[int, ...]
     """Stages the key applies to."""
     trigger: str = ""
     """Dotted leaf whose value activates the rule ("" = `key` itself)."""
@@ -40,21 +40,21 @@ class StageRule:
     False: a tuning knob, noted once at start-up and otherwise without effect there."""
 
 
-def _stage3(*names: str, request: bool = False) -> tuple[StageRule, ...]:
-    return tuple(StageRule(key=_Z + n, stages=(3,), request=request) for n in names)
+def _zero_stage3(*names: str, request: bool = False) -> tuple[ZeroStageRule, ...]:
+    return tuple(ZeroStageRule(key=_Z + n, zero_stages=(3,), request=request) for n in names)
 
 
-def _stage12(*names: str) -> tuple[StageRule, ...]:
-    return tuple(StageRule(key=_Z + n, stages=(1, 2)) for n in names)
+def _zero_stage12(*names: str) -> tuple[ZeroStageRule, ...]:
+    return tuple(ZeroStageRule(key=_Z + n, zero_stages=(1, 2)) for n in names)
 
 
-STAGE_RULES: tuple[StageRule, ...] = (
+ZERO_STAGE_RULES: tuple[ZeroStageRule, ...] = (
     # Noted, not refused: clients write it at every stage (DeepSpeed-Chat's --offload; DeepSpeed ignores it).
-    StageRule(key=_Z + "offload_param", trigger=_Z + "offload_param.device", stages=(3,)),
-    StageRule(key=_Z + "offload_optimizer", trigger=_Z + "offload_optimizer.device", stages=(1, 2, 3),
-              request=True),
-    StageRule(key=_Z + "offload_optimizer.ratio", stages=(3,), request=True),
-    *_stage3(
+    ZeroStageRule(key=_Z + "offload_param", trigger=_Z + "offload_param.device", zero_stages=(3,)),
+    ZeroStageRule(key=_Z + "offload_optimizer", trigger=_Z + "offload_optimizer.device", zero_stages=(1, 2, 3),
+                  request=True),
+    ZeroStageRule(key=_Z + "offload_optimizer.ratio", zero_stages=(3,), request=True),
+    *_zero_stage3(
         "zero_hpz_partition_size",
         "zero_quantized_weights",
         "zero_quantized_nontrainable_weights",
@@ -63,7 +63,7 @@ STAGE_RULES: tuple[StageRule, ...] = (
         "mics_hierarchical_params_gather",
         request=True,
     ),
-    *_stage3(
+    *_zero_stage3(
         "sub_group_size",
         "stage3_prefetch_bucket_size",
         "stage3_param_persistence_threshold",
@@ -82,7 +82,7 @@ STAGE_RULES: tuple[StageRule, ...] = (
         "save_muon_momentum_buffer_in_memory",
         "leaf_module",
     ),
-    *_stage12(
+    *_zero_stage12(
         "reduce_scatter",
         "use_multi_rank_bucket_allreduce",
         "allgather_partitions",
@@ -91,27 +91,27 @@ STAGE_RULES: tuple[StageRule, ...] = (
         "ignore_unused_parameters",
         "round_robin_gradients",
     ),
-    StageRule(key=_Z + "legacy_stage1", stages=(1,), request=True),
-    StageRule(key=_Z + "load_from_fp32_weights", stages=(1, 2, 3)),
+    ZeroStageRule(key=_Z + "legacy_stage1", zero_stages=(1,), request=True),
+    ZeroStageRule(key=_Z + "load_from_fp32_weights", zero_stages=(1, 2, 3)),
 )
 """Keys of zero_optimization that do not apply at every stage. Keys absent here apply to all
 stages (reduce_bucket_size, overlap_comm, contiguous_gradients: stage 0 uses or accepts them)."""
 
 
-def stages_of(key: str) -> tuple[int, ...] | None:
+def zero_stages_of(key: str) -> tuple[int, ...] | None:
     """The stages a dotted key applies to (from its unconditional rule), or None for all."""
-    for rule in STAGE_RULES:
+    for rule in ZERO_STAGE_RULES:
         if rule.key == key and rule.active_value is _NON_DEFAULT:
-            return rule.stages
+            return rule.zero_stages
     return None
 
 
-def _words(stages: tuple[int, ...], joiner: str) -> str:
-    names = [str(s) for s in stages]
+def _words(zero_stages: tuple[int, ...], joiner: str) -> str:
+    names = [str(s) for s in zero_stages]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" {joiner} " + names[-1]
 
 
-def _is_active(cfg: Any, rule: StageRule) -> tuple[bool, Any]:
+def _is_active(cfg: Any, rule: ZeroStageRule) -> tuple[bool, Any]:
     trigger = rule.trigger or rule.key
     value = get_dotted(cfg, trigger)
     if rule.active_value is _NON_DEFAULT:
@@ -120,11 +120,11 @@ def _is_active(cfg: Any, rule: StageRule) -> tuple[bool, Any]:
     return value == rule.active_value, value
 
 
-STAGE0_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
+ZERO_STAGE0_OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 """Optimizers that average whole momenta over the data-parallel ranks: stage 0 only."""
 
 
-def check_stages(cfg: Any) -> tuple[str, ...]:
+def check_zero_stages(cfg: Any) -> tuple[str, ...]:
     """Raise for the first request the chosen stage cannot deliver; note tuning keys of other stages.
 
     Returns:
@@ -134,38 +134,38 @@ def check_stages(cfg: Any) -> tuple[str, ...]:
         ConfigError: e.g. "zero_optimization.zero_quantized_weights = true applies to stage 3
             only; you chose stage 2. Remove it or set stage to 3."
     """
-    stage = cfg.zero_optimization.stage
+    zero_stage = cfg.zero_optimization.stage
     optimizer = getattr(cfg, "optimizer", None)
-    if optimizer is not None and optimizer.type in STAGE0_OPTIMIZERS and stage != 0:
+    if optimizer is not None and optimizer.type in ZERO_STAGE0_OPTIMIZERS and zero_stage != 0:
         raise ConfigError(
             f"optimizer.type {optimizer.type} applies to zero_optimization.stage 0 only (plain data "
             f"parallelism: it all-reduces the whole momentum; DeepSpeed refuses it with ZeRO too); you "
-            f"chose stage {stage}. Set stage to 0, or use Adam at stage {stage}.")
+            f"chose stage {zero_stage}. Set stage to 0, or use Adam at stage {zero_stage}.")
     idle: list[str] = []
-    for rule in STAGE_RULES:
-        if stage in rule.stages:
+    for rule in ZERO_STAGE_RULES:
+        if zero_stage in rule.zero_stages:
             continue
         active, value = _is_active(cfg, rule)
         if not active:
             continue
         if not rule.request:
-            where = "/".join(str(s) for s in rule.stages)
+            where = "/".join(str(s) for s in rule.zero_stages)
             idle.append(f"{rule.key.removeprefix(_Z)} (stage {where})")
             continue
         label = rule.key if rule.trigger else f"{rule.key} = {show(value)}"
-        scope = f"stage {rule.stages[0]} only" if len(rule.stages) == 1 else (
-            f"stages {_words(rule.stages, 'and')}" + (" only" if len(rule.stages) < 3 else ""))
+        scope = f"stage {rule.zero_stages[0]} only" if len(rule.zero_stages) == 1 else (
+            f"stages {_words(rule.zero_stages, 'and')}" + (" only" if len(rule.zero_stages) < 3 else ""))
         raise ConfigError(
-            f"{label} applies to {scope}; you chose stage {stage}. "
-            f"Remove it or set stage to {_words(rule.stages, 'or')}."
+            f"{label} applies to {scope}; you chose stage {zero_stage}. "
+            f"Remove it or set stage to {_words(rule.zero_stages, 'or')}."
         )
     if not idle:
         return ()
-    return (f"zero_optimization: set for another ZeRO stage, no effect at stage {stage}: "
+    return (f"zero_optimization: set for another ZeRO stage, no effect at stage {zero_stage}: "
             f"{', '.join(idle)}. Accepted so one config serves every stage.",)
 
 
 def idle_keys(cfg: Any) -> frozenset[str]:
     """Tuning keys (not requests) of zero_optimization that do not apply at the chosen stage."""
-    stage = cfg.zero_optimization.stage
-    return frozenset(r.key for r in STAGE_RULES if not r.request and stage not in r.stages)
+    zero_stage = cfg.zero_optimization.stage
+    return frozenset(r.key for r in ZERO_STAGE_RULES if not r.request and zero_stage not in r.zero_stages)
