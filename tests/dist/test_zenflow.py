@@ -21,6 +21,7 @@ import torch
 from engine_helpers import (
     MICRO,
     assert_params_close,
+    capture_zeroshard_log,
     global_batches,
     init_engine,
     make_config,
@@ -41,21 +42,53 @@ CASES = {  # name -> (topk_ratio, select_interval, update_interval, full_warm_up
     "intervals": (0.25, 4, 2, 0),  # selections at 0, 4, 8; CPU steps at every odd k
     "warm-up": (0.25, 5, 2, 3),  # CPU steps at 0-2, 4, 6, 8, 10 and 9 (before the reselection at 10)
 }
+AUTO_CASES = {  # name -> (zenflow section, loader steps per epoch, reference's (topk, select, update, warmup, ratio))
+    # update_interval "auto": CPU steps (1 rank) at 2, 3, 5, 7, 9, 11: intervals of 1 and 2 steps
+    "auto update": ({"topk_ratio": 0.1, "select_strategy": "step", "select_interval": 5, "update_interval": "auto"},
+                    None, (0.1, 5, None, 0, 0.99)),
+    "auto update, warm-up": ({"topk_ratio": 0.25, "select_strategy": "step", "select_interval": 4,
+                              "update_interval": "auto", "full_warm_up_rounds": 2, "auto_ratio": 0.5},
+                             None, (0.25, 4, None, 2, 0.5)),
+    # an epoch of 3 steps (the loader's length): selections every 2 epochs = 6 steps
+    "epoch": ({"topk_ratio": 0.25, "select_strategy": "epoch", "select_interval": 2, "update_interval": 2},
+              3, (0.25, 6, 2, 0, 0.99)),
+    # DeepSpeed's defaults: "auto" = one epoch (4 steps), update_interval "auto"
+    "defaults, loader": ({}, 4, (0.1, 4, None, 0, 0.99)),
+    # ... without a loader: selected once
+    "defaults": ({}, None, (0.1, 0, None, 0, 0.99)),
+}
 
 
 def config(stage: int, topk: float, select: int, update: int, warmup: int, gas: int = 1) -> dict[str, Any]:
+    return zen_config(stage, {"topk_ratio": topk, "select_strategy": "step", "select_interval": select,
+                              "update_interval": update, "full_warm_up_rounds": warmup}, gas)
+
+
+def zen_config(stage: int, zenflow: dict[str, Any], gas: int = 1) -> dict[str, Any]:
     return make_config(gradient_accumulation_steps=gas, zero_optimization={
-        "stage": stage, "reduce_bucket_size": 500, "offload_optimizer": {"device": "cpu"},
-        "zenflow": {"topk_ratio": topk, "select_strategy": "step", "select_interval": select,
-                    "update_interval": update, "full_warm_up_rounds": warmup}})
+        "stage": stage, "reduce_bucket_size": 500, "offload_optimizer": {"device": "cpu"}, "zenflow": zenflow})
+
+
+def loader_data(epoch_steps: int | None, world: int) -> dict[str, Any]:
+    """initialize()'s training_data giving each rank `epoch_steps` micro-batches (none: no loader)."""
+    if epoch_steps is None:
+        return {}
+    n = epoch_steps * MICRO * world
+    return {"training_data": torch.utils.data.TensorDataset(torch.zeros(n, 1))}
 
 
 def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], world: int, topk: float,
-                      select: int, update: int, warmup: int, fused: bool,
-                      gas: int = 1) -> tuple[list[list[float]], list[list[Tensor]]]:
+                      select: int, update: int | None, warmup: int, fused: bool, gas: int = 1,
+                      auto_ratio: float = 0.99, lag: int = 1,
+                      schedule: list[int] | None = None) -> tuple[list[list[float]], list[list[Tensor]]]:
     """DeepSpeed's ZenFlow rule, written out: per-step losses of each rank (its last micro-batch's)
     and the weights after each step. `gas` > 1: stage 2's order, each micro-batch's loss / gas
-    summed over the ranks, then over the micro-batches; a ZenFlow step is an optimizer step."""
+    summed over the ranks, then over the micro-batches; a ZenFlow step is an optimizer step.
+
+    `update` None: update_interval "auto" (Note: [zenflow auto update]): the gradient not divided,
+    the CPU step on the mean of the accumulated gradients, at the step after one whose sums called
+    for it (`lag` 0 perturbs that: the same step). `schedule` collects the steps that end with a
+    CPU step."""
     model = copy.deepcopy(model)
     params = list(model.parameters())
     master = [nn.Parameter(p.detach().clone()) for p in params]
@@ -65,6 +98,9 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
     exp_avg: list[Tensor] = []
     exp_avg_sq: list[Tensor] = []
     sel_step = [torch.zeros(()) for _ in params]
+    accumulated, interval, pending = 0, 0, False
+    avg_critic = [torch.zeros((), dtype=torch.float64) for _ in params]
+    non_critic = [torch.zeros((), dtype=torch.float64) for _ in params]
     losses, weights = [], []
     for k, batch in enumerate(batches):
         total: list[Tensor] | None = None
@@ -81,8 +117,14 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
             assert micro_sum is not None
             total = micro_sum if total is None else [t + g for t, g in zip(total, micro_sum)]
         assert total is not None
-        grads = [(t * (1.0 / world) if world != 1 else t) / update for t in total]
+        grads = [(t * (1.0 / world) if world != 1 else t) / (update or 1) for t in total]
         with torch.no_grad():
+            fire = False
+            if update is None:  # the adaptive interval's start of step
+                fire, pending = pending, False
+                if fire:
+                    interval, non_critic = 0, [torch.zeros((), dtype=torch.float64) for _ in params]
+                interval += 1
             if k >= warmup and (k == warmup or (select > 0 and k % select == 0)):  # select
                 if k > 0:
                     for m, p in zip(master, params):
@@ -93,12 +135,31 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
                         cols[i] = torch.topk(g.abs().sum(dim=0), n).indices.sort().values
                 exp_avg = [torch.zeros_like(_selected(p, c)) for p, c in zip(params, cols)]
                 exp_avg_sq = [torch.zeros_like(_selected(p, c)) for p, c in zip(params, cols)]
+            if update is None and k >= warmup:  # the adaptive interval's sums over whole 2-D weights
+                calls, two_d = 0, 0
+                for i, (p, g) in enumerate(zip(params, grads)):
+                    if p.dim() == 2:
+                        total_sum = g.double().abs().sum()
+                        critic = _selected(g, cols[i]).double().abs().sum()
+                        avg_critic[i] = (avg_critic[i] * (interval - 1) + critic) / interval / (topk * 10)
+                        non_critic[i] = non_critic[i] + (total_sum - critic) / ((1 - topk) * 10)
+                        calls += int(non_critic[i] >= avg_critic[i])
+                        two_d += 1
+                pending = two_d > 0 and calls >= int(auto_ratio * two_d)
+                if lag == 0:  # the perturbed reading: the decision acts on its own step
+                    fire, pending = pending, False
+                    if fire:
+                        interval, non_critic = 0, [torch.zeros((), dtype=torch.float64) for _ in params]
             for a, g in zip(acc, grads):
                 a.add_(g)
-            if k + 1 < warmup or (k + 1 - warmup) % update == 0 or (select > 0 and (k + 1) % select == 0):
+            accumulated += 1
+            due = fire if update is None else (k + 1 - warmup) % update == 0
+            if k + 1 <= warmup or due or (select > 0 and (k + 1) % select == 0):
+                if schedule is not None:
+                    schedule.append(k)
                 kept = [_selected(p, c).clone() for p, c in zip(params, cols)] if k >= warmup else None
                 for m, a in zip(master, acc):
-                    m.grad = a.clone()
+                    m.grad = a / accumulated if update is None and accumulated != 1 else a.clone()
                     state = opt.state[m]
                     if not state:
                         state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m),
@@ -110,6 +171,7 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
                     if kept is not None:
                         _set_selected(p, cols[i], kept[i])
                     a.zero_()
+                accumulated = 0
             if k >= warmup:  # the selective AdamW
                 for i, (p, g) in enumerate(zip(params, grads)):
                     values = _selected(p, cols[i]).clone()
@@ -152,6 +214,42 @@ def test_matches_reference(groups, stage: int, case: str) -> None:
     for k in range(STEPS):
         assert_params_close(got[k], want[k], 0.0, f"stage {stage}, {case}, weights after step {k + 1}")
     assert losses == [per_rank[rank] for per_rank in want_losses]
+
+
+@pytest.mark.parametrize("case", list(AUTO_CASES))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_auto_and_epoch_match_reference(groups, stage: int, case: str) -> None:
+    """select_strategy "epoch" / "auto" and update_interval "auto" (Note: [zenflow auto update]);
+    16 steps, so the adaptive interval calls several CPU steps ("auto update" at 1 rank: at steps
+    2, 3, 5, 7, 9, 11, 12, 14, intervals of 1 and 2)."""
+    rank, world = groups.rank, groups.world_size
+    zenflow, epoch_steps, (topk, select, update, warmup, ratio) = AUTO_CASES[case]
+    model = make_model()
+    batches = global_batches(16, MICRO * world)
+    engine = init_engine(copy.deepcopy(model), zen_config(stage, zenflow), **loader_data(epoch_steps, world))
+    _, got = train_engine(engine, batches, rank, world)
+    schedule: list[int] = []
+    _, want = zenflow_reference(model, batches, world, topk, select, update, warmup, _fused(engine),
+                                auto_ratio=ratio, schedule=schedule)
+    for k in range(len(batches)):
+        assert_params_close(got[k], want[k], 0.0, f"stage {stage}, {case}, weights after step {k + 1}")
+    if update is None:  # the adaptive interval itself called CPU steps (not the warm-up's or a reselection's)
+        called = [k for k in schedule if k >= warmup and not (select > 0 and (k + 1) % select == 0)]
+        assert len(called) >= 3, schedule
+
+
+def test_auto_rules_can_fail(groups) -> None:
+    """The comparisons above can fail: the adaptive interval acting on the step that decided
+    (no lag), and an "epoch" interval read as steps, give other weights than the rule."""
+    world = groups.world_size
+    model = make_model()
+    batches = global_batches(16, MICRO * world)
+    _, rule = zenflow_reference(model, batches, world, 0.1, 5, None, 0, fused=False)
+    _, no_lag = zenflow_reference(model, batches, world, 0.1, 5, None, 0, fused=False, lag=0)
+    assert any(not torch.equal(a, b) for a, b in zip(rule[-1], no_lag[-1]))
+    _, epochs = zenflow_reference(model, batches, world, 0.25, 6, 2, 0, fused=False)
+    _, steps = zenflow_reference(model, batches, world, 0.25, 2, 2, 0, fused=False)
+    assert any(not torch.equal(a, b) for a, b in zip(epochs[-1], steps[-1]))
 
 
 def test_gradient_accumulation(groups) -> None:
@@ -207,12 +305,35 @@ def test_config_as_deepspeed() -> None:
         _load({**STEP, "update_interval": 0})
     with pytest.raises(ConfigError, match="must be used with CPU offload"):
         _load(STEP, offload_optimizer={"device": "none"})
+    defaults = _load({}).zero_optimization.zenflow
+    assert (defaults.select_strategy, defaults.select_interval, defaults.update_interval) == ("auto", "auto", "auto")
+    assert defaults.select_steps == 0  # no epoch length yet: select once
+    assert _load({"select_strategy": "epoch", "select_interval": 3, "update_interval": 2,
+                  "steps_per_epoch": 5}).zero_optimization.zenflow.select_steps == 15
+    with pytest.raises(ConfigError, match=r'select_interval: got 4 with select_strategy "auto"'):
+        _load({"select_interval": 4})
+    with pytest.raises(ConfigError, match=r'"auto" goes with select_strategy "auto" only .* number of epochs'):
+        _load({"select_strategy": "epoch"})
+    with pytest.raises(ConfigError, match=r"select_interval: 2 steps \(1 epochs of 2 steps\), below update_interval"):
+        _load({"select_strategy": "epoch", "select_interval": 1, "update_interval": 3, "steps_per_epoch": 2})
+
+
+def test_epoch_length(groups) -> None:
+    """The "epoch" strategy's length: the loader's, in optimizer steps; without one, a note and
+    a single selection; an epoch interval below update_interval is refused once known."""
+    world = groups.world_size
+    engine = init_engine(make_model(), zen_config(2, {}, gas=2), **loader_data(6, world))
+    assert engine.zs_config.zero_optimization.zenflow.steps_per_epoch == 3  # 6 micro-batches, 2 per step
+    with capture_zeroshard_log() as log:
+        engine = init_engine(make_model(), zen_config(2, {}))
+    assert engine.zs_config.zero_optimization.zenflow.select_steps == 0
+    assert groups.rank != 0 or "the columns are selected once, after the warm-up (as DeepSpeed does)" in log.getvalue()
+    epoch = {"select_strategy": "epoch", "select_interval": 1, "update_interval": 4}
+    with pytest.raises(ConfigError, match=r"select_interval: 3 steps \(1 epochs of 3 steps\), below update_interval"):
+        init_engine(make_model(), zen_config(2, epoch), **loader_data(3, world))
 
 
 @pytest.mark.parametrize("zenflow, stage, match", [
-    ({}, 2, r'zenflow\.select_strategy="auto": not implemented'),
-    ({**STEP, "select_strategy": "epoch"}, 2, r'zenflow\.select_strategy="epoch": not implemented'),
-    ({**STEP, "update_interval": "auto"}, 2, r'zenflow\.update_interval="auto": not implemented'),
     ({**STEP, "overlap_step": True}, 2, r"zenflow\.overlap_step=true\. ZenFlow's CPU step overlapped"),
     ({**STEP, "offload": True}, 2, r"zenflow\.offload=true\. ZenFlow's selective optimizer states"),
     (STEP, 3, r"zenflow with ZeRO stage 3: not implemented"),

@@ -35,7 +35,7 @@ OFF_RULES: dict[str, tuple[Any, str]] = {
         False, "auto (off: initialize() did not enable it)"),
     "scheduler.params.warmup_min_lr": (0.0, "auto (0, as HF Trainer sets it)"),
     "data_types.keep_in_fp32_modules": (None, "auto (the model's own Transformers fp32 lists)"),
-    # DeepSpeed's own "auto" values, kept as such: config/load.py::check_zenflow refuses them by name
+    # DeepSpeed's own "auto" values, kept as such: config/zenflow_checks.py::check_zenflow refuses them by name
     "zero_optimization.zenflow.select_interval": ("auto", "file (\"auto\": DeepSpeed's epoch rule)"),
     "zero_optimization.zenflow.update_interval": ("auto", "file (\"auto\": DeepSpeed's adaptive rule)"),
 }

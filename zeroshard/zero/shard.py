@@ -27,7 +27,8 @@ from zeroshard.zero.grad_shard import GradShard
 from zeroshard.zero.offload.delayed_step import DelayedStep
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.offload.split_home import SplitFlat, device_buckets, parts_of
-from zeroshard.zero.offload.zenflow import ZenFlowPiece, ZenFlowStep
+from zeroshard.zero.offload.zenflow import ZenFlowStep
+from zeroshard.zero.offload.zenflow_state import ZenFlowPiece
 from zeroshard.zero.strategy import (
     BytesByHome,
     GradStats,
