@@ -22,6 +22,7 @@ from engine_helpers import (
     MICRO,
     assert_params_close,
     capture_zeroshard_log,
+    gathered_snapshot,
     global_batches,
     init_engine,
     make_config,
@@ -353,3 +354,78 @@ def test_refused_pairings() -> None:
                     dp_world_size=1)
     with pytest.raises(NotSupportedError, match=r"zenflow with offload_optimizer\.delayed_update"):
         _load(STEP, offload_optimizer={"device": "cpu", "delayed_update": True})
+
+
+RESUME = {  # name -> (zenflow section, loader steps per epoch)
+    "intervals": ({"topk_ratio": 0.25, "select_strategy": "step", "select_interval": 4, "update_interval": 2}, None),
+    "auto update": (AUTO_CASES["auto update"][0], None),
+    "defaults, loader": ({}, 4),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_checkpoint_resumes_exactly(groups, shared_dir, stage: int, case: str) -> None:
+    """Saved after 7 steps (the selection, the selective AdamW's moments, the adaptive interval's
+    sums and, as the schedules fall, the accumulated gradient are live), loaded into a fresh
+    engine: the next 5 steps are bitwise the uninterrupted run's. Zeroing the loaded ZenFlow
+    tensors (accumulated gradient, selective moments) changes them: the comparison sees them."""
+    rank, world = groups.rank, groups.world_size
+    zenflow, epoch_steps = RESUME[case]
+    batches = global_batches(12, MICRO * world)
+    engine = init_engine(make_model(), zen_config(stage, zenflow), **loader_data(epoch_steps, world))
+    train_engine(engine, batches[:7], rank, world)
+    engine.save_checkpoint(shared_dir, tag="s7")
+    _, cont = train_engine(engine, batches[7:], rank, world)
+
+    resumed = init_engine(make_model(seed=5), zen_config(stage, zenflow), **loader_data(epoch_steps, world))
+    resumed.load_checkpoint(shared_dir, tag="s7")
+    assert resumed.optimizer.optimizer.steps == 7
+    _, again = train_engine(resumed, batches[7:], rank, world)
+    for k in range(len(cont)):
+        assert_params_close(again[k], cont[k], 0.0, f"stage {stage}, {case}, step {k + 8} after resume")
+
+    perturbed = init_engine(make_model(seed=5), zen_config(stage, zenflow), **loader_data(epoch_steps, world))
+    perturbed.load_checkpoint(shared_dir, tag="s7")
+    for piece in perturbed.optimizer.optimizer._pieces:
+        for t in (piece.acc, piece.exp_avg, piece.exp_avg_sq):
+            t.zero_()
+    _, lost = train_engine(perturbed, batches[7:], rank, world)
+    assert any(not torch.equal(a, b) for a, b in zip(lost[-1], cont[-1])), "ZenFlow's loaded state mattered"
+
+
+def test_checkpoint_across_runs(groups, shared_dir) -> None:
+    """What resumes and what is refused: another world size (refused by name), a checkpoint
+    without ZenFlow's state (refused, or ZenFlow afresh with load_optimizer_states=False), and a
+    ZenFlow checkpoint in a run without zenflow (its ZenFlow state dropped)."""
+    rank, world = groups.rank, groups.world_size
+    batches = global_batches(3, MICRO * world)
+    zen = zen_config(2, RESUME["intervals"][0])
+    engine = init_engine(make_model(), zen)
+    train_engine(engine, batches, rank, world)
+    step = engine.optimizer.optimizer
+    saved = step.state_dict()
+    for entry in saved["state"].values():
+        entry["zenflow"] = {**entry["zenflow"], "world_size": world + 1}
+    refused = rf"saved by {world + 1} data-parallel ranks on {world}: not implemented"
+    with pytest.raises(NotSupportedError, match=refused):
+        step.load_state_dict(saved)
+    engine.save_checkpoint(shared_dir, tag="zen")
+
+    plain_cfg = make_config(zero_optimization={"stage": 2, "reduce_bucket_size": 500,
+                                               "offload_optimizer": {"device": "cpu"}})
+    plain = init_engine(make_model(), plain_cfg)
+    plain.load_checkpoint(shared_dir, tag="zen")  # ZenFlow's state dropped; plain offload continues
+    assert not any(k.startswith("zenflow") for s in plain.optimizer.state.values() for k in s)
+    train_engine(plain, batches, rank, world)
+    plain.save_checkpoint(shared_dir, tag="plain")
+
+    fresh = init_engine(make_model(seed=5), zen)
+    before = gathered_snapshot(fresh.module)
+    with pytest.raises(NotSupportedError, match=r"holds no ZenFlow state for \d+ of this rank's fragments"):
+        fresh.load_checkpoint(shared_dir, tag="plain")
+    assert_params_close(gathered_snapshot(fresh.module), before, 0.0, "a refused load changes nothing")
+    fresh = init_engine(make_model(seed=5), zen)
+    fresh.load_checkpoint(shared_dir, tag="plain", load_optimizer_states=False)
+    assert fresh.optimizer.optimizer.steps == 0
+    train_engine(fresh, batches, rank, world)

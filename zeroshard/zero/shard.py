@@ -266,7 +266,7 @@ class OptimizerShard:
             pieces.append(ZenFlowPiece(master=frag, lp=self._lp[f.flat_offset : f.flat_offset + f.numel],
                                        param_index=f.param_index, columns=columns))
         return ZenFlowStep(optimizer, pieces, [p.shape for p in self._params], rule,
-                           all_reduce=self._sum_over_ranks, device=self._device)
+                           all_reduce=self._sum_over_ranks, device=self._device, world_size=self._comm.world_size)
 
     def _sum_over_ranks(self, t: Tensor) -> None:
         self._comm.all_reduce(t)

@@ -107,10 +107,12 @@ class ZenFlowStep(torch.optim.Optimizer):
         rule: the intervals and ratio.
         all_reduce: sums a 1-D fp32 tensor on `device` over the data-parallel ranks, in place.
         device: the model's device (the selective step and the column norms run there).
+        world_size: the data-parallel ranks (a checkpoint resumes at the world size it was saved at).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, pieces: Sequence[ZenFlowPiece], shapes: Sequence[torch.Size],
-                 rule: ZenFlowRule, all_reduce: Callable[[Tensor], None], device: torch.device) -> None:
+                 rule: ZenFlowRule, all_reduce: Callable[[Tensor], None], device: torch.device,
+                 world_size: int = 1) -> None:
         # torch.optim.Optimizer.__init__ is not called: groups and state stay inner's objects.
         if not isinstance(inner, torch.optim.Adam):  # torch's AdamW subclasses Adam
             raise NotSupportedError(f"zero_optimization.zenflow steps Adam or AdamW; got {type(inner).__name__}. "
@@ -123,6 +125,7 @@ class ZenFlowStep(torch.optim.Optimizer):
             raise NotSupportedError(f"zero_optimization.zenflow selects columns of 1-D and 2-D parameters only "
                                     f"(as DeepSpeed does); the model has parameters of shapes {bad[:3]}.")
         self.inner, self._rule, self._all_reduce, self._device = inner, rule, all_reduce, device
+        self._world_size = world_size
         self._pieces = list(pieces)
         self._shapes = [torch.Size(s) for s in shapes]
         self._group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
@@ -190,12 +193,7 @@ class ZenFlowStep(torch.optim.Optimizer):
             rest = {k: v for k, v in entry.items() if k not in KEYS}
             if rest:
                 inner_state[i] = rest
-        missing = [p for p in self._pieces if GLOBAL not in own.get(id(p.master), {})]
-        if missing:
-            raise NotSupportedError("zero_optimization.zenflow: the checkpoint holds no ZenFlow state for "
-                                    f"{len(missing)} of this rank's fragments (saved without zenflow?); resuming "
-                                    "ZenFlow from such a checkpoint is not implemented. Load it without zenflow, "
-                                    "or with load_optimizer_states=False.")
+        self.check_loadable([own.get(id(p.master), {}) for p in self._pieces])
         self.inner.load_state_dict({**state_dict, "state": inner_state})
         for piece in self._pieces:
             import_piece(piece, own[id(piece.master)])
@@ -205,8 +203,24 @@ class ZenFlowStep(torch.optim.Optimizer):
             if self._auto is not None:
                 self._auto.load(shared["auto"])
 
+    def check_loadable(self, states: Sequence[dict[str, Any]]) -> None:
+        """Raise unless `states` (this rank's fragments' loaded states) resume this ZenFlow: checked
+        before a load changes anything (Note: [no partial load] in checkpoint/load.py)."""
+        missing = sum(GLOBAL not in s for s in states)
+        if missing:
+            raise NotSupportedError("zero_optimization.zenflow: the checkpoint holds no ZenFlow state for "
+                                    f"{missing} of this rank's fragments (saved without zenflow?); resuming "
+                                    "ZenFlow from such a checkpoint is not implemented. Load it without zenflow, "
+                                    "or with load_optimizer_states=False (ZenFlow then starts afresh).")
+        saved_world = {int(s[GLOBAL]["world_size"]) for s in states}
+        if saved_world - {self._world_size}:
+            raise NotSupportedError(f"zero_optimization.zenflow: resuming ZenFlow's state saved by {min(saved_world)} "
+                                    f"data-parallel ranks on {self._world_size}: not implemented (not checked across "
+                                    "world sizes). Resume at the saved world size, or load with "
+                                    "load_optimizer_states=False (ZenFlow then starts afresh from the loaded weights).")
+
     def _export(self, piece: ZenFlowPiece) -> dict[str, Any]:
-        shared = {"steps": self.steps, "acc_steps": self._acc_steps,
+        shared = {"steps": self.steps, "acc_steps": self._acc_steps, "world_size": self._world_size,
                   "auto": self._auto.to_state() if self._auto is not None else None}
         return export_piece(piece, shared)
 
