@@ -80,8 +80,8 @@ def loader_data(epoch_steps: int | None, world: int) -> dict[str, Any]:
 
 def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], world: int, topk: float,
                       select: int, update: int | None, warmup: int, fused: bool, gas: int = 1,
-                      auto_ratio: float = 0.99, lag: int = 1,
-                      schedule: list[int] | None = None) -> tuple[list[list[float]], list[list[Tensor]]]:
+                      auto_ratio: float = 0.99, lag: int = 1, schedule: list[int] | None = None,
+                      bf16: bool = False, fp32_selective: bool = False) -> tuple[list[list[float]], list[list[Tensor]]]:
     """DeepSpeed's ZenFlow rule, written out: per-step losses of each rank (its last micro-batch's)
     and the weights after each step. `gas` > 1: stage 2's order, each micro-batch's loss / gas
     summed over the ranks, then over the micro-batches; a ZenFlow step is an optimizer step.
@@ -89,12 +89,15 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
     `update` None: update_interval "auto" (Note: [zenflow auto update]): the gradient not divided,
     the CPU step on the mean of the accumulated gradients, at the step after one whose sums called
     for it (`lag` 0 perturbs that: the same step). `schedule` collects the steps that end with a
-    CPU step."""
-    model = copy.deepcopy(model)
+    CPU step. `bf16`: the model in bf16, its gradients summed in fp32 (exact in any order), fp32
+    masters and accumulator; the selective AdamW steps the bf16 values with the gradient cast to
+    bf16 and bf16 moments (DeepSpeed's ZenFlowSelectiveAdamW on bf16 parameters), its step count
+    in fp32 (`fp32_selective` perturbs that: fp32 values and moments, rounded into the model)."""
+    model = copy.deepcopy(model).to(torch.bfloat16) if bf16 else copy.deepcopy(model)
     params = list(model.parameters())
-    master = [nn.Parameter(p.detach().clone()) for p in params]
+    master = [nn.Parameter(p.detach().float().clone()) for p in params]
     opt = torch.optim.AdamW(master, lr=LR, weight_decay=WD, fused=fused)
-    acc = [torch.zeros_like(p) for p in params]
+    acc = [torch.zeros_like(m) for m in master]  # fp32
     cols: list[Tensor | None] = [None] * len(params)  # selected columns (2-D) / None
     exp_avg: list[Tensor] = []
     exp_avg_sq: list[Tensor] = []
@@ -112,7 +115,7 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
             for r in range(world):
                 x, y = rank_micro[r][m]
                 loss = model(x, y)
-                grads = torch.autograd.grad(loss * (1.0 / gas) if gas != 1 else loss, params)
+                grads = [g.float() for g in torch.autograd.grad(loss * (1.0 / gas) if gas != 1 else loss, params)]
                 micro_sum = list(grads) if micro_sum is None else [t + g for t, g in zip(micro_sum, grads)]
                 rank_losses.append(loss.item())
             assert micro_sum is not None
@@ -134,8 +137,9 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
                     if p.dim() == 2:
                         n = max(1, int(p.shape[1] * topk))
                         cols[i] = torch.topk(g.abs().sum(dim=0), n).indices.sort().values
-                exp_avg = [torch.zeros_like(_selected(p, c)) for p, c in zip(params, cols)]
-                exp_avg_sq = [torch.zeros_like(_selected(p, c)) for p, c in zip(params, cols)]
+                moments = torch.float32 if fp32_selective else None
+                exp_avg = [torch.zeros_like(_selected(p, c), dtype=moments) for p, c in zip(params, cols)]
+                exp_avg_sq = [torch.zeros_like(_selected(p, c), dtype=moments) for p, c in zip(params, cols)]
             if update is None and k >= warmup:  # the adaptive interval's sums over whole 2-D weights
                 calls, two_d = 0, 0
                 for i, (p, g) in enumerate(zip(params, grads)):
@@ -176,12 +180,13 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
             if k >= warmup:  # the selective AdamW
                 for i, (p, g) in enumerate(zip(params, grads)):
                     values = _selected(p, cols[i]).clone()
-                    adamw([values], [_selected(g, cols[i])], [exp_avg[i]], [exp_avg_sq[i]], [], [sel_step[i]],
-                          foreach=False, amsgrad=False, beta1=0.9, beta2=0.999, lr=LR, weight_decay=WD,
-                          eps=1e-8, maximize=False)
+                    values = values.float() if fp32_selective else values
+                    adamw([values], [_selected(g, cols[i]).to(values.dtype)], [exp_avg[i]], [exp_avg_sq[i]], [],
+                          [sel_step[i]], foreach=False, amsgrad=False, beta1=0.9, beta2=0.999, lr=LR,
+                          weight_decay=WD, eps=1e-8, maximize=False)
                     _set_selected(p, cols[i], values)
         losses.append(rank_losses)
-        weights.append([p.detach().clone() for p in params])
+        weights.append([p.detach().float().clone() for p in params])
     return losses, weights
 
 
@@ -191,7 +196,7 @@ def _selected(t: Tensor, columns: Tensor | None) -> Tensor:
 
 def _set_selected(t: Tensor, columns: Tensor | None, values: Tensor) -> None:
     if t.dim() == 2:
-        t[:, columns] = values
+        t[:, columns] = values.to(t.dtype)
     else:
         t.copy_(values)
 
@@ -237,6 +242,33 @@ def test_auto_and_epoch_match_reference(groups, stage: int, case: str) -> None:
     if update is None:  # the adaptive interval itself called CPU steps (not the warm-up's or a reselection's)
         called = [k for k in schedule if k >= warmup and not (select > 0 and (k + 1) % select == 0)]
         assert len(called) >= 3, schedule
+
+
+BF16_CASES = {"intervals": (CASES["intervals"] + (None,), {}),
+              "auto update": ((0.1, 5, None, 0), AUTO_CASES["auto update"][0])}
+
+
+@pytest.mark.parametrize("case", list(BF16_CASES))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_matches_reference(groups, stage: int, case: str) -> None:
+    """bf16 weights, fp32 masters and accumulator in host memory; the selected columns stepped in
+    bf16 (DeepSpeed's behaviour). Stepping them in fp32 and rounding gives other weights."""
+    rank, world = groups.rank, groups.world_size
+    args, zenflow = BF16_CASES[case]
+    topk, select, update, warmup = args[:4]
+    model = make_model()
+    batches = global_batches(STEPS, MICRO * world)
+    cfg = zen_config(stage, zenflow) if zenflow else config(stage, topk, select, update, warmup)  # type: ignore[arg-type]
+    cfg["bf16"] = {"enabled": True}
+    engine = init_engine(copy.deepcopy(model), cfg)
+    assert next(engine.module.parameters()).dtype == torch.bfloat16
+    _, got = train_engine(engine, batches, rank, world)
+    _, want = zenflow_reference(model, batches, world, topk, select, update, warmup, _fused(engine), bf16=True)
+    for k in range(STEPS):
+        assert_params_close(got[k], want[k], 0.0, f"bf16, stage {stage}, {case}, weights after step {k + 1}")
+    _, fp32_step = zenflow_reference(model, batches, world, topk, select, update, warmup, _fused(engine), bf16=True,
+                                     fp32_selective=True)
+    assert any(not torch.equal(a, b) for a, b in zip(want[-1], fp32_step[-1]))
 
 
 def test_auto_rules_can_fail(groups) -> None:
@@ -348,19 +380,31 @@ def test_refused_pairings() -> None:
     with pytest.raises(NotSupportedError, match=r"zenflow with gradient_clipping"):
         load_config({"train_batch_size": 2, "zero_optimization": {
             "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": STEP}}, dp_world_size=1)
-    with pytest.raises(NotSupportedError, match=r"zenflow with bf16 training: not implemented"):
-        load_config({"train_batch_size": 2, "gradient_clipping": 0.0, "bf16": {"enabled": True},
+    with pytest.raises(NotSupportedError, match=r"zenflow with fp16 training: not implemented"):
+        load_config({"train_batch_size": 2, "gradient_clipping": 0.0, "fp16": {"enabled": True},
+                     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": STEP}},
+                    dp_world_size=1)
+    with pytest.raises(NotSupportedError, match=r"zenflow with bf16\.bf16_master_weights_and_grads: not implemented"):
+        load_config({"train_batch_size": 2, "gradient_clipping": 0.0,
+                     "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
                      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": STEP}},
                     dp_world_size=1)
     with pytest.raises(NotSupportedError, match=r"zenflow with offload_optimizer\.delayed_update"):
         _load(STEP, offload_optimizer={"device": "cpu", "delayed_update": True})
 
 
-RESUME = {  # name -> (zenflow section, loader steps per epoch)
-    "intervals": ({"topk_ratio": 0.25, "select_strategy": "step", "select_interval": 4, "update_interval": 2}, None),
-    "auto update": (AUTO_CASES["auto update"][0], None),
-    "defaults, loader": ({}, 4),
+RESUME = {  # name -> (zenflow section, loader steps per epoch, bf16)
+    "intervals": ({"topk_ratio": 0.25, "select_strategy": "step", "select_interval": 4, "update_interval": 2}, None,
+                  False),
+    "auto update": (AUTO_CASES["auto update"][0], None, False),
+    "defaults, loader": ({}, 4, False),
+    "auto update, bf16": (AUTO_CASES["auto update"][0], None, True),
 }
+
+
+def resume_config(stage: int, case: str) -> dict[str, Any]:
+    zenflow, _, bf16 = RESUME[case]
+    return {**zen_config(stage, zenflow), **({"bf16": {"enabled": True}} if bf16 else {})}
 
 
 @pytest.mark.parametrize("case", list(RESUME))
@@ -371,21 +415,21 @@ def test_checkpoint_resumes_exactly(groups, shared_dir, stage: int, case: str) -
     engine: the next 5 steps are bitwise the uninterrupted run's. Zeroing the loaded ZenFlow
     tensors (accumulated gradient, selective moments) changes them: the comparison sees them."""
     rank, world = groups.rank, groups.world_size
-    zenflow, epoch_steps = RESUME[case]
+    epoch_steps = RESUME[case][1]
     batches = global_batches(12, MICRO * world)
-    engine = init_engine(make_model(), zen_config(stage, zenflow), **loader_data(epoch_steps, world))
+    engine = init_engine(make_model(), resume_config(stage, case), **loader_data(epoch_steps, world))
     train_engine(engine, batches[:7], rank, world)
     engine.save_checkpoint(shared_dir, tag="s7")
     _, cont = train_engine(engine, batches[7:], rank, world)
 
-    resumed = init_engine(make_model(seed=5), zen_config(stage, zenflow), **loader_data(epoch_steps, world))
+    resumed = init_engine(make_model(seed=5), resume_config(stage, case), **loader_data(epoch_steps, world))
     resumed.load_checkpoint(shared_dir, tag="s7")
     assert resumed.optimizer.optimizer.steps == 7
     _, again = train_engine(resumed, batches[7:], rank, world)
     for k in range(len(cont)):
         assert_params_close(again[k], cont[k], 0.0, f"stage {stage}, {case}, step {k + 8} after resume")
 
-    perturbed = init_engine(make_model(seed=5), zen_config(stage, zenflow), **loader_data(epoch_steps, world))
+    perturbed = init_engine(make_model(seed=5), resume_config(stage, case), **loader_data(epoch_steps, world))
     perturbed.load_checkpoint(shared_dir, tag="s7")
     for piece in perturbed.optimizer.optimizer._pieces:
         for t in (piece.acc, piece.exp_avg, piece.exp_avg_sq):

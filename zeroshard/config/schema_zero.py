@@ -70,7 +70,8 @@ class ZenFlowConfig:
     accumulated and stepped by the CPU optimizer every `update_interval` steps, whose update
     lands on the other columns (docs/offload.md, Note: [zenflow rule] in zero/offload/zenflow.py).
     The section's presence turns it on (`{}` too), as in DeepSpeed; `enabled` is set by the loader.
-    Built for fp32 training without gradient clipping; the rest is refused by name.
+    Built for fp32 and bf16 training (fp32 masters) without gradient clipping; the rest is refused
+    by name.
     """
 
     enabled: bool = spec(False, json_key=False)

@@ -68,9 +68,11 @@ def check_zenflow(cfg: Config) -> None:
     for key, on, why in (
             ("gradient_clipping", cfg.gradient_clipping > 0,
              "DeepSpeed clips the accumulated gradient of the CPU step only; set gradient_clipping to 0"),
-            (f"{cfg.precision} training", cfg.precision != "fp32",
-             "only fp32 is built and checked; DeepSpeed steps the selected columns in the low-precision values "
-             "and skips fp16 overflow steps, neither checked here. Use fp32")):
+            ("fp16 training", cfg.precision == "fp16",
+             "DeepSpeed skips fp16 overflow steps around ZenFlow's two optimizers, which is not built. Use bf16 "
+             "or fp32"),
+            ("bf16.bf16_master_weights_and_grads", cfg.bf16_masters,
+             "ZenFlow keeps fp32 masters and an fp32 accumulated gradient in host memory; set it to false")):
         if on:
             raise NotSupportedError(f"{_ZENFLOW} with {key}: not implemented ({why}).")
 

@@ -27,6 +27,8 @@ scaling: Note: [zenflow auto update] in zenflow_state.py.
 - Selective step, at every k >= W (after the CPU step when both happen): AdamW on the selected
   elements of the model's values with g_k's selected elements, the hyper-parameters of the
   element's optimizer group (DeepSpeed's ZenFlowSelectiveAdamW, always decoupled weight decay).
+  In bf16 runs the values, g_k's selected elements and the moments are bf16, as in DeepSpeed;
+  the step count is fp32 (DeepSpeed's is bf16, which stops at 256).
 zeroshard differs in where the selection is made: over each weight's whole columns, the norms
 summed across the ranks in one all-reduce, so the selection does not depend on the rank count
 (DeepSpeed selects within each rank's partition, skipping the columns cut by its boundary); and
@@ -105,7 +107,7 @@ class ZenFlowStep(torch.optim.Optimizer):
         pieces: the shard's fragments with their views in the model's values.
         shapes: every model parameter's shape, in plan order (the same on every rank).
         rule: the intervals and ratio.
-        all_reduce: sums a 1-D fp32 tensor on `device` over the data-parallel ranks, in place.
+        all_reduce: sums a 1-D fp32 / float64 tensor on `device` over the data-parallel ranks, in place.
         device: the model's device (the selective step and the column norms run there).
         world_size: the data-parallel ranks (a checkpoint resumes at the world size it was saved at).
     """
