@@ -21,6 +21,8 @@ import torch
 from engine_helpers import (
     MICRO,
     assert_params_close,
+    capture_zeroshard_log,
+    gathered_snapshot,
     global_batches,
     init_engine,
     make_config,
@@ -41,30 +43,68 @@ CASES = {  # name -> (topk_ratio, select_interval, update_interval, full_warm_up
     "intervals": (0.25, 4, 2, 0),  # selections at 0, 4, 8; CPU steps at every odd k
     "warm-up": (0.25, 5, 2, 3),  # CPU steps at 0-2, 4, 6, 8, 10 and 9 (before the reselection at 10)
 }
+AUTO_CASES = {  # name -> (zenflow section, loader steps per epoch, reference's (topk, select, update, warmup, ratio))
+    # update_interval "auto": CPU steps (1 rank) at 2, 3, 5, 7, 9, 11: intervals of 1 and 2 steps
+    "auto update": ({"topk_ratio": 0.1, "select_strategy": "step", "select_interval": 5, "update_interval": "auto"},
+                    None, (0.1, 5, None, 0, 0.99)),
+    "auto update, warm-up": ({"topk_ratio": 0.25, "select_strategy": "step", "select_interval": 4,
+                              "update_interval": "auto", "full_warm_up_rounds": 2, "auto_ratio": 0.5},
+                             None, (0.25, 4, None, 2, 0.5)),
+    # an epoch of 3 steps (the loader's length): selections every 2 epochs = 6 steps
+    "epoch": ({"topk_ratio": 0.25, "select_strategy": "epoch", "select_interval": 2, "update_interval": 2},
+              3, (0.25, 6, 2, 0, 0.99)),
+    # DeepSpeed's defaults: "auto" = one epoch (4 steps), update_interval "auto"
+    "defaults, loader": ({}, 4, (0.1, 4, None, 0, 0.99)),
+    # ... without a loader: selected once
+    "defaults": ({}, None, (0.1, 0, None, 0, 0.99)),
+}
 
 
 def config(stage: int, topk: float, select: int, update: int, warmup: int, gas: int = 1) -> dict[str, Any]:
+    return zen_config(stage, {"topk_ratio": topk, "select_strategy": "step", "select_interval": select,
+                              "update_interval": update, "full_warm_up_rounds": warmup}, gas)
+
+
+def zen_config(stage: int, zenflow: dict[str, Any], gas: int = 1) -> dict[str, Any]:
     return make_config(gradient_accumulation_steps=gas, zero_optimization={
-        "stage": stage, "reduce_bucket_size": 500, "offload_optimizer": {"device": "cpu"},
-        "zenflow": {"topk_ratio": topk, "select_strategy": "step", "select_interval": select,
-                    "update_interval": update, "full_warm_up_rounds": warmup}})
+        "stage": stage, "reduce_bucket_size": 500, "offload_optimizer": {"device": "cpu"}, "zenflow": zenflow})
+
+
+def loader_data(epoch_steps: int | None, world: int) -> dict[str, Any]:
+    """initialize()'s training_data giving each rank `epoch_steps` micro-batches (none: no loader)."""
+    if epoch_steps is None:
+        return {}
+    n = epoch_steps * MICRO * world
+    return {"training_data": torch.utils.data.TensorDataset(torch.zeros(n, 1))}
 
 
 def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], world: int, topk: float,
-                      select: int, update: int, warmup: int, fused: bool,
-                      gas: int = 1) -> tuple[list[list[float]], list[list[Tensor]]]:
+                      select: int, update: int | None, warmup: int, fused: bool, gas: int = 1,
+                      auto_ratio: float = 0.99, lag: int = 1, schedule: list[int] | None = None,
+                      bf16: bool = False, fp32_selective: bool = False) -> tuple[list[list[float]], list[list[Tensor]]]:
     """DeepSpeed's ZenFlow rule, written out: per-step losses of each rank (its last micro-batch's)
     and the weights after each step. `gas` > 1: stage 2's order, each micro-batch's loss / gas
-    summed over the ranks, then over the micro-batches; a ZenFlow step is an optimizer step."""
-    model = copy.deepcopy(model)
+    summed over the ranks, then over the micro-batches; a ZenFlow step is an optimizer step.
+
+    `update` None: update_interval "auto" (Note: [zenflow auto update]): the gradient not divided,
+    the CPU step on the mean of the accumulated gradients, at the step after one whose sums called
+    for it (`lag` 0 perturbs that: the same step). `schedule` collects the steps that end with a
+    CPU step. `bf16`: the model in bf16, its gradients summed in fp32 (exact in any order), fp32
+    masters and accumulator; the selective AdamW steps the bf16 values with the gradient cast to
+    bf16 and bf16 moments (DeepSpeed's ZenFlowSelectiveAdamW on bf16 parameters), its step count
+    in fp32 (`fp32_selective` perturbs that: fp32 values and moments, rounded into the model)."""
+    model = copy.deepcopy(model).to(torch.bfloat16) if bf16 else copy.deepcopy(model)
     params = list(model.parameters())
-    master = [nn.Parameter(p.detach().clone()) for p in params]
+    master = [nn.Parameter(p.detach().float().clone()) for p in params]
     opt = torch.optim.AdamW(master, lr=LR, weight_decay=WD, fused=fused)
-    acc = [torch.zeros_like(p) for p in params]
+    acc = [torch.zeros_like(m) for m in master]  # fp32
     cols: list[Tensor | None] = [None] * len(params)  # selected columns (2-D) / None
     exp_avg: list[Tensor] = []
     exp_avg_sq: list[Tensor] = []
     sel_step = [torch.zeros(()) for _ in params]
+    accumulated, interval, pending = 0, 0, False
+    avg_critic = [torch.zeros((), dtype=torch.float64) for _ in params]
+    non_critic = [torch.zeros((), dtype=torch.float64) for _ in params]
     losses, weights = [], []
     for k, batch in enumerate(batches):
         total: list[Tensor] | None = None
@@ -75,14 +115,20 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
             for r in range(world):
                 x, y = rank_micro[r][m]
                 loss = model(x, y)
-                grads = torch.autograd.grad(loss * (1.0 / gas) if gas != 1 else loss, params)
+                grads = [g.float() for g in torch.autograd.grad(loss * (1.0 / gas) if gas != 1 else loss, params)]
                 micro_sum = list(grads) if micro_sum is None else [t + g for t, g in zip(micro_sum, grads)]
                 rank_losses.append(loss.item())
             assert micro_sum is not None
             total = micro_sum if total is None else [t + g for t, g in zip(total, micro_sum)]
         assert total is not None
-        grads = [(t * (1.0 / world) if world != 1 else t) / update for t in total]
+        grads = [(t * (1.0 / world) if world != 1 else t) / (update or 1) for t in total]
         with torch.no_grad():
+            fire = False
+            if update is None:  # the adaptive interval's start of step
+                fire, pending = pending, False
+                if fire:
+                    interval, non_critic = 0, [torch.zeros((), dtype=torch.float64) for _ in params]
+                interval += 1
             if k >= warmup and (k == warmup or (select > 0 and k % select == 0)):  # select
                 if k > 0:
                     for m, p in zip(master, params):
@@ -91,14 +137,34 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
                     if p.dim() == 2:
                         n = max(1, int(p.shape[1] * topk))
                         cols[i] = torch.topk(g.abs().sum(dim=0), n).indices.sort().values
-                exp_avg = [torch.zeros_like(_selected(p, c)) for p, c in zip(params, cols)]
-                exp_avg_sq = [torch.zeros_like(_selected(p, c)) for p, c in zip(params, cols)]
+                moments = torch.float32 if fp32_selective else None
+                exp_avg = [torch.zeros_like(_selected(p, c), dtype=moments) for p, c in zip(params, cols)]
+                exp_avg_sq = [torch.zeros_like(_selected(p, c), dtype=moments) for p, c in zip(params, cols)]
+            if update is None and k >= warmup:  # the adaptive interval's sums over whole 2-D weights
+                calls, two_d = 0, 0
+                for i, (p, g) in enumerate(zip(params, grads)):
+                    if p.dim() == 2:
+                        total_sum = g.double().abs().sum()
+                        critic = _selected(g, cols[i]).double().abs().sum()
+                        avg_critic[i] = (avg_critic[i] * (interval - 1) + critic) / interval / (topk * 10)
+                        non_critic[i] = non_critic[i] + (total_sum - critic) / ((1 - topk) * 10)
+                        calls += int(non_critic[i] >= avg_critic[i])
+                        two_d += 1
+                pending = two_d > 0 and calls >= int(auto_ratio * two_d)
+                if lag == 0:  # the perturbed reading: the decision acts on its own step
+                    fire, pending = pending, False
+                    if fire:
+                        interval, non_critic = 0, [torch.zeros((), dtype=torch.float64) for _ in params]
             for a, g in zip(acc, grads):
                 a.add_(g)
-            if k + 1 < warmup or (k + 1 - warmup) % update == 0 or (select > 0 and (k + 1) % select == 0):
+            accumulated += 1
+            due = fire if update is None else (k + 1 - warmup) % update == 0
+            if k + 1 <= warmup or due or (select > 0 and (k + 1) % select == 0):
+                if schedule is not None:
+                    schedule.append(k)
                 kept = [_selected(p, c).clone() for p, c in zip(params, cols)] if k >= warmup else None
                 for m, a in zip(master, acc):
-                    m.grad = a.clone()
+                    m.grad = a / accumulated if update is None and accumulated != 1 else a.clone()
                     state = opt.state[m]
                     if not state:
                         state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m),
@@ -110,15 +176,17 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
                     if kept is not None:
                         _set_selected(p, cols[i], kept[i])
                     a.zero_()
+                accumulated = 0
             if k >= warmup:  # the selective AdamW
                 for i, (p, g) in enumerate(zip(params, grads)):
                     values = _selected(p, cols[i]).clone()
-                    adamw([values], [_selected(g, cols[i])], [exp_avg[i]], [exp_avg_sq[i]], [], [sel_step[i]],
-                          foreach=False, amsgrad=False, beta1=0.9, beta2=0.999, lr=LR, weight_decay=WD,
-                          eps=1e-8, maximize=False)
+                    values = values.float() if fp32_selective else values
+                    adamw([values], [_selected(g, cols[i]).to(values.dtype)], [exp_avg[i]], [exp_avg_sq[i]], [],
+                          [sel_step[i]], foreach=False, amsgrad=False, beta1=0.9, beta2=0.999, lr=LR,
+                          weight_decay=WD, eps=1e-8, maximize=False)
                     _set_selected(p, cols[i], values)
         losses.append(rank_losses)
-        weights.append([p.detach().clone() for p in params])
+        weights.append([p.detach().float().clone() for p in params])
     return losses, weights
 
 
@@ -128,7 +196,7 @@ def _selected(t: Tensor, columns: Tensor | None) -> Tensor:
 
 def _set_selected(t: Tensor, columns: Tensor | None, values: Tensor) -> None:
     if t.dim() == 2:
-        t[:, columns] = values
+        t[:, columns] = values.to(t.dtype)
     else:
         t.copy_(values)
 
@@ -152,6 +220,69 @@ def test_matches_reference(groups, stage: int, case: str) -> None:
     for k in range(STEPS):
         assert_params_close(got[k], want[k], 0.0, f"stage {stage}, {case}, weights after step {k + 1}")
     assert losses == [per_rank[rank] for per_rank in want_losses]
+
+
+@pytest.mark.parametrize("case", list(AUTO_CASES))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_auto_and_epoch_match_reference(groups, stage: int, case: str) -> None:
+    """select_strategy "epoch" / "auto" and update_interval "auto" (Note: [zenflow auto update]);
+    16 steps, so the adaptive interval calls several CPU steps ("auto update" at 1 rank: at steps
+    2, 3, 5, 7, 9, 11, 12, 14, intervals of 1 and 2)."""
+    rank, world = groups.rank, groups.world_size
+    zenflow, epoch_steps, (topk, select, update, warmup, ratio) = AUTO_CASES[case]
+    model = make_model()
+    batches = global_batches(16, MICRO * world)
+    engine = init_engine(copy.deepcopy(model), zen_config(stage, zenflow), **loader_data(epoch_steps, world))
+    _, got = train_engine(engine, batches, rank, world)
+    schedule: list[int] = []
+    _, want = zenflow_reference(model, batches, world, topk, select, update, warmup, _fused(engine),
+                                auto_ratio=ratio, schedule=schedule)
+    for k in range(len(batches)):
+        assert_params_close(got[k], want[k], 0.0, f"stage {stage}, {case}, weights after step {k + 1}")
+    if update is None:  # the adaptive interval itself called CPU steps (not the warm-up's or a reselection's)
+        called = [k for k in schedule if k >= warmup and not (select > 0 and (k + 1) % select == 0)]
+        assert len(called) >= 3, schedule
+
+
+BF16_CASES = {"intervals": (CASES["intervals"] + (None,), {}),
+              "auto update": ((0.1, 5, None, 0), AUTO_CASES["auto update"][0])}
+
+
+@pytest.mark.parametrize("case", list(BF16_CASES))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_matches_reference(groups, stage: int, case: str) -> None:
+    """bf16 weights, fp32 masters and accumulator in host memory; the selected columns stepped in
+    bf16 (DeepSpeed's behaviour). Stepping them in fp32 and rounding gives other weights."""
+    rank, world = groups.rank, groups.world_size
+    args, zenflow = BF16_CASES[case]
+    topk, select, update, warmup = args[:4]
+    model = make_model()
+    batches = global_batches(STEPS, MICRO * world)
+    cfg = zen_config(stage, zenflow) if zenflow else config(stage, topk, select, update, warmup)  # type: ignore[arg-type]
+    cfg["bf16"] = {"enabled": True}
+    engine = init_engine(copy.deepcopy(model), cfg)
+    assert next(engine.module.parameters()).dtype == torch.bfloat16
+    _, got = train_engine(engine, batches, rank, world)
+    _, want = zenflow_reference(model, batches, world, topk, select, update, warmup, _fused(engine), bf16=True)
+    for k in range(STEPS):
+        assert_params_close(got[k], want[k], 0.0, f"bf16, stage {stage}, {case}, weights after step {k + 1}")
+    _, fp32_step = zenflow_reference(model, batches, world, topk, select, update, warmup, _fused(engine), bf16=True,
+                                     fp32_selective=True)
+    assert any(not torch.equal(a, b) for a, b in zip(want[-1], fp32_step[-1]))
+
+
+def test_auto_rules_can_fail(groups) -> None:
+    """The comparisons above can fail: the adaptive interval acting on the step that decided
+    (no lag), and an "epoch" interval read as steps, give other weights than the rule."""
+    world = groups.world_size
+    model = make_model()
+    batches = global_batches(16, MICRO * world)
+    _, rule = zenflow_reference(model, batches, world, 0.1, 5, None, 0, fused=False)
+    _, no_lag = zenflow_reference(model, batches, world, 0.1, 5, None, 0, fused=False, lag=0)
+    assert any(not torch.equal(a, b) for a, b in zip(rule[-1], no_lag[-1]))
+    _, epochs = zenflow_reference(model, batches, world, 0.25, 6, 2, 0, fused=False)
+    _, steps = zenflow_reference(model, batches, world, 0.25, 2, 2, 0, fused=False)
+    assert any(not torch.equal(a, b) for a, b in zip(epochs[-1], steps[-1]))
 
 
 def test_gradient_accumulation(groups) -> None:
@@ -207,12 +338,35 @@ def test_config_as_deepspeed() -> None:
         _load({**STEP, "update_interval": 0})
     with pytest.raises(ConfigError, match="must be used with CPU offload"):
         _load(STEP, offload_optimizer={"device": "none"})
+    defaults = _load({}).zero_optimization.zenflow
+    assert (defaults.select_strategy, defaults.select_interval, defaults.update_interval) == ("auto", "auto", "auto")
+    assert defaults.select_steps == 0  # no epoch length yet: select once
+    assert _load({"select_strategy": "epoch", "select_interval": 3, "update_interval": 2,
+                  "steps_per_epoch": 5}).zero_optimization.zenflow.select_steps == 15
+    with pytest.raises(ConfigError, match=r'select_interval: got 4 with select_strategy "auto"'):
+        _load({"select_interval": 4})
+    with pytest.raises(ConfigError, match=r'"auto" goes with select_strategy "auto" only .* number of epochs'):
+        _load({"select_strategy": "epoch"})
+    with pytest.raises(ConfigError, match=r"select_interval: 2 steps \(1 epochs of 2 steps\), below update_interval"):
+        _load({"select_strategy": "epoch", "select_interval": 1, "update_interval": 3, "steps_per_epoch": 2})
+
+
+def test_epoch_length(groups) -> None:
+    """The "epoch" strategy's length: the loader's, in optimizer steps; without one, a note and
+    a single selection; an epoch interval below update_interval is refused once known."""
+    world = groups.world_size
+    engine = init_engine(make_model(), zen_config(2, {}, gas=2), **loader_data(6, world))
+    assert engine.zs_config.zero_optimization.zenflow.steps_per_epoch == 3  # 6 micro-batches, 2 per step
+    with capture_zeroshard_log() as log:
+        engine = init_engine(make_model(), zen_config(2, {}))
+    assert engine.zs_config.zero_optimization.zenflow.select_steps == 0
+    assert groups.rank != 0 or "the columns are selected once, after the warm-up (as DeepSpeed does)" in log.getvalue()
+    epoch = {"select_strategy": "epoch", "select_interval": 1, "update_interval": 4}
+    with pytest.raises(ConfigError, match=r"select_interval: 3 steps \(1 epochs of 3 steps\), below update_interval"):
+        init_engine(make_model(), zen_config(2, epoch), **loader_data(3, world))
 
 
 @pytest.mark.parametrize("zenflow, stage, match", [
-    ({}, 2, r'zenflow\.select_strategy="auto": not implemented'),
-    ({**STEP, "select_strategy": "epoch"}, 2, r'zenflow\.select_strategy="epoch": not implemented'),
-    ({**STEP, "update_interval": "auto"}, 2, r'zenflow\.update_interval="auto": not implemented'),
     ({**STEP, "overlap_step": True}, 2, r"zenflow\.overlap_step=true\. ZenFlow's CPU step overlapped"),
     ({**STEP, "offload": True}, 2, r"zenflow\.offload=true\. ZenFlow's selective optimizer states"),
     (STEP, 3, r"zenflow with ZeRO stage 3: not implemented"),
@@ -226,9 +380,96 @@ def test_refused_pairings() -> None:
     with pytest.raises(NotSupportedError, match=r"zenflow with gradient_clipping"):
         load_config({"train_batch_size": 2, "zero_optimization": {
             "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": STEP}}, dp_world_size=1)
-    with pytest.raises(NotSupportedError, match=r"zenflow with bf16 training: not implemented"):
-        load_config({"train_batch_size": 2, "gradient_clipping": 0.0, "bf16": {"enabled": True},
+    with pytest.raises(NotSupportedError, match=r"zenflow with fp16 training: not implemented"):
+        load_config({"train_batch_size": 2, "gradient_clipping": 0.0, "fp16": {"enabled": True},
+                     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": STEP}},
+                    dp_world_size=1)
+    with pytest.raises(NotSupportedError, match=r"zenflow with bf16\.bf16_master_weights_and_grads: not implemented"):
+        load_config({"train_batch_size": 2, "gradient_clipping": 0.0,
+                     "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
                      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": STEP}},
                     dp_world_size=1)
     with pytest.raises(NotSupportedError, match=r"zenflow with offload_optimizer\.delayed_update"):
         _load(STEP, offload_optimizer={"device": "cpu", "delayed_update": True})
+
+
+RESUME = {  # name -> (zenflow section, loader steps per epoch, bf16)
+    "intervals": ({"topk_ratio": 0.25, "select_strategy": "step", "select_interval": 4, "update_interval": 2}, None,
+                  False),
+    "auto update": (AUTO_CASES["auto update"][0], None, False),
+    "defaults, loader": ({}, 4, False),
+    "auto update, bf16": (AUTO_CASES["auto update"][0], None, True),
+}
+
+
+def resume_config(stage: int, case: str) -> dict[str, Any]:
+    zenflow, _, bf16 = RESUME[case]
+    return {**zen_config(stage, zenflow), **({"bf16": {"enabled": True}} if bf16 else {})}
+
+
+@pytest.mark.parametrize("case", list(RESUME))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_checkpoint_resumes_exactly(groups, shared_dir, stage: int, case: str) -> None:
+    """Saved after 7 steps (the selection, the selective AdamW's moments, the adaptive interval's
+    sums and, as the schedules fall, the accumulated gradient are live), loaded into a fresh
+    engine: the next 5 steps are bitwise the uninterrupted run's. Zeroing the loaded ZenFlow
+    tensors (accumulated gradient, selective moments) changes them: the comparison sees them."""
+    rank, world = groups.rank, groups.world_size
+    epoch_steps = RESUME[case][1]
+    batches = global_batches(12, MICRO * world)
+    engine = init_engine(make_model(), resume_config(stage, case), **loader_data(epoch_steps, world))
+    train_engine(engine, batches[:7], rank, world)
+    engine.save_checkpoint(shared_dir, tag="s7")
+    _, cont = train_engine(engine, batches[7:], rank, world)
+
+    resumed = init_engine(make_model(seed=5), resume_config(stage, case), **loader_data(epoch_steps, world))
+    resumed.load_checkpoint(shared_dir, tag="s7")
+    assert resumed.optimizer.optimizer.steps == 7
+    _, again = train_engine(resumed, batches[7:], rank, world)
+    for k in range(len(cont)):
+        assert_params_close(again[k], cont[k], 0.0, f"stage {stage}, {case}, step {k + 8} after resume")
+
+    perturbed = init_engine(make_model(seed=5), resume_config(stage, case), **loader_data(epoch_steps, world))
+    perturbed.load_checkpoint(shared_dir, tag="s7")
+    for piece in perturbed.optimizer.optimizer._pieces:
+        for t in (piece.acc, piece.exp_avg, piece.exp_avg_sq):
+            t.zero_()
+    _, lost = train_engine(perturbed, batches[7:], rank, world)
+    assert any(not torch.equal(a, b) for a, b in zip(lost[-1], cont[-1])), "ZenFlow's loaded state mattered"
+
+
+def test_checkpoint_across_runs(groups, shared_dir) -> None:
+    """What resumes and what is refused: another world size (refused by name), a checkpoint
+    without ZenFlow's state (refused, or ZenFlow afresh with load_optimizer_states=False), and a
+    ZenFlow checkpoint in a run without zenflow (its ZenFlow state dropped)."""
+    rank, world = groups.rank, groups.world_size
+    batches = global_batches(3, MICRO * world)
+    zen = zen_config(2, RESUME["intervals"][0])
+    engine = init_engine(make_model(), zen)
+    train_engine(engine, batches, rank, world)
+    step = engine.optimizer.optimizer
+    saved = step.state_dict()
+    for entry in saved["state"].values():
+        entry["zenflow"] = {**entry["zenflow"], "world_size": world + 1}
+    refused = rf"saved by {world + 1} data-parallel ranks on {world}: not implemented"
+    with pytest.raises(NotSupportedError, match=refused):
+        step.load_state_dict(saved)
+    engine.save_checkpoint(shared_dir, tag="zen")
+
+    plain_cfg = make_config(zero_optimization={"stage": 2, "reduce_bucket_size": 500,
+                                               "offload_optimizer": {"device": "cpu"}})
+    plain = init_engine(make_model(), plain_cfg)
+    plain.load_checkpoint(shared_dir, tag="zen")  # ZenFlow's state dropped; plain offload continues
+    assert not any(k.startswith("zenflow") for s in plain.optimizer.state.values() for k in s)
+    train_engine(plain, batches, rank, world)
+    plain.save_checkpoint(shared_dir, tag="plain")
+
+    fresh = init_engine(make_model(seed=5), zen)
+    before = gathered_snapshot(fresh.module)
+    with pytest.raises(NotSupportedError, match=r"holds no ZenFlow state for \d+ of this rank's fragments"):
+        fresh.load_checkpoint(shared_dir, tag="plain")
+    assert_params_close(gathered_snapshot(fresh.module), before, 0.0, "a refused load changes nothing")
+    fresh = init_engine(make_model(seed=5), zen)
+    fresh.load_checkpoint(shared_dir, tag="plain", load_optimizer_states=False)
+    assert fresh.optimizer.optimizer.steps == 0
+    train_engine(fresh, batches, rank, world)

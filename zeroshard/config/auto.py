@@ -38,7 +38,7 @@ OFF_RULES: dict[str, tuple[Any, str]] = {
         False, "auto (off: initialize() did not enable it)"),
     "scheduler.params.warmup_min_lr": (0.0, "auto (0, as HF Trainer sets it)"),
     "data_types.keep_in_fp32_modules": (None, "auto (the model's own Transformers fp32 lists)"),
-    # DeepSpeed's own "auto" values, kept as such: config/load.py::check_zenflow refuses them by name
+    # DeepSpeed's own "auto" values, kept as such: config/zenflow_checks.py::check_zenflow refuses them by name
     "zero_optimization.zenflow.select_interval": ("auto", "file (\"auto\": DeepSpeed's epoch rule)"),
     "zero_optimization.zenflow.update_interval": ("auto", "file (\"auto\": DeepSpeed's adaptive rule)"),
 }
@@ -60,6 +60,11 @@ DEEPSPEED_DROPS_AUTO = ("zero_optimization.", "bf16.", "fp16.", "tensor_parallel
 "auto" value (runtime/config_utils.py), so the key takes its default there. Keys elsewhere
 (`gradient_clipping`, `optimizer.params.*`, `scheduler.params.*`) reach DeepSpeed's code as the
 string and fail later; zeroshard refuses those at load with what would resolve them."""
+
+KEEP_REFUSING = frozenset({"zero_optimization.stage"})
+"""Keys of those sections still refused when "auto" is left: DeepSpeed would silently train at
+stage 0 (no partitioning, the most memory), which a config asking for "auto" never meant; the
+launcher that writes it (Accelerate) always fills it (docs/deepspeed-differences.md)."""
 
 
 def _from_args(draft: Draft, path: str, value: Any) -> None:
@@ -101,7 +106,7 @@ def resolve_autos(draft: Draft, *, hidden_size: int | None, auto_values: Mapping
         elif path == "scheduler.params.warmup_max_lr" and _optimizer_lr(draft, auto_values) is not None:
             _from_args(draft, path, _optimizer_lr(draft, auto_values))
             draft.sources[path] = "auto (optimizer.params.lr)"
-    for path in [p for p in draft.autos if p.startswith(DEEPSPEED_DROPS_AUTO)]:
+    for path in [p for p in draft.autos if p.startswith(DEEPSPEED_DROPS_AUTO) and p not in KEEP_REFUSING]:
         default = draft.autos[path].default
         draft.set(path, default, "auto (the default: nothing supplied a value, DeepSpeed drops the \"auto\")")
         draft.notes.append(f'{path}: "auto" and neither initialize() nor the model supplied a value; using the '

@@ -107,7 +107,12 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
     _Z + "offload_optimizer.delayed_update_warmup_steps": (
         "zero/offload/policy.py::section.delayed_update_warmup_steps", "zero/offload/delayed_step.py::self._warmup"),
     **{_Z + f"zenflow.{k}": (f"zero/offload/zenflow.py::section.{k}",) for k in (
-        "topk_ratio", "select_strategy", "select_interval", "update_interval", "full_warm_up_rounds")},
+        "topk_ratio", "update_interval", "full_warm_up_rounds", "auto_ratio")},
+    # config/schema_zero.py::ZenFlowConfig.select_steps turns these three into the steps between selections
+    _Z + "zenflow.select_strategy": ("zero/offload/zenflow.py::section.select_steps",),
+    _Z + "zenflow.select_interval": ("zero/offload/zenflow.py::section.select_steps",),
+    _Z + "zenflow.steps_per_epoch": ("runtime/initialize.py::with_steps_per_epoch",
+                                     "zero/offload/zenflow.py::section.select_steps"),
     "aio.block_size": ("zero/offload/policy.py::aio.block_size",),
     "aio.queue_depth": ("zero/offload/policy.py::aio.queue_depth",),
     "aio.intra_op_parallelism": ("zero/offload/policy.py::aio.intra_op_parallelism",),
@@ -193,12 +198,8 @@ _PIPE = ("the NVMe step always reads ahead and writes behind while stepping, in 
          "of sub_group_size elements per state (zero/offload/nvme_swap.py).")
 
 NO_EFFECT: dict[str, str] = {
-    _Z + "zenflow.auto_ratio": "the threshold of DeepSpeed's adaptive update interval; update_interval "
-    '"auto" is refused at config load, so no run reads it.',
     _Z + "zenflow.pt_reserved_cores_perc": "the cores DeepSpeed leaves to PyTorch beside its overlapped "
     "optimizer process; overlap_step true is refused, so there is no such process.",
-    _Z + "zenflow.steps_per_epoch": "DeepSpeed fills it from the training dataloader for the \"epoch\" "
-    "select strategy, which is refused; the \"step\" strategy never reads it.",
     "data_types.param_dtype": "the parameters' dtype follows fp16.enabled / bf16.enabled; the key may only "
     "agree with them (a disagreeing value is refused at config load, as DeepSpeed asserts).",
     "bf16.immediate_grad_update": "zeroshard always folds each micro-batch's gradients into the "

@@ -26,6 +26,7 @@ from zeroshard.config.schema_optim import LambParams, OptimizerConfig, Scheduler
 from zeroshard.config.schema_tp import check_tensor_parallel
 from zeroshard.config.schema_zero import OffloadOptimizerConfig
 from zeroshard.config.support import check_supported
+from zeroshard.config.zenflow_checks import check_zenflow, mark_zenflow
 from zeroshard.config.zero_stages import check_zero_stages, idle_keys
 from zeroshard.errors import ConfigConflictError, ConfigError, NotSupportedError
 
@@ -288,67 +289,6 @@ def check_delayed_update(section: OffloadOptimizerConfig) -> None:
                       'so it needs offload_optimizer.device "cpu" (got "none"); set the device or remove the key.')
 
 
-_ZENFLOW = "zero_optimization.zenflow"
-
-
-def _mark_zenflow(cfg: Config, raw: Mapping[str, Any], draft: Draft) -> Config:
-    """A `zenflow` section turns ZenFlow on, an empty one too (DeepSpeed: `zenflow` is None unless given)."""
-    zero = raw.get("zero_optimization")
-    given = isinstance(zero, Mapping) and zero.get("zenflow") is not None
-    given = given or any(k.startswith(_ZENFLOW + ".") for k in (*draft.values, *draft.sources))
-    if not given:
-        return cfg
-    section = dataclasses.replace(cfg.zero_optimization.zenflow, enabled=True)
-    return dataclasses.replace(cfg, zero_optimization=dataclasses.replace(cfg.zero_optimization, zenflow=section))
-
-
-def check_zenflow(cfg: Config) -> None:
-    """ZenFlow as DeepSpeed 0.19.8 validates it (runtime/zenflow/engine.py::configure_zenflow,
-    zenflow_stage_1_and_2.py::_configure_zenflow), and what zeroshard does not build of it."""
-    zf, zero = cfg.zero_optimization.zenflow, cfg.zero_optimization
-    if not zf.enabled:
-        return
-    for key, value, why in (
-            ("select_strategy", zf.select_strategy if zf.select_strategy != "step" else None,
-             'the "epoch" strategy (and "auto", which is "epoch" with select_interval 1) counts epochs of the '
-             'training dataloader; only "step" is built. Set select_strategy to "step" and select_interval to a '
-             "number of steps"),
-            ("update_interval", "auto" if zf.update_interval == "auto" else None,
-             "the adaptive update interval (auto_ratio) is not built; set update_interval to a number of steps")):
-        if value is not None:
-            raise NotSupportedError(f"{_ZENFLOW}.{key}={show(value)}: not implemented: {why}.")
-    if zero.stage not in (1, 2):
-        raise NotSupportedError(f"{_ZENFLOW} with ZeRO stage {zero.stage}: not implemented; ZenFlow is built for "
-                                "stages 1 and 2 (DeepSpeed also has a stage-3 path).")
-    if zero.offload_optimizer.device != "cpu":
-        device = show(zero.offload_optimizer.device)
-        raise ConfigError(f'{_ZENFLOW}: ZenFlow must be used with CPU offload (as in DeepSpeed); set '
-                          f'zero_optimization.offload_optimizer.device to "cpu" (got {device}).')
-    if zero.offload_optimizer.delayed_update:
-        raise NotSupportedError(f"{_ZENFLOW} with offload_optimizer.delayed_update: not implemented (both schedule "
-                                "the CPU step); use one of them.")
-    if isinstance(zf.select_interval, str):
-        raise ConfigError(f'{_ZENFLOW}.select_interval: "auto" goes with select_strategy "auto" only (as in '
-                          "DeepSpeed); set it to a number of steps.")
-    if zf.select_interval < 0:
-        raise ConfigError(f"{_ZENFLOW}.select_interval: got {zf.select_interval}, expected an integer >= 0.")
-    if isinstance(zf.update_interval, int) and zf.update_interval < 1:
-        raise ConfigError(f"{_ZENFLOW}.update_interval: got {zf.update_interval}, expected an integer >= 1 (as in "
-                          "DeepSpeed).")
-    if zf.select_interval != 0 and zf.select_interval < int(zf.update_interval):
-        raise ConfigError(f"{_ZENFLOW}.select_interval: got {zf.select_interval}, below update_interval "
-                          f"({zf.update_interval}); select interval must be greater or equal to update interval "
-                          "(as in DeepSpeed).")
-    for key, on, why in (
-            ("gradient_clipping", cfg.gradient_clipping > 0,
-             "DeepSpeed clips the accumulated gradient of the CPU step only; set gradient_clipping to 0"),
-            (f"{cfg.precision} training", cfg.precision != "fp32",
-             "only fp32 is built and checked; DeepSpeed steps the selected columns in the low-precision values "
-             "and skips fp16 overflow steps, neither checked here. Use fp32")):
-        if on:
-            raise NotSupportedError(f"{_ZENFLOW} with {key}: not implemented ({why}).")
-
-
 def check_bf16_master(cfg: Config) -> None:
     """`bf16.bf16_master_weights_and_grads` / `bf16.bf16_optimizer_states`: what DeepSpeed 0.19.8
     accepts (runtime/config.py, base_optimizer._configure_master_weights), and what zeroshard
@@ -503,7 +443,7 @@ def load_config(
         scheduler=_build_scheduler(draft),
         sources=FrozenDict(draft.sources),
     )
-    cfg = _mark_zenflow(cfg, raw, draft)
+    cfg = mark_zenflow(cfg, raw, draft)
     _check_cross_fields(cfg)
     check_allreduce_op(cfg, draft.unmodelled)
     check_zenflow(cfg)

@@ -70,7 +70,8 @@ class ZenFlowConfig:
     accumulated and stepped by the CPU optimizer every `update_interval` steps, whose update
     lands on the other columns (docs/offload.md, Note: [zenflow rule] in zero/offload/zenflow.py).
     The section's presence turns it on (`{}` too), as in DeepSpeed; `enabled` is set by the loader.
-    Built for fp32 training without gradient clipping; the rest is refused by name.
+    Built for fp32 and bf16 training (fp32 masters) without gradient clipping; the rest is refused
+    by name.
     """
 
     enabled: bool = spec(False, json_key=False)
@@ -79,15 +80,18 @@ class ZenFlowConfig:
     """Share of each 2-D weight's columns updated every step on the device: max(1, int(columns *
     topk_ratio)) columns. DeepSpeed's default 0.1."""
     select_strategy: Literal["auto", "step", "epoch"] = "auto"
-    """How `select_interval` counts: "step" (optimizer steps, built), "epoch" or "auto" (DeepSpeed:
-    "auto" is "epoch" with select_interval 1, an epoch being the length of initialize()'s
-    training_data; not built, refused by name). Default "auto", as in DeepSpeed."""
+    """What `select_interval` counts: "step" (optimizer steps) or "epoch" (epochs of initialize()'s
+    training data loader, or `steps_per_epoch`); "auto" is "epoch" with select_interval 1, as in
+    DeepSpeed. Without an epoch length the columns are selected once. Default "auto", as in DeepSpeed."""
     select_interval: int = "auto"  # type: ignore[assignment]  # DeepSpeed's "auto" (auto.py::OFF_RULES keeps it)
-    """Steps between two selections of the top-k columns (0: select once, at the first step after
-    the warm-up); "auto" only with select_strategy "auto". At least `update_interval`. Default "auto"."""
+    """Steps (or epochs) between two selections of the top-k columns (0: select once, at the first
+    step after the warm-up); "auto" with select_strategy "auto" only. At least `update_interval`
+    once counted in steps. Default "auto"."""
     update_interval: int = "auto"  # type: ignore[assignment]  # DeepSpeed's "auto" (auto.py::OFF_RULES keeps it)
-    """Steps between two CPU optimizer steps on the accumulated gradient (an integer >= 1, built;
-    "auto", DeepSpeed's adaptive interval driven by `auto_ratio`, is refused by name). Default "auto"."""
+    """Steps between two CPU optimizer steps on the accumulated gradient; "auto": DeepSpeed's
+    adaptive interval, a CPU step after each step whose gradient outside the selected columns has
+    grown past their own on `auto_ratio` of the 2-D weights (Note: [zenflow auto update] in
+    zero/offload/zenflow_state.py). Default "auto"."""
     overlap_step: bool = False
     """DeepSpeed: run the CPU step in a separate process overlapping the next steps. Not built:
     true is refused by name (the delayed update, `offload_optimizer.delayed_update`, is zeroshard's
@@ -96,8 +100,8 @@ class ZenFlowConfig:
     """DeepSpeed: keep the selected columns' AdamW states in CPU memory between steps (same numbers,
     less device memory). Not built: true is refused by name. Default false."""
     auto_ratio: float = spec(0.99, ge=0.0, le=1.0)
-    """Threshold of the adaptive update interval (`update_interval` "auto", not built): without
-    effect otherwise. DeepSpeed's default 0.99."""
+    """Share of the 2-D weights that must call for a CPU step before update_interval "auto" takes
+    one; without effect with an integer update_interval. DeepSpeed's default 0.99."""
     full_warm_up_rounds: int = spec(0, ge=0)
     """Steps, from the first, in which the CPU optimizer steps every step on the whole gradient
     with no selection; selection starts after them. Default 0."""
@@ -105,8 +109,19 @@ class ZenFlowConfig:
     """DeepSpeed: share of the CPU cores left to PyTorch by the overlapped optimizer process
     (`overlap_step`); without effect here (no such process). Default 0.5."""
     steps_per_epoch: int | None = spec(None, ge=1)
-    """DeepSpeed sets it from the training dataloader for the "epoch" strategy ("should not be set
-    by users"); without effect here (that strategy is refused). Default null."""
+    """Optimizer steps per epoch for the "epoch" and "auto" select strategies. Set from
+    initialize()'s training data loader when there is one (as DeepSpeed does, which says it
+    "should not be set by users"); zeroshard reads a value from the file when there is no loader.
+    Default null."""
+
+    @property
+    def select_steps(self) -> int:
+        """Optimizer steps between two selections: select_interval ("step"), select_interval
+        epochs ("epoch"), one epoch ("auto"); 0 (select once) while the epoch length is unknown."""
+        if self.select_strategy == "step":
+            return int(self.select_interval)
+        epochs = 1 if self.select_strategy == "auto" else int(self.select_interval)
+        return epochs * self.steps_per_epoch if self.steps_per_epoch is not None else 0
 
 
 DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (

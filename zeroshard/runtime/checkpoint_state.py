@@ -40,6 +40,8 @@ from zeroshard.moe.hf_experts import expert_banks
 from zeroshard.moe.prepare import moe_layers
 from zeroshard.optim.onebit_adam import STATE_KEYS as ONEBIT_STATE_KEYS
 from zeroshard.optim.onebit_adam import OneBitOptimizer, drop_onebit_state
+from zeroshard.zero.offload.zenflow import ZenFlowStep
+from zeroshard.zero.offload.zenflow_state import KEYS as ZENFLOW_STATE_KEYS
 from zeroshard.zero.strategy import MasterFragment, ZeroStrategy
 
 if TYPE_CHECKING:
@@ -198,6 +200,10 @@ def apply_state(engine: "EngineView", strategy: ZeroStrategy, loaded: LoadedStat
 
     The random generators and the data loader's position are restored only with
     `load_rng_state` (DeepSpeed's load leaves them to the script)."""
+    zenflow = getattr(engine.optimizer, "optimizer", None)
+    if (isinstance(zenflow, ZenFlowStep) and not load_module_only and loaded.optimizer_states is not None
+            and loaded.param_groups is not None):
+        zenflow.check_loadable(loaded.optimizer_states)
     targets: dict[str, Tensor] = {**dict(_persistent_buffers(engine.module)),
                                   **dict(engine.module.named_parameters())}
     for name, value in loaded.module.items():
@@ -230,6 +236,10 @@ def apply_state(engine: "EngineView", strategy: ZeroStrategy, loaded: LoadedStat
             logger.info(f"load: the checkpoint's 1-bit Adam error buffers are dropped ({type(opt.optimizer).__name__} "
                         "keeps exp_avg, exp_avg_sq and step)")
             states = [drop_onebit_state(s) for s in states]
+        if not isinstance(opt.optimizer, ZenFlowStep) and any(k in s for s in states for k in ZENFLOW_STATE_KEYS):
+            logger.info("load: the checkpoint's ZenFlow state (accumulated gradient, selective AdamW) is dropped "
+                        "(this run has no zero_optimization.zenflow)")
+            states = [{k: v for k, v in s.items() if k not in ZENFLOW_STATE_KEYS} for s in states]
         opt.load_state_dict(_optimizer_state_dict(opt, frags, states, loaded.param_groups))
     if loaded.run_state is not None:
         _apply_run_state(engine, loaded.run_state, load_lr_scheduler_states, load_rng_state)

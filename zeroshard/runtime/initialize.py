@@ -23,6 +23,7 @@ from zeroshard.config import CheckpointConfig, Config, load_config, read_config_
 from zeroshard.config.load import sequence_parallel_size
 from zeroshard.config.pipeline import check_for_pipeline
 from zeroshard.config.schema_ep import expert_parallel_size_of
+from zeroshard.config.zenflow_checks import with_steps_per_epoch
 from zeroshard.errors import ConfigError, InitializeArgumentError, NotSupportedError
 from zeroshard.moe.balance import build_balance
 from zeroshard.moe.hf_experts import mark_expert_banks
@@ -208,13 +209,15 @@ def initialize(
     param_groups, params = _param_groups_after_split(model, model_parameters, layout)
     norm_group = layout.norm_group(model, world_comm, tied_duplicates=pipe_module.tied_duplicates()
                                    if pipe_module is not None else frozenset())
-    strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units, norm_group=norm_group)
-    opt = _make_optimizer(cfg, optimizer, param_groups, strategy, comm, tensor_parallel=layout.tp_comm is not None)
-    sched, scaler = _make_scheduler(cfg, lr_scheduler, opt), _loss_scaler(cfg, groups.device.type)
     loader_at, loader_of = loader_rank(groups, seq)  # a sequence-parallel group reads the same samples
     loader = None if training_data is None else DistributedDataLoader(
         training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu, rank=loader_at,
         world_size=loader_of, collate_fn=collate_fn)
+    # ZenFlow's "epoch" select strategy counts the loader's optimizer steps (DeepSpeed's configure_zenflow)
+    cfg = with_steps_per_epoch(cfg, None if loader is None else len(loader) // cfg.gradient_accumulation_steps)
+    strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units, norm_group=norm_group)
+    opt = _make_optimizer(cfg, optimizer, param_groups, strategy, comm, tensor_parallel=layout.tp_comm is not None)
+    sched, scaler = _make_scheduler(cfg, lr_scheduler, opt), _loss_scaler(cfg, groups.device.type)
     engine_cls, extra = (ZeroEngine, {}) if pipe is None else (PipelineEngine, {"pipe": pipe})
     engine = engine_cls(
         **extra, module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,

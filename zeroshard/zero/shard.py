@@ -27,7 +27,8 @@ from zeroshard.zero.grad_shard import GradShard
 from zeroshard.zero.offload.delayed_step import DelayedStep
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.offload.split_home import SplitFlat, device_buckets, parts_of
-from zeroshard.zero.offload.zenflow import ZenFlowPiece, ZenFlowStep
+from zeroshard.zero.offload.zenflow import ZenFlowStep
+from zeroshard.zero.offload.zenflow_state import ZenFlowPiece
 from zeroshard.zero.strategy import (
     BytesByHome,
     GradStats,
@@ -266,7 +267,7 @@ class OptimizerShard:
             pieces.append(ZenFlowPiece(master=frag, lp=self._lp[f.flat_offset : f.flat_offset + f.numel],
                                        param_index=f.param_index, columns=columns))
         return ZenFlowStep(optimizer, pieces, [p.shape for p in self._params], rule,
-                           all_reduce=self._sum_over_ranks, device=self._device)
+                           all_reduce=self._sum_over_ranks, device=self._device, world_size=self._comm.world_size)
 
     def _sum_over_ranks(self, t: Tensor) -> None:
         self._comm.all_reduce(t)

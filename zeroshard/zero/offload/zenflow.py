@@ -2,16 +2,18 @@
 
 `ZenFlowStep` is the optimizer the engine steps when `zero_optimization.zenflow` is on: it wraps
 the CPU torch Adam/AdamW over the shard's fragments (zero/shard.py) and adds the selective
-update of the top-k gradient columns on the model's device. Imports torch, `errors` and (for
-typing) the `config` section; the shard gives it the fragments, their views in the model's flat
-buffer and a sum all-reduce.
+update of the top-k gradient columns on the model's device. Imports torch, `errors`,
+zenflow_state.py and (for typing) the `config` section; the shard gives it the fragments, their
+views in the model's flat buffer and a sum all-reduce.
 
 Note: [zenflow rule] Read from DeepSpeed 0.19.8 (runtime/zenflow/engine.py,
 zenflow_stage_1_and_2.py, ops/adam/zenflow_torch_adam.py, zenflow_cpu_adam.py), with
-overlap_step false and select_strategy "step". Steps k = 0, 1, ... are optimizer steps; U =
-update_interval, S = select_interval, W = full_warm_up_rounds; g_k is step k's reduced, averaged
-gradient divided by U (DeepSpeed sets gradient_accumulation_steps to U, so its loss is divided
-by U every step).
+overlap_step false. Steps k = 0, 1, ... are optimizer steps; U = update_interval, S =
+select_interval in steps (ZenFlowConfig.select_steps: "epoch" multiplies it by the epoch's steps,
+"auto" is one epoch, and without an epoch length S = 0); W = full_warm_up_rounds; g_k is step k's
+reduced, averaged gradient divided by U (DeepSpeed sets gradient_accumulation_steps to U, so its
+loss is divided by U every step). update_interval "auto" changes the CPU step's schedule and
+scaling: Note: [zenflow auto update] in zenflow_state.py.
 - Selection, at k = W and at every k > W with S > 0 and k % S == 0: for each 2-D weight, the
   max(1, int(columns * topk_ratio)) columns (dim 1) with the largest L1 norm of g_k over dim 0;
   every 1-D parameter is selected whole. Before it (k > 0) the fp32 master is set from the
@@ -25,6 +27,8 @@ by U every step).
 - Selective step, at every k >= W (after the CPU step when both happen): AdamW on the selected
   elements of the model's values with g_k's selected elements, the hyper-parameters of the
   element's optimizer group (DeepSpeed's ZenFlowSelectiveAdamW, always decoupled weight decay).
+  In bf16 runs the values, g_k's selected elements and the moments are bf16, as in DeepSpeed;
+  the step count is fp32 (DeepSpeed's is bf16, which stops at 256).
 zeroshard differs in where the selection is made: over each weight's whole columns, the norms
 summed across the ranks in one all-reduce, so the selection does not depend on the rank count
 (DeepSpeed selects within each rank's partition, skipping the columns cut by its boundary); and
@@ -35,15 +39,16 @@ of them).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim.adamw import adamw
 
 from zeroshard.errors import NotSupportedError
+from zeroshard.zero.offload.zenflow_state import GLOBAL, KEYS, AutoUpdate, ZenFlowPiece, export_piece, import_piece
 
 if TYPE_CHECKING:
     from zeroshard.config.schema_zero import ZenFlowConfig
@@ -56,57 +61,39 @@ class ZenFlowRule:
     topk_ratio: float
     select_interval: int
     """Steps between selections; 0: select once, at step `warmup`."""
-    update_interval: int
+    update_interval: int | None
+    """Steps between CPU steps; None: "auto" (Note: [zenflow auto update])."""
     warmup: int
     """`full_warm_up_rounds`: steps with a CPU step every step and no selection."""
+    auto_ratio: float = 0.99
 
     @classmethod
     def from_config(cls, section: "ZenFlowConfig") -> "ZenFlowRule | None":
         if not section.enabled:
             return None
-        if section.select_strategy != "step":
-            raise AssertionError("expected config/load.py::check_zenflow to refuse the select_strategy "
-                                 f"{section.select_strategy!r}")
-        return cls(topk_ratio=float(section.topk_ratio), select_interval=int(section.select_interval),
-                   update_interval=int(section.update_interval), warmup=int(section.full_warm_up_rounds))
+        update = None if isinstance(section.update_interval, str) else int(section.update_interval)
+        return cls(topk_ratio=float(section.topk_ratio), select_interval=section.select_steps, update_interval=update,
+                   warmup=int(section.full_warm_up_rounds), auto_ratio=float(section.auto_ratio))
 
     def selects(self, k: int) -> bool:
         """Step k (from 0) selects new columns."""
         return k >= self.warmup and (k == self.warmup or (self.select_interval > 0 and k % self.select_interval == 0))
 
-    def cpu_steps(self, k: int) -> bool:
-        """Step k ends with the CPU optimizer's step on the accumulated gradient."""
-        if k + 1 < self.warmup:
+    def cpu_steps(self, k: int, fire: bool = False) -> bool:
+        """Step k ends with the CPU optimizer's step on the accumulated gradient (`fire`: the
+        adaptive interval's call, Note: [zenflow auto update])."""
+        if k + 1 <= self.warmup:
             return True
-        return ((k + 1 - self.warmup) % self.update_interval == 0
-                or (self.select_interval > 0 and (k + 1) % self.select_interval == 0))
+        due = fire if self.update_interval is None else (k + 1 - self.warmup) % self.update_interval == 0
+        return due or (self.select_interval > 0 and (k + 1) % self.select_interval == 0)
+
+    @property
+    def grad_divisor(self) -> int:
+        """g_k is the averaged gradient divided by this (DeepSpeed's loss / gradient_accumulation_steps)."""
+        return self.update_interval or 1
 
     def num_selected(self, columns: int) -> int:
         return max(1, int(columns * self.topk_ratio))
-
-
-@dataclass(slots=True)
-class ZenFlowPiece:
-    """One fragment of the shard as ZenFlow sees it."""
-
-    master: nn.Parameter
-    """The fragment: 1-D fp32 master values at the optimizer's home."""
-    lp: Tensor
-    """1-D view of the same elements in the model's values (the flat buffer)."""
-    param_index: int
-    columns: Tensor | None
-    """1-D int64 on the model's device, the column (dim 1) of each element of a 2-D weight; None
-    for 1-D parameters."""
-    acc: Tensor = field(init=False)
-    """1-D fp32, the gradient accumulated since the last CPU step (at the master's home)."""
-    selected: Tensor | None = None
-    """1-D int64 positions inside the piece updated by the selective step (None: not yet)."""
-    exp_avg: Tensor | None = None
-    exp_avg_sq: Tensor | None = None
-    step: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))
-
-    def __post_init__(self) -> None:
-        self.acc = torch.zeros(self.master.numel(), dtype=torch.float32, device=self.master.device)
 
 
 class ZenFlowStep(torch.optim.Optimizer):
@@ -120,12 +107,14 @@ class ZenFlowStep(torch.optim.Optimizer):
         pieces: the shard's fragments with their views in the model's values.
         shapes: every model parameter's shape, in plan order (the same on every rank).
         rule: the intervals and ratio.
-        all_reduce: sums a 1-D fp32 tensor on `device` over the data-parallel ranks, in place.
+        all_reduce: sums a 1-D fp32 / float64 tensor on `device` over the data-parallel ranks, in place.
         device: the model's device (the selective step and the column norms run there).
+        world_size: the data-parallel ranks (a checkpoint resumes at the world size it was saved at).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, pieces: Sequence[ZenFlowPiece], shapes: Sequence[torch.Size],
-                 rule: ZenFlowRule, all_reduce: Callable[[Tensor], None], device: torch.device) -> None:
+                 rule: ZenFlowRule, all_reduce: Callable[[Tensor], None], device: torch.device,
+                 world_size: int = 1) -> None:
         # torch.optim.Optimizer.__init__ is not called: groups and state stay inner's objects.
         if not isinstance(inner, torch.optim.Adam):  # torch's AdamW subclasses Adam
             raise NotSupportedError(f"zero_optimization.zenflow steps Adam or AdamW; got {type(inner).__name__}. "
@@ -138,6 +127,7 @@ class ZenFlowStep(torch.optim.Optimizer):
             raise NotSupportedError(f"zero_optimization.zenflow selects columns of 1-D and 2-D parameters only "
                                     f"(as DeepSpeed does); the model has parameters of shapes {bad[:3]}.")
         self.inner, self._rule, self._all_reduce, self._device = inner, rule, all_reduce, device
+        self._world_size = world_size
         self._pieces = list(pieces)
         self._shapes = [torch.Size(s) for s in shapes]
         self._group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
@@ -146,8 +136,13 @@ class ZenFlowStep(torch.optim.Optimizer):
             if len(s) == 2:
                 offsets[i], total = total, total + s[1]
         self._norm_offset, self._norm_numel = offsets, total
+        self._weight_index = {i: w for w, i in enumerate(offsets)}  # 2-D parameter -> its row in AutoUpdate
+        self._auto = (AutoUpdate.zeros(rule.topk_ratio, rule.auto_ratio, len(offsets), device)
+                      if rule.update_interval is None else None)
         self.steps = 0
         """Steps taken (`step()` calls), k of the rule for the next one."""
+        self._acc_steps = 0
+        """Steps accumulated into the pieces' `acc` since the last CPU step."""
 
     # -- the wrapped optimizer's objects ------------------------------------------------------
 
@@ -161,11 +156,19 @@ class ZenFlowStep(torch.optim.Optimizer):
 
     @property  # type: ignore[override]
     def state(self) -> Any:
-        return self.inner.state
+        """inner's state, each fragment's with ZenFlow's beside it (zenflow_state.py's keys)."""
+        return _ZenFlowStateView(self)
 
     @state.setter
     def state(self, state: Any) -> None:
         self.inner.state = state
+
+    @property
+    def resident_state_bytes(self) -> int:
+        """The CPU optimizer's states, the accumulated gradients and the selective AdamW's states."""
+        tensors = [v for s in self.inner.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0]
+        tensors += [t for p in self._pieces for t in (p.acc, p.exp_avg, p.exp_avg_sq) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @property  # type: ignore[override]
     def defaults(self) -> dict[str, Any]:
@@ -175,11 +178,53 @@ class ZenFlowStep(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        raise NotImplementedError("saving a checkpoint with zero_optimization.zenflow is not implemented (the "
-                                  "accumulated gradient and the selective AdamW state are not saved)")
+        """inner's, with each fragment's ZenFlow state added to its entry (`state`'s view)."""
+        out = self.inner.state_dict()
+        index = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
+        for piece in self._pieces:
+            out["state"].setdefault(index[id(piece.master)], {}).update(self._export(piece))
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        raise NotImplementedError("loading a checkpoint with zero_optimization.zenflow is not implemented")
+        """`state_dict()`'s layout: ZenFlow's keys go to the pieces, the rest to inner."""
+        masters = [p for g in self.inner.param_groups for p in g["params"]]
+        own: dict[int, dict[str, Any]] = {}
+        inner_state: dict[int, dict[str, Any]] = {}
+        for i, entry in state_dict["state"].items():
+            own[id(masters[int(i)])] = {k: v for k, v in entry.items() if k in KEYS}
+            rest = {k: v for k, v in entry.items() if k not in KEYS}
+            if rest:
+                inner_state[i] = rest
+        self.check_loadable([own.get(id(p.master), {}) for p in self._pieces])
+        self.inner.load_state_dict({**state_dict, "state": inner_state})
+        for piece in self._pieces:
+            import_piece(piece, own[id(piece.master)])
+        if self._pieces:
+            shared = own[id(self._pieces[0].master)][GLOBAL]
+            self.steps, self._acc_steps = int(shared["steps"]), int(shared["acc_steps"])
+            if self._auto is not None:
+                self._auto.load(shared["auto"])
+
+    def check_loadable(self, states: Sequence[dict[str, Any]]) -> None:
+        """Raise unless `states` (this rank's fragments' loaded states) resume this ZenFlow: checked
+        before a load changes anything (Note: [no partial load] in checkpoint/load.py)."""
+        missing = sum(GLOBAL not in s for s in states)
+        if missing:
+            raise NotSupportedError("zero_optimization.zenflow: the checkpoint holds no ZenFlow state for "
+                                    f"{missing} of this rank's fragments (saved without zenflow?); resuming "
+                                    "ZenFlow from such a checkpoint is not implemented. Load it without zenflow, "
+                                    "or with load_optimizer_states=False (ZenFlow then starts afresh).")
+        saved_world = {int(s[GLOBAL]["world_size"]) for s in states}
+        if saved_world - {self._world_size}:
+            raise NotSupportedError(f"zero_optimization.zenflow: resuming ZenFlow's state saved by {min(saved_world)} "
+                                    f"data-parallel ranks on {self._world_size}: not implemented (not checked across "
+                                    "world sizes). Resume at the saved world size, or load with "
+                                    "load_optimizer_states=False (ZenFlow then starts afresh from the loaded weights).")
+
+    def _export(self, piece: ZenFlowPiece) -> dict[str, Any]:
+        shared = {"steps": self.steps, "acc_steps": self._acc_steps, "world_size": self._world_size,
+                  "auto": self._auto.to_state() if self._auto is not None else None}
+        return export_piece(piece, shared)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("add_param_group on a ZeRO engine's optimizer: build every group before "
@@ -195,12 +240,16 @@ class ZenFlowStep(torch.optim.Optimizer):
         if closure is not None:
             raise NotImplementedError("zero_optimization.zenflow: step without a closure")
         k, rule = self.steps, self._rule
-        grads = [p.master.grad.float() / rule.update_interval for p in self._pieces]  # 1D fp32
+        grads = [p.master.grad.float() / rule.grad_divisor for p in self._pieces]  # 1D fp32
+        fire = self._auto.begin_step() if self._auto is not None else False
         if rule.selects(k):
             self._select(k, grads)
+        if self._auto is not None and k >= rule.warmup:
+            self._observe(grads)
         for piece, g in zip(self._pieces, grads):
             piece.acc.add_(g)
-        if rule.cpu_steps(k):
+        self._acc_steps += 1
+        if rule.cpu_steps(k, fire):
             self._cpu_step(k)
         if k >= rule.warmup:
             self._selective_step(grads)
@@ -232,11 +281,29 @@ class ZenFlowStep(torch.optim.Optimizer):
             piece.exp_avg = torch.zeros(n, dtype=piece.lp.dtype, device=piece.lp.device)
             piece.exp_avg_sq = torch.zeros(n, dtype=piece.lp.dtype, device=piece.lp.device)
 
+    def _observe(self, grads: Sequence[Tensor]) -> None:
+        """The adaptive interval's sums of |g| per 2-D weight, whole and over the selected columns,
+        summed across the ranks in float64 (Note: [zenflow auto update])."""
+        if self._auto is None:
+            raise AssertionError("expected update_interval \"auto\"")
+        weights = len(self._weight_index)
+        sums = torch.zeros(2 * weights, dtype=torch.float64, device=self._device)
+        for piece, g in zip(self._pieces, grads):
+            if piece.columns is None or piece.selected is None:
+                continue
+            w = self._weight_index[piece.param_index]
+            a = g.to(self._device, torch.float64).abs()
+            sums[w] += a.sum()
+            sums[weights + w] += a[piece.selected].sum()
+        self._all_reduce(sums)
+        self._auto.observe(sums[:weights], sums[weights:])
+
     def _cpu_step(self, k: int) -> None:
-        """The CPU optimizer on the accumulated gradient, step count k + 1; published into the
-        model's values except the selected elements."""
+        """The CPU optimizer on the accumulated gradient (its mean with update_interval "auto"),
+        step count k + 1; published into the model's values except the selected elements."""
+        mean = self._rule.update_interval is None and self._acc_steps != 1
         for piece in self._pieces:
-            piece.master.grad = piece.acc
+            piece.master.grad = piece.acc / self._acc_steps if mean else piece.acc
             state = self.inner.state[piece.master]
             if not state:
                 state["exp_avg"] = torch.zeros_like(piece.master)
@@ -251,6 +318,7 @@ class ZenFlowStep(torch.optim.Optimizer):
                 piece.lp[piece.selected] = values
             piece.acc.zero_()
             piece.master.grad = None
+        self._acc_steps = 0
 
     def _selective_step(self, grads: Sequence[Tensor]) -> None:
         """AdamW on the selected elements of the model's values (DeepSpeed's ZenFlowSelectiveAdamW)."""
@@ -264,3 +332,27 @@ class ZenFlowStep(torch.optim.Optimizer):
                   [piece.exp_avg_sq], [], [piece.step], foreach=False, amsgrad=False, beta1=beta1, beta2=beta2,
                   lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
             piece.lp[piece.selected] = values
+
+
+class _ZenFlowStateView(Mapping[Tensor, dict[str, Any]]):
+    """`ZenFlowStep.state`: fragment -> inner's state with ZenFlow's beside it, built on each read
+    (the checkpoint's collector reads fragments' states here: runtime/checkpoint_state.py)."""
+
+    def __init__(self, owner: ZenFlowStep) -> None:
+        self._owner = owner
+        self._pieces = {id(p.master): p for p in owner._pieces}
+
+    def __getitem__(self, p: Tensor) -> dict[str, Any]:
+        piece = self._pieces.get(id(p))
+        if piece is None:
+            return self._owner.inner.state[p]
+        return {**self._owner.inner.state.get(p, {}), **self._owner._export(piece)}
+
+    def __contains__(self, p: object) -> bool:
+        return id(p) in self._pieces or p in self._owner.inner.state
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return iter([p.master for p in self._owner._pieces])
+
+    def __len__(self) -> int:
+        return len(self._pieces)
