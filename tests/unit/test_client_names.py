@@ -5,6 +5,7 @@ the client reads it."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -156,3 +157,28 @@ def test_checkpoint_constants_equal_deepspeeds() -> None:
     spec.loader.exec_module(mine)
     names = [n for n in dir(mine) if n.isupper()]
     assert names and {n: getattr(mine, n) for n in names} == {n: getattr(ds, n) for n in names}
+
+
+def test_deepspeed_command_runs_zeroshard_launch(tmp_path: Any) -> None:
+    """DeepSpeed-Chat's training_scripts call `deepspeed main.py ...`: the command written by
+    `zeroshard install-deepspeed-command` hands its arguments to `zeroshard launch --as_deepspeed`
+    (shown with --dry_run), refuses to overwrite a file it did not write, and removes its own."""
+    import subprocess
+    import sys
+
+    from zeroshard.cli.main import main
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    assert main(["install-deepspeed-command", "--dir", str(tmp_path)]) == 0
+    run = subprocess.run([str(tmp_path / "deepspeed"), "--dry_run", "--num_gpus", "1", "--no_env_file", str(script),
+                          "--zero_stage", "2"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "ZEROSHARD_AS_DEEPSPEED=1" in run.stdout and f"{script} --zero_stage 2" in run.stdout
+    assert sys.executable in (tmp_path / "deepspeed").read_text()
+    assert main(["install-deepspeed-command", "--dir", str(tmp_path), "--remove"]) == 0
+    assert not (tmp_path / "deepspeed").exists()
+    (tmp_path / "deepspeed").write_text("#!/bin/sh\necho a real DeepSpeed\n")
+    assert main(["install-deepspeed-command", "--dir", str(tmp_path)]) == 2
+    assert main(["install-deepspeed-command", "--dir", str(tmp_path), "--remove"]) == 2
+    assert "a real DeepSpeed" in (tmp_path / "deepspeed").read_text()

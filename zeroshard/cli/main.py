@@ -16,6 +16,8 @@ commands:
   to-deepspeed   write a checkpoint as a DeepSpeed universal checkpoint (CPU only)
   bench-io       swap bandwidth on a directory for a grid of aio settings; prints the aio block
   report         plot the CSV monitor output of one or more runs (loss, lr, samples/s, memory)
+  install-deepspeed-command
+                 write a `deepspeed` launcher command that runs `zeroshard launch --as_deepspeed`
 
 Run `zeroshard <command> --help` for a command's options."""
 
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         from zeroshard.cli.bench_io import main as run
     elif command == "report":
         from zeroshard.cli.report import main as run
+    elif command == "install-deepspeed-command":
+        from zeroshard.cli.deepspeed_command import main as run
     elif command == "config":
         if not rest or rest[0] != "check":
             print("usage: zeroshard config check FILE [--world-size N] [--hidden-size H]", file=sys.stderr)
