@@ -75,6 +75,7 @@ class FlopsProfiler:
     def __init__(self, model: nn.Module, ds_engine: Any = None, recompute_fwd_factor: float = 0.0) -> None:
         self.model = model
         self._counter: FlopCounterMode | None = None
+        self._ignored: tuple[type, ...] = ()
         self._by_module: dict[str, int] = {}
         self._started = 0.0
         self._duration = 0.0
@@ -134,7 +135,7 @@ class FlopsProfiler:
         return params_to_string(total) if as_string else total
 
     def _ignored_flops(self) -> int:
-        if not getattr(self, "_ignored", ()):
+        if not self._ignored:
             return 0
         ignored = {n: m for n, m in self.model.named_modules() if n and isinstance(m, self._ignored)}
         outermost = [n for n in ignored if not any(n.startswith(o + ".") for o in ignored if o != n)]
