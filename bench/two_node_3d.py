@@ -171,7 +171,7 @@ def worker(case: str, steps: int, gas: int) -> None:
     out: list[Any] = [None] * w
     mine = {"rank": rank, "local": local, "tx": after - before, "lo": lo_after - lo_before, "times": times,
             "local_params": local_params,
-            "node": os.environ.get("GLOO_SOCKET_IFNAME", ""), "groups": _groups(rank)}
+            "node": os.environ.get("GLOO_SOCKET_IFNAME", ""), "groups": _groups(engine, rank)}
     dist.all_gather_object(out, mine)
     if rank == 0:
         tx = sum(o["tx"] for o in out if o["local"] == 0)  # one reader per node: its veth's tx
@@ -184,11 +184,11 @@ def worker(case: str, steps: int, gas: int) -> None:
                                       "local_params": [o["local_params"] for o in out]}), flush=True)
 
 
-def _groups(rank: int) -> dict[str, list[int]]:
-    """This rank's groups along each axis of the mesh zeroshard built (empty without one)."""
-    from zeroshard.comm.topology import AXES, current_mesh
+def _groups(engine: Any, rank: int) -> dict[str, list[int]]:
+    """This rank's groups along each axis of the engine's mesh (empty without one)."""
+    from zeroshard.comm.topology import AXES
 
-    mesh = current_mesh()
+    mesh = engine.parallel.mesh if engine.parallel is not None else None
     return {} if mesh is None else {a: mesh.topology.axis_ranks(a, rank) for a in AXES}
 
 

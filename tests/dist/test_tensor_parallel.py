@@ -53,12 +53,14 @@ def _whole(engine: Any) -> dict[str, torch.Tensor]:
     return box[0]
 
 
-def _check(groups: ProcessGroups, cfg: dict[str, Any], data: list[list[torch.Tensor]]) -> Any:
+def _check(groups: ProcessGroups, cfg: dict[str, Any], data: list[list[torch.Tensor]],
+           build: Any = None) -> Any:
     tp = _tp(groups.world_size)
     dp = groups.world_size // tp
     ref = reference(lambda: _model(groups.world_size), data, lr=LR, clip=CLIP)
     want_losses, want = ref.losses, ref.weights
-    engine, *_ = zeroshard.initialize(model=_model(groups.world_size), config=cfg)
+    model = build() if build is not None else _model(groups.world_size)
+    engine, *_ = zeroshard.initialize(model=model, config=cfg)
     dp_rank = engine.parallel.dp.rank
     assert engine.dp_world_size == dp and engine.parallel.mesh.topology.tp == tp
     got = _train(engine, data, dp_rank)
@@ -93,6 +95,25 @@ def test_matches_one_process(groups: ProcessGroups, stage: int) -> None:
     tp = _tp(groups.world_size)
     dp = groups.world_size // tp
     _check(groups, tp_config(tp, stage, dp, clip=CLIP, lr=LR), batches(STEPS, dp))
+
+
+def test_zero_init_matches_one_process(groups: ProcessGroups) -> None:
+    """A model built under zero.Init(config_dict_or_path=<AutoTP config>) is cut over ZeRO's
+    data-parallel ranks (world / tp, decided from the config by resolve_dims, not by groups an
+    earlier engine left), gathered back whole for AutoTP's split, then trained at ZeRO 3 equal to one
+    process (Note: [zero.Init under AutoTP] in tensor_parallel/setup.py)."""
+    tp = _tp(groups.world_size)
+    dp = groups.world_size // tp
+    cfg = tp_config(tp, 3, dp, clip=CLIP, lr=LR)
+
+    def build() -> torch.nn.Module:
+        with zeroshard.zero.Init(config_dict_or_path=cfg):
+            model = _model(groups.world_size)
+        for p in model.parameters():
+            assert p._zs.init_shard.numel() == -(-p.numel() // dp), p._zs.name  # cut over dp ranks, not tp x dp
+        return model
+
+    _check(groups, cfg, batches(STEPS, dp), build=build)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

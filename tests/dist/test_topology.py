@@ -9,14 +9,13 @@ builds its meshes and leaves the data-parallel-only mesh current, as initialize(
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
 
 from zeroshard.comm import Comm, ProcessGroups
-from zeroshard.comm.topology import AXES, MeshGroups, Topology, build_mesh, current_mesh
+from zeroshard.comm.topology import AXES, MeshGroups, Topology, build_mesh
 from zeroshard.zero.stage0 import Stage0Strategy
 from zeroshard.zero.stage12 import PartitionOptions, Stage1Strategy
 from zeroshard.zero.strategy import ModelParallelNorm
@@ -28,15 +27,9 @@ def layouts(world: int) -> list[Topology]:
             for pp in range(1, world + 1) for tp in range(1, world + 1) if world % (pp * tp) == 0]
 
 
-@pytest.fixture
-def restore_mesh(groups: ProcessGroups) -> Iterator[None]:
-    yield
-    build_mesh(groups, Topology.for_world(groups.world_size))
-
-
-def test_data_parallel_mesh_is_the_world(groups: ProcessGroups, restore_mesh: None) -> None:
+def test_data_parallel_mesh_is_the_world(groups: ProcessGroups) -> None:
     mesh = build_mesh(groups, Topology.for_world(groups.world_size))
-    assert current_mesh() is mesh and build_mesh(groups, Topology.for_world(groups.world_size)) is mesh
+    assert build_mesh(groups, Topology.for_world(groups.world_size)) is mesh  # built once
     assert mesh.axis("dp") is groups  # ZeRO's group is unchanged: the same object, tracker and cache
     assert mesh.coord == {"pp": 0, "dp": groups.rank, "tp": 0}
     for axis in ("pp", "tp"):
@@ -63,7 +56,7 @@ def _check_group(mesh: MeshGroups, names: tuple[str, ...], rank: int) -> None:
 
 
 @pytest.mark.parametrize("index", range(6))
-def test_collective_on_every_axis(groups: ProcessGroups, index: int, restore_mesh: None) -> None:
+def test_collective_on_every_axis(groups: ProcessGroups, index: int) -> None:
     """Layout `index` of the world's factorizations (2 ranks: 3 layouts; 3: 3; 4: 6)."""
     all_layouts = layouts(groups.world_size)
     if index >= len(all_layouts):
@@ -79,7 +72,7 @@ def test_collective_on_every_axis(groups: ProcessGroups, index: int, restore_mes
         _check_group(mesh, names, groups.rank)
 
 
-def test_node_split_is_a_subdivision_of_dp(groups: ProcessGroups, restore_mesh: None) -> None:
+def test_node_split_is_a_subdivision_of_dp(groups: ProcessGroups) -> None:
     """ZeRO++'s node / cross groups, from the mesh and from a Comm on its dp axis: the same."""
     world = groups.world_size
     for topo in layouts(world):
@@ -108,7 +101,7 @@ def _norm_after_backward(strategy: Stage0Strategy | Stage1Strategy, param: nn.Pa
 
 
 @pytest.mark.parametrize("stage", [0, 1])
-def test_gradient_norm_sums_over_tp(groups: ProcessGroups, stage: int, restore_mesh: None) -> None:
+def test_gradient_norm_sums_over_tp(groups: ProcessGroups, stage: int) -> None:
     """Each tensor-parallel rank holds a different slice of the gradient: the norm every rank
     reports is the norm of the whole (the dp-average of identical slices, summed over tp)."""
     world = groups.world_size

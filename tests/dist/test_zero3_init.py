@@ -175,3 +175,32 @@ def test_nested_blocks_build_one_model(groups) -> None:
     # gather reads only its metadata (torch checks grad_fn), which needs no data.
     cut.head.weight = cut.head.weight
     assert cut.head.weight.grad_fn is None
+
+
+class _SoloMpu:
+    """A Megatron-style mpu whose data-parallel group is this rank alone (model parallel over the world)."""
+
+    def get_data_parallel_group(self) -> None:
+        return None  # one rank: no torch group
+
+    def get_data_parallel_rank(self) -> int:
+        return 0
+
+    def get_data_parallel_world_size(self) -> int:
+        return 1
+
+
+def test_init_cuts_over_the_groups_its_arguments_name(groups) -> None:
+    """zero.Init's ranks come from its own arguments (an mpu's data-parallel group, the config's
+    parallel sizes), never from groups an earlier engine built: an mpu whose data-parallel group is one
+    rank leaves every parameter whole on its rank, a config with data parallelism only cuts over the world."""
+    with Init(mpu=_SoloMpu()):
+        solo = make_model(seed=0)
+    with Init(config_dict_or_path=make_config(zero_optimization=STAGE3)):
+        world = make_model(seed=0)
+    for a, b in zip(solo.parameters(), world.parameters()):
+        assert a._zs.init_shard.numel() == a.numel(), a._zs.name
+        assert b._zs.init_shard.numel() == -(-b.numel() // groups.world_size), b._zs.name
+    with pytest.raises(ConfigError, match="mpu= or data_parallel_group=, not both"), Init(
+            mpu=_SoloMpu(), data_parallel_group=object()):
+        pass

@@ -33,7 +33,7 @@ def test_no_parallelism_is_the_plain_estimate() -> None:
     spec = count_hf_params(SMALL_LLAMA, "AutoModelForCausalLM")
     for stage in (0, 1, 2, 3):
         setup = Setup(zero_stage=stage, devices_per_node=4)
-        est = estimate_stage(spec, setup, Layout(dp=4), 0)
+        est = estimate_stage(spec, setup, Layout.of(dp=4), 0)
         assert est.pipeline_buffers == 0
         assert est.rank == max((estimate_rank(spec, setup, r) for r in range(4)), key=lambda e: e.device_peak)
 
@@ -69,7 +69,7 @@ def test_zero_factors_per_rank_at_pp2_dp2(llama70b) -> None:  # type: ignore[no-
     # whose padding and persistent parameters weigh more; see the census test for measured agreement).
     want = {0: 18.0, 1: 12.0, 2: 10.0, 3: 9.0}
     for stage, bpp in want.items():
-        est = estimate_stage(llama70b, Setup(zero_stage=stage), Layout(pp=2, dp=2), 0, every_rank=False)
+        est = estimate_stage(llama70b, Setup(zero_stage=stage), Layout.of(pp=2, dp=2), 0, every_rank=False)
         got = est.rank.device.total / est.spec.total_params
         assert got == pytest.approx(bpp, rel=2e-3), (stage, got)
         assert est.pipeline_buffers >= 4 * est.spec.total_params  # the batch's fp32 gradient kept aside
@@ -105,9 +105,9 @@ def test_tensor_parallel_activations_follow_korthikanti() -> None:
 
 def test_pipeline_activations_per_stage(llama70b) -> None:  # type: ignore[no-untyped-def]
     act = ActivationOptions(seq_len=4096, micro_batch=1)
-    one_f_one_b = estimate_layout(llama70b, Setup(zero_stage=1), Layout(tp=8, pp=4, dp=2, micro_batches=16), act,
+    one_f_one_b = estimate_layout(llama70b, Setup(zero_stage=1), Layout.of(tp=8, pp=4, dp=2, micro_batches=16), act,
                                   every_rank=False)
-    gpipe = estimate_layout(llama70b, Setup(zero_stage=1), Layout(tp=8, pp=4, dp=2, micro_batches=16,
+    gpipe = estimate_layout(llama70b, Setup(zero_stage=1), Layout.of(tp=8, pp=4, dp=2, micro_batches=16,
                                                              schedule="gpipe"), act, every_rank=False)
     # 1F1B: the first stage keeps 4 micro-batches, the last 1 (+ its logits); GPipe all 16 everywhere.
     assert one_f_one_b[0].activations > 3 * one_f_one_b[3].activations / 2

@@ -122,7 +122,7 @@ def test_the_frozen_description_checks_itself() -> None:
         d.tp = 4  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("module", [parallel_dims, Topology.__module__])
+@pytest.mark.parametrize("module", [parallel_dims, Topology.__module__, "zeroshard.estimate.parallel"])
 def test_doctests(module: object) -> None:
     import importlib
 

@@ -449,14 +449,20 @@ def current_groups() -> ProcessGroups | None:
     return _GROUPS
 
 
-def wrap_process_group(groups: ProcessGroups, group: dist.ProcessGroup | None, rank: int,
-                       world_size: int) -> ProcessGroups:
+def wrap_process_group(groups: ProcessGroups, group: dist.ProcessGroup | None, rank: int | None = None,
+                       world_size: int | None = None) -> ProcessGroups:
     """ProcessGroups over a group the script built itself (a Megatron mpu's data- or
-    model-parallel group); `rank` / `world_size` are this rank's position in it and its size.
+    model-parallel group); `rank` / `world_size` are this rank's position in it and its size, as
+    its owner reports them (None: the group's own).
 
     Raises:
         CommError: the group's own rank or size disagrees with the given ones.
     """
+    if rank is None or world_size is None:
+        if group is None or not dist.is_initialized():
+            raise CommError("wrap_process_group: without rank and world_size, pass a process group of an "
+                            "initialized job")
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     if world_size > 1 and group is not None and dist.is_initialized():
         real = (dist.get_rank(group), dist.get_world_size(group))
         if real != (rank, world_size):

@@ -47,7 +47,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from zeroshard.comm.groups import (
     ProcessGroups,
     adopt_subgroup,
-    current_groups,
     node_rank_lists,
     node_size,
     on_destroy,
@@ -243,36 +242,38 @@ class MeshGroups:
         return f"MeshGroups({self.topology}, coord={self.coord}, mesh={self.mesh!r})"
 
 
-_MESH: MeshGroups | None = None
+_BUILT: dict[Topology, MeshGroups] = {}
+"""Every mesh `build_mesh` made over the current world, by topology: a memo of groups (creating them
+is collective and slow, and they outlive the engines that use them), never a source of the layout,
+which each caller decides (comm/parallel_dims.py) and passes in."""
 
 
-def _forget_mesh() -> None:
-    global _MESH
-    _MESH = None
+def _forget_meshes() -> None:
+    _BUILT.clear()
 
 
-on_destroy(_forget_mesh)  # Note: [groups die before finalization] in groups.py
+on_destroy(_forget_meshes)  # Note: [groups die before finalization] in groups.py
 
 
 def build_mesh(world: ProcessGroups, topology: Topology) -> MeshGroups:
-    """The process's :class:`MeshGroups` over `world` (collective: every rank calls it with the
-    same topology). Built once: a second call with the same world and topology returns it.
+    """The :class:`MeshGroups` of `topology` over `world` (collective: every rank calls it with the
+    same topology). Built once per topology: a later call with the same world and topology returns
+    the same groups.
 
     Raises:
         CommError: the topology's size is not the world size.
     """
-    global _MESH
-    cached = _MESH
-    if cached is not None and cached.world is world and cached.topology == topology:
+    cached = _BUILT.get(topology)
+    if cached is not None and cached.world is world:
         return cached
     mesh = None
     if world.dp_group is not None:
         if topology.world_size != world.world_size:
             MeshGroups(world, topology, None)  # raises the size mismatch
         mesh = init_device_mesh(world.device.type, (topology.pp, topology.dp, topology.tp), mesh_dim_names=AXES)
-    _MESH = MeshGroups(world, topology, mesh)
+    built = _BUILT[topology] = MeshGroups(world, topology, mesh)
     _check_placement(world, topology)
-    return _MESH
+    return built
 
 
 def _check_placement(world: ProcessGroups, topology: Topology) -> None:
@@ -287,11 +288,3 @@ def _check_placement(world: ProcessGroups, topology: Topology) -> None:
             "tensor-parallel group %s spans nodes (%d ranks per node): its all-reduces cross the inter-node link. "
             "Choose a tensor-parallel size dividing the ranks per node (%d), or start more ranks per node.",
             across[0], size, size)
-
-
-def current_mesh() -> MeshGroups | None:
-    """The mesh :func:`build_mesh` built for this process's current process group, if any."""
-    mesh = _MESH
-    if mesh is None or (mesh.world.dp_group is not None and mesh.world is not current_groups()):
-        return None  # built over a process group that has since been left
-    return mesh

@@ -6,7 +6,8 @@
 
 DeepSpeed's estimator API is here under its names (`estimate_zero2_model_states_mem_needs_all_live`
 and the rest); `zeroshard estimate` and `zeroshard plan` are the command-line faces. See
-docs/estimate.md. Imports `zeroshard.config`, `zeroshard.zero` (layout rules), torch, the built-in GPT
+docs/estimate.md. Imports `zeroshard.config`, `zeroshard.zero` (layout rules), `zeroshard.comm.parallel_dims`
+(the layout's sizes, pure integers), torch, the built-in GPT
 (`zeroshard.examples.gpt`), `zeroshard.moe` (which modules are expert banks, in experts.py) and, in
 probe_worker.py only, `zeroshard.runtime` (it trains).
 """

@@ -23,13 +23,16 @@ model. So `stage_spec` builds the per-rank `ModelSpec` and `estimate_stage` hand
 - activations: `stage_activation_bytes` with the schedule's micro-batches in flight and the
   TP (and sequence-parallel) split.
 
-Imports `estimate.spec`, `estimate.states`, `estimate.activations`; never a process group.
+Imports `comm.parallel_dims` (pure integers), `estimate.spec`, `estimate.states`, `estimate.activations`;
+never a process group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
+from zeroshard.comm.parallel_dims import ParallelDims, PipeShape, resolve_dims
 from zeroshard.errors import ZeroshardError
 from zeroshard.estimate.activations import ActivationOptions, Schedule, in_flight, stage_activation_bytes
 from zeroshard.estimate.spec import ModelSpec
@@ -41,31 +44,59 @@ class Layout:
     """A 3D layout and how its pipeline runs.
 
     Attributes:
-        tp, pp, dp: tensor-parallel, pipeline and data-parallel sizes (world = tp * pp * dp).
+        dims: the sizes of every dimension (comm/parallel_dims.py's `ParallelDims`, the one
+            description `initialize` trains with); `Layout.of` resolves them from tp / pp / dp.
         micro_batches: micro-batches per optimizer step and pipeline (gradient accumulation steps).
         schedule: the pipeline schedule (`pipeline.schedule`).
         virtual: stages per rank for the interleaved schedules.
         sequence_parallel: TP's sequence parallelism (tp_model_init(..., sequence_parallel=True)).
     """
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
+    dims: ParallelDims
     micro_batches: int = 1
     schedule: Schedule = "1f1b"
     virtual: int = 1
     sequence_parallel: bool = False
 
+    @classmethod
+    def of(cls, *, tp: int = 1, pp: int = 1, dp: int = 1, **how: Any) -> Layout:
+        """The layout of `tp` x `pp` x `dp` ranks, its dims resolved as `initialize` resolves an AutoTP
+        config on a PipelineModule of `pp` stages (`how`: the other fields).
+
+        >>> layout = Layout.of(tp=2, pp=2, dp=2)
+        >>> (layout.tp, layout.pp, layout.dp, layout.world_size), layout.dims.tp_split
+        ((2, 2, 2, 8), 'autotp')
+        """
+        for name, size in (("tp", tp), ("pp", pp), ("dp", dp)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ZeroshardError(f"Layout.{name} must be an integer >= 1, got {size!r}")
+        return cls(dims=resolve_dims(tp * pp * dp, config_tp=tp, pipe=PipeShape(pp=pp)), **how)
+
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "micro_batches", "virtual"):
+        for name in ("micro_batches", "virtual"):
             if getattr(self, name) < 1:
                 raise ZeroshardError(f"Layout.{name} must be >= 1, got {getattr(self, name)}")
         if self.virtual > 1 and not self.schedule.startswith("interleaved"):
             raise ZeroshardError(f"virtual stages ({self.virtual}) need an interleaved schedule, not {self.schedule}")
+        if self.dims.ep > 1 or self.dims.sp > 1:
+            raise ZeroshardError("the 3D estimator does not model expert or sequence parallelism yet "
+                                 f"({self.dims.describe()})")
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.dims.world_size
 
     def label(self) -> str:
         text = f"TP {self.tp} x PP {self.pp} x DP {self.dp}"

@@ -235,12 +235,12 @@ def make_3d_plan(spec: ModelSpec, train: Training, cluster: Cluster) -> Plan3D:
             per_rank = train.global_batch // dp
             for zero_stage in train.zero_stages:
                 setup = replace(base, zero_stage=zero_stage)
-                states = estimate_layout(spec, setup, Layout(tp=tp, pp=pp, dp=dp), every_rank=False)
+                states = estimate_layout(spec, setup, Layout.of(tp=tp, pp=pp, dp=dp), every_rank=False)
                 for micro in (b for b in _divisors(per_rank) if b <= train.max_micro_batch and b & (b - 1) == 0):
                     m = per_rank // micro
                     for sched, v in _schedules(train, pp, states[0].layers):
                         for sp in ((False, True) if tp > 1 else (False,)):
-                            layout = Layout(tp=tp, pp=pp, dp=dp, micro_batches=m, schedule=sched, virtual=v,
+                            layout = Layout.of(tp=tp, pp=pp, dp=dp, micro_batches=m, schedule=sched, virtual=v,
                                             sequence_parallel=sp)
                             for ckpt in ckpts:
                                 out.append(_candidate(spec, train, cluster, layout, setup, states, micro, ckpt, act))

@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from zeroshard.comm.groups import ProcessGroups, current_groups, init_distributed
-from zeroshard.comm.topology import MeshGroups, build_mesh, current_mesh
+from zeroshard.comm.topology import MeshGroups, build_mesh
 from zeroshard.pipe.topology import PipeDataParallelTopology, ProcessTopology
 
 
@@ -64,9 +64,7 @@ class PipelineParallelGrid:
         self._topo = topology if topology is not None else default_topology(world.world_size)
         ours = self._topo.as_topology()
         if mesh is None or mesh.topology != ours:
-            mesh = current_mesh()
-            if mesh is None or mesh.topology != ours:
-                mesh = build_mesh(world, ours)  # collective: DeepSpeed's constructor creates groups too
+            mesh = build_mesh(world, ours)  # collective (DeepSpeed's constructor creates groups too); built once
         self._mesh = mesh
         self._solo: Any = None
         self.global_rank = world.rank

@@ -27,6 +27,7 @@ from zeroshard.config.schema_tp import TensorParallelConfig
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.sequence.sp_groups import SequenceGroups
 from zeroshard.tensor_parallel.tp_plan import TensorParallelState, resolve_plan, shard_model, tp_state_of
+from zeroshard.zero.init_partition import unpartition
 from zeroshard.zero.stage0 import broadcast_module_state
 from zeroshard.zero.strategy import ModelParallelNorm
 
@@ -158,6 +159,10 @@ def layout_for_tensor_parallel(world: ProcessGroups, world_comm: Comm, model: nn
             raise NotSupportedError("not supported yet: sequence parallelism with a PipelineModule (3D); drop "
                                     "tp_model_init(..., sequence_parallel=True).")
         plan = resolve_plan(model, config)
+        # Note: [zero.Init under AutoTP]. zero.Init cut the parameters over the data-parallel ranks
+        # (its config named the tensor-parallel size); AutoTP needs whole layers and equal copies, so
+        # they are gathered back here, then split over tp, then ZeRO-3 partitions the split model.
+        unpartition(model)
         pp_stage_comm = world_comm if topology.pp == 1 else Comm(mesh.axes("dp", "tp"), timeout_s=world_comm.timeout_s,
                                                           log=world_comm.log, label="stage")
         broadcast_module_state(model, pp_stage_comm)  # every tp rank cuts its piece from the same weights

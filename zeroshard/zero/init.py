@@ -10,12 +10,13 @@ runs at every stage.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
 from torch import nn
 
+from zeroshard.errors import ConfigError
 from zeroshard.zero.units import UserGatherable, ZeroParameter, zero_state
 
 
@@ -80,16 +81,22 @@ class Init:
         enabled: False builds the model normally (for code shared across stages).
         dtype: cast floating-point parameters to this dtype as they are created.
         remote_device: "cpu" keeps the shards in CPU memory (parameter offload).
-        config_dict_or_path: accepted for DeepSpeed compatibility; the stage is checked by
+        config_dict_or_path: the job's ds_config (a dict or a path). Its parallel sizes decide the
+            ranks the parameters are cut over (`_partition_groups`): ZeRO's data-parallel ranks, which
+            are fewer than the world with `tensor_parallel.autotp_size`; the stage is checked by
             `initialize`.
+        mpu: a Megatron-style mpu; its data-parallel group is the one the parameters are cut over.
+        data_parallel_group: DeepSpeed's explicit group to cut over (a torch process group).
     """
 
     def __init__(self, *, enabled: bool = True, dtype: Any = None, remote_device: str | None = None,
-                 config_dict_or_path: Any = None, module: Any = None, **_deepspeed_only: Any) -> None:
+                 config_dict_or_path: Any = None, module: Any = None, mpu: Any = None,
+                 data_parallel_group: Any = None, **_deepspeed_only: Any) -> None:
         if module is not None:
             raise ValueError("zero.Init(module=...) is not supported: build the model inside the `with` block")
         self._enabled, self._dtype = enabled, dtype
         self._remote_device = remote_device
+        self._config, self._mpu, self._dp_group = config_dict_or_path, mpu, data_parallel_group
         self._hooks: list[Any] = []
         self._nested = False
 
@@ -101,16 +108,10 @@ class Init:
             self._partitioner = _OPEN[0]._partitioner
             _OPEN.append(self)
             return self
-        from zeroshard.comm import Comm, init_distributed
-        from zeroshard.comm.topology import current_mesh
+        from zeroshard.comm import Comm
         from zeroshard.zero.init_partition import InitPartitioner
 
-        world = init_distributed()
-        # The dp axis of the mesh already built (by initialize() or the script's build_mesh);
-        # without one, data parallelism only: dp is the world. Not built here: a DeviceMesh's
-        # groups would count in the construction peak tests/launch/test_zero_init_memory.py bounds.
-        mesh = current_mesh()
-        groups = mesh.axis("dp") if mesh is not None else world
+        groups = _partition_groups(self._config, self._mpu, self._dp_group)
         self._partitioner = InitPartitioner(Comm(groups), groups.rank, groups.world_size,
                                             dtype=self._dtype, remote_device=self._remote_device)
         reg = nn.modules.module
@@ -139,6 +140,39 @@ class Init:
 
 _OPEN: list[Init] = []
 """The `zero.Init` blocks open now, outermost first (only the first partitions)."""
+
+
+def _partition_groups(config: Any, mpu: Any, data_parallel_group: Any) -> Any:
+    """The ranks `zero.Init` cuts parameters over: the data-parallel group `initialize` will give
+    ZeRO stage 3 for the same arguments, decided from them by comm/parallel_dims.py's `resolve_dims`
+    (never from groups some earlier engine left behind). Data parallelism only (the usual case): the
+    world, and no group is built (a DeviceMesh's groups would count in the construction peak
+    tests/launch/test_zero_init_memory.py bounds).
+
+    Raises:
+        ConfigError: the config's parallel sizes do not fit the world, or an mpu is given with a
+            data_parallel_group that is not its own.
+    """
+    from zeroshard.comm import init_distributed
+    from zeroshard.comm.groups import wrap_process_group
+    from zeroshard.comm.parallel_dims import resolve_dims
+    from zeroshard.comm.topology import build_mesh
+    from zeroshard.config import read_config_file, tensor_parallel_size
+    from zeroshard.config.load import sequence_parallel_size
+
+    world = init_distributed()
+    if mpu is not None or data_parallel_group is not None:
+        if mpu is not None and data_parallel_group not in (None, mpu.get_data_parallel_group()):
+            raise ConfigError("zero.Init: pass mpu= or data_parallel_group=, not both (the mpu's data-parallel group "
+                              "is the one the parameters are cut over)")
+        if data_parallel_group is not None:
+            return wrap_process_group(world, data_parallel_group)
+        return wrap_process_group(world, mpu.get_data_parallel_group(), int(mpu.get_data_parallel_rank()),
+                                  int(mpu.get_data_parallel_world_size()))
+    raw = {} if config is None else config if isinstance(config, Mapping) else read_config_file(config)
+    dims = resolve_dims(world.world_size, config_tp=tensor_parallel_size(raw), sp=sequence_parallel_size(raw))
+    topology = dims.topology
+    return world if topology.dp == world.world_size else build_mesh(world, topology).axis("dp")
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

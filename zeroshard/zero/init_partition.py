@@ -148,6 +148,12 @@ class InitPartitioner:
     def world_size(self) -> int:
         return self._world
 
+    def whole(self, p: ZeroParameter) -> Tensor:
+        """`p`'s whole flattened values, gathered over the ranks this partitioner cut it over
+        (collective over them): a strategy that takes the parameter over reads it through its
+        owner, whatever group the strategy itself reduces over."""
+        return gather_init_shards(self._comm, p, self._world)
+
     # -- loading a shard from a file (from_pretrained under the alias, compat/hf_loading.py) --
 
     def owned_range(self, p: ZeroParameter) -> tuple[int, int]:
@@ -221,6 +227,31 @@ def init_partitioned(p: Any) -> bool:
     """Whether `p` was cut by `zero.Init` and not yet taken over by a strategy."""
     state = zero_state(p)
     return state is not None and state.init_shard is not None
+
+
+def init_values(p: ZeroParameter) -> Tensor:
+    """The whole flattened values of a parameter `zero.Init` cut (collective over the ranks it was
+    cut over: every one of them asks for the same parameters in the same order)."""
+    owner = p._zs.owner
+    if not isinstance(owner, InitPartitioner):
+        raise AssertionError(f"{p._zs.name!r} is not held by zero.Init")
+    return owner.whole(p)
+
+
+@torch.no_grad()
+def unpartition(module: nn.Module) -> int:
+    """Give every `zero.Init` parameter of `module` its whole values back and make it a plain
+    parameter again (collective; the count). AutoTP splits whole layers and makes every rank's
+    copy equal first, so a model built under `zero.Init` is gathered before it is split: the
+    peak is then the whole model, as without `zero.Init` (Note: [zero.Init under AutoTP] in
+    tensor_parallel/setup.py)."""
+    params = [p for p in _unique([q for q in module.parameters() if init_partitioned(q)])]
+    for p in params:
+        if not p._zs.gathered:
+            assign_data(p, init_values(p).view(p.shape).clone())
+        p.__class__ = nn.Parameter
+        del p._zs
+    return len(params)
 
 
 def _unique(params: Sequence[ZeroParameter]) -> list[ZeroParameter]:

@@ -63,7 +63,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroshard.zero.frozen_reads import FrozenReads
 from zeroshard.zero.gather import SecondaryPartition
-from zeroshard.zero.init_partition import gather_init_shards, init_partitioned
+from zeroshard.zero.init_partition import init_partitioned, init_values
 from zeroshard.zero.parameter_offload import ParameterOffload
 from zeroshard.zero.reduce import GradReducer, LaunchOrder, ReduceMode, ReduceOptions
 from zeroshard.zero.schedule import ExecutionOrder, PrefetchPolicy
@@ -175,7 +175,7 @@ class Stage3Strategy(ShardedStrategyBase):
             with torch.no_grad():
                 for i, view in self._param_views(u, full):
                     p = self._params[i]
-                    view.copy_(gather_init_shards(self._comm, p, self._comm.world_size).view(p.shape)
+                    view.copy_(init_values(p).view(p.shape)
                                if init_partitioned(p) else p.detach())  # zero.Init: only shards exist
                     assign_data(p, view)  # a zero.Init parameter is partitioned already
                     make_zero_parameter(p, ZeroParamState(name=names[i], owner=self, unit=u))
