@@ -195,7 +195,7 @@ class OptimizerShard:
         if norm_group is not None:  # Note: [norm groups] in zero/strategy.py
             sq = norm_group.finish(sq, ())
         zenflow = self._zenflow_step  # it clips what its two optimizers step with (Note: [zenflow clip])
-        stats = unscale_and_clip(views, sq.item(), grad_scale * reduced_mult, 0.0 if zenflow else max_norm)
+        stats = unscale_and_clip(views, sq.item(), grad_scale * reduced_mult, 0.0 if zenflow is not None else max_norm)
         if zenflow is not None:
             zenflow.set_clip(max_norm, stats.norm)
         # The NVMe step reads the full-precision gradient shard itself (SwapAdam(grads=...)), and

@@ -49,8 +49,8 @@ ranks in float64: Note: [norm rounding] in zero/strategy.py):
   on the raw gradient during the backward, before any norm is known, so clipping never reached
   the columns with the largest gradients (docs/deepspeed-differences.md, ZenFlow).
 Both norms are in the units of an averaged gradient (acc sums G_j / U over at most U steps), so
-c means what it means without ZenFlow. The selection, the adaptive interval's sums and the accumulator
-read the unclipped g_k, as in DeepSpeed.
+c means what it means without ZenFlow. The selection, the adaptive interval's sums and the
+accumulator read the unclipped g_k, as in DeepSpeed.
 """
 
 from __future__ import annotations
