@@ -14,6 +14,7 @@ every step after the warm-up. Run at world sizes 1 (plain pytest) and 2 (torchru
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import pytest
@@ -81,7 +82,9 @@ def loader_data(epoch_steps: int | None, world: int) -> dict[str, Any]:
 def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], world: int, topk: float,
                       select: int, update: int | None, warmup: int, fused: bool, gas: int = 1,
                       auto_ratio: float = 0.99, lag: int = 1, schedule: list[int] | None = None,
-                      bf16: bool = False, fp32_selective: bool = False) -> tuple[list[list[float]], list[list[Tensor]]]:
+                      bf16: bool = False, fp32_selective: bool = False, clip: float = 0.0,
+                      clip_selective: bool = True, norms: dict[str, list[float]] | None = None,
+                      ) -> tuple[list[list[float]], list[list[Tensor]]]:
     """DeepSpeed's ZenFlow rule, written out: per-step losses of each rank (its last micro-batch's)
     and the weights after each step. `gas` > 1: stage 2's order, each micro-batch's loss / gas
     summed over the ranks, then over the micro-batches; a ZenFlow step is an optimizer step.
@@ -92,7 +95,13 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
     CPU step. `bf16`: the model in bf16, its gradients summed in fp32 (exact in any order), fp32
     masters and accumulator; the selective AdamW steps the bf16 values with the gradient cast to
     bf16 and bf16 moments (DeepSpeed's ZenFlowSelectiveAdamW on bf16 parameters), its step count
-    in fp32 (`fp32_selective` perturbs that: fp32 values and moments, rounded into the model)."""
+    in fp32 (`fp32_selective` perturbs that: fp32 values and moments, rounded into the model).
+
+    `clip` > 0: gradient_clipping (Note: [zenflow clip]): the CPU step's gradient times
+    min(1, clip / (its norm + 1e-6)), and the selective step's gradient times the same factor of
+    the norm of the step's averaged gradient (before the division by update_interval); squares
+    summed in float64. `clip_selective` False: DeepSpeed's rule, the selective step unclipped.
+    `norms` collects the step norms ("step") and the CPU steps' ("cpu")."""
     model = copy.deepcopy(model).to(torch.bfloat16) if bf16 else copy.deepcopy(model)
     params = list(model.parameters())
     master = [nn.Parameter(p.detach().float().clone()) for p in params]
@@ -122,6 +131,10 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
             total = micro_sum if total is None else [t + g for t, g in zip(total, micro_sum)]
         assert total is not None
         grads = [(t * (1.0 / world) if world != 1 else t) / (update or 1) for t in total]
+        step_norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in total)) * (1.0 / world)
+        sel_coef = _clip_factor(clip, step_norm) if clip_selective else 1.0
+        if norms is not None:
+            norms.setdefault("step", []).append(step_norm)
         with torch.no_grad():
             fire = False
             if update is None:  # the adaptive interval's start of step
@@ -163,8 +176,13 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
                 if schedule is not None:
                     schedule.append(k)
                 kept = [_selected(p, c).clone() for p, c in zip(params, cols)] if k >= warmup else None
-                for m, a in zip(master, acc):
-                    m.grad = a / accumulated if update is None and accumulated != 1 else a.clone()
+                given = [a / accumulated if update is None and accumulated != 1 else a.clone() for a in acc]
+                cpu_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in given))
+                if norms is not None:
+                    norms.setdefault("cpu", []).append(cpu_norm)
+                cpu_coef = _clip_factor(clip, cpu_norm)
+                for m, given_grad in zip(master, given):
+                    m.grad = given_grad * cpu_coef if cpu_coef != 1.0 else given_grad
                     state = opt.state[m]
                     if not state:
                         state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m),
@@ -181,13 +199,19 @@ def zenflow_reference(model: nn.Module, batches: list[tuple[Tensor, Tensor]], wo
                 for i, (p, g) in enumerate(zip(params, grads)):
                     values = _selected(p, cols[i]).clone()
                     values = values.float() if fp32_selective else values
-                    adamw([values], [_selected(g, cols[i]).to(values.dtype)], [exp_avg[i]], [exp_avg_sq[i]], [],
+                    sel_grad = _selected(g, cols[i])
+                    sel_grad = sel_grad * sel_coef if sel_coef != 1.0 else sel_grad
+                    adamw([values], [sel_grad.to(values.dtype)], [exp_avg[i]], [exp_avg_sq[i]], [],
                           [sel_step[i]], foreach=False, amsgrad=False, beta1=0.9, beta2=0.999, lr=LR,
                           weight_decay=WD, eps=1e-8, maximize=False)
                     _set_selected(p, cols[i], values)
         losses.append(rank_losses)
         weights.append([p.detach().float().clone() for p in params])
     return losses, weights
+
+
+def _clip_factor(clip: float, norm: float) -> float:
+    return min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
 
 
 def _selected(t: Tensor, columns: Tensor | None) -> Tensor:
@@ -285,6 +309,71 @@ def test_auto_rules_can_fail(groups) -> None:
     assert any(not torch.equal(a, b) for a, b in zip(epochs[-1], steps[-1]))
 
 
+CLIP = 0.3  # below the tiny GPT's step norms at 1-3 ranks (about 0.4-1.4), asserted per run
+CLIP_CASES = {  # name -> (topk, select, update, warmup, gradient_clipping, bf16)
+    "clips": (*CASES["intervals"], CLIP, False),
+    "clips, auto update, warm-up": (0.25, 4, None, 2, CLIP, False),
+    "clips, bf16": (*CASES["intervals"], CLIP, True),
+    "does not clip": (*CASES["intervals"], 10.0, False),
+}
+
+
+def clip_config(stage: int, case: str) -> dict[str, Any]:
+    topk, select, update, warmup, clip, bf16 = CLIP_CASES[case]
+    interval: int | str = "auto" if update is None else update
+    cfg = zen_config(stage, {"topk_ratio": topk, "select_strategy": "step", "select_interval": select,
+                             "update_interval": interval, "full_warm_up_rounds": warmup})
+    cfg["gradient_clipping"] = clip
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+@pytest.mark.parametrize("case", list(CLIP_CASES))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_clipping_matches_reference(groups, stage: int, case: str) -> None:
+    """gradient_clipping (Note: [zenflow clip]): the CPU step's accumulated gradient clipped by
+    its own norm, the selected columns' gradient by the step's norm. With CLIP the norms exceed
+    the threshold (both kinds, so both factors are below 1 somewhere); with 10 none does, and
+    the run is the unclipped rule's."""
+    rank, world = groups.rank, groups.world_size
+    topk, select, update, warmup, clip, bf16 = CLIP_CASES[case]
+    model = make_model()
+    batches = global_batches(STEPS, MICRO * world)
+    engine = init_engine(copy.deepcopy(model), clip_config(stage, case))
+    losses, got = train_engine(engine, batches, rank, world)
+    norms: dict[str, list[float]] = {}
+    want_losses, want = zenflow_reference(model, batches, world, topk, select, update, warmup, _fused(engine),
+                                          bf16=bf16, clip=clip, norms=norms)
+    for k in range(STEPS):
+        assert_params_close(got[k], want[k], 0.0, f"stage {stage}, {case}, weights after step {k + 1}")
+    assert losses == [per_rank[rank] for per_rank in want_losses]
+    if clip == CLIP:
+        assert any(n > clip for n in norms["step"]) and any(n > clip for n in norms["cpu"]), norms
+    else:
+        assert max(norms["step"] + norms["cpu"]) < clip, norms
+        _, unclipped = zenflow_reference(model, batches, world, topk, select, update, warmup, _fused(engine),
+                                         bf16=bf16)
+        assert all(torch.equal(a, b) for a, b in zip(want[-1], unclipped[-1]))
+
+
+def test_clipping_rules_can_fail(groups) -> None:
+    """The comparison above can fail: without clipping, and with DeepSpeed's rule (the selected
+    columns unclipped), the weights differ from the rule's."""
+    world = groups.world_size
+    topk, select, update, warmup = CASES["intervals"]
+    model = make_model()
+    batches = global_batches(STEPS, MICRO * world)
+    args = (model, batches, world, topk, select, update, warmup)
+    _, rule = zenflow_reference(*args, fused=False, clip=CLIP)
+    _, none = zenflow_reference(*args, fused=False)
+    _, deepspeed = zenflow_reference(*args, fused=False, clip=CLIP, clip_selective=False)
+    for other in (none, deepspeed):
+        assert any(not torch.equal(a, b) for a, b in zip(rule[-1], other[-1]))
+    # DeepSpeed's rule clips the CPU step alike: it differs from no clipping too
+    assert any(not torch.equal(a, b) for a, b in zip(deepspeed[-1], none[-1]))
+
+
 def test_gradient_accumulation(groups) -> None:
     """Two micro-batches per optimizer step at stage 2: a ZenFlow step is an optimizer step, on the
     gradient averaged over its micro-batches (DeepSpeed counts micro-steps instead)."""
@@ -377,9 +466,9 @@ def test_refused_by_name(zenflow: dict[str, Any], stage: int, match: str) -> Non
 
 
 def test_refused_pairings() -> None:
-    with pytest.raises(NotSupportedError, match=r"zenflow with gradient_clipping"):
-        load_config({"train_batch_size": 2, "zero_optimization": {
-            "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": STEP}}, dp_world_size=1)
+    clipped = load_config({"train_batch_size": 2, "zero_optimization": {  # gradient_clipping 1.0, HF's default
+        "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": STEP}}, dp_world_size=1)
+    assert clipped.gradient_clipping == 1.0 and clipped.zero_optimization.zenflow.enabled
     with pytest.raises(NotSupportedError, match=r"zenflow with fp16 training: not implemented"):
         load_config({"train_batch_size": 2, "gradient_clipping": 0.0, "fp16": {"enabled": True},
                      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": STEP}},

@@ -70,7 +70,8 @@ class ZenFlowConfig:
     accumulated and stepped by the CPU optimizer every `update_interval` steps, whose update
     lands on the other columns (docs/offload.md, Note: [zenflow rule] in zero/offload/zenflow.py).
     The section's presence turns it on (`{}` too), as in DeepSpeed; `enabled` is set by the loader.
-    Built for fp32 and bf16 training (fp32 masters) without gradient clipping; the rest is refused
+    Built for fp32 and bf16 training (fp32 masters), with or without `gradient_clipping` (each of
+    the two updates clipped by its own gradient's norm: Note: [zenflow clip]); the rest is refused
     by name.
     """
 

@@ -66,8 +66,6 @@ def check_zenflow(cfg: Config) -> None:
                           "DeepSpeed).")
     _check_intervals(zf)
     for key, on, why in (
-            ("gradient_clipping", cfg.gradient_clipping > 0,
-             "DeepSpeed clips the accumulated gradient of the CPU step only; set gradient_clipping to 0"),
             ("fp16 training", cfg.precision == "fp16",
              "DeepSpeed skips fp16 overflow steps around ZenFlow's two optimizers, which is not built. Use bf16 "
              "or fp32"),

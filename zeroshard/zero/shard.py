@@ -78,6 +78,7 @@ class OptimizerShard:
             self._separate = False
         self._swap_optimizer: "SwapAdam | None" = None
         self._delayed: DelayedStep | None = None  # offload_optimizer.delayed_update
+        self._zenflow_step: ZenFlowStep | None = None  # zero_optimization.zenflow
         self._spare_grads: GradShard | None = None  # Note: [double gradient buffer]
         self.norm_group = norm_group  # Note: [norm groups] in zero/strategy.py
         # 1D master_dtype / grad_dtype, shard_numel, at the policy's home (Note: [partial offload]: split)
@@ -193,7 +194,10 @@ class OptimizerShard:
         self._comm.all_reduce(sq)
         if norm_group is not None:  # Note: [norm groups] in zero/strategy.py
             sq = norm_group.finish(sq, ())
-        stats = unscale_and_clip(views, sq.item(), grad_scale * reduced_mult, max_norm)
+        zenflow = self._zenflow_step  # it clips what its two optimizers step with (Note: [zenflow clip])
+        stats = unscale_and_clip(views, sq.item(), grad_scale * reduced_mult, 0.0 if zenflow is not None else max_norm)
+        if zenflow is not None:
+            zenflow.set_clip(max_norm, stats.norm)
         # The NVMe step reads the full-precision gradient shard itself (SwapAdam(grads=...)), and
         # its fragments alias the parameters on the model's device while that shard is on the
         # CPU: attaching would copy (or, on a GPU, refuse) a gradient nobody reads.
@@ -203,6 +207,20 @@ class OptimizerShard:
 
     def _duplicate_grads(self, ids: frozenset[int]) -> list[Tensor]:
         return [g for f, g in zip(self._fragments, self._fragment_grads) if id(self._params[f.param_index]) in ids]
+
+    def _global_squares(self, per_fragment: Sequence[Tensor]) -> float:
+        """The global sum of squares of one tensor per fragment (fragment order), counted as the
+        gradient norm counts (Note: [norm groups] in zero/strategy.py): ZenFlow's clip norms."""
+        sq = sum_of_squares(per_fragment).to(self._device)
+        norm_group = self.norm_group
+        if norm_group is not None and norm_group.duplicates:
+            dup = [t for f, t in zip(self._fragments, per_fragment) if id(self._params[f.param_index])
+                   in norm_group.duplicates]
+            sq -= sum_of_squares(dup).to(self._device)
+        self._comm.all_reduce(sq)
+        if norm_group is not None:
+            sq = norm_group.finish(sq, ())
+        return float(sq.item())
 
     def fragment_grads(self, grad_scale: float, reduced_mult: float) -> list[Tensor]:
         """Each fragment's reduced gradient as a new 1-D fp32 tensor, times `reduced_mult` (the
@@ -266,8 +284,10 @@ class OptimizerShard:
                 columns = torch.arange(f.param_offset, f.param_offset + f.numel, device=self._device) % shape[1]
             pieces.append(ZenFlowPiece(master=frag, lp=self._lp[f.flat_offset : f.flat_offset + f.numel],
                                        param_index=f.param_index, columns=columns))
-        return ZenFlowStep(optimizer, pieces, [p.shape for p in self._params], rule,
-                           all_reduce=self._sum_over_ranks, device=self._device, world_size=self._comm.world_size)
+        self._zenflow_step = ZenFlowStep(optimizer, pieces, [p.shape for p in self._params], rule,
+                                         all_reduce=self._sum_over_ranks, device=self._device,
+                                         world_size=self._comm.world_size, squares=self._global_squares)
+        return self._zenflow_step
 
     def _sum_over_ranks(self, t: Tensor) -> None:
         self._comm.all_reduce(t)

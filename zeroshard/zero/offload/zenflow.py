@@ -35,10 +35,27 @@ summed across the ranks in one all-reduce, so the selection does not depend on t
 each rank applies the selective step to the elements of its own shard, which the all-gather that
 ends every step spreads (DeepSpeed broadcasts the selected gradients and every rank updates all
 of them).
+
+Note: [zenflow clip] With `gradient_clipping` c > 0 each of the two optimizers steps with its
+gradient times min(1, c / (norm + 1e-6)) (the engine's factor), once, where the norm is the
+global L2 norm of a whole gradient (every element of every parameter, squares summed across the
+ranks in float64: Note: [norm rounding] in zero/strategy.py):
+- the CPU step: the gradient it is given (acc, or its mean with update_interval "auto"), by that
+  gradient's own norm, as DeepSpeed 0.19.8 does (its ZeRO step takes the norm of the gradient
+  accumulated since the last CPU step and clips it before the CPU optimizer steps);
+- the selective step: g_k's selected elements, by the norm of the step's whole averaged gradient
+  (g_k before the division by U: the norm engine.get_global_grad_norm() reports), the factor
+  the same step gets without ZenFlow. DeepSpeed does not clip them: its selective AdamW steps
+  on the raw gradient during the backward, before any norm is known, so clipping never reached
+  the columns with the largest gradients (docs/deepspeed-differences.md, ZenFlow).
+Both norms are in the units of an averaged gradient (acc sums G_j / U over at most U steps), so
+c means what it means without ZenFlow. The selection, the adaptive interval's sums and the
+accumulator read the unclipped g_k, as in DeepSpeed.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -110,11 +127,13 @@ class ZenFlowStep(torch.optim.Optimizer):
         all_reduce: sums a 1-D fp32 / float64 tensor on `device` over the data-parallel ranks, in place.
         device: the model's device (the selective step and the column norms run there).
         world_size: the data-parallel ranks (a checkpoint resumes at the world size it was saved at).
+        squares: the global sum of squares of one tensor per piece (pieces' order), counted as the
+            gradient norm is: the CPU step's clip norm (Note: [zenflow clip]).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, pieces: Sequence[ZenFlowPiece], shapes: Sequence[torch.Size],
                  rule: ZenFlowRule, all_reduce: Callable[[Tensor], None], device: torch.device,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, squares: Callable[[Sequence[Tensor]], float] | None = None) -> None:
         # torch.optim.Optimizer.__init__ is not called: groups and state stay inner's objects.
         if not isinstance(inner, torch.optim.Adam):  # torch's AdamW subclasses Adam
             raise NotSupportedError(f"zero_optimization.zenflow steps Adam or AdamW; got {type(inner).__name__}. "
@@ -127,6 +146,8 @@ class ZenFlowStep(torch.optim.Optimizer):
             raise NotSupportedError(f"zero_optimization.zenflow selects columns of 1-D and 2-D parameters only "
                                     f"(as DeepSpeed does); the model has parameters of shapes {bad[:3]}.")
         self.inner, self._rule, self._all_reduce, self._device = inner, rule, all_reduce, device
+        self._squares = squares
+        self._max_norm, self._step_norm = 0.0, 0.0
         self._world_size = world_size
         self._pieces = list(pieces)
         self._shapes = [torch.Size(s) for s in shapes]
@@ -226,6 +247,11 @@ class ZenFlowStep(torch.optim.Optimizer):
                   "auto": self._auto.to_state() if self._auto is not None else None}
         return export_piece(piece, shared)
 
+    def set_clip(self, max_norm: float, step_norm: float) -> None:
+        """Before each step: `gradient_clipping` (0: none) and the norm of the step's averaged
+        gradient (the shard's `prepare_step` computes it and leaves the gradients unclipped)."""
+        self._max_norm, self._step_norm = max_norm, step_norm
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("add_param_group on a ZeRO engine's optimizer: build every group before "
                                   "zeroshard.initialize()")
@@ -252,7 +278,7 @@ class ZenFlowStep(torch.optim.Optimizer):
         if rule.cpu_steps(k, fire):
             self._cpu_step(k)
         if k >= rule.warmup:
-            self._selective_step(grads)
+            self._selective_step(grads, self._clip_factor(self._step_norm))
         self.steps += 1
         return None
 
@@ -298,12 +324,27 @@ class ZenFlowStep(torch.optim.Optimizer):
         self._all_reduce(sums)
         self._auto.observe(sums[:weights], sums[weights:])
 
+    def _clip_factor(self, norm: float) -> float:
+        """The engine's clip factor (unscale_and_clip in zero/strategy.py) for a gradient of global
+        norm `norm`; 1.0 without clipping (Note: [zenflow clip])."""
+        return min(1.0, self._max_norm / (norm + 1e-6)) if self._max_norm > 0 else 1.0
+
+    def _accumulated_norm(self, accumulated: Sequence[Tensor]) -> float:
+        if self._max_norm <= 0:
+            return 0.0  # not read
+        if self._squares is None:
+            raise AssertionError("expected a sum of squares over the ranks to clip ZenFlow's CPU step")
+        return math.sqrt(self._squares(accumulated))
+
     def _cpu_step(self, k: int) -> None:
         """The CPU optimizer on the accumulated gradient (its mean with update_interval "auto"),
-        step count k + 1; published into the model's values except the selected elements."""
+        clipped by its own norm, step count k + 1; published into the model's values except the
+        selected elements."""
         mean = self._rule.update_interval is None and self._acc_steps != 1
-        for piece in self._pieces:
-            piece.master.grad = piece.acc / self._acc_steps if mean else piece.acc
+        accumulated = [piece.acc / self._acc_steps if mean else piece.acc for piece in self._pieces]
+        coef = self._clip_factor(self._accumulated_norm(accumulated))
+        for piece, acc in zip(self._pieces, accumulated):
+            piece.master.grad = acc * coef if coef != 1.0 else acc
             state = self.inner.state[piece.master]
             if not state:
                 state["exp_avg"] = torch.zeros_like(piece.master)
@@ -320,15 +361,18 @@ class ZenFlowStep(torch.optim.Optimizer):
             piece.master.grad = None
         self._acc_steps = 0
 
-    def _selective_step(self, grads: Sequence[Tensor]) -> None:
-        """AdamW on the selected elements of the model's values (DeepSpeed's ZenFlowSelectiveAdamW)."""
+    def _selective_step(self, grads: Sequence[Tensor], coef: float) -> None:
+        """AdamW on the selected elements of the model's values (DeepSpeed's ZenFlowSelectiveAdamW),
+        their gradient times `coef` (the step's clip factor)."""
         for piece, g in zip(self._pieces, grads):
             if piece.selected is None or piece.exp_avg is None or piece.exp_avg_sq is None:
                 raise AssertionError("expected a selection before the first selective step")
             group = self._group_of[id(piece.master)]
             values = piece.lp[piece.selected]
             beta1, beta2 = group["betas"]
-            adamw([values], [g.to(piece.lp.device)[piece.selected].to(values.dtype)], [piece.exp_avg],
+            selected = g.to(piece.lp.device)[piece.selected]
+            selected = selected * coef if coef != 1.0 else selected
+            adamw([values], [selected.to(values.dtype)], [piece.exp_avg],
                   [piece.exp_avg_sq], [], [piece.step], foreach=False, amsgrad=False, beta1=beta1, beta2=beta2,
                   lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
             piece.lp[piece.selected] = values
