@@ -77,10 +77,10 @@ class TinyLM(nn.Module):
     default, Ulysses' attention exchanges over; `attention` builds another attention module."""
 
     def __init__(self, group: Any = None, seed: int = 0, attention: Callable[[], nn.Module] | None = None,
-                 kv_heads: int = HEADS) -> None:
+                 kv_heads: int = HEADS, checkpointed: bool = False) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.group = group
+        self.group, self.checkpointed = group, checkpointed
         if attention is None:
             attention = (lambda: Ulysses(group)) if group is not None else CausalSDPA
         self.emb, self.pos = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(64, HIDDEN)
@@ -90,8 +90,8 @@ class TinyLM(nn.Module):
     def forward(self, ids: Tensor, labels: Tensor, offset: int | Tensor = 0) -> Tensor:
         positions = torch.arange(offset, offset + ids.shape[1]) if isinstance(offset, int) else offset
         x = self.emb(ids) + self.pos(positions)
-        for block in self.blocks:
-            x = block(x)
+        for block in self.blocks:  # DeepSpeed's reentrant checkpoint: the recompute runs the all-to-alls again
+            x = zeroshard.checkpointing.checkpoint(block, x) if self.checkpointed else block(x)
         logits = self.head(x)
         count = (labels != -100).sum()
         local = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
@@ -228,6 +228,30 @@ def test_without_the_sum_over_sequence_ranks_the_weights_differ(groups: ProcessG
     train(engine, groups, dp, 2, range(STEPS))
     with pytest.raises(AssertionError, match="relative difference"):
         assert_matches([], full_weights(engine, 3), ([], oracle(dp, 2, 0.0)[1], None))
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_activation_checkpointing_in_cpu_memory_equals_one_process(groups: ProcessGroups, sp: int, stage: int) -> None:
+    """Every block checkpointed (DeepSpeed's reentrant `checkpointing.checkpoint`) with the config's
+    `activation_checkpointing.cpu_checkpointing`: each block's attention runs twice per micro-batch, the
+    recompute's all-to-alls in the backward on every sequence rank alike, and training equals one process
+    (on a CPU the inputs are in CPU memory already; on a GPU the same path copies them out and back)."""
+    dp = _layout(groups, sp)
+    seq = create_sequence_groups(groups, sp)
+    model = TinyLM(seq.sp.dp_group, checkpointed=True)
+    calls = [0]
+    for block in model.blocks:
+        block.attn.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    cfg = config(stage, False, sp, 0.0, activation_checkpointing={"cpu_checkpointing": True})
+    try:
+        engine, *_ = zeroshard.initialize(model=model, config=cfg)
+        assert zeroshard.checkpointing.settings().cpu_checkpointing
+        losses = train(engine, groups, dp, sp, range(STEPS))
+    finally:
+        zeroshard.checkpointing.configure(None)  # the settings are process-wide: DeepSpeed's defaults again
+    assert calls[0] == 2 * LAYERS * GAS * STEPS, "each block's forward once and its recompute once per micro-batch"
+    assert_matches(losses, full_weights(engine, stage), oracle(dp, sp, 0.0))
 
 
 @pytest.mark.parametrize("route", ["mpu", "mesh_param"])
