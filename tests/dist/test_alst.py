@@ -36,10 +36,10 @@ from one process on a 2026-12-07 CI machine (within 2e-6 on an earlier one: the 
 changes fp32 summation). A wrong factor or a lost tile is off by 1e-2 or more."""
 
 
-def llama(seed: int = 0) -> Any:
+def llama(seed: int = 0, attention: str = "sdpa") -> Any:
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation="sdpa", tie_word_embeddings=False)
+                                   attn_implementation=attention, tie_word_embeddings=False)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg).float()
 
@@ -152,6 +152,30 @@ def test_alst_tutorial_shape_equals_one_process(groups: ProcessGroups, stage: in
     for name, exp in want_weights.items():
         rel = float((weights[name] - exp).norm() / exp.norm())
         assert rel <= tol, f"{name}: relative difference {rel:.2e} from one process (tolerance {tol:.0e})"
+
+
+def test_flex_attention_is_causal_over_the_whole_sequence(groups: ProcessGroups) -> None:
+    """`core_attn_implementation="flex_attention"`: each rank's logits equal its slice of one process's
+    flex-attention logits on the whole sample. Transformers' flex function with no mask attends to
+    every position (the check fails by far more than the tolerance without the wrapper's causal
+    BlockMask, as measured), and the BlockMask it built is for the local slice. Forward only: torch's
+    flex attention has no CPU backward."""
+    world = groups.world_size
+    if world not in (2, 4):
+        pytest.skip("ALST here runs SP = world size: 2 or 4 ranks (the heads are 4)")
+    batch = samples(1, SEQ_PER_RANK * world)[0]
+    with torch.no_grad():
+        want = llama(attention="flex_attention")(input_ids=batch["input_ids"],
+                                                 position_ids=batch["position_ids"]).logits
+        model = llama(attention="flex_attention")
+        try:
+            UlyssesSPAttentionHF.register_with_transformers(model, "flex_attention", world, micro_batch_size=1)
+            mine = slice(groups.rank * SEQ_PER_RANK, (groups.rank + 1) * SEQ_PER_RANK)
+            got = model(input_ids=batch["input_ids"][:, mine], position_ids=batch["position_ids"][:, mine]).logits
+        finally:
+            restore_transformers_attention()
+    err = float((got - want[:, mine]).abs().max())
+    assert err <= 1e-5, f"rank {groups.rank}: logits {err:.2e} from one process's"
 
 
 def test_refusals(groups: ProcessGroups) -> None:

@@ -13,7 +13,8 @@
 - Tiled MLP and logits-loss are in sequence/tiled.py.
 
 Causality comes from the gathered sequence (the wrapper drops Transformers' local attention mask and
-the attention runs causal over the whole sample), so samples are not packed; ``position_ids`` are
+the attention runs causal over the whole sample: sdpa and flash are causal without a mask, flex gets a
+causal BlockMask of the whole length), so samples are not packed; ``position_ids`` are
 required (rotary positions of each slice, gathered for the attention function). Imports torch,
 comm and the sequence package; Transformers only inside `register_with_transformers`.
 """
@@ -71,6 +72,7 @@ class UlyssesSPAttentionHF(nn.Module):
         self.global_kv_head_count = kv_head_count
         self.num_hidden_layers = num_hidden_layers
         self.core_attn_implementation: str | None = None
+        self._flex_mask: tuple[tuple[Any, ...], Any] | None = None  # ((batch, length, device), its BlockMask)
         if attn_head_count % self.world_size:
             raise ValueError(f"Attention head count {attn_head_count} is not divisible by SP size {self.world_size}")
         if kv_head_count % self.world_size and self.world_size % kv_head_count:
@@ -113,9 +115,26 @@ class UlyssesSPAttentionHF(nn.Module):
         q, k, v = (seq_all_to_all(t, self.process_group, 1, 2) for t in (query, key, value))
         if hasattr(module, "num_key_value_groups"):
             module.num_key_value_groups = q.shape[1] // k.shape[1]
-        context, weights = self.attn(module, q, k, v, None, *args, **kwargs)  # [b, s, h / P, d]
+        mask = self._flex_causal_mask(q) if "flex" in (self.core_attn_implementation or "") else None
+        context, weights = self.attn(module, q, k, v, mask, *args, **kwargs)  # [b, s, h / P, d]
         context = seq_all_to_all(context, self.process_group, 1, 2)  # -> [b, s_local, h, d]
         return context.reshape(*context.shape[:2], -1), weights
+
+    def _flex_causal_mask(self, q: Tensor) -> Any:
+        """flex attention's causal BlockMask over the gathered sequence of `q` ([b, h, s, d]). The
+        sdpa and flash functions run causal when given no mask; Transformers' flex function then runs
+        non-causal, and the BlockMask Transformers built is for the local slice's length. Built once per
+        (batch, length, device) and shared by the layers."""
+        key = (q.shape[0], q.shape[2], q.device)
+        if self._flex_mask is None or self._flex_mask[0] != key:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def causal(batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return q_idx >= kv_idx
+
+            self._flex_mask = (key, create_block_mask(causal, B=q.shape[0], H=None, Q_LEN=q.shape[2],
+                                                      KV_LEN=q.shape[2], device=q.device))
+        return self._flex_mask[1]
 
     @classmethod
     def register_with_transformers(cls, model_name_or_path: Any, core_attn_implementation: str,
