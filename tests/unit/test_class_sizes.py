@@ -58,3 +58,25 @@ def test_the_limit_is_what_fails(tmp_path: Path, n: int) -> None:
     body = "".join(f"        self.a{i} = {i}\n" for i in range(n))
     (pkg / "big.py").write_text(f"class Big:\n    def __init__(self):\n{body}")
     assert (_sizes(pkg)["pkg.big.Big"] > LIMIT) == (n > LIMIT)
+
+
+def _function_lines(path: Path, name: str) -> int:
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    assert len(found) == 1, f"{path}: expected one top-level {name}()"
+    return found[0].end_lineno - found[0].lineno + 1  # type: ignore[operator]
+
+
+def test_initialize_stays_under_100_lines() -> None:
+    """initialize() composes the engine from named steps (issue 38 found it at 205 lines, deciding the
+    dimensions three ways inline); a new step goes into a helper it calls."""
+    lines = _function_lines(ROOT / "zeroshard" / "runtime" / "initialize.py", "initialize")
+    assert lines < 100, f"initialize() is {lines} lines (docstring included): move a step into a helper"
+
+
+def test_the_length_check_counts_the_whole_function(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("def initialize():\n" + '    """doc."""\n' + "    x = 1\n" * 98 + "\n\ndef other():\n    pass\n")
+    assert _function_lines(src, "initialize") == 100

@@ -110,9 +110,9 @@ def _parallel_lines(spec: ModelSpec, args: argparse.Namespace, base: Setup) -> l
     if world % (args.tp * args.pp):
         raise ZeroshardError(f"--tp {args.tp} x --pp {args.pp} does not divide the {world} devices")
     virtual = args.virtual_stages or (2 if args.schedule.startswith("interleaved") else 1)
-    layout = Layout.of(tp=args.tp, pp=args.pp, dp=world // (args.tp * args.pp), schedule=args.schedule,
-                    micro_batches=args.micro_batches or args.pp, virtual=virtual,
-                    sequence_parallel=args.sequence_parallel)
+    layout = Layout.for_world(world, tp=args.tp, pp=args.pp, schedule=args.schedule,
+                              micro_batches=args.micro_batches or args.pp, virtual=virtual,
+                              sequence_parallel=args.sequence_parallel)
     act = None
     if args.seq_len is not None and spec.shape is not None:
         act = ActivationOptions(seq_len=args.seq_len, micro_batch=args.micro_batch,

@@ -141,22 +141,35 @@ class ParallelDims:
             return (self.dp, self.world_size)
         return (self.dp,)
 
-    def with_hpz(self, size: int) -> ParallelDims:
+    def with_hpz(self, size: int, ranks_per_node: int | None = None) -> ParallelDims:
         """These dims with ZeRO++ hpZ's shard of `size` data-parallel ranks (0 and 1: off), read from
-        the parsed config after the sizes the batch triad needed.
+        the parsed config after the sizes the batch triad needed; with `ranks_per_node` (the
+        launcher's local world size) the shard must also be one node's data-parallel ranks, where
+        the secondary copy's all-gathers stay inside the node.
 
         Raises:
-            ConfigError: `size` does not divide the data-parallel size.
+            ConfigError: `size` does not divide the data-parallel size, or is not the ranks per node.
+
+        >>> resolve_dims(8).with_hpz(4, ranks_per_node=4).dp_replicate
+        2
+        >>> resolve_dims(8).with_hpz(2, ranks_per_node=4)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        zeroshard.errors.ConfigError: zero_optimization.zero_hpz_partition_size: got 2, but it must divide ...
         """
         shard = size if size > 1 else 1
         if shard > 1 and self.sp > 1:
             raise NotSupportedError(f"zero_optimization.zero_hpz_partition_size {size} together with sequence "
                                     f"parallelism (size {self.sp}) is not implemented: set zero_hpz_partition_size "
                                     "to 1.")
-        if self.dp % shard:
-            raise ConfigError(f"zero_optimization.zero_hpz_partition_size: got {size}, but it must divide the "
-                              f"data-parallel world size ({self.dp}); set it to a divisor (the ranks per node) "
-                              "or to 1.")
+        node = None if ranks_per_node is None else max(1, min(ranks_per_node, self.dp))
+        if self.dp % shard or (shard > 1 and node is not None and shard != node):
+            fix = (f"Set it to {node}{'' if self.dp % node == 0 else ' (after fixing the layout)'}"
+                   if node is not None else "Set it to a divisor (the ranks per node)")
+            raise ConfigError(
+                f"zero_optimization.zero_hpz_partition_size: got {size}, but it must divide the data-parallel "
+                f"world size ({self.dp})" + ("" if node is None else
+                                             f" and equal the ranks per node ({node}: the launcher's LOCAL_WORLD_SIZE, "
+                                             "or ZEROSHARD_NODE_SIZE)") + f". {fix}, or to 1 to turn hpZ off.")
         return replace(self, dp_shard=shard)
 
     def describe(self) -> str:

@@ -80,7 +80,7 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
         "zero/build.py::quantized_weights=bool(zero.zero_quantized_weights)",
         "zero/unit_shards.py::QuantizedGather(comm, self.chunk, device)"),
     _Z + "zero_hpz_partition_size": (
-        "zero/build.py::hpz_size=_hpz_size(int(zero.zero_hpz_partition_size), groups)",
+        "runtime/initialize.py::dims.with_hpz(cfg.zero_optimization.zero_hpz_partition_size",
         "zero/stage3.py::secondary = SecondaryPartition("),
     _Z + "stage": _BUILD, _Z + "reduce_scatter": _BUILD, _Z + "reduce_bucket_size": _BUILD,
     _Z + "allgather_partitions": _BUILD, _Z + "allgather_bucket_size": _BUILD, _Z + "overlap_comm": _BUILD,

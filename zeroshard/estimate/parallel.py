@@ -70,7 +70,13 @@ class Layout:
         for name, size in (("tp", tp), ("pp", pp), ("dp", dp)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ZeroshardError(f"Layout.{name} must be an integer >= 1, got {size!r}")
-        return cls(dims=resolve_dims(tp * pp * dp, config_tp=tp, pipe=PipeShape(pp=pp)), **how)
+        return cls.for_world(tp * pp * dp, tp=tp, pp=pp, **how)
+
+    @classmethod
+    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, **how: Any) -> Layout:
+        """The layout `resolve_dims` gives `world_size` ranks with `tp` and `pp` (the data-parallel
+        size is the rest of the world: resolve_dims's error when tp x pp does not divide it)."""
+        return cls(dims=resolve_dims(world_size, config_tp=tp, pipe=PipeShape(pp=pp)), **how)
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "virtual"):

@@ -37,6 +37,7 @@ from zeroshard.zero.strategy import GradStats, ModelStateBytes, ZeroStrategy
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, ProcessGroups
+    from zeroshard.comm.parallel_dims import ParallelDims
     from zeroshard.config import Config
     from zeroshard.moe.balance import ExpertBiasBalance
     from zeroshard.runtime.throughput import ThroughputTimer
@@ -193,6 +194,8 @@ class ZeroEngine(AccumulationControl, EngineQueries, ModelExport, EngineCheckpoi
 
     parallel: "ParallelGroups | None" = None
     """The data- and model-parallel groups (zeroshard/tensor_parallel/setup.py); set by `zeroshard.initialize`."""
+    dims: "ParallelDims | None" = None
+    """The sizes of every parallel dimension (comm/parallel_dims.py), as `initialize` decided them."""
 
     @property
     def grads_ready(self) -> bool:

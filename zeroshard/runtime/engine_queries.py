@@ -97,8 +97,11 @@ class EngineQueries:
 
     @property
     def dp_world_size(self) -> int:
-        """The ranks the batch is split over (with sequence parallelism, without the sequence ranks)."""
-        return self.comm.world_size // self.sequence_parallel_size
+        """The ranks the batch is split over (with sequence parallelism, without the sequence ranks):
+        `ParallelDims.dp`, as `initialize` decided it."""
+        if self.dims is None:
+            raise AssertionError("expected an engine built by zeroshard.initialize (it sets engine.dims)")
+        return self.dims.dp
 
     @property
     def sequence_parallel_size(self) -> int:

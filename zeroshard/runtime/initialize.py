@@ -16,7 +16,7 @@ from zeroshard.activation_checkpointing import configure_from_config
 from zeroshard.arguments import config_path_from_args
 from zeroshard.checkpoint_format import Checkpointer
 from zeroshard.comm import Comm, CommLog, ProcessGroups, init_distributed
-from zeroshard.comm.groups import node_leader
+from zeroshard.comm.groups import node_leader, node_size
 from zeroshard.comm.parallel_dims import ParallelDims, resolve_dims
 from zeroshard.comm.topology import build_mesh
 from zeroshard.config import CheckpointConfig, Config, load_config, read_config_file, tensor_parallel_size
@@ -191,13 +191,10 @@ def initialize(
     source, raw_config = _config_source(args, config if config is not None else config_params)
     world = _join_world(distributed_port)
     pipe_module = model if isinstance(model, PipelineModule) else None
-    cfg, dims = _config_and_dims(source, raw_config, world.world_size, model, pipe_module, mpu, optimizer, mesh_param)
-    mark_expert_banks(model, cfg.expert_parallel)  # AutoEP: cut at the strategy's build (moe/hf_experts.py)
+    cfg, dims = _config_and_dims(source, raw_config, world, model, pipe_module, mpu, optimizer, mesh_param)
     _check_optimizer_present(cfg, optimizer, model_parameters, training_data, lr_scheduler)
-    configure_from_config(cfg)
-    _place_model(model, cfg, world.device)
-    world_comm = Comm(world, log=_comm_log(cfg))
-    check_same_config(cfg, world_comm)  # the first collective: before anything trains on it
+    _prepare_model(model, cfg, world.device)
+    world_comm = _world_comm(world, cfg)
     cfg, resumable = _find_resumable(cfg, dims, world_comm)  # before the engine: it may change the batch
     layout = _parallel_layout(world, world_comm, model, cfg, dims, mpu, pipe_module)
     groups = layout.dp  # ZeRO and the batch run over the data-parallel ranks (with SP: dp x sp)
@@ -209,13 +206,9 @@ def initialize(
     param_groups, params = _param_groups_after_split(model, model_parameters, layout)
     norm_group = layout.norm_group(model, world_comm, tied_duplicates=pipe_module.tied_duplicates()
                                    if pipe_module is not None else frozenset())
-    loader_at, loader_of = loader_rank(groups, seq)  # a sequence-parallel group reads the same samples
-    loader = None if training_data is None else DistributedDataLoader(
-        training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu, rank=loader_at,
-        world_size=loader_of, collate_fn=collate_fn)
-    # ZenFlow's "epoch" select strategy counts the loader's optimizer steps (DeepSpeed's configure_zenflow)
-    cfg = with_steps_per_epoch(cfg, None if loader is None else len(loader) // cfg.gradient_accumulation_steps)
-    strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units, norm_group=norm_group)
+    cfg, loader = _data_loader(cfg, training_data, collate_fn, groups, seq)
+    strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units, norm_group=norm_group,
+                              hpz_size=dims.dp_shard)
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy, comm, tensor_parallel=layout.tp_comm is not None)
     sched, scaler = _make_scheduler(cfg, lr_scheduler, opt), _loss_scaler(cfg, groups.device.type)
     engine_cls, extra = (ZeroEngine, {}) if pipe is None else (PipelineEngine, {"pipe": pipe})
@@ -223,10 +216,18 @@ def initialize(
         **extra, module=model, config=cfg, groups=groups, comm=comm, strategy=strategy, optimizer=opt,
         lr_scheduler=sched, loss_scaler=scaler, sinks=build_sinks(cfg, world.rank),
         training_dataloader=loader, raw_config=raw_config)
-    _attach(engine, cfg, layout, world_comm, comm, pipe_module)
+    _attach(engine, cfg, dims, layout, world_comm, comm, pipe_module)
     if resumable is not None:  # checkpoint.auto_resume_dir (runtime/auto_resume.py)
         load_resumable(engine, resumable)
     return engine, engine.optimizer, loader, sched  # DeepSpeed returns engine.optimizer too
+
+
+def _world_comm(world: ProcessGroups, cfg: Config) -> Comm:
+    """The world's collectives; their first call checks that every rank parsed the same config,
+    before anything trains on it."""
+    world_comm = Comm(world, log=_comm_log(cfg))
+    check_same_config(cfg, world_comm)
+    return world_comm
 
 
 def _join_world(distributed_port: int | None) -> ProcessGroups:
@@ -271,11 +272,22 @@ def _param_groups_after_split(model: nn.Module, model_parameters: Iterable[Any] 
     return param_groups, list({id(p): p for g in param_groups for p in g["params"]}.values())
 
 
-def _attach(engine: ZeroEngine, cfg: Config, layout: ParallelGroups, world_comm: Comm, comm: Comm,
-            pipe_module: PipelineModule | None) -> None:
-    """What the engine holds beside its training state: the groups, the checkpointer, the save
-    schedule and the preemption latch (SIGTERM / SIGUSR1: save, exit 75); then the start-up log."""
-    engine.parallel = layout
+def _data_loader(cfg: Config, training_data: Any, collate_fn: Any, groups: ProcessGroups,
+                 seq: Any) -> tuple[Config, DistributedDataLoader | None]:
+    """The loader over `training_data` (None without it; a sequence-parallel group reads the same
+    samples), and the config with ZenFlow's "epoch" in optimizer steps (DeepSpeed's configure_zenflow)."""
+    loader_at, loader_of = loader_rank(groups, seq)
+    loader = None if training_data is None else DistributedDataLoader(
+        training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu, rank=loader_at,
+        world_size=loader_of, collate_fn=collate_fn)
+    return with_steps_per_epoch(cfg, None if loader is None else len(loader) // cfg.gradient_accumulation_steps), loader
+
+
+def _attach(engine: ZeroEngine, cfg: Config, dims: ParallelDims, layout: ParallelGroups, world_comm: Comm,
+            comm: Comm, pipe_module: PipelineModule | None) -> None:
+    """What the engine holds beside its training state: the dimensions and groups, the checkpointer,
+    the save schedule and the preemption latch (SIGTERM / SIGUSR1: save, exit 75); then the start-up log."""
+    engine.dims, engine.parallel = dims, layout
     engine.checkpointer = _engine_checkpointer(cfg, layout, world_comm, comm, pipe_module)
     engine.save_schedule = SaveSchedule.from_config(cfg.checkpoint, world_comm)
     engine.preemption = Preemption.from_config(cfg.checkpoint, world_comm)
@@ -302,12 +314,13 @@ def _check_arguments(args: Any, model: nn.Module | None, mpu: Any, mesh_param: A
     return model
 
 
-def _config_and_dims(source: Any, raw_config: Mapping[str, Any], world_size: int, model: nn.Module,
+def _config_and_dims(source: Any, raw_config: Mapping[str, Any], world: ProcessGroups, model: nn.Module,
                      pipe_module: PipelineModule | None, mpu: Any, optimizer: Any,
                      mesh_param: Any) -> tuple[Config, ParallelDims]:
     """Every parallel dimension decided once (comm/parallel_dims.py), then the config parsed once
     with the batch triad counted over the data-parallel ranks the dims name; both logged."""
     megatron_mpu = mpu if mpu is not None and not is_sequence_mpu(mpu) else None  # ALST's mpu: sequence groups only
+    world_size, ranks_per_node = world.world_size, node_size(world)
     dims = resolve_dims(world_size, config_tp=tensor_parallel_size(raw_config), recorded_tp=recorded_tp_size(model),
                         pipe=pipe_module.shape if pipe_module else None,
                         mpu=mpu_shape(megatron_mpu) if megatron_mpu is not None else None,
@@ -319,7 +332,7 @@ def _config_and_dims(source: Any, raw_config: Mapping[str, Any], world_size: int
         check_for_pipeline(cfg, pipe_module.virtual_stages)
     check_sequence_layout(dims, cfg, pipeline=pipe_module is not None, mesh_param=mesh_param)
     if cfg.zero_optimization.stage == 3:  # hpZ's secondary copy exists at ZeRO stage 3 only
-        dims = dims.with_hpz(cfg.zero_optimization.zero_hpz_partition_size)
+        dims = dims.with_hpz(cfg.zero_optimization.zero_hpz_partition_size, ranks_per_node=ranks_per_node)
     if dims.sp > 1:  # DeepSpeed: with sequence parallelism this dtype replaces communication_data_type
         cfg = dataclasses.replace(cfg, communication_data_type=cfg.seq_parallel_communication_data_type)
     _log_dims(dims, cfg)
@@ -330,6 +343,14 @@ def _config_and_dims(source: Any, raw_config: Mapping[str, Any], world_size: int
     for note in cfg.notes:  # deprecated spellings mapped, other stages' tuning keys: once, at start-up
         logger.warning(note)
     return cfg, dims
+
+
+def _prepare_model(model: nn.Module, cfg: Config, device: torch.device) -> None:
+    """Before any collective: AutoEP's expert banks marked (cut at the strategy's build,
+    moe/hf_experts.py), the activation-checkpointing settings applied, the model placed."""
+    mark_expert_banks(model, cfg.expert_parallel)
+    configure_from_config(cfg)
+    _place_model(model, cfg, device)
 
 
 def _place_model(model: nn.Module, cfg: Config, device: torch.device) -> None:

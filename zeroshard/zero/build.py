@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zeroshard.comm.groups import NODE_SIZE_ENV, node_size
-from zeroshard.errors import ConfigError, NotSupportedError
+from zeroshard.comm.groups import node_size
+from zeroshard.errors import NotSupportedError
 from zeroshard.moe.prepare import expert_modules, prepare_experts
 from zeroshard.moe.utils import is_moe_param
 from zeroshard.zero.expert_split import build_expert_split
@@ -60,24 +60,6 @@ def _use_reduce_scatter(configured: bool, comm: "Comm") -> bool:
     return configured and (comm.groups.backend != "gloo" or comm.shares_memory())
 
 
-def _hpz_size(size: int, groups: "ProcessGroups") -> int:
-    """`zero_hpz_partition_size`, checked against the node layout (1 and 0 mean off).
-
-    Raises:
-        ConfigError: the size does not divide the world size or is not the ranks per node.
-    """
-    if size <= 1:
-        return 1
-    world, node = groups.world_size, node_size(groups)
-    if world % size or size != node:
-        raise ConfigError(
-            f"zero_optimization.zero_hpz_partition_size: got {size}, but it must divide the data-parallel "
-            f"world size ({world}) and equal the ranks per node ({node}: the launcher's LOCAL_WORLD_SIZE, "
-            f"or {NODE_SIZE_ENV}). Set it to {node}{'' if world % node == 0 else ' (after fixing the layout)'}, "
-            "or to 1 to turn hpZ off.")
-    return size
-
-
 def _names(module: nn.Module, params: Sequence[nn.Parameter]) -> tuple[str, ...]:
     """`params`' names in `module` (the first name of a tied parameter)."""
     names: dict[int, str] = {}
@@ -88,8 +70,11 @@ def _names(module: nn.Module, params: Sequence[nn.Parameter]) -> tuple[str, ...]
 
 def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
                    groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None = None,
-                   norm_group: ModelParallelNorm | None = None) -> ZeroStrategy:
+                   norm_group: ModelParallelNorm | None = None, hpz_size: int = 1) -> ZeroStrategy:
     """The strategy for `cfg.zero_optimization.stage` over the trainable `params`.
+
+    `hpz_size`: ZeRO++ hpZ's shard (``ParallelDims.dp_shard``, decided and checked against the node
+    layout in comm/parallel_dims.py; 1: off).
 
     `comm` and `groups` are the data-parallel group (``MeshGroups.axis("dp")``, comm/topology.py);
     `norm_group` sums the gradient norm over the ranks holding the other parts of the model
@@ -115,7 +100,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     """
     experts = prepare_experts(module, params, groups, comm, model_parallel=norm_group is not None)
     if not experts:
-        return _build_group_strategy(cfg, module, params, comm, groups, units, norm_group)
+        return _build_group_strategy(cfg, module, params, comm, groups, units, norm_group, hpz_size=hpz_size)
     _check_experts_config(cfg, params)
     dense = [p for p in params if not is_moe_param(p)]
     zero3 = cfg.zero_optimization.stage == 3
@@ -170,7 +155,7 @@ def _check_experts_config(cfg: "Config", params: list[nn.Parameter]) -> None:
 def _build_group_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
                           groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None,
                           norm_group: ModelParallelNorm | None, *, include: set[int] | None = None,
-                          exact_units: bool = False) -> ZeroStrategy:
+                          exact_units: bool = False, hpz_size: int = 1) -> ZeroStrategy:
     """`build_strategy` for one set of parameters over one group. Stage 3: `include` limits the
     partition to those parameters, and `exact_units` takes `units` (modules, root first) as they
     are, without leaf modules or coarsening (Note: [experts at stage 3])."""
@@ -228,7 +213,7 @@ def _build_group_strategy(cfg: "Config", module: nn.Module, params: list[nn.Para
             quantized_gradients=bool(zero.zero_quantized_gradients),
             quantized_weights=bool(zero.zero_quantized_weights),
             node_size=node_size(groups),
-            hpz_size=_hpz_size(int(zero.zero_hpz_partition_size), groups),
+            hpz_size=hpz_size,
             float8_gather=cfg.fp8.enabled and cfg.fp8.float8_all_gather,
         )
         # `zero_optimization.leaf_module` (default: DeepSpeed's MoE block classes) marks leaves;
