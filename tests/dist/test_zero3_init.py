@@ -204,3 +204,23 @@ def test_init_cuts_over_the_groups_its_arguments_name(groups) -> None:
     with pytest.raises(ConfigError, match="mpu= or data_parallel_group=, not both"), Init(
             mpu=_SoloMpu(), data_parallel_group=object()):
         pass
+
+
+def test_init_module_cuts_an_already_built_model(groups) -> None:
+    """DeepSpeed's `zero.Init(module=model)`: a model built whole (each rank from its own seed here) is
+    cut on the spot to rank 0's values, and trains exactly as the model built inside the block."""
+    built = make_model(seed=groups.rank)  # the ranks disagree; rank 0's values must win
+    Init(module=built, config_dict_or_path=make_config(zero_optimization=STAGE3))
+    w = built.blocks[0].mlp[0].weight
+    assert isinstance(w, ZeroParameter) and w._zs.init_shard.numel() == -(-w.numel() // groups.world_size)
+    with Init():
+        inside = make_model(seed=0)
+    batches = global_batches(3, 2 * groups.world_size)
+    _, want = train_engine(init_engine(inside, make_config(zero_optimization=STAGE3)), batches,
+                           groups.rank, groups.world_size)
+    _, got = train_engine(init_engine(built, make_config(zero_optimization=STAGE3)), batches,
+                          groups.rank, groups.world_size)
+    for step in range(len(batches)):
+        assert_params_close(got[step], want[step], 0.0, f"step {step}")
+    with pytest.raises(TypeError, match="expected an nn.Module"):
+        Init(module="model")

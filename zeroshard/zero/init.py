@@ -85,6 +85,8 @@ class Init:
             ranks the parameters are cut over (`_partition_groups`): ZeRO's data-parallel ranks, which
             are fewer than the world with `tensor_parallel.autotp_size`; the stage is checked by
             `initialize`.
+        module: an already-built model to cut now (DeepSpeed's ``zero.Init(module=model)``; no `with`
+            block needed): every rank must pass the same model, whose values are taken from rank 0.
         mpu: a Megatron-style mpu; its data-parallel group is the one the parameters are cut over.
         data_parallel_group: DeepSpeed's explicit group to cut over (a torch process group).
     """
@@ -92,13 +94,25 @@ class Init:
     def __init__(self, *, enabled: bool = True, dtype: Any = None, remote_device: str | None = None,
                  config_dict_or_path: Any = None, module: Any = None, mpu: Any = None,
                  data_parallel_group: Any = None, **_deepspeed_only: Any) -> None:
-        if module is not None:
-            raise ValueError("zero.Init(module=...) is not supported: build the model inside the `with` block")
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(f"zero.Init(module=...): expected an nn.Module, got {type(module).__name__}")
         self._enabled, self._dtype = enabled, dtype
         self._remote_device = remote_device
         self._config, self._mpu, self._dp_group = config_dict_or_path, mpu, data_parallel_group
         self._hooks: list[Any] = []
         self._nested = False
+        if module is not None and enabled:  # DeepSpeed's already-built model: cut now, no `with` needed
+            partitioner = self._new_partitioner()
+            partitioner.partition_module(module)
+            partitioner.finish()
+
+    def _new_partitioner(self) -> Any:
+        from zeroshard.comm import Comm
+        from zeroshard.zero.init_partition import InitPartitioner
+
+        groups = _partition_groups(self._config, self._mpu, self._dp_group)
+        return InitPartitioner(Comm(groups), groups.rank, groups.world_size, dtype=self._dtype,
+                               remote_device=self._remote_device)
 
     def __enter__(self) -> "Init":
         if not self._enabled:
@@ -108,12 +122,7 @@ class Init:
             self._partitioner = _OPEN[0]._partitioner
             _OPEN.append(self)
             return self
-        from zeroshard.comm import Comm
-        from zeroshard.zero.init_partition import InitPartitioner
-
-        groups = _partition_groups(self._config, self._mpu, self._dp_group)
-        self._partitioner = InitPartitioner(Comm(groups), groups.rank, groups.world_size,
-                                            dtype=self._dtype, remote_device=self._remote_device)
+        self._partitioner = self._new_partitioner()
         reg = nn.modules.module
         self._hooks = [
             reg.register_module_parameter_registration_hook(self._partitioner.on_param_registered),

@@ -62,6 +62,14 @@ class InitPartitioner:
             if not isinstance(p, ZeroParameter):
                 self._partition(p, f"{type(parent).__name__}.{pname}")
 
+    def partition_module(self, module: nn.Module) -> None:
+        """Cut every parameter of an already-built `module` (DeepSpeed's ``zero.Init(module=model)``):
+        rank 0's values, as for a model built inside the block (collective; every rank passes the
+        same model)."""
+        for name, p in module.named_parameters():
+            if not isinstance(p, ZeroParameter):
+                self._partition(p, f"{type(module).__name__}.{name}")
+
     def finish(self) -> None:
         self._active = False  # from now on, reading a partitioned parameter is an error
         self._repartition_materialized()
