@@ -23,6 +23,17 @@ from zeroshard.zero.units import PartitionedParameterError, ZeroParameter
 STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 100}
 
 
+def _assert_trains_alike(groups, got_model: nn.Module, want_model: nn.Module, steps: int) -> None:
+    """ZeRO-3 training of `got_model` is bitwise that of `want_model`, step by step."""
+    batches = global_batches(steps, 2 * groups.world_size)
+    _, want = train_engine(init_engine(want_model, make_config(zero_optimization=STAGE3)), batches,
+                           groups.rank, groups.world_size)
+    _, got = train_engine(init_engine(got_model, make_config(zero_optimization=STAGE3)), batches,
+                          groups.rank, groups.world_size)
+    for step in range(len(batches)):
+        assert_params_close(got[step], want[step], 0.0, f"step {step}")
+
+
 def test_gpt_built_under_init_trains_like_the_whole_model(groups) -> None:
     whole = make_model(seed=0)
     with Init():
@@ -38,13 +49,7 @@ def test_gpt_built_under_init_trains_like_the_whole_model(groups) -> None:
     assert lora.to(w.device).to(w.dtype).weight is w
     with pytest.raises(PartitionedParameterError, match="normal_ writes into a placeholder.*modifier_rank=0"):
         w.data.normal_()
-    batches = global_batches(5, 2 * groups.world_size)
-    _, want = train_engine(init_engine(whole, make_config(zero_optimization=STAGE3)), batches,
-                           groups.rank, groups.world_size)
-    _, got = train_engine(init_engine(cut, make_config(zero_optimization=STAGE3)), batches,
-                          groups.rank, groups.world_size)
-    for step in range(len(batches)):
-        assert_params_close(got[step], want[step], 0.0, f"step {step}")
+    _assert_trains_alike(groups, cut, whole, 5)
 
 
 def test_init_needs_stage3(groups) -> None:
@@ -215,12 +220,6 @@ def test_init_module_cuts_an_already_built_model(groups) -> None:
     assert isinstance(w, ZeroParameter) and w._zs.init_shard.numel() == -(-w.numel() // groups.world_size)
     with Init():
         inside = make_model(seed=0)
-    batches = global_batches(3, 2 * groups.world_size)
-    _, want = train_engine(init_engine(inside, make_config(zero_optimization=STAGE3)), batches,
-                           groups.rank, groups.world_size)
-    _, got = train_engine(init_engine(built, make_config(zero_optimization=STAGE3)), batches,
-                          groups.rank, groups.world_size)
-    for step in range(len(batches)):
-        assert_params_close(got[step], want[step], 0.0, f"step {step}")
+    _assert_trains_alike(groups, built, inside, 3)
     with pytest.raises(TypeError, match="expected an nn.Module"):
         Init(module="model")
