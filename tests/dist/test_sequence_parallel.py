@@ -343,6 +343,33 @@ def test_a_checkpoint_saved_at_sp4_resumes_at_sp2_times_dp2(groups: ProcessGroup
     assert_matches(first, full_weights(resumed, 2), (want[0][:2], want[1], None))
 
 
+def test_a_checkpoint_saved_at_sp2_times_dp2_resumes_at_sp4(groups: ProcessGroups, shared_dir: Path) -> None:
+    """The other way: SP 2 x DP 2 for two steps, saved; loaded at SP 4 (one data-parallel rank, four
+    micro-batches: the same global batch, each rank a quarter of every sample's tokens), one more step:
+    the weights equal three steps of one process, momentum included (4 ranks only)."""
+    if groups.world_size != 4:
+        pytest.skip(f"SP 2 x DP 2 -> SP 4 needs 4 ranks; this run has {groups.world_size}")
+    seq = create_sequence_groups(groups, 2)
+    engine, *_ = zeroshard.initialize(model=TinyLM(seq.sp.dp_group), config=config(2, False, 2, 0.0))
+    first = train(engine, groups, 2, 2, range(2))
+    engine.save_checkpoint(str(shared_dir), tag="sp2dp2")
+    seq = create_sequence_groups(groups, 4)
+    resumed, *_ = zeroshard.initialize(model=TinyLM(seq.sp.dp_group, seed=5),
+                                       config={**config(2, False, 4, 0.0), "gradient_accumulation_steps": 2 * GAS})
+    resumed.load_checkpoint(str(shared_dir), tag="sp2dp2")
+    assert (resumed.global_steps, resumed.sequence_parallel_size, resumed.dp_world_size) == (2, 4, 1)
+    data = samples(STEPS, 2, 2)
+    positions = torch.arange(groups.rank * LOCAL // 2, (groups.rank + 1) * LOCAL // 2)
+    for micro in range(GAS):
+        for d in range(2):  # the SP 2 x DP 2 run's third step, micro-batch by micro-batch
+            ids, labels = micro_batch(data, 2, micro, d, 2)
+            resumed.backward(resumed(ids[:, positions], labels[:, positions], offset=positions))
+            resumed.step()
+    assert resumed.global_steps == 3
+    want = oracle(2, 2, 0.0)
+    assert_matches(first, full_weights(resumed, 2), (want[0][:2], want[1], None))
+
+
 def test_the_data_position_survives_a_change_of_sequence_parallel_size(groups: ProcessGroups,
                                                                       shared_dir: Path) -> None:
     """The engine's data loader (training_data=) splits samples over data-parallel ranks only, so the
