@@ -194,41 +194,56 @@ def _build_group_strategy(cfg: "Config", module: nn.Module, params: list[nn.Para
         return cls(params, comm=comm, rank=groups.rank, world_size=groups.world_size, options=options,
                    norm_group=norm_group)
     if zero.stage == 3:
-        options3 = Stage3Options(
-            grad_dtype=grad_dtype,
-            master_dtype=master_dtype,
-            comm_dtype=comm_dtype,
-            persistence_threshold=int(zero.stage3_param_persistence_threshold),
-            persistence_budget=int(zero.stage3_model_persistence_threshold),
-            prefetch_numel=int(zero.stage3_prefetch_bucket_size),
-            max_live_numel=int(zero.stage3_max_live_parameters),
-            max_reuse_distance=int(zero.stage3_max_reuse_distance),
-            release_grads=bool(zero.stage3_release_grads),
-            prescale_factor=prescale,
-            overlap_comm=bool(zero.overlap_comm),
-            reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), comm),
-            offload_optimizer=OffloadPolicy.from_config(zero.offload_optimizer, sub_group_size=int(zero.sub_group_size),
-                                                        aio=cfg.aio),
-            offload_param=OffloadPolicy.from_config(zero.offload_param),
-            quantized_gradients=bool(zero.zero_quantized_gradients),
-            quantized_weights=bool(zero.zero_quantized_weights),
-            node_size=node_size(groups),
-            hpz_size=hpz_size,
-            float8_gather=cfg.fp8.enabled and cfg.fp8.float8_all_gather,
-        )
-        # `zero_optimization.leaf_module` (default: DeepSpeed's MoE block classes) marks leaves;
-        # marks set by set_z3_leaf_modules are kept.
-        if exact_units:
-            return Stage3Strategy(module, params, comm=comm, options=options3, units=list(units or [module]),
-                                  norm_group=norm_group, include=include)
-        leaf = zero.leaf_module
-        apply_leaf_config(module, leaf.classes, leaf.names, leaf.name_suffixes)
-        chosen = resolve_units(module, units) if units else default_units(module)
-        if zero.stage3_module_granularity_threshold > 0:
-            chosen = _coarsened(module, chosen, int(zero.stage3_module_granularity_threshold))
-        return Stage3Strategy(module, params, comm=comm, options=options3, units=leaf_units(module, chosen),
-                              norm_group=norm_group, include=include)
+        options3 = _stage3_options(cfg, comm, groups, grad_dtype, master_dtype, comm_dtype, prescale, hpz_size)
+        return Stage3Strategy(module, params, comm=comm, options=options3,
+                              units=_stage3_units(cfg, module, units, exact_units), norm_group=norm_group,
+                              include=include)
     raise AssertionError(f"stage {zero.stage} passed config validation but has no strategy")
+
+
+def _stage3_options(cfg: "Config", comm: "Comm", groups: "ProcessGroups", grad_dtype: torch.dtype,
+                    master_dtype: torch.dtype, comm_dtype: torch.dtype | None, prescale: float,
+                    hpz_size: int) -> Stage3Options:
+    zero = cfg.zero_optimization
+    return Stage3Options(
+        grad_dtype=grad_dtype,
+        master_dtype=master_dtype,
+        comm_dtype=comm_dtype,
+        persistence_threshold=int(zero.stage3_param_persistence_threshold),
+        persistence_budget=int(zero.stage3_model_persistence_threshold),
+        prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+        max_live_numel=int(zero.stage3_max_live_parameters),
+        max_reuse_distance=int(zero.stage3_max_reuse_distance),
+        release_grads=bool(zero.stage3_release_grads),
+        prescale_factor=prescale,
+        overlap_comm=bool(zero.overlap_comm),
+        reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), comm),
+        offload_optimizer=OffloadPolicy.from_config(zero.offload_optimizer, sub_group_size=int(zero.sub_group_size),
+                                                    aio=cfg.aio),
+        offload_param=OffloadPolicy.from_config(zero.offload_param),
+        quantized_gradients=bool(zero.zero_quantized_gradients),
+        quantized_weights=bool(zero.zero_quantized_weights),
+        node_size=node_size(groups),
+        hpz_size=hpz_size,
+        float8_gather=cfg.fp8.enabled and cfg.fp8.float8_all_gather,
+    )
+
+
+def _stage3_units(cfg: "Config", module: nn.Module, units: Sequence[nn.Module | type[nn.Module]] | None,
+                  exact_units: bool) -> list[nn.Module]:
+    """The modules stage 3 gathers as one: `units` as they are (`exact_units`), else the chosen units
+    (default: each ModuleList block and the root) with `zero_optimization.leaf_module` (default:
+    DeepSpeed's MoE block classes; marks set by set_z3_leaf_modules are kept) and the granularity
+    threshold applied."""
+    if exact_units:
+        return list(units or [module])
+    zero = cfg.zero_optimization
+    leaf = zero.leaf_module
+    apply_leaf_config(module, leaf.classes, leaf.names, leaf.name_suffixes)
+    chosen = resolve_units(module, units) if units else default_units(module)
+    if zero.stage3_module_granularity_threshold > 0:
+        chosen = _coarsened(module, chosen, int(zero.stage3_module_granularity_threshold))
+    return leaf_units(module, chosen)
 
 
 def _coarsened(module: nn.Module, units: list[nn.Module], threshold: int) -> list[nn.Module]:
