@@ -417,8 +417,11 @@ def _ep_line(plan: Plan3D, best: Candidate) -> str | None:
     moved_one = expert_zero_bytes(plan.spec, one_layout, setup)
     moved_ep = expert_zero_bytes(plan.spec, lay, setup)
     a2a = all_to_all_bytes(plan.spec, plan.training, lay, best.checkpointing)
+    ratio = states_one / max(states_ep, 1)
+    smaller = (f"{ratio:.1f}x smaller" if ratio >= 1.05 else
+               f"the same: ZeRO-{best.zero_stage} shards them over all {lay.dp} ranks either way")
     return (f"- EP {lay.ep} against EP 1 (same ZeRO-{best.zero_stage}): expert states {_gb(states_ep)} vs "
-            f"{_gb(states_one)} per rank ({states_one / max(states_ep, 1):.1f}x smaller); {gathers} of experts "
+            f"{_gb(states_one)} per rank ({smaller}); {gathers} of experts "
             f"({_gb(moved_one)} per step) replaced by token all-to-alls ({_gb(a2a)}) and expert ZeRO over "
             f"{lay.dims.expert_dp} rank(s) ({_gb(moved_ep)}): {_gb(a2a + moved_ep)} vs {_gb(moved_one)} per rank "
             f"per step ({split.moe_layers} MoE layers, top-{split.top_k} of {split.num_experts} experts)")
