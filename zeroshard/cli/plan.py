@@ -4,8 +4,9 @@ Walks stage 0 -> 1 -> 2 -> 2 + optimizer offload -> 3 -> 3 + parameter offload -
 offload -> NVMe with one line per decision, then raises the micro batch. `--probe` runs a few
 real steps of every candidate that fits (most frugal first) and keeps the fastest that ran.
 `--3d` searches tensor x pipeline x data-parallel layouts instead (estimate/plan3d.py): TP inside
-a node, PP across nodes, ZeRO over DP, each layout's memory per rank and step time from the
-cluster's link bandwidths, and prints why the fastest that fits beats the best of each other kind.
+a node, PP across nodes, ZeRO over DP, expert parallelism over DP for a MoE model, each layout's
+memory per rank and step time from the cluster's link bandwidths, and prints why the fastest that
+fits beats the best of each other kind.
 Exit status 0 when a configuration was chosen, 1 when none fits, 2 on bad input.
 """
 
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=int, nargs="+", help="only these tensor-parallel sizes (default: every divisor of "
                    "--devices that divides the attention heads)")
     g.add_argument("--pp", type=int, nargs="+", help="only these pipeline sizes (default: every one)")
+    g.add_argument("--ep", type=int, nargs="+", help="only these expert-parallel sizes (default, for a Hugging Face "
+                   "MoE --model: 1 and every divisor of the data-parallel size that divides the experts, TP = PP = 1)")
     return p
 
 
@@ -169,7 +172,7 @@ def run_3d(args: argparse.Namespace, spec: ModelSpec, work: Workload) -> int:
     train = Training(seq_len=work.seq_len, global_batch=args.global_batch, precision=work.precision,
                      max_micro_batch=args.max_micro_batch or 8,
                      checkpointing=work.checkpointing, tp_sizes=tuple(args.tp) if args.tp else None,
-                     pp_sizes=tuple(args.pp) if args.pp else None)
+                     pp_sizes=tuple(args.pp) if args.pp else None, ep_sizes=tuple(args.ep) if args.ep else None)
     cluster = Cluster(nodes=args.nodes, devices_per_node=args.devices, device_memory=args.device_memory,
                       intra_bandwidth=args.intra_node_bandwidth, inter_bandwidth=args.inter_node_bandwidth,
                       device_flops=args.device_tflops * 1e12, reserve=args.reserve)

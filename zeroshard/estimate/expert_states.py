@@ -31,15 +31,28 @@ class ExpertSplit:
         dense: every trainable parameter but the experts' (its spec, units and all).
         banks: for each expert bank, its trainable parameters' whole sizes (every expert).
         num_experts: experts per bank (the largest, if banks differ).
+        top_k: experts each token is routed to (the config's `num_experts_per_tok`, else a
+            router's `top_k`; 1 when neither says).
     """
 
     dense: ModelSpec
     banks: tuple[tuple[int, ...], ...]
     num_experts: int
+    top_k: int = 1
 
     @property
     def expert_params(self) -> int:
         return sum(sum(b) for b in self.banks)
+
+    @property
+    def moe_layers(self) -> int:
+        """Expert banks, one per MoE layer: each dispatches and combines its tokens once per pass."""
+        return len(self.banks)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token goes through: the dense ones and top_k of each bank's experts."""
+        return self.dense.total_params + self.expert_params * min(self.top_k, self.num_experts) // self.num_experts
 
     def share(self, ep: int) -> ModelSpec:
         """One rank's experts: 1 / ep of every bank, one stage-3 unit per bank (the engine's)."""
@@ -62,7 +75,20 @@ def split_experts(model: nn.Module, name: str | None = None,
     exclude = {id(p) for params in bank_params for p in params}
     dense = spec_from_module(model, name=name, shape=shape, exclude=exclude)
     return ExpertSplit(dense=dense, banks=tuple(tuple(p.numel() for p in params) for params in bank_params),
-                       num_experts=max(int(b.num_experts) for b in banks))
+                       num_experts=max(int(b.num_experts) for b in banks), top_k=_top_k(model))
+
+
+def _top_k(model: nn.Module) -> int:
+    """Experts per token: the Hugging Face config's `num_experts_per_tok` (Mixtral, Qwen-MoE,
+    DeepSeek, GPT-OSS), else the first module with an integer `top_k` (a router), else 1."""
+    k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    if isinstance(k, int) and k >= 1:
+        return k
+    for m in model.modules():
+        k = getattr(m, "top_k", None)
+        if isinstance(k, int) and not isinstance(k, bool) and k >= 1:
+            return k
+    return 1
 
 
 def add(a: RankEstimate, b: RankEstimate) -> RankEstimate:

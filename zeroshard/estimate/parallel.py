@@ -22,9 +22,12 @@ model. So `stage_spec` builds the per-rank `ModelSpec` and `estimate_stage` hand
   arrives in one burst), and at ZeRO stage 3 the pipeline stage's parameters stay gathered for the batch.
 - activations: `stage_activation_bytes` with the schedule's micro-batches in flight and the
   TP (and sequence-parallel) split.
+- expert parallelism (a layout with `ep` > 1, which the engine builds only with TP = PP = 1): the
+  rank's model states are estimate/expert_states.py's `estimate_rank_ep`, the dense parameters
+  under ZeRO over `dp` and the rank's 1 / ep of every expert bank under ZeRO over `dp / ep`.
 
-Imports `comm.parallel_dims` (pure integers), `estimate.spec`, `estimate.states`, `estimate.activations`;
-never a process group.
+Imports `comm.parallel_dims` (pure integers), `estimate.spec`, `estimate.states`, `estimate.activations`,
+`estimate.expert_states`; never a process group.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 from zeroshard.comm.parallel_dims import ParallelDims, PipeShape, resolve_dims
 from zeroshard.errors import ZeroshardError
 from zeroshard.estimate.activations import ActivationOptions, Schedule, in_flight, stage_activation_bytes
+from zeroshard.estimate.expert_states import estimate_rank_ep
 from zeroshard.estimate.spec import ModelSpec
 from zeroshard.estimate.states import RankEstimate, Setup, estimate_rank
 
@@ -59,24 +63,25 @@ class Layout:
     sequence_parallel: bool = False
 
     @classmethod
-    def of(cls, *, tp: int = 1, pp: int = 1, dp: int = 1, **how: Any) -> Layout:
+    def of(cls, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, **how: Any) -> Layout:
         """The layout of `tp` x `pp` x `dp` ranks, its dims resolved as `initialize` resolves an AutoTP
-        config on a PipelineModule of `pp` stages (`how`: the other fields).
+        config on a PipelineModule of `pp` stages, `ep` of the `dp` ranks splitting the experts
+        (`how`: the other fields).
 
         >>> layout = Layout.of(tp=2, pp=2, dp=2)
         >>> (layout.tp, layout.pp, layout.dp, layout.world_size), layout.dims.tp_split
         ((2, 2, 2, 8), 'autotp')
         """
-        for name, size in (("tp", tp), ("pp", pp), ("dp", dp)):
+        for name, size in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ZeroshardError(f"Layout.{name} must be an integer >= 1, got {size!r}")
-        return cls.for_world(tp * pp * dp, tp=tp, pp=pp, **how)
+        return cls.for_world(tp * pp * dp, tp=tp, pp=pp, ep=ep, **how)
 
     @classmethod
-    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, **how: Any) -> Layout:
-        """The layout `resolve_dims` gives `world_size` ranks with `tp` and `pp` (the data-parallel
-        size is the rest of the world: resolve_dims's error when tp x pp does not divide it)."""
-        return cls(dims=resolve_dims(world_size, config_tp=tp, pipe=PipeShape(pp=pp)), **how)
+    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1, **how: Any) -> Layout:
+        """The layout `resolve_dims` gives `world_size` ranks with `tp`, `pp` and `ep` (the data-parallel
+        size is the rest of the world: resolve_dims's error when tp x pp does not divide it, or ep dp)."""
+        return cls(dims=resolve_dims(world_size, config_tp=tp, pipe=PipeShape(pp=pp), ep=ep), **how)
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "virtual"):
@@ -84,9 +89,11 @@ class Layout:
                 raise ZeroshardError(f"Layout.{name} must be >= 1, got {getattr(self, name)}")
         if self.virtual > 1 and not self.schedule.startswith("interleaved"):
             raise ZeroshardError(f"virtual stages ({self.virtual}) need an interleaved schedule, not {self.schedule}")
-        if self.dims.ep > 1 or self.dims.sp > 1:
-            raise ZeroshardError("the 3D estimator does not model expert or sequence parallelism yet "
-                                 f"({self.dims.describe()})")
+        if self.dims.sp > 1:
+            raise ZeroshardError(f"the 3D estimator does not model sequence parallelism yet ({self.dims.describe()})")
+        if self.dims.ep > 1 and (self.dims.tp > 1 or self.dims.pp > 1):
+            raise ZeroshardError("expert parallelism composes only with data parallelism in the engine (EP with "
+                                 f"TP or PP is refused at initialize): {self.dims.describe()}")
 
     @property
     def tp(self) -> int:
@@ -101,11 +108,17 @@ class Layout:
         return self.dims.dp
 
     @property
+    def ep(self) -> int:
+        return self.dims.ep
+
+    @property
     def world_size(self) -> int:
         return self.dims.world_size
 
     def label(self) -> str:
         text = f"TP {self.tp} x PP {self.pp} x DP {self.dp}"
+        if self.ep > 1:
+            text += f" (EP {self.ep} x expert-DP {self.dims.expert_dp})"
         if self.pp > 1:
             text += f", {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "")
         return text + (" + SP" if self.sequence_parallel and self.tp > 1 else "")
@@ -229,7 +242,12 @@ def estimate_stage(spec: ModelSpec, setup: Setup, layout: Layout, stage: int,
     share = stage_spec(spec, layout.pp, layout.tp, stage)
     dp_setup = replace(setup, devices_per_node=layout.dp, nodes=1)
     ranks = range(layout.dp) if every_rank and layout.dp <= 8 and share.param_numels is not None else [0]
-    rank = max((estimate_rank(share, dp_setup, r) for r in ranks), key=lambda e: e.device_peak)
+    if layout.ep > 1:
+        if spec.experts is None:
+            raise ZeroshardError(f"EP {layout.ep}: {spec.name} has no expert bank")
+        rank = max((estimate_rank_ep(spec.experts, dp_setup, layout.ep, r) for r in ranks), key=lambda e: e.device_peak)
+    else:
+        rank = max((estimate_rank(share, dp_setup, r) for r in ranks), key=lambda e: e.device_peak)
     pipe = 0
     if layout.pp > 1:
         pipe = setup.grad_bytes * share.total_params

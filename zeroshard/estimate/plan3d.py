@@ -7,12 +7,18 @@ the fastest links; TP sizes that would cross a node are not searched), data-para
 (inside the node while TP leaves room, else across nodes, one small group per (stage, TP rank)),
 pipeline stages outermost, across nodes (the least traffic). The search enumerates TP size, PP
 size, ZeRO stage, micro batch (hence the micro-batch count), schedule, sequence parallelism and
-activation checkpointing; a layout fits when its fullest rank (estimate/parallel.py: states,
-ZeRO buffers, the pipeline's batch buffers, activations in flight) fits the device budget. Its
-step time is a sum of terms, each a plain formula printed with the choice:
+activation checkpointing, and for a model with expert banks (`spec.experts`) the expert-parallel
+size: every divisor of DP that divides the expert count, with TP = PP = 1 (the engine composes EP
+with data parallelism only); an EP group is EP consecutive data-parallel ranks, an expert's
+expert-data-parallel group the DP / EP ranks one every EP. A layout fits when its fullest rank
+(estimate/parallel.py: states, ZeRO buffers, the pipeline's batch buffers, activations in flight)
+fits the device budget. Its step time is a sum of terms, each a plain formula printed with the
+choice:
 
 - compute: 6 * params * tokens + 12 * layers * hidden * seq * tokens FLOPs (8 and 16 with
-  activation checkpointing: the forward runs twice) over the ranks at `device_flops`;
+  activation checkpointing: the forward runs twice) over the ranks at `device_flops`; for a MoE
+  model `params` is the active count (dense + top_k / num_experts of the experts: a token goes
+  through top_k experts), the same at every EP size;
 - the pipeline bubble: compute (and TP traffic) times `bubble_fraction` of the schedule;
 - TP: 4 all-reduces of a micro-batch's b*s*h activations per layer (6 with recompute) on the
   node's links, a ring moving 2 (t - 1) / t of the bytes;
@@ -21,8 +27,15 @@ step time is a sum of terms, each a plain formula printed with the choice:
   parameters, 2 reduce-scatters every micro-batch (once per batch under a pipeline, which hands
   the batch's gradient over once), 3 also all-gathers the parameters for each micro-batch's
   forward and backward (once per batch under a pipeline); on the inter-node links when the group
-  spans nodes. Not overlapped with compute (DeepSpeed's overlap_comm hides part of it): an
-  upper bound, the same for every layout.
+  spans nodes. With EP > 1 the dense parameters pay that over DP and each rank's experts
+  (expert params / EP) over the expert-data-parallel group of DP / EP ranks, on its own links;
+  at EP 1 the experts are ordinary parameters (ZeRO-3 gathers every expert of every layer);
+- EP: each MoE layer dispatches and combines its tokens by all-to-all, once each in forward
+  and backward: 4 * (tokens per rank) * top_k * hidden * act_bytes * (EP - 1) / EP bytes per
+  MoE layer and rank per step (6 with recompute: the forward runs twice), uniform routing
+  assumed, on the node's links when every EP group sits inside a node, else the inter-node ones.
+Communication is not overlapped with compute (DeepSpeed's overlap_comm hides part of it): an
+upper bound, the same for every layout.
 
 Imports `zeroshard.estimate` (and `zeroshard.errors`); never a process group.
 """
@@ -37,7 +50,7 @@ from zeroshard.errors import ZeroshardError
 from zeroshard.estimate.activations import ActivationOptions, bubble_fraction
 from zeroshard.estimate.parallel import Layout, StageEstimate, estimate_activations, estimate_layout
 from zeroshard.estimate.spec import ModelSpec
-from zeroshard.estimate.states import Precision, Setup, ZeroStage
+from zeroshard.estimate.states import Precision, Setup, ZeroStage, estimate_rank
 
 GiB = 2**30
 
@@ -86,6 +99,8 @@ class Training:
     tp_sizes: tuple[int, ...] | None = None
     """Only these TP sizes (None: every divisor of the node's devices that divides the heads)."""
     pp_sizes: tuple[int, ...] | None = None
+    ep_sizes: tuple[int, ...] | None = None
+    """Only layouts with these EP sizes (None: every divisor of DP that divides the experts)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,10 +112,11 @@ class StepTime:
     tp: float
     pp: float
     dp: float
+    ep: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp + self.pp + self.dp
+        return self.compute + self.bubble + self.tp + self.pp + self.dp + self.ep
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,13 +170,65 @@ def pp_spans_nodes(layout: Layout, devices_per_node: int) -> bool:
     return layout.pp > 1 and layout.world_size > devices_per_node
 
 
+def ep_spans_nodes(layout: Layout, devices_per_node: int) -> bool:
+    """Whether some EP group (EP consecutive data-parallel ranks; TP = PP = 1) crosses a node."""
+    e, g = layout.ep, devices_per_node
+    return e > 1 and any(k * e // g != ((k + 1) * e - 1) // g for k in range(layout.dp // e))
+
+
+def expert_dp_spans_nodes(layout: Layout, devices_per_node: int) -> bool:
+    """Whether some expert-data-parallel group (DP / EP ranks, one every EP) crosses a node."""
+    e, n, g = layout.ep, layout.dims.expert_dp, devices_per_node
+    return n > 1 and any(r // g != (r + (n - 1) * e) // g for r in range(e))
+
+
+def active_params(spec: ModelSpec) -> int:
+    """Parameters a token goes through: every one for a dense model, top_k experts per MoE layer."""
+    return spec.total_params if spec.experts is None else spec.experts.active_params
+
+
 def flops_per_step(spec: ModelSpec, train: Training, checkpointing: bool) -> float:
     tokens = train.global_batch * train.seq_len
     attention = 0.0
     if spec.shape is not None:
         attention = 12 * spec.shape.num_layers * spec.shape.hidden_size * train.seq_len * tokens
-    total = 6 * spec.total_params * tokens + attention
+    total = 6 * active_params(spec) * tokens + attention
     return total * (4 / 3 if checkpointing else 1.0)
+
+
+def zero_bytes(n: int, group: int, setup: Setup, per_batch_grads: int) -> float:
+    """Bytes a rank moves per step for `n` parameters under ZeRO over `group` ranks (the module
+    docstring's DP / ZeRO term; `per_batch_grads`: gradient reductions per step)."""
+    if group <= 1:
+        return 0.0
+    frac = (group - 1) / group
+    g, p = setup.grad_bytes, setup.param_bytes
+    return {0: 2 * frac * n * g,
+            1: frac * n * (g + p),
+            2: frac * n * (g * per_batch_grads + p),
+            3: frac * n * (g * per_batch_grads + 2 * p * per_batch_grads)}[setup.zero_stage]
+
+
+def all_to_all_bytes(spec: ModelSpec, train: Training, layout: Layout, checkpointing: bool) -> float:
+    """Bytes one rank sends per step by the MoE layers' token all-to-alls (the EP term): 4 passes
+    (dispatch and combine, forward and backward; 6 with recompute) x MoE layers x tokens per rank
+    x top_k x hidden x activation bytes x (EP - 1) / EP."""
+    split, shape = spec.experts, spec.shape
+    if layout.ep <= 1 or split is None or shape is None:
+        return 0.0
+    tokens = train.global_batch * train.seq_len / layout.dp
+    act_bytes = 4 if train.precision == "fp32" else 2
+    passes = 6 if checkpointing else 4
+    return (passes * split.moe_layers * tokens * split.top_k * shape.hidden_size * act_bytes
+            * (layout.ep - 1) / layout.ep)
+
+
+def expert_zero_bytes(spec: ModelSpec, layout: Layout, setup: Setup) -> float:
+    """ZeRO bytes a rank moves per step for its experts: expert params / EP over DP / EP ranks."""
+    if spec.experts is None:
+        return 0.0
+    per_batch = 1 if layout.pp > 1 else layout.micro_batches
+    return zero_bytes(spec.experts.expert_params // layout.ep, layout.dims.expert_dp, setup, per_batch)
 
 
 def step_time(spec: ModelSpec, train: Training, cluster: Cluster, layout: Layout, setup: Setup,
@@ -180,20 +248,19 @@ def step_time(spec: ModelSpec, train: Training, cluster: Cluster, layout: Layout
         sbh = micro_batch * train.seq_len * spec.shape.hidden_size * act_bytes
         bw = cluster.inter_bandwidth if pp_spans_nodes(layout, cluster.devices_per_node) else cluster.intra_bandwidth
         pp = 2 * m * layout.virtual * sbh / bw
-    dp = 0.0
-    d = layout.dp
-    if d > 1:
-        n = worst.spec.total_params
-        frac = (d - 1) / d
-        g, p = setup.grad_bytes, setup.param_bytes
-        per_batch_grads = 1 if layout.pp > 1 else m
-        volume = {0: 2 * frac * n * g,
-                  1: frac * n * (g + p),
-                  2: frac * n * (g * per_batch_grads + p),
-                  3: frac * n * (g * per_batch_grads + 2 * p * per_batch_grads)}[setup.zero_stage]
-        bw = cluster.inter_bandwidth if dp_spans_nodes(layout, cluster.devices_per_node) else cluster.intra_bandwidth
-        dp = volume / bw
-    return StepTime(compute=compute, bubble=bubble, tp=tp, pp=pp, dp=dp)
+    g = cluster.devices_per_node
+    bw = cluster.inter_bandwidth if dp_spans_nodes(layout, g) else cluster.intra_bandwidth
+    per_batch_grads = 1 if layout.pp > 1 else m
+    ep = 0.0
+    if layout.ep > 1 and spec.experts is not None:
+        edp_bw = cluster.inter_bandwidth if expert_dp_spans_nodes(layout, g) else cluster.intra_bandwidth
+        dp = (zero_bytes(spec.experts.dense.total_params, layout.dp, setup, per_batch_grads) / bw
+              + expert_zero_bytes(spec, layout, setup) / edp_bw)
+        ep_bw = cluster.inter_bandwidth if ep_spans_nodes(layout, g) else cluster.intra_bandwidth
+        ep = all_to_all_bytes(spec, train, layout, checkpointing) / ep_bw
+    else:
+        dp = zero_bytes(worst.spec.total_params, layout.dp, setup, per_batch_grads) / bw
+    return StepTime(compute=compute, bubble=bubble, tp=tp, pp=pp, dp=dp, ep=ep)
 
 
 def _schedules(train: Training, pp: int, layers_per_stage: float) -> list[tuple[str, int]]:
@@ -233,15 +300,15 @@ def make_3d_plan(spec: ModelSpec, train: Training, cluster: Cluster) -> Plan3D:
             if train.global_batch % dp:
                 continue
             per_rank = train.global_batch // dp
-            for zero_stage in train.zero_stages:
+            for zero_stage, ep in ((z, e) for z in train.zero_stages for e in _ep_sizes(spec, train, tp, pp, dp)):
                 setup = replace(base, zero_stage=zero_stage)
-                states = estimate_layout(spec, setup, Layout.of(tp=tp, pp=pp, dp=dp), every_rank=False)
+                states = estimate_layout(spec, setup, Layout.of(tp=tp, pp=pp, dp=dp, ep=ep), every_rank=False)
                 for micro in (b for b in _divisors(per_rank) if b <= train.max_micro_batch and b & (b - 1) == 0):
                     m = per_rank // micro
                     for sched, v in _schedules(train, pp, states[0].layers):
                         for sp in ((False, True) if tp > 1 else (False,)):
-                            layout = Layout.of(tp=tp, pp=pp, dp=dp, micro_batches=m, schedule=sched, virtual=v,
-                                            sequence_parallel=sp)
+                            layout = Layout.of(tp=tp, pp=pp, dp=dp, ep=ep, micro_batches=m, schedule=sched,
+                                               virtual=v, sequence_parallel=sp)
                             for ckpt in ckpts:
                                 out.append(_candidate(spec, train, cluster, layout, setup, states, micro, ckpt, act))
     if not out:
@@ -250,6 +317,15 @@ def make_3d_plan(spec: ModelSpec, train: Training, cluster: Cluster) -> Plan3D:
     # Times within 0.1% are a tie: the larger memory margin wins, then the lower ZeRO stage.
     out.sort(key=lambda c: (not c.fits, float(f"{c.time.total:.3g}"), c.memory, c.zero_stage))
     return Plan3D(candidates=out, cluster=cluster, training=train, spec=spec)
+
+
+def _ep_sizes(spec: ModelSpec, train: Training, tp: int, pp: int, dp: int) -> list[int]:
+    """EP sizes searched for a (tp, pp, dp) layout: 1, and for a MoE model without TP or PP every
+    divisor of dp that divides the expert count; `train.ep_sizes` filters them."""
+    sizes = [1]
+    if spec.experts is not None and tp == pp == 1:
+        sizes += [e for e in _divisors(dp)[1:] if spec.experts.num_experts % e == 0]
+    return [e for e in sizes if train.ep_sizes is None or e in train.ep_sizes]
 
 
 def _candidate(spec: ModelSpec, train: Training, cluster: Cluster, layout: Layout, setup: Setup,
@@ -268,7 +344,7 @@ def _gb(n: float) -> str:
 
 
 _TERMS = (("compute", "compute"), ("bubble", "pipeline bubble"), ("tp", "TP all-reduces"), ("pp", "PP p2p"),
-          ("dp", "DP/ZeRO collectives"))
+          ("dp", "DP/ZeRO collectives"), ("ep", "EP all-to-alls"))
 
 
 def _why_slower(c: Candidate, best: Candidate) -> str:
@@ -307,6 +383,15 @@ def placement_lines(layout: Layout, devices_per_node: int) -> list[str]:
                  if dp_spans_nodes(layout, g) else "inside one node")
         lines.append(f"- DP groups: {layout.dp} ranks, {where}; {layout.pp * layout.tp} such groups communicate "
                      "at once, each over its own ranks")
+    if layout.ep > 1:
+        where = "across nodes (inter-node links)" if ep_spans_nodes(layout, g) else "inside one node"
+        lines.append(f"- EP groups: {layout.ep} consecutive data-parallel ranks, {where}, each holding 1/{layout.ep} "
+                     "of every expert bank")
+        edp = layout.dims.expert_dp
+        if edp > 1:
+            where = "across nodes (inter-node links)" if expert_dp_spans_nodes(layout, g) else "inside one node"
+            lines.append(f"- expert-DP groups: {edp} ranks one every {layout.ep}, {where}: ZeRO over them for the "
+                         "experts they share")
     if layout.pp > 1:
         if not pp_spans_nodes(layout, g):
             where = "all in one node (p2p inside the node)"
@@ -318,17 +403,46 @@ def placement_lines(layout: Layout, devices_per_node: int) -> list[str]:
     return lines
 
 
+def _ep_line(plan: Plan3D, best: Candidate) -> str | None:
+    """Why the chosen EP size against EP 1, in expert states per rank and bytes moved per step."""
+    split, lay = plan.spec.experts, best.layout
+    if split is None or lay.ep == 1:
+        return None
+    setup = Setup(zero_stage=best.zero_stage, precision=plan.training.precision,
+                  optimizer_state_bytes=plan.training.optimizer_state_bytes, devices_per_node=lay.dp)
+    one_layout = Layout.of(dp=lay.dp, micro_batches=lay.micro_batches)
+    states_one = estimate_rank(split.share(1), setup, 0).device.total
+    states_ep = estimate_rank(split.share(lay.ep), replace(setup, devices_per_node=lay.dims.expert_dp), 0).device.total
+    gathers = "ZeRO-3 gathers" if best.zero_stage == 3 else f"ZeRO-{best.zero_stage} traffic"
+    moved_one = expert_zero_bytes(plan.spec, one_layout, setup)
+    moved_ep = expert_zero_bytes(plan.spec, lay, setup)
+    a2a = all_to_all_bytes(plan.spec, plan.training, lay, best.checkpointing)
+    ratio = states_one / max(states_ep, 1)
+    smaller = (f"{ratio:.1f}x smaller" if ratio >= 1.05 else
+               f"the same: ZeRO-{best.zero_stage} shards them over all {lay.dp} ranks either way")
+    return (f"- EP {lay.ep} against EP 1 (same ZeRO-{best.zero_stage}): expert states {_gb(states_ep)} vs "
+            f"{_gb(states_one)} per rank ({smaller}); {gathers} of experts "
+            f"({_gb(moved_one)} per step) replaced by token all-to-alls ({_gb(a2a)}) and expert ZeRO over "
+            f"{lay.dims.expert_dp} rank(s) ({_gb(moved_ep)}): {_gb(a2a + moved_ep)} vs {_gb(moved_one)} per rank "
+            f"per step ({split.moe_layers} MoE layers, top-{split.top_k} of {split.num_experts} experts)")
+
+
 def report_3d(plan: Plan3D, top: int = 5) -> str:
     """The search's table, why the choice beats the best of each other class, and its placement."""
     cl, tr, spec = plan.cluster, plan.training, plan.spec
+    moe = spec.experts
+    params = f"{spec.total_params / 1e9:.2f}B params"
+    if moe is not None:
+        params += (f", {moe.active_params / 1e9:.2f}B active: {moe.moe_layers} MoE layers of {moe.num_experts} "
+                   f"experts, top-{moe.top_k}")
     lines = [
-        f"3D plan for {spec.name} ({spec.total_params / 1e9:.2f}B params) on {cl.nodes} node(s) x "
+        f"3D plan for {spec.name} ({params}) on {cl.nodes} node(s) x "
         f"{cl.devices_per_node} device(s) of {_gb(cl.device_memory)} ({_gb(cl.device_budget)} usable); {tr.precision}, "
         f"sequence {tr.seq_len}, global batch {tr.global_batch} ({tr.global_batch * tr.seq_len / 1e6:.2f}M tokens)",
         f"links per device: {cl.intra_bandwidth / GiB:g} GB/s inside a node, {cl.inter_bandwidth / GiB:g} GB/s across "
         f"nodes; {cl.device_flops / 1e12:g} TFLOP/s achieved per device; communication not overlapped (upper bound)",
         f"searched {len(plan.candidates)} layouts (TP inside a node x PP x DP, ZeRO 0-3, micro batch, schedule, "
-        f"sequence parallel, recompute): {len(plan.fitting)} fit",
+        f"sequence parallel, recompute{', EP over DP for the experts' if moe else ''}): {len(plan.fitting)} fit",
     ]
     best = plan.chosen
     if best is None:
@@ -336,9 +450,11 @@ def report_3d(plan: Plan3D, top: int = 5) -> str:
         lines.append(f"no layout fits: the most frugal, {small.label()}, needs {_gb(small.memory)} per device; "
                      "add devices, shorten the sequence or offload (the plan without --3d walks the offloads)")
         return "\n".join(lines)
-    lines += ["", "  step s | compute  bubble  TP      PP      DP     | memory/rank | layout",
+    ep_head, ep_col = ("  EP    ", lambda c: f" {c.time.ep:6.2f}") if moe else ("", lambda c: "")
+    lines += ["", f"  step s | compute  bubble  TP      PP      DP    {ep_head} | memory/rank | layout",
               *(f"  {c.time.total:6.2f} | {c.time.compute:6.2f} {c.time.bubble:6.2f} {c.time.tp:6.2f} {c.time.pp:6.2f} "
-                f"{c.time.dp:6.2f} | {_gb(c.memory):>11} | {c.label()}" for c in plan.fitting[:top]), "", "why:"]
+                f"{c.time.dp:6.2f}{ep_col(c)} | {_gb(c.memory):>11} | {c.label()}" for c in plan.fitting[:top]),
+              "", "why:"]
     lay = best.layout
     checks = [
         (f"TP other than {lay.tp}", lambda c: c.layout.tp != lay.tp),
@@ -354,16 +470,26 @@ def report_3d(plan: Plan3D, top: int = 5) -> str:
     if lay.pp > 1:
         checks.append((f"schedule other than {lay.schedule}",
                        lambda c: c.layout.pp > 1 and c.layout.schedule != lay.schedule))
+    if moe is not None:
+        if lay.ep > 1:
+            checks += [("EP 1 (every expert on every rank)", lambda c: c.layout.ep == 1),
+                       (f"EP other than {lay.ep}", lambda c: c.layout.ep not in (1, lay.ep))]
+        else:
+            checks.append(("expert parallelism (EP > 1)", lambda c: c.layout.ep > 1))
     for label, keep in checks:
         line = _alternative(plan, label, keep)
         if line:
             lines.append(line)
+    ep_line = _ep_line(plan, best)
+    if ep_line:
+        lines.append(ep_line)
     t = best.time
     worst = best.worst
     lines += ["", "placement (rank = (pp * dp + d) * tp + t; nodes hold consecutive ranks):",
               *placement_lines(lay, cl.devices_per_node), "",
               f"choice: {best.label()}: {t.total:.2f} s per step (compute {t.compute:.2f} + bubble {t.bubble:.2f} + "
-              f"TP {t.tp:.2f} + PP {t.pp:.2f} + DP {t.dp:.2f}); fullest rank (stage {worst.stage}) "
+              f"TP {t.tp:.2f} + PP {t.pp:.2f} + DP {t.dp:.2f}{f' + EP {t.ep:.2f}' if moe else ''}); "
+              f"fullest rank (stage {worst.stage}) "
               f"{_gb(best.memory)} = states {_gb(worst.rank.device.total)} + ZeRO buffers "
               f"{_gb(worst.rank.device_buffers)} + pipeline batch buffers {_gb(worst.pipeline_buffers)} + activations "
               f"{_gb(worst.activations)}, margin {_gb(cl.device_budget - best.memory)}"]
