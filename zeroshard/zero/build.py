@@ -194,14 +194,14 @@ def _build_group_strategy(cfg: "Config", module: nn.Module, params: list[nn.Para
         return cls(params, comm=comm, rank=groups.rank, world_size=groups.world_size, options=options,
                    norm_group=norm_group)
     if zero.stage == 3:
-        options3 = _stage3_options(cfg, comm, groups, grad_dtype, master_dtype, comm_dtype, prescale, hpz_size)
+        options3 = _zero3_options(cfg, comm, groups, grad_dtype, master_dtype, comm_dtype, prescale, hpz_size)
         return Stage3Strategy(module, params, comm=comm, options=options3,
-                              units=_stage3_units(cfg, module, units, exact_units), norm_group=norm_group,
+                              units=_zero3_units(cfg, module, units, exact_units), norm_group=norm_group,
                               include=include)
     raise AssertionError(f"stage {zero.stage} passed config validation but has no strategy")
 
 
-def _stage3_options(cfg: "Config", comm: "Comm", groups: "ProcessGroups", grad_dtype: torch.dtype,
+def _zero3_options(cfg: "Config", comm: "Comm", groups: "ProcessGroups", grad_dtype: torch.dtype,
                     master_dtype: torch.dtype, comm_dtype: torch.dtype | None, prescale: float,
                     hpz_size: int) -> Stage3Options:
     zero = cfg.zero_optimization
@@ -229,7 +229,7 @@ def _stage3_options(cfg: "Config", comm: "Comm", groups: "ProcessGroups", grad_d
     )
 
 
-def _stage3_units(cfg: "Config", module: nn.Module, units: Sequence[nn.Module | type[nn.Module]] | None,
+def _zero3_units(cfg: "Config", module: nn.Module, units: Sequence[nn.Module | type[nn.Module]] | None,
                   exact_units: bool) -> list[nn.Module]:
     """The modules stage 3 gathers as one: `units` as they are (`exact_units`), else the chosen units
     (default: each ModuleList block and the root) with `zero_optimization.leaf_module` (default:
