@@ -31,6 +31,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -148,6 +149,17 @@ def read_log(path: Path) -> dict[str, str]:
     return {nodeid: outcome or "failed" for nodeid, outcome in result.items()}
 
 
+_OUTPUT = threading.Lock()
+
+
+def say(text: str) -> None:
+    """Print one block whole: stages running at the same time print between each other's blocks,
+    never inside them (print writes its text and its newline separately)."""
+    with _OUTPUT:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+
 def run_stage(name: str) -> tuple[dict[str, int], bool]:
     """Run one stage, restarting after each early stop; return its counts and whether it passed."""
     ran: dict[str, str] = {}
@@ -162,15 +174,13 @@ def run_stage(name: str) -> tuple[dict[str, int], bool]:
                    "ZEROSHARD_TEST_LOG": str(log), "PYTHONFAULTHANDLER": "1"}
             deselect = [arg for nodeid in ran for arg in ("--deselect", nodeid)]
             if rounds > 1:
-                print(f"=== {name}: restarting with a fresh group after the failure, "
-                      f"{len(ran)} tests already run", flush=True)
+                say(f"=== {name}: restarting with a fresh group after the failure, {len(ran)} tests already run")
             proc = subprocess.run([*STAGES.get(name, OPT_IN.get(name, [])), *deselect], cwd=ROOT, env=env, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             out = proc.stdout
-            print(out if proc.returncode or name in OPT_IN else "\n".join(out.splitlines()[-3:]), flush=True)
             this_round = read_log(log)
-            for seconds, nodeid in slowest(log):
-                print(f"    {seconds:7.1f} s  {nodeid}", flush=True)
+            say("\n".join([out if proc.returncode or name in OPT_IN else "\n".join(out.splitlines()[-3:]),
+                           *(f"    {seconds:7.1f} s  {nodeid}" for seconds, nodeid in slowest(log))]))
             ran.update(this_round)
             if rounds > 1 and not this_round and re.search(r"no tests ran|\d+ deselected in", out):
                 break  # the failing test was the stage's last one
@@ -214,11 +224,11 @@ distributed stages', so the two never meet on a port; each job has its own tempo
 
 def timed_stage(name: str, command: list[str]) -> tuple[str, dict[str, int], bool, float]:
     start = time.perf_counter()
-    print(f"=== {name}: {' '.join(command[1:])}", flush=True)
+    say(f"=== {name}: {' '.join(command[1:])}")
     c, stage_ok = run_stage(name)
     wall = time.perf_counter() - start
-    print(f"=== {name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped, "
-          f"{'ok' if stage_ok else 'FAILED'}, {wall:.0f} s", flush=True)
+    say(f"=== {name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped, "
+        f"{'ok' if stage_ok else 'FAILED'}, {wall:.0f} s")
     return name, c, stage_ok, wall
 
 
