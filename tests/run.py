@@ -10,6 +10,8 @@ and 3D tests also at 4, the 3D tests also at 8), launcher tests.
 The distributed tests share one gloo process group per run (process start-up dominates on a
 small CPU box), so they run under torchrun, not plain pytest. On a machine without torch or
 zeroshard installed, this installs them first (torch 2.13.0, the CPU build on the CI image).
+The launch stage (jobs that mostly wait: start-up, rendezvous, timeouts) runs in a thread beside
+the other stages, which run one after the other (unit and dist1 together): see BESIDE.
 The closing summary has one row per stage (counts and wall time); the last line is the total
 over every stage: "total: N passed, N failed, N skipped".
 
@@ -29,6 +31,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -146,6 +149,17 @@ def read_log(path: Path) -> dict[str, str]:
     return {nodeid: outcome or "failed" for nodeid, outcome in result.items()}
 
 
+_OUTPUT = threading.Lock()
+
+
+def say(text: str) -> None:
+    """Print one block whole: stages running at the same time print between each other's blocks,
+    never inside them (print writes its text and its newline separately)."""
+    with _OUTPUT:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+
 def run_stage(name: str) -> tuple[dict[str, int], bool]:
     """Run one stage, restarting after each early stop; return its counts and whether it passed."""
     ran: dict[str, str] = {}
@@ -160,15 +174,13 @@ def run_stage(name: str) -> tuple[dict[str, int], bool]:
                    "ZEROSHARD_TEST_LOG": str(log), "PYTHONFAULTHANDLER": "1"}
             deselect = [arg for nodeid in ran for arg in ("--deselect", nodeid)]
             if rounds > 1:
-                print(f"=== {name}: restarting with a fresh group after the failure, "
-                      f"{len(ran)} tests already run", flush=True)
+                say(f"=== {name}: restarting with a fresh group after the failure, {len(ran)} tests already run")
             proc = subprocess.run([*STAGES.get(name, OPT_IN.get(name, [])), *deselect], cwd=ROOT, env=env, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             out = proc.stdout
-            print(out if proc.returncode or name in OPT_IN else "\n".join(out.splitlines()[-3:]), flush=True)
             this_round = read_log(log)
-            for seconds, nodeid in slowest(log):
-                print(f"    {seconds:7.1f} s  {nodeid}", flush=True)
+            say("\n".join([out if proc.returncode or name in OPT_IN else "\n".join(out.splitlines()[-3:]),
+                           *(f"    {seconds:7.1f} s  {nodeid}" for seconds, nodeid in slowest(log))]))
             ran.update(this_round)
             if rounds > 1 and not this_round and re.search(r"no tests ran|\d+ deselected in", out):
                 break  # the failing test was the stage's last one
@@ -202,14 +214,21 @@ def summary_table(rows: list[tuple[str, dict[str, int], bool, float]], total_wal
 TOGETHER = ("unit", "dist1")
 """Single-process stages run at the same time (each takes one core of the 2-core CI box)."""
 
+BESIDE = ("launch",)
+"""Stages that start with the run and go on in a thread beside the others (which keep their order).
+The launch stage is its own jobs' start-up, rendezvous, heartbeat and timeout waits, and watching
+for a rank's report: it leaves much of the box idle while it waits, which the other stages fill.
+Its jobs take free ports (torchrun --standalone, the launcher's free port on one node), like the
+distributed stages', so the two never meet on a port; each job has its own temporary directory."""
+
 
 def timed_stage(name: str, command: list[str]) -> tuple[str, dict[str, int], bool, float]:
     start = time.perf_counter()
-    print(f"=== {name}: {' '.join(command[1:])}", flush=True)
+    say(f"=== {name}: {' '.join(command[1:])}")
     c, stage_ok = run_stage(name)
     wall = time.perf_counter() - start
-    print(f"=== {name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped, "
-          f"{'ok' if stage_ok else 'FAILED'}, {wall:.0f} s", flush=True)
+    say(f"=== {name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped, "
+        f"{'ok' if stage_ok else 'FAILED'}, {wall:.0f} s")
     return name, c, stage_ok, wall
 
 
@@ -231,21 +250,25 @@ def main(argv: list[str]) -> int:
         return 2
     run_start = time.perf_counter()
     total = {"passed": 0, "failed": 0, "skipped": 0}
-    rows: list[tuple[str, dict[str, int], bool, float]] = []
+    results: dict[str, tuple[str, dict[str, int], bool, float]] = {}
     ok = True
-    done: set[str] = set()
-    for name in stages:
-        if name in done:
-            continue
-        batch = [n for n in stages if n in TOGETHER] if name in TOGETHER else [name]
-        done.update(batch)
-        with ThreadPoolExecutor(len(batch)) as pool:
-            results = list(pool.map(lambda n: timed_stage(n, commands[n]), batch))
-        for stage_name, c, stage_ok, wall in results:
-            ok = ok and stage_ok
-            for key in total:
-                total[key] += c[key]
-            rows.append((stage_name, c, stage_ok, wall))
+    beside = [n for n in stages if n in BESIDE]
+    done: set[str] = set(beside)
+    with ThreadPoolExecutor(max(1, len(beside))) as beside_pool:
+        started = {n: beside_pool.submit(timed_stage, n, commands[n]) for n in beside}
+        for name in stages:
+            if name in done:
+                continue
+            batch = [n for n in stages if n in TOGETHER] if name in TOGETHER else [name]
+            done.update(batch)
+            with ThreadPoolExecutor(len(batch)) as pool:
+                results.update((r[0], r) for r in pool.map(lambda n: timed_stage(n, commands[n]), batch))
+        results.update((n, future.result()) for n, future in started.items())
+    rows = [results[n] for n in dict.fromkeys(stages)]  # in the order asked for, each stage once
+    for _, c, stage_ok, _ in rows:
+        ok = ok and stage_ok
+        for key in total:
+            total[key] += c[key]
     print(summary_table(rows, time.perf_counter() - run_start))
     print(f"total: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
     return 0 if ok else 1
