@@ -4,6 +4,7 @@ otherwise) and `engine.compile()`'s refusals, at world size 1 without compiling 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from typing import Any
 
@@ -86,7 +87,8 @@ def test_model_parallel_layers_of_your_own_refused_by_name(engine: ZeroEngine,
     assert not engine.is_compiled
 
 
-def test_torch_nn_layers_alone_are_said_to_run_eagerly(caplog: pytest.LogCaptureFixture) -> None:
+def test_torch_nn_layers_alone_are_said_to_run_eagerly(caplog: pytest.LogCaptureFixture,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Dynamo does not compile torch's own modules (their frames are in torch's files): a model of
     nothing else, or a pipeline layer of nothing else, is reported as running eagerly, not counted as
     compiled (no forward runs here, so nothing is compiled)."""
@@ -104,6 +106,9 @@ def test_torch_nn_layers_alone_are_said_to_run_eagerly(caplog: pytest.LogCapture
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
     engine, *_ = zeroshard.initialize(model=plain, model_parameters=plain.parameters(), config=config)
+    # initialize's setup_logging stops propagation to the root logger, where caplog listens: this test
+    # alone (or first) saw no record; in the whole file an earlier test had left propagation on.
+    monkeypatch.setattr(logging.getLogger("zeroshard"), "propagate", True)
     with caplog.at_level("WARNING", logger="zeroshard"):
         engine.compile()
     assert "only torch.nn modules, which Dynamo does not compile: it runs eagerly" in caplog.text
