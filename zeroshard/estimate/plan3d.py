@@ -223,12 +223,17 @@ def all_to_all_bytes(spec: ModelSpec, train: Training, layout: Layout, checkpoin
             * (layout.ep - 1) / layout.ep)
 
 
+def grad_reductions(layout: Layout) -> int:
+    """Gradient reductions per step: one per micro-batch, once per batch under a pipeline (which
+    hands the batch's gradient over once)."""
+    return 1 if layout.pp > 1 else layout.micro_batches
+
+
 def expert_zero_bytes(spec: ModelSpec, layout: Layout, setup: Setup) -> float:
     """ZeRO bytes a rank moves per step for its experts: expert params / EP over DP / EP ranks."""
     if spec.experts is None:
         return 0.0
-    per_batch = 1 if layout.pp > 1 else layout.micro_batches
-    return zero_bytes(spec.experts.expert_params // layout.ep, layout.dims.expert_dp, setup, per_batch)
+    return zero_bytes(spec.experts.expert_params // layout.ep, layout.dims.expert_dp, setup, grad_reductions(layout))
 
 
 def step_time(spec: ModelSpec, train: Training, cluster: Cluster, layout: Layout, setup: Setup,
@@ -250,7 +255,7 @@ def step_time(spec: ModelSpec, train: Training, cluster: Cluster, layout: Layout
         pp = 2 * m * layout.virtual * sbh / bw
     g = cluster.devices_per_node
     bw = cluster.inter_bandwidth if dp_spans_nodes(layout, g) else cluster.intra_bandwidth
-    per_batch_grads = 1 if layout.pp > 1 else m
+    per_batch_grads = grad_reductions(layout)
     ep = 0.0
     if layout.ep > 1 and spec.experts is not None:
         edp_bw = cluster.inter_bandwidth if expert_dp_spans_nodes(layout, g) else cluster.intra_bandwidth

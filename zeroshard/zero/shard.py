@@ -191,9 +191,7 @@ class OptimizerShard:
         # Before the dp sum: each rank drops its own fragments' squares.
         if norm_group is not None and norm_group.duplicates:
             sq -= sum_of_squares(self._duplicate_grads(norm_group.duplicates)).to(self._device)
-        self._comm.all_reduce(sq)
-        if norm_group is not None:  # Note: [norm groups] in zero/strategy.py
-            sq = norm_group.finish(sq, ())
+        sq = self._summed_over_ranks(sq)
         zenflow = self._zenflow_step  # it clips what its two optimizers step with (Note: [zenflow clip])
         stats = unscale_and_clip(views, sq.item(), grad_scale * reduced_mult, 0.0 if zenflow is not None else max_norm)
         if zenflow is not None:
@@ -217,10 +215,13 @@ class OptimizerShard:
             dup = [t for f, t in zip(self._fragments, per_fragment) if id(self._params[f.param_index])
                    in norm_group.duplicates]
             sq -= sum_of_squares(dup).to(self._device)
+        return float(self._summed_over_ranks(sq).item())
+
+    def _summed_over_ranks(self, sq: Tensor) -> Tensor:
+        """This rank's sum of squares (its duplicates already left out) summed over the data-parallel
+        ranks, then over the norm group (Note: [norm groups] in zero/strategy.py)."""
         self._comm.all_reduce(sq)
-        if norm_group is not None:
-            sq = norm_group.finish(sq, ())
-        return float(sq.item())
+        return self.norm_group.finish(sq, ()) if self.norm_group is not None else sq
 
     def fragment_grads(self, grad_scale: float, reduced_mult: float) -> list[Tensor]:
         """Each fragment's reduced gradient as a new 1-D fp32 tensor, times `reduced_mult` (the
