@@ -94,12 +94,29 @@ def _census_check(groups: ProcessGroups, engine: Any, model: nn.Module, cfg: dic
           f"ratio {states / expected:.4f} ({states / share.total_params:.2f} vs {expected / share.total_params:.2f} "
           f"bytes/param); staging pool measured {pool}, estimated {est.staging_pool} (plain engine), "
           f"bound {setup.grad_bytes * share.total_params} (pipeline)")
-    assert abs(states - expected) <= 0.05 * expected, (label, groups.rank, states, expected)
+    assert abs(states - expected) <= 0.05 * expected, (label, groups.rank, states, expected,
+                                                        _unowned_tensors(engine, model))
     # The pool: at most a whole gradient (what estimate/parallel.py counts for pipelines at stages 2
     # and 3). The plain engine's window (one block without overlap_comm) is exceeded with a pipeline
     # (6 of 8 blocks at once) and under TP (2 blocks): a known gap of estimate_rank's pool, printed.
     bound = max(est.staging_pool, setup.grad_bytes * share.total_params)
     assert pool <= 1.05 * bound, (label, pipeline, groups.rank, pool, bound)
+
+
+def _unowned_tensors(engine: Any, model: nn.Module, top: int = 5) -> list[tuple[tuple[int, ...], str, int]]:
+    """The largest live tensors that are not the model's parameters or gradients nor the optimizer's
+    state (shape, dtype, bytes): what to look at when the census is off."""
+    known: set[int] = set()
+    for t in [*model.parameters(), *model.buffers(), *engine._strategy.optimizer_params]:
+        for x in (t, t.grad):
+            if x is not None and x.numel() > 0:
+                known.add(x.untyped_storage().data_ptr())
+    for state in engine.optimizer.state.values():
+        known |= {v.untyped_storage().data_ptr() for v in state.values() if torch.is_tensor(v) and v.numel() > 0}
+    stray = [(tuple(o.shape), str(o.dtype), o.untyped_storage().nbytes()) for o in gc.get_objects()
+             if isinstance(o, torch.Tensor) and o.layout == torch.strided and o.numel() > 0
+             and o.untyped_storage().data_ptr() not in known]
+    return sorted(stray, key=lambda s: -s[2])[:top]
 
 
 @pytest.fixture(autouse=True)
@@ -140,7 +157,10 @@ def test_tensor_parallel_tp2_dp2_census(groups: ProcessGroups, stage: int) -> No
 
     gc.collect()
     baseline = allocated_bytes(torch.device("cpu"))
-    model = tiny_llama(hidden=64)
+    # hidden 128 (model states ~1.6 MB a rank): a stray tensor some earlier test's cache allocates
+    # late must not decide a 5% check of the estimator (hidden 64 left ~20 KB of slack; one dist4 CI
+    # run lost rank 1 at ZeRO-3 there, never reproduced alone).
+    model = tiny_llama(hidden=128)
     whole = spec_from_module(model)
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": _zero(stage),
