@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from tp_helpers import batches, lm_loss, reference, tiny_llama, tp_config
+from tp_helpers import VOCAB, batches, lm_loss, reference, tiny_llama, tp_config
 
 import zeroshard
 from zeroshard.comm import Comm, ProcessGroups
@@ -54,12 +54,12 @@ def _whole(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def _check(groups: ProcessGroups, cfg: dict[str, Any], data: list[list[torch.Tensor]],
-           build: Any = None) -> Any:
+           build: Any = None, make: Any = _model) -> Any:
     tp = _tp(groups.world_size)
     dp = groups.world_size // tp
-    ref = reference(lambda: _model(groups.world_size), data, lr=LR, clip=CLIP)
+    ref = reference(lambda: make(groups.world_size), data, lr=LR, clip=CLIP)
     want_losses, want = ref.losses, ref.weights
-    model = build() if build is not None else _model(groups.world_size)
+    model = build() if build is not None else make(groups.world_size)
     engine, *_ = zeroshard.initialize(model=model, config=cfg)
     dp_rank = engine.parallel.dp.rank
     assert engine.dp_world_size == dp and engine.parallel.mesh.topology.tp == tp
@@ -95,6 +95,37 @@ def test_matches_one_process(groups: ProcessGroups, stage: int) -> None:
     tp = _tp(groups.world_size)
     dp = groups.world_size // tp
     _check(groups, tp_config(tp, stage, dp, clip=CLIP, lr=LR), batches(STEPS, dp))
+
+
+def _qwen3(world: int) -> torch.nn.Module:
+    """A 2-layer Qwen3 from its config: RMSNorms over each head's queries and keys (q_norm, k_norm),
+    which the HF plan marks replicated_with_grad_allreduce."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    heads, kv = (6, 3) if _tp(world) == 3 else (4, 2)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=16 * heads, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=8, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).float()
+    with torch.no_grad():  # ones at the start: other values, so that a wrong gradient shows in the weights too
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_qwen3_head_norms_sum_their_gradients_over_tp(groups: ProcessGroups, stage: int) -> None:
+    """Qwen3's q_norm / k_norm stay whole on every tensor-parallel rank but see only that rank's heads:
+    their gradients are summed over the tensor-parallel group (HF's replicated_with_grad_allreduce, as
+    DeepSpeed 0.19.8 does), and training equals one process."""
+    tp = _tp(groups.world_size)
+    dp = groups.world_size // tp
+    engine = _check(groups, tp_config(tp, stage, dp, clip=CLIP, lr=LR), batches(STEPS, dp), make=_qwen3)
+    summed = engine.parallel.tp.grad_summed
+    assert {n for n in summed if n.endswith(("q_norm.weight", "k_norm.weight"))} == summed and len(summed) == 4
 
 
 def test_zero_init_matches_one_process(groups: ProcessGroups) -> None:

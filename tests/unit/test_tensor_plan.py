@@ -58,6 +58,26 @@ def test_config_section_and_aliases() -> None:
         _tp(partition_config={"layer_specs": [{"patterns": [".*qkv"], "shape": [3, -1]}]})
     with pytest.raises(ConfigError, match="unknown key"):
         _tp(autotp_sise=2)
+    with pytest.raises(ConfigError, match=r"layer_specs\[0\].grad_allreduce=true goes with partition_type \"skip\""):
+        _tp(partition_config={"layer_specs": [{"patterns": [".*q_norm"], "partition_type": "column",
+                                               "grad_allreduce": True}]})
+
+
+def test_replicated_weights_whose_gradient_is_summed() -> None:
+    """HF's replicated_with_grad_allreduce and DeepSpeed's skip spec with grad_allreduce: kept whole,
+    with the gradient summed over tp (a hook on the parameter; at tp = 1 the sum is the gradient)."""
+    assert plan_from_hf({"layers.*.self_attn.q_norm": "replicated_with_grad_allreduce"}).style_of(
+        "model.layers.3.self_attn.q_norm", None) is Style.REPLICATED_GRAD_SUM
+    model = _llama()
+    plan = resolve_plan(model, _tp(partition_config={"layer_specs": [
+        {"patterns": [r".*input_layernorm\.weight$"], "partition_type": "skip", "grad_allreduce": True},
+        {"patterns": [r".*o_proj"], "partition_type": "row"}]}))
+    assert plan.style_of("model.layers.0.input_layernorm", "llama") is Style.REPLICATED_GRAD_SUM
+    state = shard_model(model, plan, Comm(ProcessGroups.single()))
+    assert state.grad_summed == {"model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight"}
+    assert "model.layers.0.input_layernorm.weight" not in state.split
+    model(input_ids=torch.randint(0, 64, (2, 8))).logits.sum().backward()
+    assert model.model.layers[0].input_layernorm.weight.grad is not None
 
 
 def test_hf_plan_of_llama_and_its_styles() -> None:

@@ -144,9 +144,9 @@ def check_layer_spec(raw: Any, where: str) -> None:
     if raw.get("shape") is not None:
         raise NotSupportedError(f"not supported yet: {where}.shape={show(raw['shape'])}. Sub-parameter shapes "
                                 "(fused projections) are not split yet; give separate projections.")
-    if raw.get("grad_allreduce"):
-        raise NotSupportedError(f"not supported yet: {where}.grad_allreduce=true. Replicated parameters whose "
-                                "gradient is summed over the tensor-parallel group are not built.")
+    if raw.get("grad_allreduce") and kind != "skip":
+        raise ConfigError(f"{where}.grad_allreduce=true goes with partition_type \"skip\" (a whole parameter whose "
+                          f"gradient is summed over the tensor-parallel group, as in DeepSpeed); got \"{kind}\".")
     dim, natural = raw.get("partition_dim"), 0 if kind == "column" else 1
     if dim is not None and kind != "skip" and dim != natural:
         raise NotSupportedError(f"not supported yet: {where}.partition_dim={show(dim)}. A {kind} split of a "

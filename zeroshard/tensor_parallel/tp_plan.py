@@ -10,6 +10,7 @@ the class's and the instance's `_tp_plan`). Imports torch, zeroshard.config, err
 from __future__ import annotations
 
 import enum
+import functools
 import re
 import weakref
 from collections.abc import Mapping, Sequence
@@ -38,10 +39,15 @@ class Style(enum.Enum):
     """Split the input features of a whole input (each rank takes its slice first)."""
     SKIP = "skip"
     """Keep whole (replicated on every tensor-parallel rank)."""
+    REPLICATED_GRAD_SUM = "replicated_grad_sum"
+    """Keep whole, and sum the parameters' gradients over the tensor-parallel group: a replicated
+    weight applied to split activations (Qwen3's q_norm / k_norm normalise each rank's heads), whose
+    gradient each rank computes from its own heads only. HF's "replicated_with_grad_allreduce"."""
 
 
 _HF_STYLES = {"colwise": Style.COLUMN, "colwise_rep": Style.COLUMN_GATHER, "colwise_gather_output": Style.COLUMN_GATHER,
-              "rowwise": Style.ROW, "rowwise_rep": Style.ROW_SCATTER, "embedding_rowwise": Style.SKIP}
+              "rowwise": Style.ROW, "rowwise_rep": Style.ROW_SCATTER, "embedding_rowwise": Style.SKIP,
+              "replicated_with_grad_allreduce": Style.REPLICATED_GRAD_SUM}
 """HF tp_plan styles -> zeroshard styles. An embedding stays whole, as DeepSpeed's AutoTP keeps it."""
 
 _PRESET_SPECS: tuple[dict[str, Any], ...] = (
@@ -90,6 +96,8 @@ class TensorParallelState:
     split: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     """Parameter name -> (split dimension, global shape) for every parameter sharded over tp."""
     sequence_parallel: bool = False
+    grad_summed: set[str] = field(default_factory=set)
+    """Names of whole parameters whose gradient is summed over tp (`Style.REPLICATED_GRAD_SUM`)."""
     replaced: dict[int, nn.Parameter] = field(default_factory=dict)
     """id of a parameter `shard_model` replaced -> its replacement (the local piece), so that
     `initialize(model_parameters=...)` given a list made before the split still names the model's
@@ -163,6 +171,8 @@ def _spec_rules(specs: Sequence[Mapping[str, Any]]) -> list[Rule]:
     for spec in specs:
         kind = str(spec.get("partition_type", "column")).lower()
         style = {"row": Style.ROW, "skip": Style.SKIP}.get(kind, Style.COLUMN)
+        if style is Style.SKIP and spec.get("grad_allreduce"):  # schema_tp allows it on skip specs only
+            style = Style.REPLICATED_GRAD_SUM
         if style is Style.COLUMN and spec.get("gather_output"):
             style = Style.COLUMN_GATHER
         types = spec.get("model_types")
@@ -213,14 +223,25 @@ def _tied(model: nn.Module) -> set[int]:
     return {k for k, n in seen.items() if n > 1}
 
 
+def _sum_over_tp(comm: Comm, grad: Tensor) -> Tensor:
+    """A replicated parameter's gradient summed over the tensor-parallel ranks (a tensor hook: it
+    runs before the gradient reaches `.grad` and ZeRO's reduction, once per use in backward)."""
+    total = grad.contiguous().clone()
+    comm.all_reduce(total)
+    return total
+
+
 def shard_model(model: nn.Module, plan: Plan, comm: Comm, *, sequence_parallel: bool = False,
-                keep_whole: frozenset[int] = frozenset()) -> TensorParallelState:
+                keep_whole: frozenset[int] = frozenset(), experts: frozenset[int] = frozenset()) -> TensorParallelState:
     """Replace the plan's linear layers of `model` by their tensor-parallel pieces, in place.
 
     Every tensor-parallel rank must hold the same whole model (initialize broadcasts it first).
     `sequence_parallel`: keep the residual stream cut along the sequence between the split layers
     (tensor_parallel/sequence.py; Hugging Face layouts). `keep_whole`: ids of parameters shared beyond
-    `model` (a pipeline's tied weights, held by several stages), treated as tied.
+    `model` (a pipeline's tied weights, held by several stages), treated as tied. `experts`: ids of
+    expert parameters (MoE layers): a layer holding one is never split, whatever rule matches it;
+    experts are divided by expert parallelism and each tensor-parallel rank holds them whole
+    (DeepSpeed's default, without `enable_expert_tensor_parallelism`).
 
     Raises:
         ConfigError: a split dimension the size does not divide, heads that do not divide, a
@@ -236,6 +257,14 @@ def shard_model(model: nn.Module, plan: Plan, comm: Comm, *, sequence_parallel: 
         if not name:
             continue
         style = plan.style_of(name, model_type)
+        if isinstance(module, nn.Linear) and id(module.weight) in experts:
+            continue
+        if style is Style.REPLICATED_GRAD_SUM:
+            for pname, p in module.named_parameters(recurse=False):
+                if p.requires_grad and f"{name}.{pname}" not in state.grad_summed:
+                    p.register_hook(functools.partial(_sum_over_tp, comm))
+                    state.grad_summed.add(f"{name}.{pname}")
+            continue
         if style is None or style is Style.SKIP:
             if plan.strict and style is None and isinstance(module, nn.Linear) \
                     and not any(h in name for h in plan.head_patterns):
