@@ -32,9 +32,14 @@ from zeroshard.moe.utils import is_moe_param, split_params_into_different_moe_gr
 
 HIDDEN, TOKENS, MICRO, GAS, STEPS, EXPERTS = 8, 6, 2, 2, 3, 4
 LR, WD = 1e-2, 0.01
-RTOL = float(__import__("os").environ.get("MOE_RTOL", "2e-6"))
+RTOL = float(__import__("os").environ.get("MOE_RTOL", "5e-6"))
 """fp32 round-off of the different summation orders (gradient sums over ranks, clip factor applied
-after the average); measured at most ~3e-7 relative on these cases."""
+after the average, the experts' matrix products over other row counts); measured at most ~3e-7
+relative on these cases on the machine that wrote them, and 2.39e-6 on an AMD EPYC one (2026-12-07:
+one element of expert 1's last weight in top1_drop_clip at EP 2, the same value at ZeRO 0-3 and with
+offload, and the same at the commit before this change: round-off of another BLAS blocking, which
+AdamW's update turns into a weight difference). A real defect (a gradient factor, an expert's place,
+a dropped route) moves weights by about the learning rate, 1e-2."""
 
 
 class Net(nn.Module):
