@@ -72,6 +72,7 @@ STAGES: dict[str, list[str]] = {
     # sequence x data parallelism (SP 2 x DP 2, SP 4, ALST at SP 4, the 2D Ulysses x ring layout),
     # MoE with experts replicated over expert-data-parallel pairs (EP 2 x 2, EP 2 <-> 4 checkpoints,
     # DeepSpeed's EP-2 MoE checkpoint loaded at EP 2 x EDP 2, AutoEP's EP 2 x EDP 2 and EP 4),
+    # EP 2 beside TP 2 and in PP 2 x DP 2,
     # engine.compile() at TP 2 x DP 2 and PP 2 x DP 2
     # need 4 ranks; the rest of tests/dist runs at 1-3 ranks, so this stage runs only those files,
     # and the shared-memory collectives (a sum of 4 terms, 4 rows of the arena).
@@ -82,6 +83,7 @@ STAGES: dict[str, list[str]] = {
                       "tests/dist/test_sequence_parallel.py", "tests/dist/test_alst.py",
                       "tests/dist/test_ring_attention.py", "tests/dist/test_moe.py",
                       "tests/dist/test_moe_ds_checkpoint.py", "tests/dist/test_autoep.py",
+                      "tests/dist/test_ep_tensor_parallel.py", "tests/dist/test_ep_pipeline.py",
                       "tests/dist/test_compile.py", rank0_output=True),
     # 3D at PP 2 x DP 2 x TP 2 (dist4 runs PP 2 x TP 2): the claim "equal to one process at 8 ranks"
     # needs 8 ranks; about 130 CPU-seconds, half of it starting 8 interpreters.

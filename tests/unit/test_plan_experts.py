@@ -112,7 +112,7 @@ def test_ep_term_by_hand(tmp_path: Path) -> None:
     wide = step_time(spec, train, cluster, Layout.of(dp=8, ep=8, micro_batches=4), setup, worst, 1, False)
     assert wide.ep == pytest.approx(4 * 4 * 1024 * 2 * 64 * 2 * 7 / 8 / GiB)
     assert wide.dp == pytest.approx(dense / GiB)
-    with pytest.raises(Exception, match="composes only with data parallelism"):
+    with pytest.raises(Exception, match="does not model expert parallelism beside tensor or pipeline"):
         Layout.of(tp=2, dp=4, ep=2)
 
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from zeroshard.checkpoint.agreed import agree, agree_found, read_agreed
 from zeroshard.checkpoint.ds_pipe import deepspeed_pipeline_sources, is_deepspeed_pipeline, offline_deepspeed_pipeline
+from zeroshard.checkpoint.expert_layout import expert_parallel_size, globalize
 from zeroshard.checkpoint.files import LATEST, MANIFEST, save_torch, write_text_atomic
 from zeroshard.checkpoint.load import CheckpointReader
 from zeroshard.checkpoint.manifest import read_manifest
@@ -103,8 +104,9 @@ class PipelineCheckpointer:
             ckpt = resolve_tag(load_dir, tag)
             if ckpt is None:
                 return None
-            multi = self._reader(ckpt, {p.name for p in target.manifest.params}
-                                 | {b.name for b in target.manifest.buffers})
+            ep = expert_parallel_size(target.manifest, "this run")  # experts are read by global id
+            listed = globalize(target.manifest, ep) if ep else target.manifest
+            multi = self._reader(ckpt, {p.name for p in listed.params} | {b.name for b in listed.buffers})
             return read_through(multi, target, load_optimizer_states=load_optimizer_states,
                                 load_module_only=load_module_only, strict=strict)
 

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from zeroshard.checkpoint.agreed import read_agreed
 from zeroshard.checkpoint.files import LATEST, read_latest_tag
-from zeroshard.checkpoint.load import CheckpointReader, read_checked
+from zeroshard.checkpoint.load import CheckpointReader, ExpertReader, read_checked
 from zeroshard.checkpoint.manifest import read_manifest
 from zeroshard.checkpoint_format import EngineState, LoadedState, Manifest, TensorInfo
 from zeroshard.errors import CheckpointError
@@ -211,7 +211,11 @@ def pipeline_sources(root: Path, layout: PipeLayout, rename: Callable[[str], str
     out = []
     for s in range(layout.num_stages):
         ckpt = root / stage_dir(s, model_rank if layout.tp_size > 1 else None)
-        out.append(Source(CheckpointReader(ckpt, read_manifest(ckpt)), rename))
+        saved = read_manifest(ckpt)
+        # A stage with MoE layers saved its experts per rank under local names: read under global
+        # ids (Note: [experts in pipeline checkpoints]).
+        reader = ExpertReader(ckpt, saved) if saved.expert_parallel else CheckpointReader(ckpt, saved)
+        out.append(Source(reader, rename))
     return out
 
 
@@ -249,9 +253,17 @@ def resolve_tag(load_dir: str | os.PathLike[str], tag: str | None) -> Path | Non
 
 def read_through(multi: MultiReader, target: EngineState, *, load_optimizer_states: bool, load_module_only: bool,
                  strict: bool) -> LoadedState:
-    """This rank's state from `multi` (load.py's `read_checked` over several saved directories)."""
+    """This rank's state from `multi` (load.py's `read_checked` over several saved directories).
+
+    Note: [experts in pipeline checkpoints] Each stage's directory is a ZeRO checkpoint over that
+    stage's data-parallel ranks; a stage with MoE layers saved each rank's experts under local
+    names (checkpoint/expert_layout.py). Its source reads them under global expert ids
+    (`ExpertReader`), the combined manifest lists every expert once, and this rank reads its own
+    experts by id (`global_experts`), whatever expert-parallel size, data-parallel degree or ZeRO
+    stage wrote them."""
+    experts = any(isinstance(s.reader, ExpertReader) for s in multi.sources)
     return read_checked(multi, multi.manifest, multi.ckpt, target, load_optimizer_states=load_optimizer_states,
-                        load_module_only=load_module_only, strict=strict)
+                        load_module_only=load_module_only, strict=strict, global_experts=experts)
 
 
 def load_pipeline_into_plain(target: EngineState, comm: Comm, ckpt: Path, layout: PipeLayout, *,

@@ -163,7 +163,9 @@ def run(args: argparse.Namespace) -> str:
     spec = model_spec(args)
     if args.ep > 1:
         if args.tp > 1 or args.pp > 1:
-            raise ZeroshardError("--ep with --tp or --pp: MoE with tensor or pipeline parallelism is not built")
+            raise ZeroshardError("--ep with --tp or --pp: the estimator does not model expert parallelism beside "
+                                 "tensor or pipeline parallelism yet (the engine trains it, docs/moe.md); estimate "
+                                 "with --tp 1 --pp 1")
         return "\n".join(_expert_lines(spec, args, _base_setups(args, spec)[0]))
     if args.tp > 1 or args.pp > 1:
         return "\n".join(_parallel_lines(spec, args, _base_setups(args, spec)[0]))

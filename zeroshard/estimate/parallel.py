@@ -22,7 +22,7 @@ model. So `stage_spec` builds the per-rank `ModelSpec` and `estimate_stage` hand
   arrives in one burst), and at ZeRO stage 3 the pipeline stage's parameters stay gathered for the batch.
 - activations: `stage_activation_bytes` with the schedule's micro-batches in flight and the
   TP (and sequence-parallel) split.
-- expert parallelism (a layout with `ep` > 1, which the engine builds only with TP = PP = 1): the
+- expert parallelism (a layout with `ep` > 1; modelled with TP = PP = 1 only): the
   rank's model states are estimate/expert_states.py's `estimate_rank_ep`, the dense parameters
   under ZeRO over `dp` and the rank's 1 / ep of every expert bank under ZeRO over `dp / ep`.
 
@@ -92,8 +92,9 @@ class Layout:
         if self.dims.sp > 1:
             raise ZeroshardError(f"the 3D estimator does not model sequence parallelism yet ({self.dims.describe()})")
         if self.dims.ep > 1 and (self.dims.tp > 1 or self.dims.pp > 1):
-            raise ZeroshardError("expert parallelism composes only with data parallelism in the engine (EP with "
-                                 f"TP or PP is refused at initialize): {self.dims.describe()}")
+            raise ZeroshardError("the estimator does not model expert parallelism beside tensor or pipeline "
+                                 "parallelism yet (the engine trains it, docs/moe.md); estimate EP with TP = PP = 1: "
+                                 f"{self.dims.describe()}")
 
     @property
     def tp(self) -> int:

@@ -326,7 +326,8 @@ def make_3d_plan(spec: ModelSpec, train: Training, cluster: Cluster) -> Plan3D:
 
 def _ep_sizes(spec: ModelSpec, train: Training, tp: int, pp: int, dp: int) -> list[int]:
     """EP sizes searched for a (tp, pp, dp) layout: 1, and for a MoE model without TP or PP every
-    divisor of dp that divides the expert count; `train.ep_sizes` filters them."""
+    divisor of dp that divides the expert count (the estimator does not model EP beside TP or PP
+    yet, though the engine trains it); `train.ep_sizes` filters them."""
     sizes = [1]
     if spec.experts is not None and tp == pp == 1:
         sizes += [e for e in _divisors(dp)[1:] if spec.experts.num_experts % e == 0]

@@ -7,12 +7,14 @@ experts, over which their gradients are reduced). W = 4, E = 2: expert-parallel 
 expert-data-parallel [0, 2], [1, 3]. The registry keeps them by DeepSpeed's group name
 "ep_size_<E>" and serves `deepspeed.utils.groups`' getters. The layout itself is
 `ParallelDims.expert_rank_lists` (comm/parallel_dims.py), the home of every dimension's sizes.
-Imports only `zeroshard.comm`.
+Imports torch.distributed and `zeroshard.comm`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch.distributed as dist
 
 from zeroshard.comm import Comm, ProcessGroups
 from zeroshard.comm.groups import on_destroy, subgroup
@@ -59,29 +61,47 @@ class ExpertGroups:
 
 
 _REGISTRY: dict[str, ExpertGroups] = {}
+"""By DeepSpeed's name: the groups the last engine set up (what `deepspeed.utils.groups` serves)."""
+_BUILT: dict[tuple[str, int, tuple[tuple[int, ...], ...]], ExpertGroups] = {}
+"""By name and data-parallel layout: a later engine over the same layout reuses the groups, one over
+another layout (tensor or pipeline parallel ranks beside the data-parallel ones) gets its own."""
 on_destroy(_REGISTRY.clear)  # a new world builds its own groups (Note: [groups die before finalization])
+on_destroy(_BUILT.clear)
 
 
 def create_expert_groups(dp: ProcessGroups, ep_size: int, comm: Comm) -> ExpertGroups:
-    """The groups for `ep_size` over the data-parallel group `dp` (created once per size).
+    """The groups for `ep_size` over the data-parallel group `dp` (created once per size and
+    data-parallel layout).
 
     Collective over the world: every rank calls it with the same sizes in the same order.
     `comm` is the data-parallel Comm; the new Comms share its log and timeout.
     """
     name = group_name(ep_size)
-    if name in _REGISTRY:  # one data-parallel world per process: a later engine reuses the groups
-        return _REGISTRY[name]
+    key = (name, dp.world_size, dp.siblings)
+    if key in _BUILT:
+        _REGISTRY[name] = _BUILT[key]
+        return _BUILT[key]
     ep_lists, edp_lists = expert_parallel_ranks(dp.world_size, ep_size)
     ep, edp = subgroup(dp, ep_lists), subgroup(dp, edp_lists)
     mine = dp.rank
     groups = ExpertGroups(
         name=name, ep=ep, edp=edp,
-        ep_ranks=tuple(next(g for g in ep_lists if mine in g)),
-        edp_ranks=tuple(next(g for g in edp_lists if mine in g)),
+        ep_ranks=_global_ranks(dp, next(g for g in ep_lists if mine in g)),
+        edp_ranks=_global_ranks(dp, next(g for g in edp_lists if mine in g)),
         ep_comm=Comm(ep, timeout_s=comm.timeout_s, log=comm.log, label=f"ep:{name}"),
         edp_comm=Comm(edp, timeout_s=comm.timeout_s, log=comm.log, label=f"edp:{name}"))
-    _REGISTRY[name] = groups
+    _REGISTRY[name] = _BUILT[key] = groups
     return groups
+
+
+def _global_ranks(dp: ProcessGroups, positions: list[int]) -> tuple[int, ...]:
+    """Positions in `dp` as global ranks: `dp` is the world, or one of its `siblings` (a mesh axis
+    beside tensor-parallel or pipeline ranks), the one holding this rank."""
+    if not dp.siblings or not dist.is_initialized():
+        return tuple(positions)
+    me = dist.get_rank()
+    own = next(sib for sib in dp.siblings if me in sib)
+    return tuple(own[p] for p in positions)
 
 
 def expert_groups(name: str) -> ExpertGroups:

@@ -10,6 +10,7 @@ torch, `zeroshard.comm`, `zeroshard.errors` and the moe package's own modules.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,25 +70,42 @@ def expert_parallel_size(module: nn.Module) -> int:
 
 
 def prepare_experts(module: nn.Module, params: list[nn.Parameter], dp: ProcessGroups, comm: Comm,
-                    *, model_parallel: bool = False) -> list[ExpertParams]:
+                    *, tp_comm: Comm | None = None, pipeline: Comm | None = None) -> list[ExpertParams] | None:
     """Groups for every expert layer of `module`, and the trainable expert parameters by group.
 
-    Collective over the data-parallel group; every rank passes the same model. Returns [] for a
-    model without expert parameters. Hugging Face expert banks are cut to this rank's experts here
-    (moe/hf_experts.py::shard_expert_bank).
+    Collective over the world; every rank passes the same model. Returns None for a model without
+    expert parameters, and [] for a pipeline stage without any whose pipeline has them in another
+    stage (its strategy must still take part in the experts' norm: zero/expert_split.py). Hugging
+    Face expert banks are cut to this rank's experts here (moe/hf_experts.py::shard_expert_bank).
+
+    Note: [experts under tensor parallelism] `dp` is the data-parallel axis of this rank's
+    tensor-parallel rank, so the expert groups are made of ranks with the same tensor-parallel rank
+    (comm/groups.py::subgroup makes the same split in every sibling group). Experts are not split
+    by AutoTP (tensor_parallel/tp_plan.py::shard_model): every tensor-parallel rank holds the same
+    experts (made equal here over `tp_comm`), routes the same replicated tokens and gets the same
+    expert gradients; the gradient norm counts them on tensor-parallel rank 0 only
+    (zero/expert_split.py). DeepSpeed's `enable_expert_tensor_parallelism` (experts split by
+    tensor parallelism) stays refused (moe/layer.py).
+
+    Note: [experts in pipeline stages] With a PipelineModule, `module` is this rank's stage and
+    `dp` its data-parallel group; stages hold different expert layers, or none. Creating a group
+    is collective over the world, so the stages first agree on every expert-parallel size any of
+    them uses (`pipeline`, the world's Comm) and every rank creates each size's groups, in
+    increasing size, whether its stage uses it or not.
 
     Raises:
-        NotSupportedError: expert parameters with tensor or pipeline parallelism
-            (`model_parallel`), or expert parameters outside any expert layer.
+        NotSupportedError: expert parameters outside any expert layer.
     """
     layers = expert_layers(module)
     experts = [p for p in params if is_moe_param(p)]
+    elsewhere = False
+    if pipeline is not None:  # Note: [experts in pipeline stages]
+        sizes = _sizes_of_every_pipeline_rank({layer.ep_size for layer in layers}, pipeline)
+        for size in sizes:
+            create_expert_groups(dp, size, comm)
+        elsewhere = bool(sizes)
     if not layers and not experts:
-        return []
-    if model_parallel:
-        raise NotSupportedError("MoE layers with tensor or pipeline parallelism are not implemented: train the MoE "
-                                "model with data and expert parallelism only (tensor_parallel.autotp_size 1, no "
-                                "PipelineModule, no mpu)")
+        return [] if elsewhere else None
     names = {layer.expert_group_name for layer in layers}
     stray = sorted({str(getattr(p, "group_name", None)) for p in experts} - names)
     if stray:
@@ -104,18 +122,36 @@ def prepare_experts(module: nn.Module, params: list[nn.Parameter], dp: ProcessGr
             _broadcast_experts(layer, groups.edp_comm)
         else:
             shard_expert_bank(layer, groups.ep_comm, comm)
+        if tp_comm is not None and tp_comm.world_size > 1:  # Note: [experts under tensor parallelism]
+            _broadcast_tensors(list(layer.parameters()) if isinstance(layer, ExpertParallelBank)
+                               else list(layer.deepspeed_moe.experts.parameters()), tp_comm)
     return [ExpertParams(g, [p for p in experts if p.group_name == name]) for name, g in by_name.items()
             if any(p.group_name == name for p in experts)]
 
 
-@torch.no_grad()
+def _sizes_of_every_pipeline_rank(mine: set[int], world: Comm) -> list[int]:
+    """The expert-parallel sizes any rank of `world` uses, in increasing order (one collective)."""
+    flags = torch.zeros(world.world_size + 1, dtype=torch.int32)
+    for size in mine:
+        flags[size] = 1
+    world.all_reduce(flags, op="max")
+    return [size for size in range(1, world.world_size + 1) if flags[size]]
+
+
 def _broadcast_experts(layer: MoE, edp_comm: Comm) -> None:
     """The first rank of the expert-data-parallel group's expert values to the others."""
-    tensors = [p for p in layer.deepspeed_moe.experts.parameters() if p.numel() > 0]
-    if edp_comm.world_size == 1 or not tensors:
+    _broadcast_tensors(list(layer.deepspeed_moe.experts.parameters()), edp_comm)
+
+
+@torch.no_grad()
+def _broadcast_tensors(tensors: list[torch.Tensor], comm: Comm) -> None:
+    """The values of `comm`'s first rank, in one collective (in the widest of their dtypes: lossless)."""
+    tensors = [t for t in tensors if t.numel() > 0]
+    if comm.world_size == 1 or not tensors:
         return
-    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-    edp_comm.broadcast(flat, src=0)
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors], torch.float32)
+    flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+    comm.broadcast(flat, src=0)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))

@@ -208,7 +208,7 @@ def initialize(
                                    if pipe_module is not None else frozenset())
     cfg, loader = _data_loader(cfg, training_data, collate_fn, groups, seq)
     strategy = build_strategy(cfg, model, params, comm, groups, units=zero_units, norm_group=norm_group,
-                              hpz_size=dims.dp_shard)
+                              hpz_size=dims.dp_shard, tp_comm=layout.tp_comm, pipeline=world_comm if pipe else None)
     opt = _make_optimizer(cfg, optimizer, param_groups, strategy, comm, tensor_parallel=layout.tp_comm is not None)
     sched, scaler = _make_scheduler(cfg, lr_scheduler, opt), _loss_scaler(cfg, groups.device.type)
     engine_cls, extra = (ZeroEngine, {}) if pipe is None else (PipelineEngine, {"pipe": pipe})

@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zeroshard.comm import Comm, ProcessGroups
@@ -166,7 +167,9 @@ def layout_for_tensor_parallel(world: ProcessGroups, world_comm: Comm, model: nn
         pp_stage_comm = world_comm if topology.pp == 1 else Comm(mesh.axes("dp", "tp"), timeout_s=world_comm.timeout_s,
                                                           log=world_comm.log, label="stage")
         broadcast_module_state(model, pp_stage_comm)  # every tp rank cuts its piece from the same weights
-        state = shard_model(model, plan, tp_comm, sequence_parallel=model in _SEQUENCE_PARALLEL, keep_whole=keep_whole)
+        experts = frozenset(id(p) for p in model.parameters() if getattr(p, "allreduce", True) is False)
+        state = shard_model(model, plan, tp_comm, sequence_parallel=model in _SEQUENCE_PARALLEL, keep_whole=keep_whole,
+                            experts=experts)  # DeepSpeed's expert marker (moe/utils.py::is_moe_param)
     elif state.size != tp_size:
         raise ConfigError(f"the model is already split over {state.size} tensor-parallel ranks; the config asks "
                           f"for {tp_size}.")
@@ -208,11 +211,22 @@ def mpu_shape(mpu: Any) -> MpuShape:
                     data_parallel=int(mpu.get_data_parallel_world_size()))
 
 
+def _sibling_groups(dp: ProcessGroups, world_comm: Comm) -> tuple[tuple[int, ...], ...]:
+    """Every data-parallel group of the world in global ranks, each in position order (what
+    comm/groups.py::subgroup needs to make a split in all of them at once); one all_gather."""
+    mine = torch.tensor(dist.get_process_group_ranks(dp.dp_group), dtype=torch.int64)
+    every = torch.empty(world_comm.world_size * mine.numel(), dtype=torch.int64)
+    world_comm.all_gather(every, mine)
+    return tuple(sorted({tuple(int(r) for r in row) for row in every.view(world_comm.world_size, -1)}))
+
+
 def layout_for_mpu(world: ProcessGroups, world_comm: Comm, mpu: Any) -> ParallelGroups:
     """The groups of a Megatron-style `mpu` (get_model_parallel_* and get_data_parallel_*), whose sizes
     comm/parallel_dims.py's `resolve_dims` has checked (`mpu_shape`)."""
     tp_size, dp_size = int(mpu.get_model_parallel_world_size()), int(mpu.get_data_parallel_world_size())
     dp = wrap_process_group(world, mpu.get_data_parallel_group(), int(mpu.get_data_parallel_rank()), dp_size)
+    if 1 < dp_size < world.world_size:  # groups split out of dp (expert groups) are made in every dp group
+        dp = replace(dp, siblings=_sibling_groups(dp, world_comm))
     tp_group = wrap_process_group(world, mpu.get_model_parallel_group(), int(mpu.get_model_parallel_rank()), tp_size)
     tp_comm = Comm(tp_group, timeout_s=world_comm.timeout_s, log=world_comm.log, label="mp") if tp_size > 1 else None
     return ParallelGroups(world=world, dp=dp, tp_comm=tp_comm, tp_rank=tp_group.rank)

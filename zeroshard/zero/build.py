@@ -70,7 +70,8 @@ def _names(module: nn.Module, params: Sequence[nn.Parameter]) -> tuple[str, ...]
 
 def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter], comm: "Comm",
                    groups: "ProcessGroups", units: Sequence[nn.Module | type[nn.Module]] | None = None,
-                   norm_group: ModelParallelNorm | None = None, hpz_size: int = 1) -> ZeroStrategy:
+                   norm_group: ModelParallelNorm | None = None, hpz_size: int = 1, tp_comm: "Comm | None" = None,
+                   pipeline: "Comm | None" = None) -> ZeroStrategy:
     """The strategy for `cfg.zero_optimization.stage` over the trainable `params`.
 
     `hpz_size`: ZeRO++ hpZ's shard (``ParallelDims.dp_shard``, decided and checked against the node
@@ -84,7 +85,10 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     ModuleList, plus the root.
 
     A model with DeepSpeed `MoE` layers gets its expert groups here (moe/prepare.py) and one
-    strategy per expert group beside the dense one (Note: [expert gradients] in zero/expert_split.py).
+    strategy per expert group beside the dense one (Note: [expert gradients] in zero/expert_split.py);
+    `tp_comm` (the tensor-parallel group) makes the experts equal over it (Note: [experts under tensor
+    parallelism] in moe/prepare.py); `pipeline` (the world's Comm, for a PipelineModule's stage) lets
+    the stages agree on their expert groups (Note: [experts in pipeline stages] there).
 
     Note: [experts at stage 3] Ranks hold different experts, so an expert cannot be partitioned
     over the data-parallel group as a dense parameter is: its shards would mix experts. Stage 3
@@ -98,8 +102,8 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     knows its owner (`ZeroParamState.owner`), which is how `GatheredParameters`, checkpoints and
     exports reach both kinds.
     """
-    experts = prepare_experts(module, params, groups, comm, model_parallel=norm_group is not None)
-    if not experts:
+    experts = prepare_experts(module, params, groups, comm, tp_comm=tp_comm, pipeline=pipeline)
+    if experts is None:
         return _build_group_strategy(cfg, module, params, comm, groups, units, norm_group, hpz_size=hpz_size)
     _check_experts_config(cfg, params)
     dense = [p for p in params if not is_moe_param(p)]
@@ -108,8 +112,8 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
 
     def build_part(part: list[nn.Parameter], part_comm: "Comm", part_groups: "ProcessGroups") -> ZeroStrategy:
         if part is dense:
-            return _build_group_strategy(cfg, module, part, part_comm, part_groups, units if zero3 else None, None,
-                                         include=dense_ids)
+            return _build_group_strategy(cfg, module, part, part_comm, part_groups, units if zero3 else None,
+                                         norm_group, include=dense_ids)
         if not zero3:
             return _build_group_strategy(cfg, module, part, part_comm, part_groups, None, None)
         expert_units = expert_modules(module, part[0].group_name)  # Note: [experts at stage 3]
@@ -119,9 +123,10 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     return build_expert_split(
         dense, [(e.params, e.groups.edp_comm, e.groups.edp, e.groups.ep_comm) for e in experts], build_part,
         comm, groups, average=cfg.gradient_allreduce_op == "mean",
-        # DeepSpeed's fp32 ZeRO 0 clips by its clip_grad_norm_, the mean of the ranks' norms; elsewhere
-        # the global norm (Note: [expert gradients] in zero/expert_split.py).
-        norm_rule="rank_mean" if cfg.zero_optimization.stage == 0 and cfg.precision == "fp32" else "global")
+        # DeepSpeed's fp32 ZeRO 0 clips by its clip_grad_norm_, the mean of the ranks' norms; elsewhere,
+        # and with tensor parallelism, the global norm (Note: [expert gradients] in zero/expert_split.py).
+        norm_rule="rank_mean" if cfg.zero_optimization.stage == 0 and cfg.precision == "fp32" and norm_group is None
+        else "global", norm_group=norm_group)
 
 
 def _check_experts_config(cfg: "Config", params: list[nn.Parameter]) -> None:

@@ -12,6 +12,10 @@ once: each expert group's squares (equal on its expert-data-parallel ranks) are 
 expert-parallel group and added to the dense squares (DeepSpeed's ZeRO 1/2 and bf16/fp16 norm).
 DeepSpeed's fp32 ZeRO 0 clips by another number ("rank_mean"): the mean over data-parallel ranks
 of each rank's norm of the dense and its own experts' gradients; zero/build.py picks that rule there.
+With tensor parallelism (a norm group, Note: [norm groups] in zero/strategy.py) the dense strategy
+sums its squares over the norm group itself; the experts, held whole and equal by every
+tensor-parallel rank, are counted by the rank whose norm group does not list them as duplicates
+(tensor-parallel rank 0), summed over the norm group once; the rule is then always "global".
 Imports torch and zero/strategy.py (and `zeroshard.comm`, zero/parameter_offload.py for types).
 """
 
@@ -25,7 +29,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
-from zeroshard.zero.strategy import GradStats, MasterFragment, ModelStateBytes, ParamPiece, ZeroStrategy
+from zeroshard.zero.strategy import (
+    GradStats,
+    MasterFragment,
+    ModelParallelNorm,
+    ModelStateBytes,
+    ParamPiece,
+    ZeroStrategy,
+)
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm, ProcessGroups
@@ -47,6 +58,8 @@ class ExpertPart:
     """The expert-parallel group: its ranks hold the group's different experts."""
     grad_factor: float
     """expert-data-parallel size / data-parallel size when averaging, else 1 (Note: [expert gradients])."""
+    counted: bool = True
+    """False where the norm group counts these experts on another rank (a tensor-parallel rank > 0)."""
 
 
 class ExpertSplitStrategy(ZeroStrategy):
@@ -58,12 +71,13 @@ class ExpertSplitStrategy(ZeroStrategy):
         expert_ids: `id(param)` of each expert parameter -> its part's index in `experts`.
         norm_rule: "global" or "rank_mean" (Note: [expert gradients]).
         comm: the data-parallel group ("rank_mean" averages the ranks' norms over it).
+        norm_group: the model-parallel norm group (None without tensor parallelism).
     """
 
     def __init__(self, dense: ZeroStrategy, experts: Sequence[ExpertPart], expert_ids: dict[int, int],
-                 norm_rule: NormRule, comm: "Comm") -> None:
+                 norm_rule: NormRule, comm: "Comm", norm_group: ModelParallelNorm | None = None) -> None:
         self._dense = dense
-        self._norm_rule, self._comm = norm_rule, comm
+        self._norm_rule, self._comm, self._norm_group = norm_rule, comm, norm_group
         self._experts = list(experts)
         self._owner = {i: part + 1 for i, part in expert_ids.items()}  # index in self._parts; dense is 0
         self._parts: list[tuple[ZeroStrategy, float]] = [(dense, 1.0)] + [(e.strategy, e.grad_factor)
@@ -114,11 +128,16 @@ class ExpertSplitStrategy(ZeroStrategy):
             return torch.tensor([stats.norm ** 2 if not stats.overflow else math.inf], dtype=torch.float64)
 
         total = sq(dense)
+        expert_total = torch.zeros(1, dtype=torch.float64)
         for part, stats in zip(self._experts, experts):
             mine = sq(stats)
             if self._norm_rule == "global":
                 part.ep_comm.all_reduce(mine)  # every expert once
-            total += mine
+            if part.counted:
+                expert_total += mine
+        if self._norm_group is not None:  # the dense squares were summed over it already
+            self._norm_group.comm.all_reduce(expert_total)
+        total += expert_total
         if self._norm_rule == "rank_mean":
             total = total.sqrt() / self._comm.world_size
             self._comm.all_reduce(total)
@@ -206,11 +225,14 @@ class ExpertSplitStrategy(ZeroStrategy):
 
 def build_expert_split(dense_params: list[nn.Parameter], expert_groups: Sequence[tuple[list[nn.Parameter],
                        "Comm", "ProcessGroups", "Comm"]], build: BuildPart, comm: "Comm",
-                       groups: "ProcessGroups", average: bool, norm_rule: NormRule) -> ExpertSplitStrategy:
+                       groups: "ProcessGroups", average: bool, norm_rule: NormRule,
+                       norm_group: ModelParallelNorm | None = None) -> ExpertSplitStrategy:
     """The split strategy: `build` over the dense parameters and the data-parallel group, and over
     each expert group's parameters and its (edp_comm, edp_groups), with its ep_comm for the norm."""
     dense = build(dense_params, comm, groups)
-    parts = [ExpertPart(build(params, edp_comm, edp), ep_comm, edp.world_size / groups.world_size if average else 1.0)
+    dup = norm_group.duplicates if norm_group is not None else frozenset()
+    parts = [ExpertPart(build(params, edp_comm, edp), ep_comm, edp.world_size / groups.world_size if average else 1.0,
+                        counted=not any(id(p) in dup for p in params))
              for params, edp_comm, edp, ep_comm in expert_groups]
     ids = {id(p): i for i, (params, *_) in enumerate(expert_groups) for p in params}
-    return ExpertSplitStrategy(dense, parts, ids, norm_rule, comm)
+    return ExpertSplitStrategy(dense, parts, ids, norm_rule, comm, norm_group)
