@@ -29,7 +29,16 @@ from zeroshard.moe.hf_experts import ExpertParallelBank, expert_banks
 
 transformers = pytest.importorskip("transformers")
 
-from test_autoep import EXPERTS, RTOL, STEPS, batches, check_losses, config, train_engine, train_oracle  # noqa: E402
+from test_autoep import (  # noqa: E402  after importorskip: test_autoep needs transformers too
+    EXPERTS,
+    RTOL,
+    STEPS,
+    batches,
+    check_losses,
+    config,
+    train_engine,
+    train_oracle,
+)
 
 TP = 2
 CLIP = 0.05

@@ -182,3 +182,14 @@ def test_deepspeed_command_runs_zeroshard_launch(tmp_path: Any) -> None:
     assert main(["install-deepspeed-command", "--dir", str(tmp_path)]) == 2
     assert main(["install-deepspeed-command", "--dir", str(tmp_path), "--remove"]) == 2
     assert "a real DeepSpeed" in (tmp_path / "deepspeed").read_text()
+
+
+def test_utils_groups_is_reachable_after_import_deepspeed() -> None:
+    """DeepSpeed's MoE tests read `deepspeed.utils.groups` after a bare `import deepspeed` (its
+    utils package imports the module); the alias binds it the same way."""
+    from test_compat_alias import probe
+
+    out, _ = probe({}, "import json, zeroshard.compat as c; c.install()\nimport deepspeed\ng = deepspeed.utils.groups\n"
+                       "print('PROBE' + json.dumps({'etp': g._get_expert_model_parallel_world_size(),"
+                       " 'module': g.__name__}))")
+    assert out == {"etp": 1, "module": "deepspeed.utils.groups"}

@@ -1,6 +1,6 @@
 """deepspeed.utils -> zeroshard.utils (logger, safe_get_* / safe_set_*, z3 leaf modules)."""
 
-from deepspeed.utils import zero_to_fp32
+from deepspeed.utils import groups, zero_to_fp32  # DeepSpeed's utils binds groups too (`from .groups import *`)
 from zeroshard.compat._names import reexport as _reexport
 
 _NAMES = ["logger", "log_dist", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
