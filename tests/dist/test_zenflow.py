@@ -456,7 +456,6 @@ def test_epoch_length(groups) -> None:
 
 
 @pytest.mark.parametrize("zenflow, stage, match", [
-    ({**STEP, "overlap_step": True}, 2, r"zenflow\.overlap_step=true\. ZenFlow's CPU step overlapped"),
     ({**STEP, "offload": True}, 2, r"zenflow\.offload=true\. ZenFlow's selective optimizer states"),
     (STEP, 3, r"zenflow with ZeRO stage 3: not implemented"),
 ])
