@@ -315,15 +315,19 @@ class OptimizerShard:
 
     def settle(self) -> bool:
         """Wait for the delayed update's step in flight; True when a step finished since the last
-        call (its masters are then to be published into the model's values)."""
+        call (its masters are then to be published into the model's values). ZenFlow's overlapped
+        CPU step is waited for and stays pending: DeepSpeed casts it at the next CPU step only
+        (Note: [zenflow overlap])."""
+        self.wait_step()
         if self._delayed is None:
             return False
-        self._delayed.wait()
         return self._delayed.take_landed()
 
     def wait_step(self) -> None:
         if self._delayed is not None:
             self._delayed.wait()
+        if self._zenflow_step is not None:
+            self._zenflow_step.drain()
 
     @torch.no_grad()
     def load_master_from_lp(self) -> None:
