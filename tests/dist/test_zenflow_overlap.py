@@ -193,7 +193,7 @@ def _set_selected(t: Tensor, columns: Tensor | None, values: Tensor) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_overlap_matches_reference(groups, stage: int, case: str) -> None:
     rank, world = groups.rank, groups.world_size
     model = make_model()
@@ -223,7 +223,7 @@ RESUME = ["intervals", "warm-up", "clips"]
 
 
 @pytest.mark.parametrize("case", RESUME)
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_overlap_checkpoint_resumes_exactly(groups, shared_dir, stage: int, case: str) -> None:
     """Saved after 7 steps ("intervals": the CPU step of step 5 done, not yet in the model;
     "warm-up": the one of step 6 in flight, drained by the save), loaded into a fresh engine: the

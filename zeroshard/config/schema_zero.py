@@ -63,7 +63,7 @@ class OffloadOptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZenFlowConfig:
-    """`zero_optimization.zenflow`: DeepSpeed's ZenFlow (stages 1 and 2 with CPU optimizer offload).
+    """`zero_optimization.zenflow`: DeepSpeed's ZenFlow (stages 1-3 with CPU optimizer offload).
 
     Each step, the top-k columns of every 2-D weight (by the L1 norm of their gradient) and every
     1-D parameter are updated on the model's device by their own AdamW; the whole gradient is
@@ -224,7 +224,7 @@ class ZeroConfig:
     """Optimizer-state offload (stages 1-3; NVMe and partial ratios at stage 3 only)."""
     zenflow: ZenFlowConfig = spec(default_factory=ZenFlowConfig)
     """DeepSpeed's ZenFlow: top-k gradient columns stepped on the device every step, the rest
-    accumulated and stepped on the CPU every `update_interval` steps (stages 1-2, CPU offload)."""
+    accumulated and stepped on the CPU every `update_interval` steps (stages 1-3, CPU offload)."""
     sub_group_size: int = spec(1_000_000_000, ge=0)
     """Elements updated per optimizer sub-step at stage 3 (the NVMe swap granularity).
     Lower it on out-of-memory during the step. Default 1e9."""

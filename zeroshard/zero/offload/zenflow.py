@@ -1,10 +1,11 @@
-"""DeepSpeed's ZenFlow update rule over one rank's optimizer shard (stages 1 and 2, CPU offload).
+"""DeepSpeed's ZenFlow update rule over one rank's optimizer shard (ZeRO stages 1-3, CPU offload).
 
 `ZenFlowStep` is the optimizer the engine steps when `zero_optimization.zenflow` is on: it wraps
 the CPU torch Adam/AdamW over the shard's fragments (zero/shard.py) and adds the selective
 update of the top-k gradient columns on the model's device. Imports torch, `errors`,
 zenflow_state.py, zenflow_overlap.py and (for typing) the `config` section; the shard gives it
-the fragments, their views in the model's flat buffer and a sum all-reduce.
+the fragments, their views in the model's values (the flat buffer at stages 1-2, the rank's
+parameter shard at stage 3) and a sum all-reduce.
 
 Note: [zenflow rule] Read from DeepSpeed 0.19.8 (runtime/zenflow/engine.py,
 zenflow_stage_1_and_2.py, ops/adam/zenflow_torch_adam.py, zenflow_cpu_adam.py), with
@@ -35,7 +36,10 @@ summed across the ranks in one all-reduce, so the selection does not depend on t
 (DeepSpeed selects within each rank's partition, skipping the columns cut by its boundary); and
 each rank applies the selective step to the elements of its own shard, which the all-gather that
 ends every step spreads (DeepSpeed broadcasts the selected gradients and every rank updates all
-of them).
+of them). At stage 3 the same rule runs on the rank's parameter shard, which the next forward
+gathers (DeepSpeed 0.19.8's runtime/zenflow/engine_stage3.py: the rule is the same; it stores
+each 2-D weight transposed, picks the global top-k over the columns lying whole inside a rank's
+partition from all-gathered column sums, and each rank steps its own columns).
 
 Note: [zenflow clip] With `gradient_clipping` c > 0 each of the two optimizers steps with its
 gradient times min(1, c / (norm + 1e-6)) (the engine's factor), once, where the norm is the
