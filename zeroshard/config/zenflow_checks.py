@@ -48,7 +48,7 @@ def check_zenflow(cfg: Config) -> None:
         device = show(zero.offload_optimizer.device)
         raise ConfigError(f'{_ZENFLOW}: ZenFlow must be used with CPU offload (as in DeepSpeed); set '
                           f'zero_optimization.offload_optimizer.device to "cpu" (got {device}).')
-    _check_stage3(zero)
+    _check_zero3(zero)
     if zero.offload_optimizer.delayed_update:
         raise NotSupportedError(f"{_ZENFLOW} with offload_optimizer.delayed_update: not implemented (both schedule "
                                 "the CPU step); use one of them.")
@@ -76,7 +76,7 @@ def check_zenflow(cfg: Config) -> None:
             raise NotSupportedError(f"{_ZENFLOW} with {key}: not implemented ({why}).")
 
 
-def _check_stage3(zero: ZeroConfig) -> None:
+def _check_zero3(zero: ZeroConfig) -> None:
     """At stage 3 ZenFlow writes each step's values into the rank's parameter shard in place and
     steps every master element on the CPU: what keeps that shard elsewhere or splits the master
     is not built with it."""
