@@ -108,6 +108,8 @@ ACTED_ON: dict[str, tuple[str, ...]] = {
         "zero/offload/policy.py::section.delayed_update_warmup_steps", "zero/offload/delayed_step.py::self._warmup"),
     **{_Z + f"zenflow.{k}": (f"zero/offload/zenflow.py::section.{k}",) for k in (
         "topk_ratio", "update_interval", "full_warm_up_rounds", "auto_ratio")},
+    _Z + "zenflow.overlap_step": ("zero/offload/zenflow.py::section.overlap_step",
+                                  "zero/offload/zenflow.py::OverlappedCpuStep(self._pieces)"),
     # config/schema_zero.py::ZenFlowConfig.select_steps turns these three into the steps between selections
     _Z + "zenflow.select_strategy": ("zero/offload/zenflow.py::section.select_steps",),
     _Z + "zenflow.select_interval": ("zero/offload/zenflow.py::section.select_steps",),
@@ -199,7 +201,8 @@ _PIPE = ("the NVMe step always reads ahead and writes behind while stepping, in 
 
 NO_EFFECT: dict[str, str] = {
     _Z + "zenflow.pt_reserved_cores_perc": "the cores DeepSpeed leaves to PyTorch beside its overlapped "
-    "optimizer process; overlap_step true is refused, so there is no such process.",
+    "optimizer process; zeroshard's overlapped CPU step (overlap_step) is a thread of the training process "
+    "that shares its cores (Note: [zenflow overlap] in zero/offload/zenflow_overlap.py).",
     "data_types.param_dtype": "the parameters' dtype follows fp16.enabled / bf16.enabled; the key may only "
     "agree with them (a disagreeing value is refused at config load, as DeepSpeed asserts).",
     "bf16.immediate_grad_update": "zeroshard always folds each micro-batch's gradients into the "

@@ -63,7 +63,7 @@ class OffloadOptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZenFlowConfig:
-    """`zero_optimization.zenflow`: DeepSpeed's ZenFlow (stages 1 and 2 with CPU optimizer offload).
+    """`zero_optimization.zenflow`: DeepSpeed's ZenFlow (stages 1-3 with CPU optimizer offload).
 
     Each step, the top-k columns of every 2-D weight (by the L1 norm of their gradient) and every
     1-D parameter are updated on the model's device by their own AdamW; the whole gradient is
@@ -94,9 +94,9 @@ class ZenFlowConfig:
     grown past their own on `auto_ratio` of the 2-D weights (Note: [zenflow auto update] in
     zero/offload/zenflow_state.py). Default "auto"."""
     overlap_step: bool = False
-    """DeepSpeed: run the CPU step in a separate process overlapping the next steps. Not built:
-    true is refused by name (the delayed update, `offload_optimizer.delayed_update`, is zeroshard's
-    overlap). Default false."""
+    """Run the CPU step on a background thread while the next steps train; its result reaches the
+    model at the next CPU step, one CPU step late, with DeepSpeed's numbers (Note: [zenflow overlap]
+    in zero/offload/zenflow_overlap.py; DeepSpeed uses a separate process). Default false."""
     offload: bool = False
     """DeepSpeed: keep the selected columns' AdamW states in CPU memory between steps (same numbers,
     less device memory). Not built: true is refused by name. Default false."""
@@ -108,7 +108,8 @@ class ZenFlowConfig:
     with no selection; selection starts after them. Default 0."""
     pt_reserved_cores_perc: float = spec(0.5, ge=0.0, le=1.0)
     """DeepSpeed: share of the CPU cores left to PyTorch by the overlapped optimizer process
-    (`overlap_step`); without effect here (no such process). Default 0.5."""
+    (`overlap_step`); without effect here (the overlapped step is a thread sharing the training
+    process's cores). Default 0.5."""
     steps_per_epoch: int | None = spec(None, ge=1)
     """Optimizer steps per epoch for the "epoch" and "auto" select strategies. Set from
     initialize()'s training data loader when there is one (as DeepSpeed does, which says it
@@ -223,7 +224,7 @@ class ZeroConfig:
     """Optimizer-state offload (stages 1-3; NVMe and partial ratios at stage 3 only)."""
     zenflow: ZenFlowConfig = spec(default_factory=ZenFlowConfig)
     """DeepSpeed's ZenFlow: top-k gradient columns stepped on the device every step, the rest
-    accumulated and stepped on the CPU every `update_interval` steps (stages 1-2, CPU offload)."""
+    accumulated and stepped on the CPU every `update_interval` steps (stages 1-3, CPU offload)."""
     sub_group_size: int = spec(1_000_000_000, ge=0)
     """Elements updated per optimizer sub-step at stage 3 (the NVMe swap granularity).
     Lower it on out-of-memory during the step. Default 1e9."""

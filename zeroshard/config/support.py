@@ -41,9 +41,6 @@ NOT_SUPPORTED: tuple[Unsupported, ...] = (
                 why="DeepSpeed's SuperOffload is not implemented.", fix="Remove the key."),
     *(Unsupported(key=f"zero_optimization.{k}", why=_ZPP, fix="Remove the key.") for k in (
         "zero_quantized_nontrainable_weights", "mics_shard_size", "mics_hierarchical_params_gather")),
-    Unsupported(key="zero_optimization.zenflow.overlap_step", why="ZenFlow's CPU step overlapped in a separate "
-                "process is not built (zeroshard's overlap is offload_optimizer.delayed_update, without ZenFlow).",
-                fix="Set it to false."),
     Unsupported(key="zero_optimization.zenflow.offload", why="ZenFlow's selective optimizer states in CPU "
                 "memory are not built.", fix="Set it to false."),
     Unsupported(key="zero_optimization.legacy_stage1", why="DeepSpeed's legacy stage 1 is not provided.",

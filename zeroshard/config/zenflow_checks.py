@@ -13,7 +13,7 @@ from typing import Any
 from zeroshard.config.fields import show
 from zeroshard.config.parse import Draft
 from zeroshard.config.schema import Config
-from zeroshard.config.schema_zero import ZenFlowConfig
+from zeroshard.config.schema_zero import ZenFlowConfig, ZeroConfig
 from zeroshard.errors import ConfigError, NotSupportedError
 
 logger = logging.getLogger("zeroshard")
@@ -41,13 +41,14 @@ def check_zenflow(cfg: Config) -> None:
     zf, zero = cfg.zero_optimization.zenflow, cfg.zero_optimization
     if not zf.enabled:
         return
-    if zero.stage not in (1, 2):
+    if zero.stage not in (1, 2, 3):
         raise NotSupportedError(f"{_ZENFLOW} with ZeRO stage {zero.stage}: not implemented; ZenFlow is built for "
-                                "stages 1 and 2 (DeepSpeed also has a stage-3 path).")
+                                "stages 1, 2 and 3 (as in DeepSpeed, which needs an optimizer partition too).")
     if zero.offload_optimizer.device != "cpu":
         device = show(zero.offload_optimizer.device)
         raise ConfigError(f'{_ZENFLOW}: ZenFlow must be used with CPU offload (as in DeepSpeed); set '
                           f'zero_optimization.offload_optimizer.device to "cpu" (got {device}).')
+    _check_zero3(zero)
     if zero.offload_optimizer.delayed_update:
         raise NotSupportedError(f"{_ZENFLOW} with offload_optimizer.delayed_update: not implemented (both schedule "
                                 "the CPU step); use one of them.")
@@ -73,6 +74,24 @@ def check_zenflow(cfg: Config) -> None:
              "ZenFlow keeps fp32 masters and an fp32 accumulated gradient in host memory; set it to false")):
         if on:
             raise NotSupportedError(f"{_ZENFLOW} with {key}: not implemented ({why}).")
+
+
+def _check_zero3(zero: ZeroConfig) -> None:
+    """At stage 3 ZenFlow writes each step's values into the rank's parameter shard in place and
+    steps every master element on the CPU: what keeps that shard elsewhere or splits the master
+    is not built with it."""
+    if zero.stage != 3:
+        return
+    for key, on, why in (
+            ("offload_param", zero.offload_param.device != "none",
+             f"the parameter shard at a {zero.offload_param.device} home; set offload_param.device to \"none\""),
+            ("offload_optimizer.ratio", zero.offload_optimizer.ratio < 1.0,
+             "part of the master on the accelerator; set the ratio to 1"),
+            ("zero_quantized_weights", zero.zero_quantized_weights, "set it to false"),
+            ("zero_hpz_partition_size", zero.zero_hpz_partition_size > 1, "set it to 1")):
+        if on:
+            raise NotSupportedError(f"{_ZENFLOW} with zero_optimization.{key} at ZeRO stage 3: not implemented "
+                                    f"({why}).")
 
 
 def _check_intervals(zf: ZenFlowConfig) -> None:

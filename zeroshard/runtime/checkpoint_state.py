@@ -115,6 +115,9 @@ def _bank_params(module: nn.Module) -> dict[str, int] | None:
 def collect_state(engine: "EngineView", strategy: ZeroStrategy, *, include_frozen: bool) -> EngineState:
     """This rank's state for a checkpoint: views of the live tensors plus the Manifest."""
     module, optimizer = engine.module, engine.optimizer
+    zenflow = getattr(optimizer, "optimizer", None)
+    if isinstance(zenflow, ZenFlowStep):
+        zenflow.drain()  # the masters are read below (Note: [zenflow overlap])
     named, aliases = _param_tables(module)
     index = {id(p): i for i, (_, p) in enumerate(named)}
     params = [TensorInfo(n, tuple(p.shape), _dtype_name(p.dtype), p.requires_grad) for n, p in named]
@@ -204,6 +207,8 @@ def apply_state(engine: "EngineView", strategy: ZeroStrategy, loaded: LoadedStat
     if (isinstance(zenflow, ZenFlowStep) and not load_module_only and loaded.optimizer_states is not None
             and loaded.param_groups is not None):
         zenflow.check_loadable(loaded.optimizer_states)
+    if isinstance(zenflow, ZenFlowStep):
+        zenflow.drain()  # the step in flight would overwrite the loaded masters (Note: [zenflow overlap])
     targets: dict[str, Tensor] = {**dict(_persistent_buffers(engine.module)),
                                   **dict(engine.module.named_parameters())}
     for name, value in loaded.module.items():

@@ -223,8 +223,9 @@ def _zero3_options(cfg: "Config", comm: "Comm", groups: "ProcessGroups", grad_dt
         prescale_factor=prescale,
         overlap_comm=bool(zero.overlap_comm),
         reduce_scatter=_use_reduce_scatter(bool(zero.reduce_scatter), comm),
-        offload_optimizer=OffloadPolicy.from_config(zero.offload_optimizer, sub_group_size=int(zero.sub_group_size),
-                                                    aio=cfg.aio),
+        offload_optimizer=dataclasses.replace(OffloadPolicy.from_config(
+            zero.offload_optimizer, sub_group_size=int(zero.sub_group_size), aio=cfg.aio),
+            zenflow=ZenFlowRule.from_config(zero.zenflow)),
         offload_param=OffloadPolicy.from_config(zero.offload_param),
         quantized_gradients=bool(zero.zero_quantized_gradients),
         quantized_weights=bool(zero.zero_quantized_weights),

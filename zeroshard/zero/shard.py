@@ -273,17 +273,21 @@ class OptimizerShard:
         return self._swap_optimizer
 
     def _zenflow(self, optimizer: torch.optim.Optimizer) -> ZenFlowStep:
-        """ZenFlow over the fragments (stages 1-2: the model's values are the whole flat buffer)."""
+        """ZenFlow over the fragments. Its pieces view the model's values it writes: the whole flat
+        buffer at stages 1-2 (the all-gather after the step spreads them), the rank's parameter
+        shard at stage 3 (the next forward gathers it; `store_master_to_lp` then leaves the shard
+        to ZenFlow)."""
         rule = self._policy.zenflow
-        if rule is None or not self._lp_is_flat or self.master is None:
-            raise AssertionError("expected ZenFlow at stage 1 or 2 with a separate (offloaded) master")
+        if rule is None or self.master is None:
+            raise AssertionError("expected ZenFlow with a separate (offloaded) master")
         pieces = []
         for f, frag in zip(self._fragments, self.fragment_params):
             shape = self._params[f.param_index].shape
             columns = None
             if len(shape) == 2:
                 columns = torch.arange(f.param_offset, f.param_offset + f.numel, device=self._device) % shape[1]
-            pieces.append(ZenFlowPiece(master=frag, lp=self._lp[f.flat_offset : f.flat_offset + f.numel],
+            start = f.flat_offset if self._lp_is_flat else f.shard_offset
+            pieces.append(ZenFlowPiece(master=frag, lp=self._lp[start : start + f.numel],
                                        param_index=f.param_index, columns=columns))
         self._zenflow_step = ZenFlowStep(optimizer, pieces, [p.shape for p in self._params], rule,
                                          all_reduce=self._sum_over_ranks, device=self._device,
@@ -315,15 +319,19 @@ class OptimizerShard:
 
     def settle(self) -> bool:
         """Wait for the delayed update's step in flight; True when a step finished since the last
-        call (its masters are then to be published into the model's values)."""
+        call (its masters are then to be published into the model's values). ZenFlow's overlapped
+        CPU step is waited for and stays pending: DeepSpeed casts it at the next CPU step only
+        (Note: [zenflow overlap])."""
+        self.wait_step()
         if self._delayed is None:
             return False
-        self._delayed.wait()
         return self._delayed.take_landed()
 
     def wait_step(self) -> None:
         if self._delayed is not None:
             self._delayed.wait()
+        if self._zenflow_step is not None:
+            self._zenflow_step.drain()
 
     @torch.no_grad()
     def load_master_from_lp(self) -> None:
@@ -337,8 +345,9 @@ class OptimizerShard:
 
     @torch.no_grad()
     def store_master_to_lp(self) -> None:
-        """Cast the master into this rank's own low-precision values (stage 3: the shard)."""
-        if self.master is None:
+        """Cast the master into this rank's own low-precision values (stage 3: the shard); with
+        ZenFlow nothing: its step wrote them (Note: [zenflow rule] in zero/offload/zenflow.py)."""
+        if self.master is None or self._policy.zenflow is not None:
             return
         for b in range(len(self._plan.buckets)):
             self._own_lp(b).copy_(self.master[slice(*self._plan.shard_range(b))], non_blocking=True)

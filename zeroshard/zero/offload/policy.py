@@ -62,7 +62,7 @@ class OffloadPolicy:
     """`offload_optimizer.delayed_update`: the warm-up steps before the optimizer step runs one
     step late in the background (zero/offload/delayed_step.py); None: every step synchronous."""
     zenflow: "ZenFlowRule | None" = None
-    """`zero_optimization.zenflow` (stages 1-2): the optimizer steps by ZenFlow's rule
+    """`zero_optimization.zenflow` (stages 1-3): the optimizer steps by ZenFlow's rule
     (zero/offload/zenflow.py); set by zero/build.py, not by `from_config`."""
 
     @classmethod

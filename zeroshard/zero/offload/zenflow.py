@@ -1,14 +1,16 @@
-"""DeepSpeed's ZenFlow update rule over one rank's optimizer shard (stages 1 and 2, CPU offload).
+"""DeepSpeed's ZenFlow update rule over one rank's optimizer shard (ZeRO stages 1-3, CPU offload).
 
 `ZenFlowStep` is the optimizer the engine steps when `zero_optimization.zenflow` is on: it wraps
 the CPU torch Adam/AdamW over the shard's fragments (zero/shard.py) and adds the selective
 update of the top-k gradient columns on the model's device. Imports torch, `errors`,
-zenflow_state.py and (for typing) the `config` section; the shard gives it the fragments, their
-views in the model's flat buffer and a sum all-reduce.
+zenflow_state.py, zenflow_overlap.py and (for typing) the `config` section; the shard gives it
+the fragments, their views in the model's values (the flat buffer at stages 1-2, the rank's
+parameter shard at stage 3) and a sum all-reduce.
 
 Note: [zenflow rule] Read from DeepSpeed 0.19.8 (runtime/zenflow/engine.py,
 zenflow_stage_1_and_2.py, ops/adam/zenflow_torch_adam.py, zenflow_cpu_adam.py), with
-overlap_step false. Steps k = 0, 1, ... are optimizer steps; U = update_interval, S =
+overlap_step false (true changes only the CPU step: Note: [zenflow overlap] in
+zenflow_overlap.py). Steps k = 0, 1, ... are optimizer steps; U = update_interval, S =
 select_interval in steps (ZenFlowConfig.select_steps: "epoch" multiplies it by the epoch's steps,
 "auto" is one epoch, and without an epoch length S = 0); W = full_warm_up_rounds; g_k is step k's
 reduced, averaged gradient divided by U (DeepSpeed sets gradient_accumulation_steps to U, so its
@@ -34,7 +36,10 @@ summed across the ranks in one all-reduce, so the selection does not depend on t
 (DeepSpeed selects within each rank's partition, skipping the columns cut by its boundary); and
 each rank applies the selective step to the elements of its own shard, which the all-gather that
 ends every step spreads (DeepSpeed broadcasts the selected gradients and every rank updates all
-of them).
+of them). At stage 3 the same rule runs on the rank's parameter shard, which the next forward
+gathers (DeepSpeed 0.19.8's runtime/zenflow/engine_stage3.py: the rule is the same; it stores
+each 2-D weight transposed, picks the global top-k over the columns lying whole inside a rank's
+partition from all-gathered column sums, and each rank steps its own columns).
 
 Note: [zenflow clip] With `gradient_clipping` c > 0 each of the two optimizers steps with its
 gradient times min(1, c / (norm + 1e-6)) (the engine's factor), once, where the norm is the
@@ -65,6 +70,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw
 
 from zeroshard.errors import NotSupportedError
+from zeroshard.zero.offload.zenflow_overlap import OverlappedCpuStep
 from zeroshard.zero.offload.zenflow_state import GLOBAL, KEYS, AutoUpdate, ZenFlowPiece, export_piece, import_piece
 
 if TYPE_CHECKING:
@@ -83,6 +89,8 @@ class ZenFlowRule:
     warmup: int
     """`full_warm_up_rounds`: steps with a CPU step every step and no selection."""
     auto_ratio: float = 0.99
+    overlap: bool = False
+    """`overlap_step`: the CPU step on a worker thread, one CPU step late (Note: [zenflow overlap])."""
 
     @classmethod
     def from_config(cls, section: "ZenFlowConfig") -> "ZenFlowRule | None":
@@ -90,7 +98,8 @@ class ZenFlowRule:
             return None
         update = None if isinstance(section.update_interval, str) else int(section.update_interval)
         return cls(topk_ratio=float(section.topk_ratio), select_interval=section.select_steps, update_interval=update,
-                   warmup=int(section.full_warm_up_rounds), auto_ratio=float(section.auto_ratio))
+                   warmup=int(section.full_warm_up_rounds), auto_ratio=float(section.auto_ratio),
+                   overlap=bool(section.overlap_step))
 
     def selects(self, k: int) -> bool:
         """Step k (from 0) selects new columns."""
@@ -103,6 +112,12 @@ class ZenFlowRule:
             return True
         due = fire if self.update_interval is None else (k + 1 - self.warmup) % self.update_interval == 0
         return due or (self.select_interval > 0 and (k + 1) % self.select_interval == 0)
+
+    def moment_set(self, k: int) -> int:
+        """Which of the overlapped CPU step's two moment sets step k uses (Note: [zenflow overlap])."""
+        if k < self.warmup:
+            return k & 1
+        return (k + 1) & 1 if self.update_interval is None else (k // self.update_interval) & 1
 
     @property
     def grad_divisor(self) -> int:
@@ -164,6 +179,7 @@ class ZenFlowStep(torch.optim.Optimizer):
         """Steps taken (`step()` calls), k of the rule for the next one."""
         self._acc_steps = 0
         """Steps accumulated into the pieces' `acc` since the last CPU step."""
+        self._overlap = OverlappedCpuStep(self._pieces) if rule.overlap else None
 
     # -- the wrapped optimizer's objects ------------------------------------------------------
 
@@ -189,7 +205,8 @@ class ZenFlowStep(torch.optim.Optimizer):
         """The CPU optimizer's states, the accumulated gradients and the selective AdamW's states."""
         tensors = [v for s in self.inner.state.values() for v in s.values() if isinstance(v, Tensor) and v.dim() > 0]
         tensors += [t for p in self._pieces for t in (p.acc, p.exp_avg, p.exp_avg_sq) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        overlap = self._overlap.state_bytes if self._overlap is not None else 0
+        return sum(t.numel() * t.element_size() for t in tensors) + overlap
 
     @property  # type: ignore[override]
     def defaults(self) -> dict[str, Any]:
@@ -198,8 +215,15 @@ class ZenFlowStep(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 
+    def drain(self) -> None:
+        """Finish the overlapped CPU step in flight (its result stays pending, Note: [zenflow
+        overlap]): before a checkpoint reads the masters or a load writes them."""
+        if self._overlap is not None:
+            self._overlap.wait()
+
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """inner's, with each fragment's ZenFlow state added to its entry (`state`'s view)."""
+        self.drain()
         out = self.inner.state_dict()
         index = {id(p): i for i, p in enumerate(p for g in self.inner.param_groups for p in g["params"])}
         for piece in self._pieces:
@@ -217,9 +241,12 @@ class ZenFlowStep(torch.optim.Optimizer):
             if rest:
                 inner_state[i] = rest
         self.check_loadable([own.get(id(p.master), {}) for p in self._pieces])
+        self.drain()
         self.inner.load_state_dict({**state_dict, "state": inner_state})
         for piece in self._pieces:
             import_piece(piece, own[id(piece.master)])
+        if self._overlap is not None:
+            self._overlap.load([own[id(p.master)] for p in self._pieces])
         if self._pieces:
             shared = own[id(self._pieces[0].master)][GLOBAL]
             self.steps, self._acc_steps = int(shared["steps"]), int(shared["acc_steps"])
@@ -235,6 +262,13 @@ class ZenFlowStep(torch.optim.Optimizer):
                                     f"{missing} of this rank's fragments (saved without zenflow?); resuming "
                                     "ZenFlow from such a checkpoint is not implemented. Load it without zenflow, "
                                     "or with load_optimizer_states=False (ZenFlow then starts afresh).")
+        saved_overlap = {bool(s[GLOBAL].get("overlap", False)) for s in states}
+        if saved_overlap - {self._rule.overlap}:
+            raise NotSupportedError(f"zero_optimization.zenflow: the checkpoint was saved with overlap_step "
+                                    f"{str(not self._rule.overlap).lower()}, this run has "
+                                    f"{str(self._rule.overlap).lower()}: resuming across it is not implemented (the "
+                                    "CPU step's moments are kept differently). Resume with the saved overlap_step, or "
+                                    "load with load_optimizer_states=False (ZenFlow then starts afresh).")
         saved_world = {int(s[GLOBAL]["world_size"]) for s in states}
         if saved_world - {self._world_size}:
             raise NotSupportedError(f"zero_optimization.zenflow: resuming ZenFlow's state saved by {min(saved_world)} "
@@ -244,8 +278,12 @@ class ZenFlowStep(torch.optim.Optimizer):
 
     def _export(self, piece: ZenFlowPiece) -> dict[str, Any]:
         shared = {"steps": self.steps, "acc_steps": self._acc_steps, "world_size": self._world_size,
-                  "auto": self._auto.to_state() if self._auto is not None else None}
-        return export_piece(piece, shared)
+                  "auto": self._auto.to_state() if self._auto is not None else None, "overlap": self._rule.overlap}
+        out = export_piece(piece, shared)
+        if self._overlap is not None:
+            self._overlap.wait()
+            out.update(self._overlap.export(next(i for i, p in enumerate(self._pieces) if p is piece)))
+        return out
 
     def set_clip(self, max_norm: float, step_norm: float) -> None:
         """Before each step: `gradient_clipping` (0: none) and the norm of the step's averaged
@@ -269,6 +307,7 @@ class ZenFlowStep(torch.optim.Optimizer):
         grads = [p.master.grad.float() / rule.grad_divisor for p in self._pieces]  # 1D fp32
         fire = self._auto.begin_step() if self._auto is not None else False
         if rule.selects(k):
+            self.drain()  # the master is refreshed from the model: the step in flight must be done
             self._select(k, grads)
         if self._auto is not None and k >= rule.warmup:
             self._observe(grads)
@@ -276,7 +315,10 @@ class ZenFlowStep(torch.optim.Optimizer):
             piece.acc.add_(g)
         self._acc_steps += 1
         if rule.cpu_steps(k, fire):
-            self._cpu_step(k)
+            if self._overlap is None:
+                self._cpu_step(k)
+            else:
+                self._overlapped_cpu_step(k, self._overlap)
         if k >= rule.warmup:
             self._selective_step(grads, self._clip_factor(self._step_norm))
         self.steps += 1
@@ -336,27 +378,54 @@ class ZenFlowStep(torch.optim.Optimizer):
             raise AssertionError("expected a sum of squares over the ranks to clip ZenFlow's CPU step")
         return math.sqrt(self._squares(accumulated))
 
-    def _cpu_step(self, k: int) -> None:
-        """The CPU optimizer on the accumulated gradient (its mean with update_interval "auto"),
-        clipped by its own norm, step count k + 1; published into the model's values except the
-        selected elements."""
+    def _cpu_step_grads(self) -> list[Tensor]:
+        """The CPU step's gradient: the accumulated one (its mean with update_interval "auto"),
+        clipped by its own norm (Note: [zenflow clip])."""
         mean = self._rule.update_interval is None and self._acc_steps != 1
         accumulated = [piece.acc / self._acc_steps if mean else piece.acc for piece in self._pieces]
         coef = self._clip_factor(self._accumulated_norm(accumulated))
-        for piece, acc in zip(self._pieces, accumulated):
-            piece.master.grad = acc * coef if coef != 1.0 else acc
+        return [acc * coef if coef != 1.0 else acc for acc in accumulated]
+
+    def _publish(self, values: Sequence[Tensor]) -> None:
+        """Cast master values (one 1-D tensor per piece) into the model's values, except the
+        selected elements, which keep theirs."""
+        for piece, new in zip(self._pieces, values):
+            kept = piece.lp[piece.selected].clone() if piece.selected is not None else None
+            piece.lp.copy_(new)
+            if kept is not None:
+                piece.lp[piece.selected] = kept
+
+    def _overlapped_cpu_step(self, k: int, overlap: OverlappedCpuStep) -> None:
+        """Note: [zenflow overlap]: the previous CPU step's result into the model, this one started
+        on the worker thread (and waited for during the warm-up)."""
+        pending = overlap.take()
+        if pending is not None:
+            self._publish(pending)
+        grads = self._cpu_step_grads()
+        for piece in self._pieces:  # the thread owns the old accumulators (or their clipped copies)
+            piece.acc = torch.zeros_like(piece.acc)
+        overlap.submit(k, grads, [self._group_of[id(p.master)] for p in self._pieces], self._rule.moment_set(k))
+        if k < self._rule.warmup:
+            done = overlap.take()
+            if done is None:
+                raise AssertionError("expected the warm-up's CPU step to have a result")
+            self._publish(done)
+        self._acc_steps = 0
+
+    def _cpu_step(self, k: int) -> None:
+        """The CPU optimizer on `_cpu_step_grads()`, step count k + 1; published into the model's
+        values except the selected elements."""
+        for piece, grad in zip(self._pieces, self._cpu_step_grads()):
+            piece.master.grad = grad
             state = self.inner.state[piece.master]
             if not state:
                 state["exp_avg"] = torch.zeros_like(piece.master)
                 state["exp_avg_sq"] = torch.zeros_like(piece.master)
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["step"].fill_(float(k))  # torch's Adam adds one: DeepSpeed's step_id = micro_step + 1
-        kept = [p.lp[p.selected].clone() if p.selected is not None else None for p in self._pieces]
         self.inner.step()
-        for piece, values in zip(self._pieces, kept):
-            piece.lp.copy_(piece.master)
-            if values is not None:
-                piece.lp[piece.selected] = values
+        self._publish([p.master for p in self._pieces])
+        for piece in self._pieces:
             piece.acc.zero_()
             piece.master.grad = None
         self._acc_steps = 0

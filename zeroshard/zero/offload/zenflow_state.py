@@ -38,7 +38,11 @@ from torch import Tensor, nn
 ACC, SELECTED, EXP_AVG, EXP_AVG_SQ, STEP, GLOBAL = (
     "zenflow_acc", "zenflow_selected", "zenflow_exp_avg", "zenflow_exp_avg_sq", "zenflow_step", "zenflow")
 """Keys of ZenFlow's state beside the CPU optimizer's, in each fragment's optimizer state."""
-KEYS = (ACC, SELECTED, EXP_AVG, EXP_AVG_SQ, STEP, GLOBAL)
+CPU_MOMENTS = ("zenflow_cpu_exp_avg0", "zenflow_cpu_exp_avg1", "zenflow_cpu_exp_avg_sq0", "zenflow_cpu_exp_avg_sq1")
+"""`overlap_step`: the overlapped CPU step's two moment sets (Note: [zenflow overlap] in zenflow_overlap.py)."""
+PENDING = "zenflow_pending"
+"""`overlap_step`: the finished CPU step's master values not yet in the model's values."""
+KEYS = (ACC, SELECTED, EXP_AVG, EXP_AVG_SQ, STEP, GLOBAL, *CPU_MOMENTS, PENDING)
 
 
 @dataclass(slots=True)
