@@ -1,5 +1,5 @@
 """ZeRO inference at stage 3: generation on N ranks with different prompts and lengths, a
-transformers model built from its config, and the 16-bit model export."""
+transformers model built from its config, and the 16-bit model export; a frozen model at stage 0."""
 
 from __future__ import annotations
 
@@ -38,6 +38,27 @@ def test_generation_matches_one_process_with_uneven_lengths(groups, offload: dic
     out = engine.generate(prompt, max_new_tokens=n, block_size=model.config.block_size)
     assert out.shape == (2, 5 + n)
     assert torch.equal(out, greedy(reference, prompt, n))
+
+
+def test_frozen_model_at_stage0_is_an_inference_engine(groups) -> None:
+    """TRL's `prepare_deepspeed` (LLaMA-Factory's DPO at ZeRO 0-2) hands its reference model, every
+    parameter frozen, to deepspeed.initialize with stage 0 and no optimizer; DeepSpeed 0.19.8 gives an
+    engine for inference (at stage 2 it refuses: "requires an optimizer"). Before, zeroshard refused
+    stage 0 too ("the model has no trainable parameters")."""
+    model = make_model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    reference = copy.deepcopy(model).eval()
+    engine, optimizer, *_ = zeroshard.initialize(model=model, config=make_config(
+        optimizer=None, zero_optimization={"stage": 0}))
+    engine.eval()
+    x = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(groups.rank))
+    with torch.no_grad():
+        assert torch.equal(engine(x), reference(x))
+    assert optimizer is None
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        zeroshard.initialize(model=copy.deepcopy(reference), config=make_config(
+            optimizer=None, zero_optimization={"stage": 2}))
 
 
 def test_transformers_model_trains_and_generates(groups) -> None:

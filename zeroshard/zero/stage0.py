@@ -87,8 +87,9 @@ class Stage0Strategy(ZeroStrategy):
         average: bool = True,
         norm_group: ModelParallelNorm | None = None,
     ) -> None:
-        if not params:
-            raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        # No trainable parameter: a frozen model for inference only (TRL's `prepare_deepspeed` gives its
+        # reference model to deepspeed.initialize at stage 0), which DeepSpeed 0.19.8 accepts at stage 0
+        # too; the strategy then has nothing to reduce or step.
         # Gradients become ready roughly in reverse registration order, so the flat buffer
         # is laid out reversed and buckets fill from its start during backward.
         self._params = list(reversed(params))
@@ -98,7 +99,7 @@ class Stage0Strategy(ZeroStrategy):
         self._prescale_factor = prescale_factor
         self._average = average
         self._layout = FlatLayout(tuple(p.numel() for p in self._params))
-        device = self._params[0].device
+        device = self._params[0].device if self._params else comm.groups.device
         flat = torch.zeros(self._layout.numel, dtype=grad_dtype, device=device)  # 1D
         self._grads = GradAccumulator(flat, self._layout.offsets, [p.shape for p in self._params])
         self._buckets = plan_buckets(self._layout.numels, reduce_bucket_numel)
