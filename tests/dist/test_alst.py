@@ -167,6 +167,18 @@ def test_flex_attention_is_causal_over_the_whole_sequence(groups: ProcessGroups)
     with torch.no_grad():
         want = llama(attention="flex_attention")(input_ids=batch["input_ids"],
                                                  position_ids=batch["position_ids"]).logits
+        plain = llama(attention="sdpa")(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    # The oracle itself: torch 2.13's compiled CPU flex attention, as Transformers calls it, gives wrong
+    # numbers that change from run to run on some CPUs (an AVX2-only AMD EPYC, 2026-12-07: 0.07-0.11
+    # from sdpa in one process, nan with the sequence split; plain flex_attention calls agree there).
+    # Where the one-process flex model is not the sdpa model, there is nothing to compare against.
+    worst = (want - plain).abs().max().nan_to_num(nan=float("inf")).reshape(1)
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)  # every rank decides the same
+    oracle_err = float(worst)
+    if not oracle_err <= 1e-4:
+        pytest.skip(f"torch's compiled CPU flex attention disagrees with sdpa by {oracle_err:.2e} in one process on "
+                    "this CPU: the oracle is wrong here, not the sequence split (checked where it agrees)")
+    with torch.no_grad():
         model = llama(attention="flex_attention")
         try:
             UlyssesSPAttentionHF.register_with_transformers(model, "flex_attention", world, micro_batch_size=1)
