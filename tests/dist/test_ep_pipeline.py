@@ -28,7 +28,11 @@ from zeroshard.pipe import LayerSpec, PipelineModule
 HIDDEN, TOKENS, MICRO, GAS, STEPS, EXPERTS, BLOCKS = 8, 6, 2, 2, 3, 4, 2
 LR, WD, CLIP, AUX = 1e-2, 0.01, 0.05, 0.1
 BASE_SEED = 77
-RTOL = 2e-6
+RTOL = 1e-5
+"""fp32 round-off of other summation orders (gradient sums over ranks and micro-batches, the clip
+factor applied after the average) that AdamW magnifies where an expert's gradient is near zero:
+measured 2.78e-6 (top1_drop, an expert weight, ZeRO 0) on an AVX-512 AMD EPYC, under 2e-6 on the
+machine that wrote the test. A defect moves weights by about the learning rate (1e-2)."""
 MOE_CASES = {"top1_drop": dict(k=1, capacity_factor=0.5, min_capacity=0, use_rts=False),
              "top2": dict(k=2, capacity_factor=1.0, min_capacity=2, use_rts=False, top2_2nd_expert_sampling=False)}
 
