@@ -281,6 +281,24 @@ class Comm:
         return self._start("broadcast", buf.numel(), buf.dtype, nbytes(buf), issue, finish,
                            async_op, in_caller=arena is not None)
 
+    @torch.no_grad()
+    def broadcast_values(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Give every tensor of ``tensors`` (any shapes, views included) rank ``src``'s values: one
+        collective per dtype over their concatenation, so nothing is converted (lossless); a tensor
+        named twice (tied weights) is sent once. Every rank must pass the same list."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in {id(t): t for t in tensors if t.numel() > 0}.values():
+            by_dtype.setdefault(t.dtype, []).append(t)
+        if self.world_size == 1:
+            return
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self.broadcast(flat, src=src)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
     def scatter(self, out: torch.Tensor, in_list: Sequence[torch.Tensor] | None, src: int, *,
                 async_op: bool = False, comm_dtype: torch.dtype | None = None) -> Handle:
         """Rank ``src`` sends ``in_list[r]`` to rank r's ``out`` (``in_list`` only on src)."""

@@ -23,7 +23,6 @@ and the moe package's own `ep_groups`.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import time
@@ -212,14 +211,7 @@ def shard_expert_bank(bank: nn.Module, ep_comm: "Comm", dp_comm: "Comm") -> None
         raise NotSupportedError(f"{type(bank).__name__}: ep_size {bank.ep_size} but an expert-parallel group of "
                                 f"{ep_comm.world_size} ranks")
     own = list(bank.parameters(recurse=False))
-    if dp_comm.world_size > 1:
-        dtype = functools.reduce(torch.promote_types, [p.dtype for p in own])  # lossless for every parameter
-        flat = torch.cat([p.detach().reshape(-1).to(dtype) for p in own])
-        dp_comm.broadcast(flat, src=0)
-        offset = 0
-        for p in own:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+    dp_comm.broadcast_values(own)
     local = bank.num_global_experts // bank.ep_size
     first = ep_comm.rank * local
     for p in own:

@@ -10,7 +10,6 @@ torch, `zeroshard.comm`, `zeroshard.errors` and the moe package's own modules.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -123,8 +122,8 @@ def prepare_experts(module: nn.Module, params: list[nn.Parameter], dp: ProcessGr
         else:
             shard_expert_bank(layer, groups.ep_comm, comm)
         if tp_comm is not None and tp_comm.world_size > 1:  # Note: [experts under tensor parallelism]
-            _broadcast_tensors(list(layer.parameters()) if isinstance(layer, ExpertParallelBank)
-                               else list(layer.deepspeed_moe.experts.parameters()), tp_comm)
+            tp_comm.broadcast_values(list(layer.parameters()) if isinstance(layer, ExpertParallelBank)
+                                     else list(layer.deepspeed_moe.experts.parameters()))
     return [ExpertParams(g, [p for p in experts if p.group_name == name]) for name, g in by_name.items()
             if any(p.group_name == name for p in experts)]
 
@@ -140,19 +139,4 @@ def _sizes_of_every_pipeline_rank(mine: set[int], world: Comm) -> list[int]:
 
 def _broadcast_experts(layer: MoE, edp_comm: Comm) -> None:
     """The first rank of the expert-data-parallel group's expert values to the others."""
-    _broadcast_tensors(list(layer.deepspeed_moe.experts.parameters()), edp_comm)
-
-
-@torch.no_grad()
-def _broadcast_tensors(tensors: list[torch.Tensor], comm: Comm) -> None:
-    """The values of `comm`'s first rank, in one collective (in the widest of their dtypes: lossless)."""
-    tensors = [t for t in tensors if t.numel() > 0]
-    if comm.world_size == 1 or not tensors:
-        return
-    dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors], torch.float32)
-    flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
-    comm.broadcast(flat, src=0)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
+    edp_comm.broadcast_values(list(layer.deepspeed_moe.experts.parameters()))

@@ -42,19 +42,8 @@ def broadcast_module_state(module: nn.Module, comm: "Comm", src: int = 0) -> Non
     Expert parameters are left out: ranks hold different experts, and moe/prepare.py makes each
     expert-data-parallel group agree on its own (as DeepSpeed broadcasts them)."""
     # zero.Init parameters are already rank 0's values, cut to shards: nothing to send.
-    tensors = [t for t in list(module.parameters()) + list(module.buffers())
-               if t.numel() > 0 and not init_partitioned(t) and not is_moe_param(t)]
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for t in {id(t): t for t in tensors}.values():
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for group in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        comm.broadcast(flat, src=src)
-        with torch.no_grad():
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+    comm.broadcast_values([t for t in list(module.parameters()) + list(module.buffers())
+                           if not init_partitioned(t) and not is_moe_param(t)], src=src)
 
 
 class Stage0Strategy(ZeroStrategy):
