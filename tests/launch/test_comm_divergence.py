@@ -32,7 +32,7 @@ def fails_fast(output: str) -> bool:
     return bool(waited) and max(waited) < 30
 MISMATCH_MODES = ("size", "extra", "async", "together")
 DSCOMM_MODES = ("dscomm",)
-SIDE_MODES = ("skip", "async")
+SIDE_MODES = ("skip", "async", "stop")
 """Run again with the checks on the side gloo group (ZEROSHARD_COMM_CHECK_BOARD=0: ranks on
 several hosts), the route that is not the default here: a rank that never comes (the timeout
 report) and mismatched asynchronous collectives (the side group's completion callback). Two
@@ -55,7 +55,7 @@ def _run_jobs(modes: tuple[str, ...], extra_env: dict[str, str]) -> dict[str, tu
 
 @pytest.fixture(scope="module")
 def jobs() -> dict[str, tuple[int, str, float]]:
-    results = _run_jobs(MODES + MISMATCH_MODES + DSCOMM_MODES + ("kill",), {})
+    results = _run_jobs(MODES + MISMATCH_MODES + DSCOMM_MODES + ("kill", "stop"), {})
     for _, output, _ in results.values():
         assert "rank 0: check route board" in output and "rank 1: check route board" in output, output
         assert "rank 0: data arena on" in output, output
@@ -181,3 +181,16 @@ def test_killed_peer_is_named_within_seconds(jobs: dict[str, tuple[int, str, flo
                       r"rank 1 \(pid \d+\) exited before collective check 2", output)
     assert found and float(found.group(1)) < 10, output
     assert "the all_reduce completed" not in output
+
+
+@pytest.mark.parametrize("route", ["board", "side"])
+def test_stopped_peer_is_named_long_before_the_timeout(request: pytest.FixtureRequest, route: str) -> None:
+    # Note: [peer silence]: a SIGSTOPped peer keeps its pid and sockets, so neither the board's
+    # liveness check nor gloo sees it; without its heartbeat rank 0 would wait the whole 60 s.
+    code, output, _ = _job(request, "stop", route)
+    assert code != 0, output
+    found = re.search(r"CommError: rank 0: waited ([0-9]+) s in all_reduce \(seq 2\) at \S+; rank 1 \(host \S+, "
+                      r"pid \d+\) silent for ([0-9]+) s \(ZEROSHARD_PEER_SILENCE_S=3\)", output)
+    assert found, output
+    assert 3 <= int(found.group(2)) < 20 and int(found.group(1)) < 30, found.group(0)
+    assert "Last collective of each rank" in output and "the all_reduce completed" not in output, output

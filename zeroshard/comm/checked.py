@@ -118,6 +118,8 @@ class _Check:
     def start(self, timeout: timedelta, *, wait_here: bool = False) -> None:
         tracker = self._tracker
         tracker.check_started()
+        if wait_here:  # the caller's thread stands still from here (Note: [peer silence] in silence.py)
+            tracker.begin_wait(self._items[0].rec)
         try:
             route = tracker.check_route(timeout)
             if isinstance(route, Board):  # Note: [signature board] in board.py

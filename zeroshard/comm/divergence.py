@@ -8,8 +8,10 @@ demand. When a collective fails or times out, the failing rank asks every peer t
 (``store.add(REQUEST_KEY)``), waits up to ``RESPONSE_S`` for the answers, and builds a message
 naming each rank's last collective. A rank busy in Python (training, sleeping) answers from its
 thread; a rank blocked in C without the GIL still left its last published state; a rank that
-exited said so from ``atexit``. The report's text is divergence_report.py's. Imports nothing of
-ours but ``errors``, ``comm.board`` and ``comm.divergence_report``.
+exited said so from ``atexit``. The report's text is divergence_report.py's. The same thread
+beats for this rank and, while it waits, ends it when a peer falls silent (Note: [peer silence]
+in silence.py). Imports nothing of ours but ``errors``, ``comm.board``, ``comm.divergence_report``,
+``comm.env`` and ``comm.silence``.
 
 Note: [watcher shutdown]
 The watcher must never be inside a c10d store call when the interpreter finalizes: the call
@@ -29,6 +31,7 @@ import functools
 import hashlib
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -49,6 +52,8 @@ from zeroshard.comm.divergence_report import (
     first_line,
     mismatch_text,
 )
+from zeroshard.comm.env import PEER_SILENCE_ENV, resolve_peer_silence_s
+from zeroshard.comm.silence import BEAT_S, SilenceWatch, beat_key
 from zeroshard.errors import CommError
 
 if TYPE_CHECKING:
@@ -70,6 +75,8 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _MAX_PENDING = 4096
 """Records of async collectives never waited are dropped beyond this many."""
 
+
+_HOST = socket.gethostname()
 
 _register_thread_exit: Callable[[Callable[[], None]], None] | None = getattr(
     threading, "_register_atexit", None)
@@ -218,9 +225,10 @@ class CollectiveTracker:
         self._lock = threading.Lock()  # serialises this object's store traffic
         self._thread: threading.Thread | None = None
         if store is not None:
+            silence = SilenceWatch(rank, world_size, resolve_peer_silence_s(os.environ))  # a bad value: raised here
             self._publish()
             # Note: [watcher shutdown]
-            self._thread = threading.Thread(target=self._watch, name="zeroshard-comm-watch",
+            self._thread = threading.Thread(target=self._watch, args=(silence,), name="zeroshard-comm-watch",
                                             daemon=_register_thread_exit is None)
             self._thread.start()
             # Registered through a weak reference (Note: [groups die before finalization]): a
@@ -349,7 +357,7 @@ class CollectiveTracker:
         waiting = self._waiting
         pending = sorted(self._pending.values(), key=lambda r: r.seq)[:4]
         return {
-            "rank": self.rank, "seq": self._seq, "done": self._done_seq,
+            "rank": self.rank, "host": _HOST, "pid": os.getpid(), "seq": self._seq, "done": self._done_seq,
             "last": None if self._last is None else _record_dict(self._last),
             "waiting": None if waiting is None else _record_dict(waiting),
             "wait_s": round(time.monotonic() - self._wait_since, 1) if waiting else 0.0,
@@ -367,8 +375,8 @@ class CollectiveTracker:
             self._store.set(f"{_PREFIX}state/{self.rank}", payload)
         self._published_version = version
 
-    def _watch(self) -> None:
-        failures = 0
+    def _watch(self, silence: SilenceWatch) -> None:
+        failures, next_beat = 0, 0.0
         while not self._stop.wait(_poll_s(self.world_size)):
             try:
                 with self._lock:
@@ -380,11 +388,61 @@ class CollectiveTracker:
                     self._publish()
                 if self._stream_works:
                     self._check_stream_works()
+                now = time.monotonic()
+                if now >= next_beat:  # Note: [peer silence] in comm/silence.py
+                    next_beat = now + BEAT_S
+                    with self._lock:
+                        self._store.add(beat_key(self.rank), 1)
+                    silent = silence.poll(now, self._waiting_since(), self._read_beat)
+                    if silent:
+                        self._end_for_silent_peers(silent, silence.limit_s or 0.0)
                 failures = 0
             except Exception:  # the store's host is gone: nothing left to tell anyone
                 failures += 1
                 if failures >= 5:
                     return
+
+    def _waiting_since(self) -> float | None:
+        """When this rank's current wait began: a collective it waits in, or the oldest
+        stream-ordered work (NCCL) not yet seen complete; None when it waits for nothing."""
+        if self._waiting is not None:
+            return self._wait_since
+        return min((rec.issued_at for rec, _, _ in list(self._stream_works)), default=None)
+
+    def _read_beat(self, peer: int) -> int:
+        with self._lock:
+            return self._store.add(beat_key(peer), 0) if self._store is not None else 0
+
+    def _end_for_silent_peers(self, silent: list[tuple[int, float]], limit_s: float) -> None:
+        """Name the silent peers (host, pid, last collective) and end this process: its wait
+        would otherwise last until the collective timeout (Note: [peer silence])."""
+        states, note = self._gather_peer_states()
+        gone = [(peer, quiet) for peer, quiet in silent
+                if peer not in states or states[peer].get("state") == "running"]
+        if not gone:  # each exited with a state of its own: the collective's own error names it
+            return
+        rec = self._waiting
+        waited = time.monotonic() - (self._waiting_since() or time.monotonic())
+        call = "" if rec is None else f" in {rec.op} (seq {rec.seq}) at {_record_dict(rec)['where']}"
+        named = "; ".join(f"rank {peer} (host {states.get(peer, {}).get('host', '?')}, "
+                          f"pid {states.get(peer, {}).get('pid', '?')}) silent for {quiet:.0f} s"
+                          for peer, quiet in gone)
+        head = (f"rank {self.rank}: waited {waited:.0f} s{call}; {named} ({PEER_SILENCE_ENV}={limit_s:g}): "
+                "no heartbeat, so its process is stopped or hung outside Python, or its machine is off the "
+                "network. This rank ends now (exit status 1) so the launcher can restart the job without it.")
+        # the per-rank lines only: describe_states's verdict is about ranks that diverged
+        lines = describe_states(states, self.world_size)[:1 + self.world_size]
+        message = "\n".join([head, *lines] + ([f"  ({note})"] if note else []))
+        self.broken = message
+        print(f"CommError: {message}", file=sys.stderr, flush=True)
+        self._state, self._reason = "exited", f"peer rank(s) {[p for p, _ in gone]} silent"
+        self._stop.set()
+        try:
+            self._publish()  # what the others' reports say about this rank
+        except Exception:
+            pass
+        sys.stdout.flush()
+        os._exit(1)
 
     def _check_stream_works(self) -> None:
         now = time.monotonic()

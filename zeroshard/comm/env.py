@@ -256,3 +256,27 @@ def resolve_timeout_s(timeout_s: float | None, env: Mapping[str, str]) -> float:
     if not (seconds > 0 and math.isfinite(seconds)):
         raise CommError(f"{source}={value!r} must be a finite number of seconds > 0.")
     return seconds
+
+
+PEER_SILENCE_ENV = "ZEROSHARD_PEER_SILENCE_S"
+DEFAULT_PEER_SILENCE_S = 60.0
+
+
+def resolve_peer_silence_s(env: Mapping[str, str]) -> float | None:
+    """How long a peer may go unheard while this rank waits in a collective with it before this
+    rank names it and ends (Note: [peer silence] in comm/silence.py): ``ZEROSHARD_PEER_SILENCE_S``,
+    else 60 s; 0 turns the check off (None).
+
+    Raises:
+        CommError: the value is not a number of seconds >= 0.
+    """
+    raw = env.get(PEER_SILENCE_ENV, "")
+    if not raw:
+        return DEFAULT_PEER_SILENCE_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise CommError(f"{PEER_SILENCE_ENV}={raw!r} is not a number of seconds (0 turns the check off).") from None
+    if not (seconds >= 0 and math.isfinite(seconds)):
+        raise CommError(f"{PEER_SILENCE_ENV}={raw!r} must be a finite number of seconds >= 0 (0 turns the check off).")
+    return seconds or None

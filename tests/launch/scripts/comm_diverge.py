@@ -18,6 +18,9 @@ In "size", "extra", "dscomm", "async" and "together" every rank must raise zeros
 without SIGABRT, and no data of the mismatched collective (or a later one) moves.
 MODE "kill": rank 1 is killed (SIGKILL: no exit hook, nothing published) after the first barrier,
 under a 60 s timeout; rank 0 must fail within seconds, naming the dead rank.
+MODE "stop": rank 1 stops itself (SIGSTOP: a frozen node; its sockets and pid stay) after the first
+barrier, under a 60 s timeout with ZEROSHARD_PEER_SILENCE_S=3; rank 0 must end within seconds,
+naming rank 1's host and pid (Note: [peer silence] in comm/silence.py).
 
 Each rank prints the route of its signature checks after the first barrier ("board": shared
 memory, the default on one host; "side group": ZEROSHARD_COMM_CHECK_BOARD=0; Note: [signature
@@ -38,8 +41,10 @@ from zeroshard.comm.divergence import tracker_of
 
 
 def main(mode: str) -> None:
+    if mode == "stop":
+        os.environ["ZEROSHARD_PEER_SILENCE_S"] = "3"
     groups = init_distributed(timeout_s=60)
-    comm = Comm(groups, timeout_s=60 if mode == "kill" else 3)
+    comm = Comm(groups, timeout_s=60 if mode in ("kill", "stop") else 3)
     comm.barrier()  # seq 1 on both ranks
     tracker = tracker_of(groups.dp_group)
     route = "board" if tracker.checks_on_board else "side group" if tracker._check_pg is not None else "none"
@@ -47,6 +52,8 @@ def main(mode: str) -> None:
     print(f"rank {groups.rank}: data arena {'on' if comm.shares_memory() else 'off'}", flush=True)
     if mode == "kill" and groups.rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "stop" and groups.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # torchrun's SIGKILL ends it after rank 0 left
     if mode == "size":
         comm.all_reduce(torch.ones(4 if groups.rank == 0 else 1000))  # seq 2: sizes differ
     if mode == "extra":

@@ -1,0 +1,64 @@
+"""Peer silence (Note: [peer silence] in comm/silence.py): which peers a waiting rank names, and
+when; the launch test (tests/launch/test_comm_divergence.py, "stop") stops a real peer."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroshard.comm.env import resolve_peer_silence_s
+from zeroshard.comm.silence import BEAT_S, SilenceWatch
+from zeroshard.errors import CommError
+
+
+def test_silence_limit_comes_from_the_environment() -> None:
+    assert resolve_peer_silence_s({}) == 60.0
+    assert resolve_peer_silence_s({"ZEROSHARD_PEER_SILENCE_S": "7.5"}) == 7.5
+    assert resolve_peer_silence_s({"ZEROSHARD_PEER_SILENCE_S": "0"}) is None  # off
+    for bad in ("soon", "-1", "inf"):
+        with pytest.raises(CommError, match="ZEROSHARD_PEER_SILENCE_S"):
+            resolve_peer_silence_s({"ZEROSHARD_PEER_SILENCE_S": bad})
+
+
+def _run(watch: SilenceWatch, beats: dict[int, list[int]], seconds: int, waiting_since: float | None = 0.0
+         ) -> list[list[tuple[int, float]]]:
+    """Poll once a second for `seconds`; peer r's counter at second t is beats[r][t]."""
+    return [watch.poll(float(t), waiting_since, lambda peer, t=t: beats[peer][t]) for t in range(seconds)]
+
+
+def test_only_the_peer_whose_counter_stopped_is_named_after_the_limit() -> None:
+    watch = SilenceWatch(rank=0, world_size=3, limit_s=4.0)
+    beats = {1: list(range(10)), 2: [1, 2, 3] + [3] * 7}  # rank 2 stops after its third beat
+    found = _run(watch, beats, 10)
+    assert found[:6] == [[]] * 6  # unchanged since t=2: silent 4 s at t=6
+    assert [[(p, round(s)) for p, s in f] for f in found[6:]] == [[(2, 4)], [(2, 5)], [(2, 6)], [(2, 7)]]
+
+
+def test_no_reading_while_not_waiting_and_a_fresh_start_at_each_wait() -> None:
+    watch = SilenceWatch(rank=1, world_size=2, limit_s=2.0)
+    reads: list[int] = []
+
+    def read(peer: int) -> int:
+        reads.append(peer)
+        return 5  # never changes
+
+    assert watch.poll(10.0, None, read) == [] and reads == []  # not waiting
+    assert watch.poll(10.0, 9.5, read) == [] and reads == []  # waiting less than a beat
+    assert watch.poll(11.0, 9.5, read) == [] and reads == [0]  # first reading
+    assert watch.poll(13.0, 9.5, read) == [(0, 2.0)]
+    assert watch.poll(14.0, None, read) == []  # the wait ended: readings dropped
+    assert watch.poll(16.0, 14.0, read) == []  # a new wait: silence counted afresh
+    assert watch.poll(18.0, 14.0, read) == [(0, 2.0)]
+
+
+def test_off_or_alone_reads_nothing() -> None:
+    for watch in (SilenceWatch(0, 4, None), SilenceWatch(0, 1, 5.0)):
+        assert not watch.active() or watch.world_size == 1
+        assert watch.poll(100.0, 0.0, lambda peer: pytest.fail("read")) == []
+
+
+def test_large_groups_read_less_often() -> None:
+    watch = SilenceWatch(rank=0, world_size=1000, limit_s=30.0)
+    reads = []
+    for t in range(20):
+        watch.poll(float(t) + BEAT_S, 0.0, lambda peer: reads.append(peer) or 0)
+    assert len(reads) == 999 * 4  # every 5 s (1000 / 200) over 20 s, not every second
