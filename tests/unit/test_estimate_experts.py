@@ -158,3 +158,16 @@ def test_a_stage_without_banks_holds_dense_states_only() -> None:
     first, last = estimate_layout(spec, fp32, Layout.of(pp=2, dp=2, ep=2))
     assert (first.expert_params, first.moe_layers, last.moe_layers) == (0, 0, 1)
     assert first.rank.device.params == 4 * first.spec.total_params
+
+
+def test_cli_ep_beside_tp_is_the_function(tmp_path: Path) -> None:
+    """`zeroshard estimate --ep 2 --tp 2`: the per-stage table's parameters per rank are the dense share
+    plus the rank's experts; an EP that does not divide the data-parallel size is refused."""
+    (tmp_path / "config.json").write_text(json.dumps(TP_CONFIG))
+    base = ["--model", str(tmp_path), "--hf-class", "AutoModelForCausalLM", "--devices", "4", "--precision", "bf16"]
+    text = run(build_parser().parse_args([*base, "--ep", "2", "--tp", "2"]))
+    rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 4 and all(int(r[3].replace(",", "")) == 2512 + BANK for r in rows)
+    assert "whole on every TP rank" in text
+    with pytest.raises(ZeroshardError, match="must divide the data-parallel size"):
+        run(build_parser().parse_args([*base, "--ep", "4", "--tp", "2"]))
