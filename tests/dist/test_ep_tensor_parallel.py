@@ -8,8 +8,9 @@ What it shows: the expert groups are made of ranks with the same tensor-parallel
 leaves the experts whole (Note: [experts under tensor parallelism] in moe/prepare.py); every
 tensor-parallel rank trains the same experts; the clipping norm counts each split piece, each
 replicated weight and each expert once (zero/expert_split.py); ZeRO 0-3; and a checkpoint saved
-at TP 2 x EP 2 loads at TP 2 x EP 2 and continues equal to the uninterrupted run. Runs at 4 ranks
-only (skipped elsewhere: the layout needs 2 x 2).
+at TP 2 x EP 2 loads at TP 2 x EP 2 and continues equal to the uninterrupted run; the 3D estimator's
+model states at TP 2 x EP 2 match what each rank holds. Runs at 4 ranks only (skipped elsewhere: the
+layout needs 2 x 2).
 """
 
 from __future__ import annotations
@@ -230,3 +231,52 @@ def test_legacy_moe_with_an_mpu_equals_one_process(groups: ProcessGroups, stage:
     for step, (g, w) in enumerate(zip(got, want)):
         assert abs(g - w[dp_rank]) <= test_moe.RTOL * abs(w[dp_rank]), (stage, step, g, w[dp_rank])
     test_moe.check_weights(engine, reference, dp_rank, 2, f"mpu TP 2 x EP 2 ZeRO {stage}")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_estimate_equals_what_tp2_ep2_holds(groups: ProcessGroups, frozen_heap: None, stage: int) -> None:
+    """The 3D estimator at TP 2 x DP 2 with EP 2 (estimate/parallel.py: the dense share split as AutoTP
+    splits it over DP, half of every bank whole on each TP rank over expert-DP 1) against the engine,
+    bf16 with fp32 masters and AdamW: the rank's dense and expert elements equal the estimate's;
+    `engine.model_state_bytes()` and the live-tensor census (test_memory_census_3d.py's, less the
+    staging pool and the buffers) are within that test's 5% of the estimate."""
+    _needs_four(groups)
+    import gc
+    from dataclasses import replace
+
+    from zeroshard.config import load_config
+    from zeroshard.estimate import Setup, spec_from_module
+    from zeroshard.estimate.expert_states import split_experts
+    from zeroshard.estimate.parallel import Layout, estimate_stage
+    from zeroshard.moe.utils import is_moe_param
+    from zeroshard.runtime.monitor import allocated_bytes
+
+    gc.collect()
+    baseline = allocated_bytes(torch.device("cpu"))
+    model = tiny_tp("mixtral")
+    spec = replace(spec_from_module(model), experts=split_experts(model))  # as the user builds it
+    cfg = {**tp_config(stage), "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": True}}
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    data = batches(2)
+    train_engine(engine, data, engine.parallel.dp.rank, range(1))
+    del data
+    measured = allocated_bytes(torch.device("cpu")) - baseline
+    setup = Setup.from_config(load_config(cfg, dp_world_size=2), devices_per_node=2)
+    est = estimate_stage(spec, setup, Layout.of(tp=TP, dp=2, ep=2), 0)
+    local = [p for p in engine.module.parameters() if p.requires_grad]
+    experts = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in local if is_moe_param(p))
+    dense = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in local if not is_moe_param(p))
+    assert (dense, experts) == (est.spec.total_params, est.expert_params), (groups.rank, dense, experts)
+    got = [sum(getattr(h, k) for h in engine.model_state_bytes())
+           for k in ("params", "grads", "master_params", "optimizer_states")]
+    want = [est.rank.device.params, est.rank.device.grads, est.rank.device.master_params,
+            est.rank.device.optimizer_states]
+    buffers = sum(b.numel() * b.element_size() for b in engine.module.buffers())
+    census = measured - engine.transient_bytes() - buffers
+    print(f"\n[estimate TP2xEP2] ZeRO-{stage} rank {groups.rank}: model_state_bytes {got} ({sum(got)}), estimate "
+          f"{want} ({sum(want)}), census {census} (ratio {census / sum(want):.4f})")
+    for g, w in zip(got, want):
+        assert abs(g - w) <= 0.05 * w, (stage, groups.rank, got, want)
+    assert abs(census - sum(want)) <= 0.05 * sum(want), (stage, groups.rank, census, sum(want))
+    del engine, model
+    gc.collect()

@@ -1,6 +1,6 @@
 """`zeroshard plan --3d` with expert parallelism (estimate/plan3d.py): for a model with expert
-banks the search adds EP over the data-parallel ranks (TP = PP = 1), each EP layout's memory is
-estimate_rank_ep's, its step time counts the token all-to-alls and ZeRO over the expert-data-
+banks the search adds EP over the data-parallel ranks (beside every TP and PP size), each EP layout's
+memory is estimate_rank_ep's, its step time counts the token all-to-alls and ZeRO over the expert-data-
 parallel group, and the report says why the chosen EP beats EP 1 (or why EP 1 wins).
 The models are Hugging Face configs built on the meta device: no weights."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from zeroshard.cli.plan import main as plan_main
 from zeroshard.estimate.model_source import load_model_spec
-from zeroshard.estimate.parallel import Layout
+from zeroshard.estimate.parallel import Layout, estimate_layout
 from zeroshard.estimate.plan3d import (
     Cluster,
     Training,
@@ -100,7 +100,8 @@ def test_ep_term_by_hand(tmp_path: Path) -> None:
     assert all_to_all_bytes(spec, train, layout, False) == 3_145_728
     assert all_to_all_bytes(spec, train, layout, True) == 4_718_592  # recompute: 6 passes
     setup = Setup(zero_stage=0, precision="bf16")
-    worst = make_3d_plan(spec, train, cluster).candidates[0].worst  # unused by the DP / EP terms of EP > 1
+    worst = estimate_layout(spec, setup, layout)[0]  # its dense share, experts and MoE layers
+    assert (worst.spec.total_params, worst.expert_params, worst.moe_layers) == (179_776, 3_145_728 // 4, 4)
     t = step_time(spec, train, cluster, layout, setup, worst, 1, False)
     assert t.ep == pytest.approx(3_145_728 / (10 * GiB))
     g = setup.grad_bytes
@@ -109,11 +110,10 @@ def test_ep_term_by_hand(tmp_path: Path) -> None:
     assert t.dp == pytest.approx((dense + experts) / GiB)
     assert t.total == pytest.approx(t.compute + t.dp + t.ep)
     # EP 8 crosses the nodes: the all-to-alls go over the inter-node links, no expert ZeRO traffic.
-    wide = step_time(spec, train, cluster, Layout.of(dp=8, ep=8, micro_batches=4), setup, worst, 1, False)
+    wide_layout = Layout.of(dp=8, ep=8, micro_batches=4)
+    wide = step_time(spec, train, cluster, wide_layout, setup, estimate_layout(spec, setup, wide_layout)[0], 1, False)
     assert wide.ep == pytest.approx(4 * 4 * 1024 * 2 * 64 * 2 * 7 / 8 / GiB)
     assert wide.dp == pytest.approx(dense / GiB)
-    with pytest.raises(Exception, match="does not model expert parallelism beside tensor or pipeline"):
-        Layout.of(tp=2, dp=4, ep=2)
 
 
 def test_cli_prints_ep_in_the_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,3 +130,41 @@ def test_cli_prints_ep_in_the_layout(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert plan_main(["--model", str(path), "--hf-class", "AutoModelForCausalLM", "--devices", "8", "--nodes", "4",
                       "--device-memory", "40GB", "--cpu-memory", "1TB", "--seq-len", "4096", "--global-batch", "256",
                       "--3d", "--tp", "1", "--pp", "1", "--ep", "1"]) == 1
+
+
+def test_search_offers_ep_beside_tp_and_pp(tmp_path: Path) -> None:
+    """Every (TP, PP) gets EP 1 and every divisor of its DP that divides the 8 experts; an EP x TP and an
+    EP x PP layout's memory is the estimator's for that layout (its fullest stage)."""
+    spec = _spec(tmp_path, SMALL_EXPERTS)
+    cluster = Cluster(nodes=2, devices_per_node=4, device_memory=80 * GiB)
+    plan = make_3d_plan(spec, Training(seq_len=256, global_batch=16, zero_stages=(1,), checkpointing=False), cluster)
+    seen = {(c.layout.tp, c.layout.pp, c.layout.ep) for c in plan.candidates}
+    assert {(2, 1, 2), (2, 1, 4), (1, 2, 2), (1, 2, 4), (2, 2, 2), (4, 1, 2), (1, 4, 2)} <= seen
+    assert (2, 2, 4) not in seen and (4, 2, 2) not in seen  # DP 2 and DP 1: EP divides DP
+    setup = Setup(zero_stage=1, precision="bf16", bucket_numel=int(min(5e8, max(1e6, 64**2))))
+    for tp, pp in ((2, 1), (1, 2)):
+        c = next(c for c in plan.candidates if (c.layout.tp, c.layout.pp, c.layout.ep) == (tp, pp, 2))
+        states = estimate_layout(spec, setup, Layout.of(tp=tp, pp=pp, dp=8 // (tp * pp), ep=2), every_rank=False)
+        assert c.worst.rank.device.total == max(states, key=lambda s: s.device_peak).rank.device.total
+        assert c.worst.expert_params == spec.experts.expert_params // pp // 2  # its stage's banks, halved by EP
+    text = report_3d(plan)
+    assert "EP over DP for the experts" in text
+
+
+def test_ep_groups_are_placed_by_the_real_rank_layout() -> None:
+    """rank = (pp * dp + d) * tp + t: an EP group's data-parallel ranks sit TP ranks apart."""
+    from zeroshard.estimate.plan3d import ep_spans_nodes, expert_dp_spans_nodes, placement_lines
+
+    # TP 2 x DP 4, EP 2 on nodes of 4: EP groups {0, 2}, {1, 3}, {4, 6}, {5, 7} stay inside a node,
+    # expert-DP groups {0, 4}, ... cross (a TP-blind count would put both inside).
+    lay = Layout.of(tp=2, dp=4, ep=2)
+    assert not ep_spans_nodes(lay, 4) and expert_dp_spans_nodes(lay, 4)
+    # TP 4 x DP 2, EP 2 on nodes of 4: the EP groups {t, 4 + t} cross.
+    assert ep_spans_nodes(Layout.of(tp=4, dp=2, ep=2), 4)
+    assert not ep_spans_nodes(Layout.of(tp=4, dp=2, ep=2), 8)
+    # PP 2 x DP 2, EP 2 on nodes of 2: each stage's EP group is one node.
+    assert not ep_spans_nodes(Layout.of(pp=2, dp=2, ep=2), 2)
+    assert ep_spans_nodes(Layout.of(pp=2, dp=4, ep=4), 2) and not expert_dp_spans_nodes(Layout.of(pp=2, dp=4, ep=4), 2)
+    lines = "\n".join(placement_lines(lay, 4))
+    assert "EP groups: 2 consecutive data-parallel ranks (2 ranks apart: one TP rank's), inside one node" in lines
+    assert "expert-DP groups: 2 ranks one every 2 data-parallel ranks, across nodes" in lines

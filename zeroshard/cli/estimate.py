@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ulysses / ring sequence-parallel size (sequence_parallel_size): activations per rank / sp")
     g.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size (expert_parallel.autoep_size) for a Hugging Face MoE model: model "
-                   "states per rank for ZeRO 0-3, experts cut over --ep ranks")
+                   "states per rank for ZeRO 0-3, experts cut over --ep of the data-parallel ranks (with --tp / "
+                   "--pp: of each stage's and TP rank's)")
     return p
 
 
@@ -109,8 +110,13 @@ def _parallel_lines(spec: ModelSpec, args: argparse.Namespace, base: Setup) -> l
     world = args.devices * args.nodes
     if world % (args.tp * args.pp):
         raise ZeroshardError(f"--tp {args.tp} x --pp {args.pp} does not divide the {world} devices")
+    dp = world // (args.tp * args.pp)
+    if args.ep > 1 and (spec.experts is None or dp % args.ep or spec.experts.num_experts % args.ep):
+        raise ZeroshardError(f"--ep {args.ep} needs a Hugging Face MoE --model and must divide the data-parallel size "
+                             f"({dp}: the devices / (--tp x --pp); expert groups are made inside each stage's and TP "
+                             "rank's data-parallel ranks) and the experts")
     virtual = args.virtual_stages or (2 if args.schedule.startswith("interleaved") else 1)
-    layout = Layout.for_world(world, tp=args.tp, pp=args.pp, schedule=args.schedule,
+    layout = Layout.for_world(world, tp=args.tp, pp=args.pp, ep=args.ep, schedule=args.schedule,
                               micro_batches=args.micro_batches or args.pp, virtual=virtual,
                               sequence_parallel=args.sequence_parallel)
     act = None
@@ -123,12 +129,16 @@ def _parallel_lines(spec: ModelSpec, args: argparse.Namespace, base: Setup) -> l
              "  ZeRO  stage  layers  params/rank |  states  buffers  pipeline  activations = device"]
     for zero in (0, 1, 2, 3):
         for e in estimate_layout(spec, replace(base, zero_stage=zero), layout, act):
-            lines.append(f"  {zero:>4}  {e.stage:>5}  {e.layers:6.1f}  {e.spec.total_params:>11,} |"
+            lines.append(f"  {zero:>4}  {e.stage:>5}  {e.layers:6.1f}  {e.spec.total_params + e.expert_params:>11,} |"
                          f"{e.rank.device.total / 2**30:8.2f} {e.rank.device_buffers / 2**30:8.2f} "
                          f"{e.pipeline_buffers / 2**30:9.2f} {e.activations / 2**30:12.2f} "
                          f"{e.device_peak / 2**30:8.2f}")
     lines.append("pipeline: the batch's gradient kept aside until the last micro-batch (and stage 3's parameters "
                  "gathered for the batch)")
+    if layout.ep > 1:
+        lines.append(f"experts: 1/{layout.ep} of each of the stage's banks per rank, whole on every TP rank, under "
+                     f"ZeRO over the {layout.dims.expert_dp} expert-data-parallel rank(s); dense share under ZeRO over "
+                     f"{layout.dp}")
     return lines
 
 
@@ -161,11 +171,7 @@ def run(args: argparse.Namespace) -> str:
     if args.devices < 1 or args.nodes < 1:
         raise ZeroshardError("--devices and --nodes must be >= 1")
     spec = model_spec(args)
-    if args.ep > 1:
-        if args.tp > 1 or args.pp > 1:
-            raise ZeroshardError("--ep with --tp or --pp: the estimator does not model expert parallelism beside "
-                                 "tensor or pipeline parallelism yet (the engine trains it, docs/moe.md); estimate "
-                                 "with --tp 1 --pp 1")
+    if args.ep > 1 and args.tp == args.pp == 1:
         return "\n".join(_expert_lines(spec, args, _base_setups(args, spec)[0]))
     if args.tp > 1 or args.pp > 1:
         return "\n".join(_parallel_lines(spec, args, _base_setups(args, spec)[0]))

@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--devices that divides the attention heads)")
     g.add_argument("--pp", type=int, nargs="+", help="only these pipeline sizes (default: every one)")
     g.add_argument("--ep", type=int, nargs="+", help="only these expert-parallel sizes (default, for a Hugging Face "
-                   "MoE --model: 1 and every divisor of the data-parallel size that divides the experts, TP = PP = 1)")
+                   "MoE --model: 1 and every divisor of the data-parallel size that divides the experts, beside every "
+                   "TP and PP size: expert groups inside each (stage, TP rank)'s data-parallel ranks)")
     return p
 
 

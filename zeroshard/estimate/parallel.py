@@ -22,9 +22,17 @@ model. So `stage_spec` builds the per-rank `ModelSpec` and `estimate_stage` hand
   arrives in one burst), and at ZeRO stage 3 the pipeline stage's parameters stay gathered for the batch.
 - activations: `stage_activation_bytes` with the schedule's micro-batches in flight and the
   TP (and sequence-parallel) split.
-- expert parallelism (a layout with `ep` > 1; modelled with TP = PP = 1 only): the
-  rank's model states are estimate/expert_states.py's `estimate_rank_ep`, the dense parameters
-  under ZeRO over `dp` and the rank's 1 / ep of every expert bank under ZeRO over `dp / ep`.
+- experts (a spec with `experts`): AutoTP never splits an expert bank nor a router (tensor_parallel/
+  tp_plan.py::shard_model skips expert parameters; no Hugging Face plan names a router), so every
+  TP rank holds them whole; a bank sits on the pipeline stage of the block holding it. With
+  `ep` > 1 the rank's model states are estimate/expert_states.py's `estimate_rank_ep`: its dense
+  share (TP- and stage-split as above) under ZeRO over `dp`, and 1 / ep of each of its stage's
+  banks under ZeRO over the `dp / ep` expert-data-parallel ranks. The expert groups are made inside
+  each (stage, TP rank)'s data-parallel ranks (moe/prepare.py, Notes: [experts under tensor
+  parallelism] and [experts in pipeline stages]), so EP divides `dp`, never `tp` or `pp`
+  (DeepSpeed's AutoEP folding over the TP ranks is not what zeroshard builds: docs/moe.md). The
+  engine is tested at TP 2 x EP 2 and PP 2 x EP 2; EP x TP x PP together follows from the same
+  rules but the engine path is not tested there.
 
 Imports `comm.parallel_dims` (pure integers), `estimate.spec`, `estimate.states`, `estimate.activations`,
 `estimate.expert_states`; never a process group.
@@ -91,10 +99,6 @@ class Layout:
             raise ZeroshardError(f"virtual stages ({self.virtual}) need an interleaved schedule, not {self.schedule}")
         if self.dims.sp > 1:
             raise ZeroshardError(f"the 3D estimator does not model sequence parallelism yet ({self.dims.describe()})")
-        if self.dims.ep > 1 and (self.dims.tp > 1 or self.dims.pp > 1):
-            raise ZeroshardError("the estimator does not model expert parallelism beside tensor or pipeline "
-                                 "parallelism yet (the engine trains it, docs/moe.md); estimate EP with TP = PP = 1: "
-                                 f"{self.dims.describe()}")
 
     @property
     def tp(self) -> int:
@@ -130,12 +134,15 @@ class StageEstimate:
     """What one rank of pipeline stage `stage` holds.
 
     Attributes:
-        spec: the rank's share of the model (its stage's parameters, TP-split).
+        spec: the rank's share of the model (its stage's parameters, TP-split); with EP > 1 its dense
+            share only.
         rank: the model states and ZeRO buffers of the rank with the most (over its dp group).
         pipeline_buffers: the gradient kept aside during a batch (and ZeRO stage 3's parameters
             gathered for it); 0 without a pipeline.
         activations: activation bytes at the schedule's peak.
         layers: transformer layers on the stage.
+        expert_params: with EP > 1, the elements of the rank's experts (1 / ep of its stage's banks).
+        moe_layers: the expert banks on the stage (each dispatches its tokens by all-to-all).
     """
 
     stage: int
@@ -144,6 +151,8 @@ class StageEstimate:
     pipeline_buffers: int
     activations: int
     layers: float
+    expert_params: int = 0
+    moe_layers: int = 0
 
     @property
     def device_peak(self) -> int:
@@ -162,13 +171,15 @@ def _split_units(n_units: int, pp: int) -> list[range]:
     return bounds
 
 
-def _tp_numel(numel: int, hidden: int, tp: int) -> int:
-    return numel if tp == 1 or numel <= hidden else -(-numel // tp)
+def _tp_numel(numel: int, hidden: int, tp: int, whole: frozenset[int] = frozenset()) -> int:
+    return numel if tp == 1 or numel <= hidden or numel in whole else -(-numel // tp)
 
 
-def stage_spec(spec: ModelSpec, pp: int, tp: int, stage: int) -> ModelSpec:
+def stage_spec(spec: ModelSpec, pp: int, tp: int, stage: int, whole: frozenset[int] = frozenset()) -> ModelSpec:
     """The parameters one TP rank of pipeline stage `stage` holds, as a ModelSpec (see the module
-    docstring for the placement rules). A spec from counts without a shape is split evenly."""
+    docstring for the placement rules). A spec from counts without a shape is split evenly. Block
+    parameters whose size is in `whole` stay whole on every TP rank (experts and routers: the
+    `ExpertSplit.tp_whole` of a MoE model)."""
     if not 0 <= stage < pp:
         raise ZeroshardError(f"stage {stage} outside a pipeline of {pp} stages")
     if pp == 1 and tp == 1:
@@ -196,7 +207,7 @@ def stage_spec(spec: ModelSpec, pp: int, tp: int, stage: int) -> ModelSpec:
     if last:
         own_root += norms + [_tp_numel(n, hidden, tp) for n in embeddings[1:2]]
         own_root += embeddings[:1] if len(embeddings) == 1 and pp > 1 else []
-    units = [tuple(_tp_numel(n, hidden, tp) for n in blocks[i]) for i in _split_units(len(blocks), pp)[stage]]
+    units = [tuple(_tp_numel(n, hidden, tp, whole) for n in blocks[i]) for i in _split_units(len(blocks), pp)[stage]]
     numels = tuple(own_root) + tuple(n for u in units for n in u)
     largest = max([max(u, default=0) for u in units] + [max(own_root, default=0)])
     return ModelSpec(name=f"{spec.name} [stage {stage}/{pp}, tp {tp}]", total_params=sum(numels),
@@ -240,28 +251,50 @@ def estimate_stage(spec: ModelSpec, setup: Setup, layout: Layout, stage: int,
     `layout.dp`. The rank reported is the data-parallel rank holding the most (padding differs;
     `every_rank=False`: rank 0, which a search over thousands of layouts uses).
     """
-    share = stage_spec(spec, layout.pp, layout.tp, stage)
+    split = spec.experts
     dp_setup = replace(setup, devices_per_node=layout.dp, nodes=1)
-    ranks = range(layout.dp) if every_rank and layout.dp <= 8 and share.param_numels is not None else [0]
+    expert_params, banks = 0, stage_banks(spec, layout.pp, stage)
     if layout.ep > 1:
-        if spec.experts is None:
+        if split is None:
             raise ZeroshardError(f"EP {layout.ep}: {spec.name} has no expert bank")
-        rank = max((estimate_rank_ep(spec.experts, dp_setup, layout.ep, r) for r in ranks), key=lambda e: e.device_peak)
+        share = stage_spec(split.dense, layout.pp, layout.tp, stage, split.tp_whole)
+        ranks = range(layout.dp) if every_rank and layout.dp <= 8 and share.param_numels is not None else [0]
+        rank = max((estimate_rank_ep(split, dp_setup, layout.ep, r, dense=share, banks=banks) for r in ranks),
+                   key=lambda e: e.device_peak)
+        expert_params = sum(sum(split.banks[i]) for i in banks) // layout.ep
     else:
+        share = stage_spec(spec, layout.pp, layout.tp, stage, split.tp_whole if split is not None else frozenset())
+        ranks = range(layout.dp) if every_rank and layout.dp <= 8 and share.param_numels is not None else [0]
         rank = max((estimate_rank(share, dp_setup, r) for r in ranks), key=lambda e: e.device_peak)
+    local = share.total_params + expert_params
     pipe = 0
     if layout.pp > 1:
-        pipe = setup.grad_bytes * share.total_params
+        pipe = setup.grad_bytes * local
         if setup.zero_stage >= 2:
             # The batch's gradient reaches the reducer in one burst, so its staging pool holds
             # up to every bucket at once, not the plain engine's window (measured at PP 2 x DP 2:
             # 6 of 8 blocks, tests/dist/test_memory_census_3d.py): bounded by a whole gradient.
-            pipe += max(0, setup.grad_bytes * share.total_params - rank.staging_pool)
+            pipe += max(0, setup.grad_bytes * local - rank.staging_pool)
         if setup.zero_stage == 3 and setup.offload_param == "none":
-            pipe += setup.param_bytes * share.total_params
+            pipe += setup.param_bytes * local
     layers = _layers_on(spec, layout.pp, stage)
     act = 0 if activations is None else estimate_activations(spec, layout, stage, layers, activations)
-    return StageEstimate(stage=stage, spec=share, rank=rank, pipeline_buffers=pipe, activations=act, layers=layers)
+    return StageEstimate(stage=stage, spec=share, rank=rank, pipeline_buffers=pipe, activations=act, layers=layers,
+                         expert_params=expert_params, moe_layers=len(banks))
+
+
+def stage_banks(spec: ModelSpec, pp: int, stage: int) -> tuple[int, ...]:
+    """The indices of the expert banks pipeline stage `stage` holds: those of its blocks (a bank in
+    the root goes with stage 0); every bank without a pipeline, none for a model without experts."""
+    split = spec.experts
+    if split is None:
+        return ()
+    if pp == 1:
+        return tuple(range(len(split.banks)))
+    units = split.dense.unit_params
+    n_blocks = len(units) - 1 if units is not None and len(units) >= 2 else (spec.shape.num_layers if spec.shape else 0)
+    mine = _split_units(n_blocks, pp)[stage]
+    return tuple(i for i, b in enumerate(split.blocks_of_banks(n_blocks)) if b in mine or (b < 0 and stage == 0))
 
 
 def estimate_activations(spec: ModelSpec, layout: Layout, stage: int, layers: float,

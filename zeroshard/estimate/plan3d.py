@@ -8,9 +8,10 @@ the fastest links; TP sizes that would cross a node are not searched), data-para
 pipeline stages outermost, across nodes (the least traffic). The search enumerates TP size, PP
 size, ZeRO stage, micro batch (hence the micro-batch count), schedule, sequence parallelism and
 activation checkpointing, and for a model with expert banks (`spec.experts`) the expert-parallel
-size: every divisor of DP that divides the expert count, with TP = PP = 1 (the engine composes EP
-with data parallelism only); an EP group is EP consecutive data-parallel ranks, an expert's
-expert-data-parallel group the DP / EP ranks one every EP. A layout fits when its fullest rank
+size: every divisor of DP that divides the expert count, beside every TP and PP size (the engine
+makes expert groups inside each (stage, TP rank)'s data-parallel ranks, estimate/parallel.py): an
+EP group is EP consecutive data-parallel ranks of one (stage, TP rank), so TP ranks apart, an
+expert's expert-data-parallel group the DP / EP ranks one every EP of them. A layout fits when its fullest rank
 (estimate/parallel.py: states, ZeRO buffers, the pipeline's batch buffers, activations in flight)
 fits the device budget. Its step time is a sum of terms, each a plain formula printed with the
 choice:
@@ -27,13 +28,14 @@ choice:
   parameters, 2 reduce-scatters every micro-batch (once per batch under a pipeline, which hands
   the batch's gradient over once), 3 also all-gathers the parameters for each micro-batch's
   forward and backward (once per batch under a pipeline); on the inter-node links when the group
-  spans nodes. With EP > 1 the dense parameters pay that over DP and each rank's experts
-  (expert params / EP) over the expert-data-parallel group of DP / EP ranks, on its own links;
+  spans nodes. With EP > 1 the rank's dense share pays that over DP and its experts (its
+  stage's expert params / EP) over the expert-data-parallel group of DP / EP ranks, on its own links;
   at EP 1 the experts are ordinary parameters (ZeRO-3 gathers every expert of every layer);
 - EP: each MoE layer dispatches and combines its tokens by all-to-all, once each in forward
   and backward: 4 * (tokens per rank) * top_k * hidden * act_bytes * (EP - 1) / EP bytes per
-  MoE layer and rank per step (6 with recompute: the forward runs twice), uniform routing
-  assumed, on the node's links when every EP group sits inside a node, else the inter-node ones.
+  MoE layer (of the fullest stage) and rank per step (6 with recompute: the forward runs twice),
+  uniform routing assumed, on the node's links when every EP group sits inside a node, else the
+  inter-node ones. Under TP every TP rank dispatches the same (replicated) tokens in its own group.
 Communication is not overlapped with compute (DeepSpeed's overlap_comm hides part of it): an
 upper bound, the same for every layout.
 
@@ -48,7 +50,7 @@ from typing import Literal
 
 from zeroshard.errors import ZeroshardError
 from zeroshard.estimate.activations import ActivationOptions, bubble_fraction
-from zeroshard.estimate.parallel import Layout, StageEstimate, estimate_activations, estimate_layout
+from zeroshard.estimate.parallel import Layout, StageEstimate, estimate_activations, estimate_layout, stage_banks
 from zeroshard.estimate.spec import ModelSpec
 from zeroshard.estimate.states import Precision, Setup, ZeroStage, estimate_rank
 
@@ -170,16 +172,22 @@ def pp_spans_nodes(layout: Layout, devices_per_node: int) -> bool:
     return layout.pp > 1 and layout.world_size > devices_per_node
 
 
+def _spans_nodes(layout: Layout, groups: list[list[int]], devices_per_node: int) -> bool:
+    """Whether some group of data-parallel positions, in some (stage, TP rank), holds ranks of two
+    nodes: position d of stage s and TP rank t is rank (s * dp + d) * tp + t (comm/topology.py)."""
+    tp, dp = layout.tp, layout.dp
+    return any(len({((s * dp + d) * tp + t) // devices_per_node for d in group}) > 1
+               for s in range(layout.pp) for t in range(tp) for group in groups)
+
+
 def ep_spans_nodes(layout: Layout, devices_per_node: int) -> bool:
-    """Whether some EP group (EP consecutive data-parallel ranks; TP = PP = 1) crosses a node."""
-    e, g = layout.ep, devices_per_node
-    return e > 1 and any(k * e // g != ((k + 1) * e - 1) // g for k in range(layout.dp // e))
+    """Whether some EP group (EP consecutive data-parallel ranks of one (stage, TP rank)) crosses a node."""
+    return layout.ep > 1 and _spans_nodes(layout, layout.dims.expert_rank_lists()[0], devices_per_node)
 
 
 def expert_dp_spans_nodes(layout: Layout, devices_per_node: int) -> bool:
-    """Whether some expert-data-parallel group (DP / EP ranks, one every EP) crosses a node."""
-    e, n, g = layout.ep, layout.dims.expert_dp, devices_per_node
-    return n > 1 and any(r // g != (r + (n - 1) * e) // g for r in range(e))
+    """Whether some expert-data-parallel group (DP / EP data-parallel ranks, one every EP) crosses a node."""
+    return layout.dims.expert_dp > 1 and _spans_nodes(layout, layout.dims.expert_rank_lists()[1], devices_per_node)
 
 
 def active_params(spec: ModelSpec) -> int:
@@ -209,18 +217,19 @@ def zero_bytes(n: int, group: int, setup: Setup, per_batch_grads: int) -> float:
             3: frac * n * (g * per_batch_grads + 2 * p * per_batch_grads)}[setup.zero_stage]
 
 
-def all_to_all_bytes(spec: ModelSpec, train: Training, layout: Layout, checkpointing: bool) -> float:
+def all_to_all_bytes(spec: ModelSpec, train: Training, layout: Layout, checkpointing: bool,
+                     moe_layers: int | None = None) -> float:
     """Bytes one rank sends per step by the MoE layers' token all-to-alls (the EP term): 4 passes
-    (dispatch and combine, forward and backward; 6 with recompute) x MoE layers x tokens per rank
-    x top_k x hidden x activation bytes x (EP - 1) / EP."""
+    (dispatch and combine, forward and backward; 6 with recompute) x MoE layers (`moe_layers`: its
+    stage's; default every one) x tokens per rank x top_k x hidden x activation bytes x (EP - 1) / EP."""
     split, shape = spec.experts, spec.shape
     if layout.ep <= 1 or split is None or shape is None:
         return 0.0
     tokens = train.global_batch * train.seq_len / layout.dp
     act_bytes = 4 if train.precision == "fp32" else 2
     passes = 6 if checkpointing else 4
-    return (passes * split.moe_layers * tokens * split.top_k * shape.hidden_size * act_bytes
-            * (layout.ep - 1) / layout.ep)
+    layers = split.moe_layers if moe_layers is None else moe_layers
+    return passes * layers * tokens * split.top_k * shape.hidden_size * act_bytes * (layout.ep - 1) / layout.ep
 
 
 def grad_reductions(layout: Layout) -> int:
@@ -229,11 +238,13 @@ def grad_reductions(layout: Layout) -> int:
     return 1 if layout.pp > 1 else layout.micro_batches
 
 
-def expert_zero_bytes(spec: ModelSpec, layout: Layout, setup: Setup) -> float:
-    """ZeRO bytes a rank moves per step for its experts: expert params / EP over DP / EP ranks."""
+def expert_zero_bytes(spec: ModelSpec, layout: Layout, setup: Setup, expert_params: int | None = None) -> float:
+    """ZeRO bytes a rank moves per step for its experts (`expert_params`: its share, default expert
+    params / EP) over DP / EP ranks."""
     if spec.experts is None:
         return 0.0
-    return zero_bytes(spec.experts.expert_params // layout.ep, layout.dims.expert_dp, setup, grad_reductions(layout))
+    mine = spec.experts.expert_params // layout.ep if expert_params is None else expert_params
+    return zero_bytes(mine, layout.dims.expert_dp, setup, grad_reductions(layout))
 
 
 def step_time(spec: ModelSpec, train: Training, cluster: Cluster, layout: Layout, setup: Setup,
@@ -259,10 +270,10 @@ def step_time(spec: ModelSpec, train: Training, cluster: Cluster, layout: Layout
     ep = 0.0
     if layout.ep > 1 and spec.experts is not None:
         edp_bw = cluster.inter_bandwidth if expert_dp_spans_nodes(layout, g) else cluster.intra_bandwidth
-        dp = (zero_bytes(spec.experts.dense.total_params, layout.dp, setup, per_batch_grads) / bw
-              + expert_zero_bytes(spec, layout, setup) / edp_bw)
+        dp = (zero_bytes(worst.spec.total_params, layout.dp, setup, per_batch_grads) / bw
+              + expert_zero_bytes(spec, layout, setup, worst.expert_params) / edp_bw)
         ep_bw = cluster.inter_bandwidth if ep_spans_nodes(layout, g) else cluster.intra_bandwidth
-        ep = all_to_all_bytes(spec, train, layout, checkpointing) / ep_bw
+        ep = all_to_all_bytes(spec, train, layout, checkpointing, worst.moe_layers) / ep_bw
     else:
         dp = zero_bytes(worst.spec.total_params, layout.dp, setup, per_batch_grads) / bw
     return StepTime(compute=compute, bubble=bubble, tp=tp, pp=pp, dp=dp, ep=ep)
@@ -305,7 +316,7 @@ def make_3d_plan(spec: ModelSpec, train: Training, cluster: Cluster) -> Plan3D:
             if train.global_batch % dp:
                 continue
             per_rank = train.global_batch // dp
-            for zero_stage, ep in ((z, e) for z in train.zero_stages for e in _ep_sizes(spec, train, tp, pp, dp)):
+            for zero_stage, ep in ((z, e) for z in train.zero_stages for e in _ep_sizes(spec, train, dp)):
                 setup = replace(base, zero_stage=zero_stage)
                 states = estimate_layout(spec, setup, Layout.of(tp=tp, pp=pp, dp=dp, ep=ep), every_rank=False)
                 for micro in (b for b in _divisors(per_rank) if b <= train.max_micro_batch and b & (b - 1) == 0):
@@ -324,12 +335,11 @@ def make_3d_plan(spec: ModelSpec, train: Training, cluster: Cluster) -> Plan3D:
     return Plan3D(candidates=out, cluster=cluster, training=train, spec=spec)
 
 
-def _ep_sizes(spec: ModelSpec, train: Training, tp: int, pp: int, dp: int) -> list[int]:
-    """EP sizes searched for a (tp, pp, dp) layout: 1, and for a MoE model without TP or PP every
-    divisor of dp that divides the expert count (the estimator does not model EP beside TP or PP
-    yet, though the engine trains it); `train.ep_sizes` filters them."""
+def _ep_sizes(spec: ModelSpec, train: Training, dp: int) -> list[int]:
+    """EP sizes searched for a layout of `dp` data-parallel ranks (whatever its TP and PP): 1, and for
+    a MoE model every divisor of dp that divides the expert count; `train.ep_sizes` filters them."""
     sizes = [1]
-    if spec.experts is not None and tp == pp == 1:
+    if spec.experts is not None:
         sizes += [e for e in _divisors(dp)[1:] if spec.experts.num_experts % e == 0]
     return [e for e in sizes if train.ep_sizes is None or e in train.ep_sizes]
 
@@ -391,13 +401,15 @@ def placement_lines(layout: Layout, devices_per_node: int) -> list[str]:
                      "at once, each over its own ranks")
     if layout.ep > 1:
         where = "across nodes (inter-node links)" if ep_spans_nodes(layout, g) else "inside one node"
-        lines.append(f"- EP groups: {layout.ep} consecutive data-parallel ranks, {where}, each holding 1/{layout.ep} "
-                     "of every expert bank")
+        apart = f" ({layout.tp} ranks apart: one TP rank's)" if layout.tp > 1 else ""
+        stage = " of its stage's" if layout.pp > 1 else " of every"
+        lines.append(f"- EP groups: {layout.ep} consecutive data-parallel ranks{apart}, {where}, each holding "
+                     f"1/{layout.ep}{stage} expert bank" + (", whole on every TP rank" if layout.tp > 1 else ""))
         edp = layout.dims.expert_dp
         if edp > 1:
             where = "across nodes (inter-node links)" if expert_dp_spans_nodes(layout, g) else "inside one node"
-            lines.append(f"- expert-DP groups: {edp} ranks one every {layout.ep}, {where}: ZeRO over them for the "
-                         "experts they share")
+            lines.append(f"- expert-DP groups: {edp} ranks one every {layout.ep} data-parallel ranks, {where}: ZeRO "
+                         "over them for the experts they share")
     if layout.pp > 1:
         if not pp_spans_nodes(layout, g):
             where = "all in one node (p2p inside the node)"
@@ -417,12 +429,17 @@ def _ep_line(plan: Plan3D, best: Candidate) -> str | None:
     setup = Setup(zero_stage=best.zero_stage, precision=plan.training.precision,
                   optimizer_state_bytes=plan.training.optimizer_state_bytes, devices_per_node=lay.dp)
     one_layout = Layout.of(dp=lay.dp, micro_batches=lay.micro_batches)
-    states_one = estimate_rank(split.share(1), setup, 0).device.total
-    states_ep = estimate_rank(split.share(lay.ep), replace(setup, devices_per_node=lay.dims.expert_dp), 0).device.total
+    banks = stage_banks(plan.spec, lay.pp, best.worst.stage)  # the fullest stage's
+    if not banks:
+        return None
+    whole = sum(sum(split.banks[i]) for i in banks)
+    states_one = estimate_rank(split.share(1, banks), setup, 0).device.total
+    states_ep = estimate_rank(split.share(lay.ep, banks), replace(setup, devices_per_node=lay.dims.expert_dp),
+                              0).device.total
     gathers = "ZeRO-3 gathers" if best.zero_stage == 3 else f"ZeRO-{best.zero_stage} traffic"
-    moved_one = expert_zero_bytes(plan.spec, one_layout, setup)
-    moved_ep = expert_zero_bytes(plan.spec, lay, setup)
-    a2a = all_to_all_bytes(plan.spec, plan.training, lay, best.checkpointing)
+    moved_one = expert_zero_bytes(plan.spec, one_layout, setup, whole)
+    moved_ep = expert_zero_bytes(plan.spec, lay, setup, whole // lay.ep)
+    a2a = all_to_all_bytes(plan.spec, plan.training, lay, best.checkpointing, len(banks))
     ratio = states_one / max(states_ep, 1)
     smaller = (f"{ratio:.1f}x smaller" if ratio >= 1.05 else
                f"the same: ZeRO-{best.zero_stage} shards them over all {lay.dp} ranks either way")
@@ -430,7 +447,8 @@ def _ep_line(plan: Plan3D, best: Candidate) -> str | None:
             f"{_gb(states_one)} per rank ({smaller}); {gathers} of experts "
             f"({_gb(moved_one)} per step) replaced by token all-to-alls ({_gb(a2a)}) and expert ZeRO over "
             f"{lay.dims.expert_dp} rank(s) ({_gb(moved_ep)}): {_gb(a2a + moved_ep)} vs {_gb(moved_one)} per rank "
-            f"per step ({split.moe_layers} MoE layers, top-{split.top_k} of {split.num_experts} experts)")
+            f"per step ({len(banks)} MoE layers{' on the fullest stage' if lay.pp > 1 else ''}, top-{split.top_k} of "
+            f"{split.num_experts} experts)")
 
 
 def report_3d(plan: Plan3D, top: int = 5) -> str:
