@@ -26,7 +26,7 @@ from torch import Tensor, nn
 import zeroshard
 from zeroshard.comm import Comm, ProcessGroups
 from zeroshard.errors import ConfigError
-from zeroshard.moe.hf_experts import ExpertParallelBank, expert_banks
+from zeroshard.moe.hf_experts import ExpertParallelBank, expert_banks, is_expert_bank
 from zeroshard.moe.utils import is_moe_param
 
 transformers = pytest.importorskip("transformers")
@@ -426,3 +426,34 @@ def test_estimate_equals_what_the_engine_holds(groups: ProcessGroups, stage: int
     got = next(iter(homes.values()))
     want = [est.device.params, est.device.grads, est.device.master_params, est.device.optimizer_states]
     assert got == want, (rank, got, want)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_model_built_under_zero_init_equals_the_model_built_whole(groups: ProcessGroups, kind: str) -> None:
+    """A model built inside zero.Init (how `from_pretrained` loads after a ZeRO-3 TrainingArguments)
+    has every bank cut into flat shards over all ranks; AutoEP gathers each bank tensor, keeps this
+    rank's experts (Note: [expert banks under zero.Init] in moe/hf_experts.py) and trains exactly as
+    the same model built whole: same losses and the same weights (tolerance 0), ZeRO 3."""
+    world, rank = groups.world_size, groups.rank
+    if world == 1:
+        pytest.skip("one rank: zero.Init cuts nothing")
+    cfg = config(3, world)
+    whole_model = reference(kind)
+    with zeroshard.zero.Init(config_dict_or_path=cfg):
+        built = reference(kind)  # the same seed, so the same values, cut as they are built
+    assert all(hasattr(p, "ds_id") for b in built.modules() if is_expert_bank(b) for p in b.parameters())
+    engines = [zeroshard.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
+               for m in (whole_model, built)]
+    banks = expert_banks(engines[1].module)
+    assert banks and all(b.num_experts == EXPERTS // world and b.first_expert == rank * (EXPERTS // world)
+                         for b in banks)
+    data = batches(world)
+    losses = [train_engine(e, data, rank, range(STEPS)) for e in engines]
+    assert losses[0] == losses[1], losses
+    trained = []
+    for engine in engines:
+        with zeroshard.zero.GatheredParameters(list(engine.module.parameters())):
+            trained.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
+    assert trained[0].keys() == trained[1].keys() and trained[0]
+    for name, value in trained[0].items():
+        assert torch.equal(value, trained[1][name]), f"{kind} {name}: built under zero.Init differs"

@@ -176,11 +176,14 @@ def test_trainer_autoep_equals_one_process_world2(tmp_path: Path, model: str, st
     true, "autoep_size": 2}` in its ds_config, through the alias: each rank holds 2 of the 4 experts of
     every bank, and the logged losses and every rank's parameters equal the unmodified model trained
     in one process on the batches the ranks saw; `Trainer.save_model` writes the whole model
-    (`from_pretrained` reads it back equal to the oracle). (DeepSpeed 0.19.8's AutoEP stops at initialize on
-    transformers-5 models, so there is no DeepSpeed run to compare with.)"""
+    (`from_pretrained` reads it back equal to the oracle). At ZeRO-3 the model is built as a Trainer user
+    loads one, after TrainingArguments (`from_config`, so inside zero.Init: Note: [expert banks under
+    zero.Init] in moe/hf_experts.py). (DeepSpeed 0.19.8's AutoEP stops at initialize on transformers-5
+    models, so there is no DeepSpeed run to compare with.)"""
     out, results = tmp_path / f"moe-{model}-{stage}", tmp_path / f"moe-{model}-{stage}.json"
     run([str(SCRIPTS / "hf_trainer_moe.py"), "--model", model, "--stage", str(stage), "--out", str(out),
-         "--results", str(results)], "zeroshard", tmp_path, 2, label=f"trainer autoep {model} stage {stage}")
+         "--results", str(results), *(["--after-args"] if stage == 3 else [])], "zeroshard", tmp_path, 2,
+        label=f"trainer autoep {model} stage {stage}")
     got = json.loads(results.read_text())
     assert got["banks"] >= 1 and got["local_experts"] == [2], got
     assert len(got["log"]) == len(got["oracle_losses"]) == 4, got

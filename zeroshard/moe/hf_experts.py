@@ -17,8 +17,17 @@ any `_experts_implementation` serves), sends the outputs back and weights and su
 Bank parameters are marked as DeepSpeed marks expert parameters (`allreduce=False`,
 `group_name="ep_size_<E>"`), so the ZeRO strategy reduces them over the expert-data-parallel group
 (zero/expert_split.py) and stage 3 partitions them there (Note: [experts at stage 3] in
-zero/build.py). Imports torch, `zeroshard.comm`, `zeroshard.errors`, `zeroshard.config` (types)
-and the moe package's own `ep_groups`.
+zero/build.py). Imports torch, `zeroshard.comm`, `zeroshard.errors`, `zeroshard.config` (types),
+`zero.init_partition` (banks built under zero.Init) and the moe package's own `ep_groups`.
+
+Note: [expert banks under zero.Init] A model built or loaded inside `zero.Init` (`from_pretrained`
+after a ZeRO-3 `TrainingArguments`, as Trainer users load large MoE models) holds every bank cut
+into 1/N flat shards over all data-parallel ranks, not by expert. `shard_expert_bank` then gathers
+one bank tensor at a time (its whole values, collective over the ranks zero.Init cut it over: every
+rank walks the same banks in the same order), keeps this rank's experts and makes the parameter a
+plain one again, which stage 3 partitions over the expert-data-parallel group as it does for a
+model built whole. The peak is one whole bank tensor beside the partitioned model, not the whole
+model; no broadcast is needed (zero.Init's values are already rank 0's).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from zeroshard.comm import all_to_all_single
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.moe.ep_groups import group_name
 from zeroshard.moe.telemetry import in_backward
+from zeroshard.zero.init_partition import init_partitioned, init_values
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
@@ -153,7 +163,6 @@ def mark_expert_banks(model: nn.Module, ep: "ExpertParallelConfig") -> list[nn.M
     Raises:
         ConfigError: no expert bank in the model, a `preset_model` naming another model type, or
             an `autoep_size` that does not divide a bank's experts.
-        NotSupportedError: banks already partitioned by zero.Init.
     """
     if not ep.enabled:
         return []
@@ -172,12 +181,6 @@ def mark_expert_banks(model: nn.Module, ep: "ExpertParallelConfig") -> list[nn.M
             "module with `num_experts` whose parameters are indexed by expert, e.g. MixtralExperts). Models with "
             "one nn.Module per expert train at ZeRO-3 without expert parallelism; DeepSpeed's MoE layer "
             "(deepspeed.moe.layer.MoE) takes ep_size itself. Set expert_parallel.enabled to false")
-    if any(hasattr(p, "ds_id") for bank in banks for p in bank.parameters(recurse=False)):  # ZeRO-3 partitioned
-        raise NotSupportedError(
-            "expert_parallel with a model built inside zero.Init (deepspeed.zero.Init, or from_pretrained after "
-            "TrainingArguments with a ZeRO-3 config) is not implemented: zero.Init splits each expert bank over all "
-            "ranks before AutoEP can cut it by expert. Build or load the model before creating TrainingArguments "
-            "(or outside zero.Init); ZeRO-3 then partitions each rank's experts over its expert-data-parallel group")
     size = ep.autoep_size
     if size == 1:
         logger.info(f"expert_parallel: autoep_size 1, the {len(banks)} expert bank(s) stay whole on every rank")
@@ -211,11 +214,18 @@ def shard_expert_bank(bank: nn.Module, ep_comm: "Comm", dp_comm: "Comm") -> None
         raise NotSupportedError(f"{type(bank).__name__}: ep_size {bank.ep_size} but an expert-parallel group of "
                                 f"{ep_comm.world_size} ranks")
     own = list(bank.parameters(recurse=False))
-    dp_comm.broadcast_values(own)
     local = bank.num_global_experts // bank.ep_size
     first = ep_comm.rank * local
+    dp_comm.broadcast_values([p for p in own if not init_partitioned(p)])
     for p in own:
-        p.data = p.data[first:first + local].clone()
+        if init_partitioned(p):  # Note: [expert banks under zero.Init]
+            whole = p.data if p._zs.gathered else init_values(p).view(p.shape)
+            p.__class__ = nn.Parameter
+            del p._zs
+            p.data = whole[first:first + local].clone()
+            del whole
+        else:
+            p.data = p.data[first:first + local].clone()
     bank.num_experts, bank.first_expert = local, first
     bank.set_ep_comm(ep_comm)
 

@@ -2,7 +2,9 @@
 `TrainingArguments(deepspeed=...)` carries `"expert_parallel": {"enabled": true, "autoep_size": N}`.
 
 Runs under whatever `import deepspeed` resolves to (zeroshard's alias). A tiny Mixtral or DeepSeek-V3
-built from its config (before TrainingArguments, so outside zero.Init), synthetic tokens, torch SGD
+built from its config (before TrainingArguments, so outside zero.Init; with --after-args, after a
+ZeRO-3 TrainingArguments through `from_config`, so inside zero.Init, as `from_pretrained` loads
+a large MoE model for Trainer users), synthetic tokens, torch SGD
 (constant lr, no clipping). Every rank records the batches every rank trained on (all-gathered in a
 forward pre-hook), then trains the same model in one process on them (the loss the mean over ranks)
 and compares: the per-step losses the Trainer logged and its own parameters (a bank: its experts'
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 from transformers import (
+    AutoModelForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     MixtralConfig,
@@ -34,6 +37,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--model", choices=["mixtral", "deepseek_v3"], default="mixtral")
 p.add_argument("--stage", type=int, default=2)
 p.add_argument("--steps", type=int, default=4)
+p.add_argument("--after-args", action="store_true", help="build after TrainingArguments (zero.Init at ZeRO-3)")
 p.add_argument("--out", required=True)
 p.add_argument("--results", required=True)
 args = p.parse_args()
@@ -51,13 +55,15 @@ class Tokens(Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def build() -> torch.nn.Module:
+def build(from_config: bool = False) -> torch.nn.Module:
     common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                   max_position_embeddings=32, tie_word_embeddings=False)
     torch.manual_seed(0)
     if args.model == "mixtral":
-        return MixtralForCausalLM(MixtralConfig(intermediate_size=24, num_key_value_heads=1,
-                                                num_local_experts=EXPERTS, num_experts_per_tok=2, **common))
+        cfg = MixtralConfig(intermediate_size=24, num_key_value_heads=1, num_local_experts=EXPERTS,
+                            num_experts_per_tok=2, **common)
+        # from_config enters zero.Init when a ZeRO-3 TrainingArguments exists (as from_pretrained does)
+        return AutoModelForCausalLM.from_config(cfg) if from_config else MixtralForCausalLM(cfg)
     return DeepseekV3ForCausalLM(DeepseekV3Config(
         intermediate_size=24, moe_intermediate_size=8, num_key_value_heads=2, n_routed_experts=EXPERTS,
         n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
@@ -66,7 +72,7 @@ def build() -> torch.nn.Module:
 
 
 world = int(os.environ.get("WORLD_SIZE", "1"))
-model = build()  # before TrainingArguments: a ZeRO-3 config there would build it inside zero.Init
+model = None if args.after_args else build()  # before TrainingArguments: outside zero.Init
 zero: dict = {"stage": args.stage}
 if args.stage == 3:  # every parameter partitioned; save_model gathers the 16-bit weights
     zero.update(stage3_param_persistence_threshold=0, stage3_gather_16bit_weights_on_model_save=True)
@@ -81,6 +87,14 @@ targs = TrainingArguments(
     lr_scheduler_type="constant", optim="sgd", max_grad_norm=0.0, weight_decay=0.0, max_steps=args.steps,
     logging_steps=1, save_strategy="no", report_to=[], deepspeed=str(cfg_path), use_cpu=True, seed=0, data_seed=0,
     dataloader_num_workers=0)
+start: dict[str, torch.Tensor] | None = None
+if args.after_args:
+    model = build(from_config=True)
+    assert args.stage != 3 or all(hasattr(q, "ds_id") for q in model.parameters()), "expected zero.Init"
+    import deepspeed  # the alias: the oracle starts from the values zero.Init holds (gathered)
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        start = {n: q.detach().clone() for n, q in model.named_parameters()}
 seen: list[torch.Tensor] = []
 
 
@@ -97,13 +111,15 @@ model.register_forward_pre_hook(record, with_kwargs=True)
 trainer = Trainer(model=model, args=targs, train_dataset=Tokens(64, 0))
 trainer.train()
 engine = trainer.model_wrapped
-import deepspeed  # noqa: E402  the alias, after the Trainer started it
+import deepspeed  # noqa: E402  the alias, after the Trainer started it (or zero.Init, above)
 
 params = list(engine.module.named_parameters())
 with deepspeed.zero.GatheredParameters([q for _, q in params]):
     weights = {n: q.detach().clone() for n, q in params}
 banks = {n: m for n, m in engine.module.named_modules() if hasattr(m, "first_expert")}
 ref = build()
+if start is not None:
+    ref.load_state_dict(start, strict=False)  # every parameter (buffers are the config's)
 opt = torch.optim.SGD(ref.parameters(), lr=LR)
 losses = []
 for batch in seen:  # [world, micro, seq]
