@@ -53,6 +53,14 @@ DIST3_SKIP = (
     "test_sequence_parallel.py", "test_alst.py",  # SP 2 and 4 need an even world (SP 2 x DP 2 and SP 4: dist4)
 )
 
+FAULT_FILES = (
+    "test_elastic_launch.py", "test_comm_divergence.py", "test_checkpoint_fault.py",
+    "test_checkpoint_auto_resume.py", "test_preemption.py", "test_pipeline_dead_stage.py",
+    "test_user_collectives.py", "test_two_node.py", "test_two_node_netns.py", "test_moe_world_change.py",
+    "test_checkpoint_reshard.py", "test_checkpoint_resume.py",
+)
+"""tests/launch files whose jobs fail on purpose and wait for the consequences (the "faults" stage)."""
+
 STAGES: dict[str, list[str]] = {
     # CUDA/NCCL paths: every test skips, with its reason printed (-rs), where there is no GPU.
     # On a machine with N GPUs, also run them at world size N:
@@ -88,7 +96,12 @@ STAGES: dict[str, list[str]] = {
     # 3D at PP 2 x DP 2 x TP 2 (dist4 runs PP 2 x TP 2): the claim "equal to one process at 8 ranks"
     # needs 8 ranks; about 130 CPU-seconds, half of it starting 8 interpreters.
     "dist8": torchrun(8, *PYTEST, "tests/dist/test_3d.py", rank0_output=True),
-    "launch": [sys.executable, *PYTEST, "tests/launch"],
+    # Jobs that kill, stop or lose ranks and nodes and wait for what follows (rendezvous, heartbeats,
+    # timeouts, restarts): mostly waiting, so they run in a lane of their own beside "launch".
+    "faults": [sys.executable, *PYTEST, *(f"tests/launch/{f}" for f in FAULT_FILES)],
+    # The client flows (Trainer, Accelerate, PEFT, TRL, LLaMA-Factory, DeepSpeed-Chat, from_pretrained,
+    # the training CLI): jobs that start real clients, mostly computing.
+    "launch": [sys.executable, *PYTEST, "tests/launch", *(f"--ignore=tests/launch/{f}" for f in FAULT_FILES)],
 }
 # Opt-in: zeroshard against DeepSpeed 0.19 on the same cases (tests/differential/harness.py).
 # Not -x: each case is one test, and one deviating case must not hide the others.
@@ -216,10 +229,12 @@ def summary_table(rows: list[tuple[str, dict[str, int], bool, float]], total_wal
 TOGETHER = ("unit", "dist1")
 """Single-process stages run at the same time (each takes one core of the 2-core CI box)."""
 
-BESIDE = ("launch",)
-"""Stages that start with the run and go on in a thread beside the others (which keep their order).
-The launch stage is its own jobs' start-up, rendezvous, heartbeat and timeout waits, and watching
-for a rank's report: it leaves much of the box idle while it waits, which the other stages fill.
+BESIDE = ("launch", "faults")
+"""Stages that start with the run and go on in threads beside the others (which keep their order).
+The launch stages are their own jobs' start-up, rendezvous, heartbeat and timeout waits, and watching
+for a rank's report: they leave much of the box idle while they wait, which the other stages fill.
+They were one stage until 2026-12-07, and then the longest path of the run (over 40 minutes of the
+~45 on a 2-core box): the fault jobs' waits now overlap the client flows' computing.
 Its jobs take free ports (torchrun --standalone, the launcher's free port on one node), like the
 distributed stages', so the two never meet on a port; each job has its own temporary directory."""
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -290,3 +291,11 @@ def backward_only(engine: Any, batch: Any, rank: int, world: int) -> None:
         engine.backward(engine(x, y))
         if i < len(parts) - 1:
             engine.step()
+
+
+def skip_repeat_at_three(world: int, stage: int) -> None:
+    """ZenFlow's cases (test_zenflow*.py): at 3 ranks ZeRO stage 1 cuts the flat optimizer state
+    exactly as stage 2 does (the same uneven partitions, a weight's columns straddling two ranks),
+    so stage 1 runs at 1 and 2 ranks and stages 2 and 3 at 3 (the CI's time budget, tests/run.py)."""
+    if world == 3 and stage == 1:
+        pytest.skip("ZeRO stage 1 at 3 ranks: stage 2's partitions (run here); stage 1 runs at 1 and 2 ranks")
