@@ -17,14 +17,15 @@ any `_experts_implementation` serves), sends the outputs back and weights and su
 Bank parameters are marked as DeepSpeed marks expert parameters (`allreduce=False`,
 `group_name="ep_size_<E>"`), so the ZeRO strategy reduces them over the expert-data-parallel group
 (zero/expert_split.py) and stage 3 partitions them there (Note: [experts at stage 3] in
-zero/build.py). Imports torch, `zeroshard.comm`, `zeroshard.errors`, `zeroshard.config` (types),
-`zero.init_partition` (banks built under zero.Init) and the moe package's own `ep_groups`.
+zero/build.py). Imports torch, `zeroshard.comm`, `zeroshard.errors`, `zeroshard.config` (types)
+and the moe package's own `ep_groups`.
 
 Note: [expert banks under zero.Init] A model built or loaded inside `zero.Init` (`from_pretrained`
 after a ZeRO-3 `TrainingArguments`, as Trainer users load large MoE models) holds every bank cut
 into 1/N flat shards over all data-parallel ranks, not by expert. `shard_expert_bank` then gathers
 one bank tensor at a time (its whole values, collective over the ranks zero.Init cut it over: every
-rank walks the same banks in the same order), keeps this rank's experts and makes the parameter a
+rank walks the same banks in the same order; zero/build.py hands it zero/init_partition.py's
+`take_whole`, as this package never imports zero/), keeps this rank's experts and makes the parameter a
 plain one again, which stage 3 partitions over the expert-data-parallel group as it does for a
 model built whole. The peak is one whole bank tensor beside the partitioned model, not the whole
 model; no broadcast is needed (zero.Init's values are already rank 0's).
@@ -35,6 +36,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,7 +46,6 @@ from zeroshard.comm import all_to_all_single
 from zeroshard.errors import ConfigError, NotSupportedError
 from zeroshard.moe.ep_groups import group_name
 from zeroshard.moe.telemetry import in_backward
-from zeroshard.zero.init_partition import init_partitioned, init_values
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
@@ -203,12 +204,15 @@ def mark_expert_banks(model: nn.Module, ep: "ExpertParallelConfig") -> list[nn.M
 
 
 @torch.no_grad()
-def shard_expert_bank(bank: nn.Module, ep_comm: "Comm", dp_comm: "Comm") -> None:
+def shard_expert_bank(bank: nn.Module, ep_comm: "Comm", dp_comm: "Comm",
+                      whole_of: Callable[[nn.Parameter], Tensor | None] | None = None) -> None:
     """Keep this rank's experts of a marked bank, in place; set its expert-parallel group.
 
     The whole bank is first broadcast from data-parallel rank 0, so the experts every rank keeps
     come from one model, as the dense parameters do (zero/stage0.py::broadcast_module_state skips
-    expert parameters). Collective over the data-parallel group."""
+    expert parameters). Collective over the data-parallel group. `whole_of(p)`: the whole values
+    of a parameter zero.Init cut (and `p` made plain), None for any other (Note: [expert banks
+    under zero.Init])."""
     assert isinstance(bank, ExpertParallelBank)
     if bank.ep_size != ep_comm.world_size:
         raise NotSupportedError(f"{type(bank).__name__}: ep_size {bank.ep_size} but an expert-parallel group of "
@@ -216,16 +220,17 @@ def shard_expert_bank(bank: nn.Module, ep_comm: "Comm", dp_comm: "Comm") -> None
     own = list(bank.parameters(recurse=False))
     local = bank.num_global_experts // bank.ep_size
     first = ep_comm.rank * local
-    dp_comm.broadcast_values([p for p in own if not init_partitioned(p)])
-    for p in own:
-        if init_partitioned(p):  # Note: [expert banks under zero.Init]
-            whole = p.data if p._zs.gathered else init_values(p).view(p.shape)
-            p.__class__ = nn.Parameter
-            del p._zs
+    plain = []
+    for p in own:  # Note: [expert banks under zero.Init]: one whole tensor at a time
+        whole = whole_of(p) if whole_of is not None else None
+        if whole is None:
+            plain.append(p)
+        else:
             p.data = whole[first:first + local].clone()
             del whole
-        else:
-            p.data = p.data[first:first + local].clone()
+    dp_comm.broadcast_values(plain)
+    for p in plain:
+        p.data = p.data[first:first + local].clone()
     bank.num_experts, bank.first_expert = local, first
     bank.set_ep_comm(ep_comm)
 

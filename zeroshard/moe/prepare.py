@@ -10,10 +10,11 @@ torch, `zeroshard.comm`, `zeroshard.errors` and the moe package's own modules.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from zeroshard.comm import Comm, ProcessGroups
 from zeroshard.errors import NotSupportedError
@@ -69,13 +70,15 @@ def expert_parallel_size(module: nn.Module) -> int:
 
 
 def prepare_experts(module: nn.Module, params: list[nn.Parameter], dp: ProcessGroups, comm: Comm,
-                    *, tp_comm: Comm | None = None, pipeline: Comm | None = None) -> list[ExpertParams] | None:
+                    *, tp_comm: Comm | None = None, pipeline: Comm | None = None,
+                    whole_of: Callable[[nn.Parameter], Tensor | None] | None = None) -> list[ExpertParams] | None:
     """Groups for every expert layer of `module`, and the trainable expert parameters by group.
 
     Collective over the world; every rank passes the same model. Returns None for a model without
     expert parameters, and [] for a pipeline stage without any whose pipeline has them in another
     stage (its strategy must still take part in the experts' norm: zero/expert_split.py). Hugging
-    Face expert banks are cut to this rank's experts here (moe/hf_experts.py::shard_expert_bank).
+    Face expert banks are cut to this rank's experts here (moe/hf_experts.py::shard_expert_bank;
+    `whole_of` reads a bank zero.Init cut: Note: [expert banks under zero.Init]).
 
     Note: [experts under tensor parallelism] `dp` is the data-parallel axis of this rank's
     tensor-parallel rank, so the expert groups are made of ranks with the same tensor-parallel rank
@@ -120,7 +123,7 @@ def prepare_experts(module: nn.Module, params: list[nn.Parameter], dp: ProcessGr
             layer.deepspeed_moe.set_ep_comm(groups.ep_comm)
             _broadcast_experts(layer, groups.edp_comm)
         else:
-            shard_expert_bank(layer, groups.ep_comm, comm)
+            shard_expert_bank(layer, groups.ep_comm, comm, whole_of)
         if tp_comm is not None and tp_comm.world_size > 1:  # Note: [experts under tensor parallelism]
             tp_comm.broadcast_values(list(layer.parameters()) if isinstance(layer, ExpertParallelBank)
                                      else list(layer.deepspeed_moe.experts.parameters()))

@@ -15,7 +15,7 @@ from zeroshard.errors import NotSupportedError
 from zeroshard.moe.prepare import expert_modules, prepare_experts
 from zeroshard.moe.utils import is_moe_param
 from zeroshard.zero.expert_split import build_expert_split
-from zeroshard.zero.init_partition import init_partitioned
+from zeroshard.zero.init_partition import init_partitioned, take_whole
 from zeroshard.zero.leaf import apply_leaf_config, granularity_units, leaf_units
 from zeroshard.zero.offload.policy import OffloadPolicy
 from zeroshard.zero.offload.zenflow import ZenFlowRule
@@ -102,7 +102,7 @@ def build_strategy(cfg: "Config", module: nn.Module, params: list[nn.Parameter],
     knows its owner (`ZeroParamState.owner`), which is how `GatheredParameters`, checkpoints and
     exports reach both kinds.
     """
-    experts = prepare_experts(module, params, groups, comm, tp_comm=tp_comm, pipeline=pipeline)
+    experts = prepare_experts(module, params, groups, comm, tp_comm=tp_comm, pipeline=pipeline, whole_of=take_whole)
     if experts is None:
         return _build_group_strategy(cfg, module, params, comm, groups, units, norm_group, hpz_size=hpz_size)
     _check_experts_config(cfg, params)

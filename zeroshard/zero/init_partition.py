@@ -262,5 +262,20 @@ def unpartition(module: nn.Module) -> int:
     return len(params)
 
 
+@torch.no_grad()
+def take_whole(p: nn.Parameter) -> Tensor | None:
+    """For a parameter zero.Init cut: its whole values (shaped), and `p` made a plain parameter again
+    (its data still the placeholder; the caller assigns it). None for any other parameter.
+    Collective over the ranks it was cut over. AutoEP reads each expert bank so, one tensor at a time
+    (Note: [expert banks under zero.Init] in moe/hf_experts.py)."""
+    if not init_partitioned(p):
+        return None
+    zp: ZeroParameter = p  # type: ignore[assignment]  # init_partitioned: a ZeroParameter
+    whole = zp.data if zp._zs.gathered else init_values(zp).view(zp.shape)
+    zp.__class__ = nn.Parameter
+    del zp._zs
+    return whole
+
+
 def _unique(params: Sequence[ZeroParameter]) -> list[ZeroParameter]:
     return list({id(p): p for p in params}.values())
