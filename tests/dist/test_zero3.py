@@ -489,3 +489,55 @@ def test_a_parameter_fed_to_a_frozen_layer_gathers_no_hooks(groups) -> None:
             assert not engine.module.prefix._backward_hooks, "hooks piled up on the parameter"
         results.append(losses)
     torch.testing.assert_close(torch.tensor(results[1]), torch.tensor(results[0]), rtol=1e-5, atol=0)
+
+
+class _LateHead(nn.Module):
+    """A model whose forward also runs `self.late` once a script has attached one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(16, 256), nn.Linear(256, 16), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(torch.tanh(self.fc1(x)))
+        if hasattr(self, "late"):
+            h = self.late(h)
+        return F.mse_loss(self.head(h).squeeze(-1), y)
+
+
+def test_a_module_attached_after_initialize_runs_and_is_not_trained(groups) -> None:
+    """DeepSpeed's #6961 pattern (tests/unit/runtime/zero/test_zero_late_module_attach.py): a script
+    attaches a fresh module to the model after `initialize` at ZeRO-3. It runs in forward and
+    backward, whole on every rank; the optimizer never saw its parameters, so they stay as built
+    (as in DeepSpeed), while the gradient through them trains the partitioned rest exactly as in one
+    process: plain torch with the same late module and an optimizer over the other parameters."""
+    rank, world = groups.rank, groups.world_size
+    torch.manual_seed(0)
+    model = _LateHead()
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)
+    late = nn.Linear(16, 16)
+    late_built = copy.deepcopy(late.state_dict())
+    cfg = make_config(zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 100},
+                      optimizer={"type": "SGD", "params": {"lr": 0.05}})
+    engine = init_engine(model, cfg)
+    engine.module.late = late
+    reference.late = copy.deepcopy(late)
+    opt = torch.optim.SGD([p for n, p in reference.named_parameters() if not n.startswith("late.")], lr=0.05)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x, y = torch.randn(2 * world, 16, generator=g), torch.randn(2 * world, generator=g)
+        mine = slice(2 * rank, 2 * rank + 2)
+        loss = engine(x[mine], y[mine])
+        engine.backward(loss)
+        engine.step()
+        for r in range(world):  # the ranks' mean loss, micro-batch by micro-batch as they ran it
+            (reference(x[2 * r:2 * r + 2], y[2 * r:2 * r + 2]) / world).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    got = gathered_snapshot(engine.module)
+    want = [p.detach() for n, p in reference.named_parameters()]
+    assert len(got) == len(want)
+    assert_params_close(got, want, 1e-5, "the partitioned model beside a late module after 3 steps")
+    for name, value in late.state_dict().items():
+        assert torch.equal(value, late_built[name]), f"late.{name} changed: it is in no optimizer group"
