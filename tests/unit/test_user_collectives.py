@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import user_collectives
-from zeroshard.comm.divergence import CallRecord, signature
+from zeroshard.comm.call_record import CallRecord, signature
 from zeroshard.comm.divergence_report import disagreement
 
 TRACKED = object()

@@ -28,8 +28,8 @@ mismatched collective (or of a later one) moved. Stream backends (NCCL) skip the
 synchronise the host. ``ZEROSHARD_COMM_VERIFY=0`` turns it off (`verify_wanted`), for zeroshard's
 collectives and the script's alike (Note: [script collectives] in user_collectives.py).
 
-Imports nothing of ours but ``errors``, ``comm.board``, ``comm.divergence`` and
-``comm.divergence_report``.
+Imports nothing of ours but ``errors``, ``comm.board``, ``comm.call_record``, ``comm.divergence``
+and ``comm.divergence_report``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm.board import Board
-from zeroshard.comm.divergence import CallRecord, CollectiveTracker, signature
+from zeroshard.comm.call_record import CallRecord, signature
+from zeroshard.comm.divergence import CollectiveTracker
 from zeroshard.comm.divergence_report import mismatch_text
 from zeroshard.errors import CommError
 

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
+from zeroshard.comm.call_record import CallRecord
 from zeroshard.comm.checked import PendingIssue, checked_issue
-from zeroshard.comm.divergence import CallRecord, CollectiveTracker, tracker_for
+from zeroshard.comm.divergence import CollectiveTracker, tracker_for
 from zeroshard.comm.groups import ProcessGroups, group_store, node_rank_lists, subgroup
 from zeroshard.comm.handle import Handle, WaitPolicy
 from zeroshard.comm.log import CommLog

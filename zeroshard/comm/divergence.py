@@ -10,7 +10,8 @@ naming each rank's last collective. A rank busy in Python (training, sleeping) a
 thread; a rank blocked in C without the GIL still left its last published state; a rank that
 exited said so from ``atexit``. The report's text is divergence_report.py's. The same thread
 beats for this rank and, while it waits, ends it when a peer falls silent (Note: [peer silence]
-in silence.py). Imports nothing of ours but ``errors``, ``comm.board``, ``comm.divergence_report``,
+in silence.py). Imports nothing of ours but ``errors``, ``comm.board``, ``comm.call_record``,
+``comm.divergence_report``,
 ``comm.env`` and ``comm.silence``.
 
 Note: [watcher shutdown]
@@ -27,8 +28,6 @@ long before finalization) stops it and waits for its current store call to finis
 from __future__ import annotations
 
 import atexit
-import functools
-import hashlib
 import json
 import os
 import socket
@@ -38,7 +37,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm.board import Board, checks_wanted
+from zeroshard.comm.call_record import CallRecord, call_site, record_dict
 from zeroshard.comm.divergence_report import (
     describe_states,
     disagreement,
@@ -53,7 +52,7 @@ from zeroshard.comm.divergence_report import (
     mismatch_text,
 )
 from zeroshard.comm.env import PEER_SILENCE_ENV, resolve_peer_silence_s
-from zeroshard.comm.silence import BEAT_S, SilenceWatch, beat_key
+from zeroshard.comm.silence import BEAT_S, SilenceWatch, beat_key, silence_report
 from zeroshard.errors import CommError
 
 if TYPE_CHECKING:
@@ -69,9 +68,6 @@ RESPONSE_S = 2.0
 
 _PREFIX = "zeroshard.comm/"
 REQUEST_KEY = _PREFIX + "request"
-_COMM_DIR = os.path.dirname(os.path.abspath(__file__))
-_PKG_DIR = os.path.dirname(_COMM_DIR)
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _MAX_PENDING = 4096
 """Records of async collectives never waited are dropped beyond this many."""
 
@@ -84,65 +80,8 @@ _register_thread_exit: Callable[[Callable[[], None]], None] | None = getattr(
 joined (what concurrent.futures uses). Without it, fall back to a daemon thread + atexit."""
 
 
-@functools.lru_cache(maxsize=4096)
-def signature(op: str, numel: int, dtype: torch.dtype | None) -> int:
-    """A 62-bit fingerprint of one collective: what every rank must agree on (cached: a
-    training step repeats the same few collectives)."""
-    digest = hashlib.blake2b(f"{op}|{numel}|{dtype}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
 def _poll_s(world_size: int) -> float:
     return max(POLL_S, world_size / 5000)
-
-
-@dataclass(slots=True)
-class CallRecord:
-    """One collective as issued by this rank (formatted only when a report needs it)."""
-
-    seq: int
-    op: str
-    numel: int
-    dtype: torch.dtype | None
-    site: tuple[str, int, str | None, int]
-    """(file, line) of the first caller outside comm/, and of the first outside zeroshard/torch."""
-    issued_at: float
-    api: str = ""
-    """The API the script called it through ("torch.distributed", "deepspeed.comm"); empty for
-    zeroshard's own (Note: [script collectives] in user_collectives.py)."""
-
-    @property
-    def checked_op(self) -> str:
-        """What the signature check compares besides size and dtype: the operation, and whether
-        the script issued it, so that the script's collective never agrees with one of
-        zeroshard's, however alike (Note: [script collectives] in user_collectives.py)."""
-        return f"script:{self.op}" if self.api else self.op
-
-
-def _call_site() -> tuple[str, int, str | None, int]:
-    frame = sys._getframe(2)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_COMM_DIR):
-        frame = frame.f_back
-    inner_file, inner_line = frame.f_code.co_filename, frame.f_lineno
-    outer: Any = frame
-    while outer is not None and outer.f_code.co_filename.startswith((_PKG_DIR, _TORCH_DIR)):
-        outer = outer.f_back
-    if outer is None or outer is frame:
-        return inner_file, inner_line, None, 0
-    return inner_file, inner_line, outer.f_code.co_filename, outer.f_lineno
-
-
-def _record_dict(rec: CallRecord) -> dict[str, Any]:
-    inner_file, inner_line, outer_file, outer_line = rec.site
-    where = f"{os.path.basename(inner_file)}:{inner_line}"
-    if outer_file is not None:
-        where += f" via {os.path.basename(outer_file)}:{outer_line}"
-    out: dict[str, Any] = {"seq": rec.seq, "op": f"{rec.api}.{rec.op}" if rec.api else rec.op,
-                           "numel": rec.numel, "where": where,
-                           "dtype": None if rec.dtype is None else str(rec.dtype).replace("torch.", "")}
-    if rec.api:
-        out["api"] = rec.api
-    return out
 
 
 _UNTRIED = object()
@@ -248,7 +187,7 @@ class CollectiveTracker:
             raise CommError(f"rank {self.rank}: {op} refused, the process group is broken:\n"
                             f"{self.broken}")
         self._seq += 1
-        rec = CallRecord(self._seq, op, numel, dtype, _call_site(), time.monotonic(), api)
+        rec = CallRecord(self._seq, op, numel, dtype, call_site(), time.monotonic(), api)
         self._last = rec
         pending = self._pending
         pending[rec.seq] = rec
@@ -358,12 +297,12 @@ class CollectiveTracker:
         pending = sorted(self._pending.values(), key=lambda r: r.seq)[:4]
         return {
             "rank": self.rank, "host": _HOST, "pid": os.getpid(), "seq": self._seq, "done": self._done_seq,
-            "last": None if self._last is None else _record_dict(self._last),
-            "waiting": None if waiting is None else _record_dict(waiting),
+            "last": None if self._last is None else record_dict(self._last),
+            "waiting": None if waiting is None else record_dict(waiting),
             "wait_s": round(time.monotonic() - self._wait_since, 1) if waiting else 0.0,
-            "pending": [_record_dict(r) for r in pending if waiting is None or r is not waiting],
+            "pending": [record_dict(r) for r in pending if waiting is None or r is not waiting],
             "state": self._state, "reason": self._reason, "served": self._served,
-            "mismatch": None if self.mismatch is None else _record_dict(self.mismatch),
+            "mismatch": None if self.mismatch is None else record_dict(self.mismatch),
         }
 
     def _publish(self) -> None:
@@ -423,13 +362,8 @@ class CollectiveTracker:
             return
         rec = self._waiting
         waited = time.monotonic() - (self._waiting_since() or time.monotonic())
-        call = "" if rec is None else f" in {rec.op} (seq {rec.seq}) at {_record_dict(rec)['where']}"
-        named = "; ".join(f"rank {peer} (host {states.get(peer, {}).get('host', '?')}, "
-                          f"pid {states.get(peer, {}).get('pid', '?')}) silent for {quiet:.0f} s"
-                          for peer, quiet in gone)
-        head = (f"rank {self.rank}: waited {waited:.0f} s{call}; {named} ({PEER_SILENCE_ENV}={limit_s:g}): "
-                "no heartbeat, so its process is stopped or hung outside Python, or its machine is off the "
-                "network. This rank ends now (exit status 1) so the launcher can restart the job without it.")
+        call = "" if rec is None else f" in {rec.op} (seq {rec.seq}) at {record_dict(rec)['where']}"
+        head = silence_report(self.rank, waited, call, gone, states, f"{PEER_SILENCE_ENV}={limit_s:g}")
         # the per-rank lines only: describe_states's verdict is about ranks that diverged
         lines = describe_states(states, self.world_size)[:1 + self.world_size]
         message = "\n".join([head, *lines] + ([f"  ({note})"] if note else []))
@@ -551,7 +485,7 @@ class CollectiveTracker:
         cause = first_line(error)
         if rec is self.mismatch and (differ := disagreement(states, rec.seq)) is not None:
             cause = f"collective mismatch at seq {rec.seq}, found before any data moved: {differ}"
-        call = _record_dict(rec)
+        call = record_dict(rec)
         head = (f"rank {self.rank}: {call['op']} (seq {rec.seq}) at {call['where']} failed after "
                 f"{waited:.1f} s (timeout {timeout_s:g} s): {cause}")
         return "\n".join([head, *describe_states(states, self.world_size)]

@@ -13,8 +13,9 @@ from time import perf_counter
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm.call_record import CallRecord
 from zeroshard.comm.checked import PendingIssue, wait_checked
-from zeroshard.comm.divergence import CallRecord, CollectiveTracker
+from zeroshard.comm.divergence import CollectiveTracker
 from zeroshard.comm.log import CommLog
 from zeroshard.errors import CommError
 

@@ -21,7 +21,8 @@ network (every rank's store calls then fail or block; the collective timeout sti
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 BEAT_S = 1.0
 """How often a rank bumps its counter, and (while waiting) reads its peers'."""
@@ -40,9 +41,6 @@ class SilenceWatch:
         self.rank, self.world_size, self.limit_s = rank, world_size, limit_s
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it last changed)
         self._next_read = 0.0
-
-    def active(self) -> bool:
-        return self.limit_s is not None and self.world_size > 1
 
     def poll(self, now: float, waiting_since: float | None, read: Callable[[int], int]) -> list[tuple[int, float]]:
         """The peers silent for at least the limit, with how long; [] while not waiting (the
@@ -65,3 +63,15 @@ class SilenceWatch:
             elif now - seen[1] >= limit:
                 silent.append((peer, now - seen[1]))
         return silent
+
+
+def silence_report(rank: int, waited_s: float, call: str, gone: list[tuple[int, float]],
+                   states: Mapping[int, Mapping[str, Any]], limit: str) -> str:
+    """The first line a rank prints before it ends for silent peers: how long it waited and in
+    which collective (`call`), each silent peer with its host and pid, and what that means."""
+    named = "; ".join(f"rank {peer} (host {states.get(peer, {}).get('host', '?')}, "
+                      f"pid {states.get(peer, {}).get('pid', '?')}) silent for {quiet:.0f} s"
+                      for peer, quiet in gone)
+    return (f"rank {rank}: waited {waited_s:.0f} s{call}; {named} ({limit}): no heartbeat, so its process is "
+            "stopped or hung outside Python, or its machine is off the network. This rank ends now (exit "
+            "status 1) so the launcher can restart the job without it.")
