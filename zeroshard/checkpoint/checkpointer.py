@@ -19,7 +19,7 @@ from zeroshard.checkpoint.ds_universal import find_universal, load_universal
 from zeroshard.checkpoint.load import load_state
 from zeroshard.checkpoint.pipe_files import find_pipeline, load_pipeline_into_plain
 from zeroshard.checkpoint.recovery import write_recovery_script
-from zeroshard.checkpoint.retention import prune
+from zeroshard.checkpoint.retention import Deleter, prune
 from zeroshard.checkpoint.save import save_state
 from zeroshard.checkpoint.verify import Resumable, newest_verified
 from zeroshard.checkpoint_format import EngineState, LoadedState
@@ -54,11 +54,12 @@ class ShardedCheckpointer:
         self._node_leader = node_leader
         self._async = AsyncSaver(comm, node_leader) if async_save else None
         self._keep_last = keep_last
+        self._deleter = Deleter()  # retired tags are deleted off the training thread (retention.py)
 
     def save(self, state: EngineState, save_dir: str | os.PathLike[str], tag: str,
              client_state: Mapping[str, Any] | None, save_latest: bool, save_optimizer_states: bool = True) -> str:
         if self._async is not None:
-            self.wait()  # one save in flight at a time: the previous one is published (or raises) first
+            self._join()  # one save in flight at a time: the previous one is published (or raises) first
             self._async.start(state, save_dir, tag, client_state, save_latest, save_optimizer_states)
             return str(Path(save_dir) / tag)
         published = save_state(state, self._comm, save_dir, tag, client_state, save_latest, save_optimizer_states,
@@ -76,6 +77,12 @@ class ShardedCheckpointer:
             CheckpointError: on every rank, naming the ranks whose writer failed and why;
                 nothing was published and `latest` names the previous checkpoint.
         """
+        try:
+            return self._join()
+        finally:
+            self._deleter.join()  # a script that waits sees the directory as keep_last leaves it
+
+    def _join(self) -> str | None:
         target = self._async.join() if self._async is not None else None
         if target is None:
             return None
@@ -85,7 +92,7 @@ class ShardedCheckpointer:
 
     def _after_publish(self, save_dir: str | os.PathLike[str]) -> None:
         write_recovery_script(save_dir)  # DeepSpeed's zero_to_fp32.py, for its documented workflow
-        prune(save_dir, self._keep_last)
+        prune(save_dir, self._keep_last, self._deleter)
 
     def load(self, target: EngineState, load_dir: str | os.PathLike[str], tag: str | None, *,
              load_optimizer_states: bool, load_module_only: bool, strict: bool = True) -> LoadedState | None:
