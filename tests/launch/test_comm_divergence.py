@@ -55,7 +55,7 @@ def _run_jobs(modes: tuple[str, ...], extra_env: dict[str, str]) -> dict[str, tu
 
 @pytest.fixture(scope="module")
 def jobs() -> dict[str, tuple[int, str, float]]:
-    results = _run_jobs(MODES + MISMATCH_MODES + DSCOMM_MODES + ("kill", "stop"), {})
+    results = _run_jobs(MODES + MISMATCH_MODES + DSCOMM_MODES + ("kill", "stop", "storestop"), {})
     for _, output, _ in results.values():
         assert "rank 0: check route board" in output and "rank 1: check route board" in output, output
         assert "rank 0: data arena on" in output, output
@@ -194,3 +194,17 @@ def test_stopped_peer_is_named_long_before_the_timeout(request: pytest.FixtureRe
     assert found, output
     assert 3 <= int(found.group(2)) < 20 and int(found.group(1)) < 30, found.group(0)
     assert "Last collective of each rank" in output and "the all_reduce completed" not in output, output
+
+
+def test_silent_store_is_named_long_before_the_timeout(jobs: dict[str, tuple[int, str, float]]) -> None:
+    # Note: [store silence]: with the store's host stopped, rank 1's watcher blocks in a store call
+    # and no peer's heartbeat can be read; the store watch names the store instead of waiting 60 s.
+    code, output, _ = jobs["storestop"]
+    assert "rank 1: agent store True" in output, output  # the stopped agent is the store rank 1 uses
+    assert code != 0, output
+    found = re.search(r"CommError: rank 1: waited ([0-9]+) s in all_reduce \(seq 2\) at \S+; the c10d store at "
+                      r"\S+:\d+ has not answered for ([0-9]+) s \(ZEROSHARD_PEER_SILENCE_S=3\)", output)
+    assert found, output
+    assert 3 <= int(found.group(2)) < 20 and int(found.group(1)) < 30, found.group(0)
+    assert "rank 1: seq 2 all_reduce(numel=4, float32)" in output, output  # its own last collective
+    assert "the all_reduce completed" not in output and "CommError: rank 0" not in output, output

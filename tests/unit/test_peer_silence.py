@@ -1,12 +1,15 @@
 """Peer silence (Note: [peer silence] in comm/silence.py): which peers a waiting rank names, and
-when; the launch test (tests/launch/test_comm_divergence.py, "stop") stops a real peer."""
+when; the launch test (tests/launch/test_comm_divergence.py, "stop") stops a real peer, and
+("storestop") the host of the store (Note: [store silence])."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 
 from zeroshard.comm.env import resolve_peer_silence_s
-from zeroshard.comm.silence import BEAT_S, SilenceWatch
+from zeroshard.comm.silence import BEAT_S, SilenceWatch, StoreWatch, store_silence_report
 from zeroshard.errors import CommError
 
 
@@ -61,3 +64,36 @@ def test_large_groups_read_less_often() -> None:
     for t in range(20):
         watch.poll(float(t) + BEAT_S, 0.0, lambda peer: reads.append(peer) or 0)
     assert len(reads) == 999 * 4  # every 5 s (1000 / 200) over 20 s, not every second
+
+
+def test_a_silent_store_counts_only_while_this_rank_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("zeroshard.comm.silence.time.monotonic", lambda: clock[0])
+    waiting: list[float | None] = [None]
+    watch = StoreWatch(5.0, lambda: waiting[0], lambda waited, quiet, limit: pytest.fail("runs on its thread only"),
+                       threading.Event())
+    clock[0] = 120.0  # the store silent for 20 s, but this rank waits for nothing: no hang to end
+    assert watch.silent_for(clock[0]) is None
+    waiting[0] = 117.0  # a wait of 3 s: under the limit
+    assert watch.silent_for(clock[0]) is None
+    clock[0] = 122.0
+    assert watch.silent_for(clock[0]) == 22.0
+    watch.answered()  # the store answered again: silence counts from here
+    clock[0] = 126.0
+    assert watch.silent_for(clock[0]) is None
+    clock[0] = 127.0
+    assert watch.silent_for(clock[0]) == 5.0
+
+
+def test_the_silent_store_is_named_by_its_address() -> None:
+    class TCP:
+        host, port = "node0", 29500
+
+    class Prefix:
+        underlying_store = TCP()
+
+    line = store_silence_report(1, 64.0, " in all_reduce (seq 7) at train.py:10", 61.0, Prefix(),
+                                "ZEROSHARD_PEER_SILENCE_S=60")
+    assert line.startswith("rank 1: waited 64 s in all_reduce (seq 7) at train.py:10; the c10d store at "
+                           "node0:29500 has not answered for 61 s (ZEROSHARD_PEER_SILENCE_S=60)"), line
+    assert "start it again" in line

@@ -52,7 +52,7 @@ from zeroshard.comm.divergence_report import (
     mismatch_text,
 )
 from zeroshard.comm.env import PEER_SILENCE_ENV, resolve_peer_silence_s
-from zeroshard.comm.silence import BEAT_S, SilenceWatch, beat_key, silence_report
+from zeroshard.comm.silence import BEAT_S, SilenceWatch, StoreWatch, beat_key, silence_report, store_silence_report
 from zeroshard.errors import CommError
 
 if TYPE_CHECKING:
@@ -164,12 +164,17 @@ class CollectiveTracker:
         self._lock = threading.Lock()  # serialises this object's store traffic
         self._thread: threading.Thread | None = None
         if store is not None:
-            silence = SilenceWatch(rank, world_size, resolve_peer_silence_s(os.environ))  # a bad value: raised here
+            limit = resolve_peer_silence_s(os.environ)  # a bad value: raised here
+            silence = SilenceWatch(rank, world_size, limit)
+            store_watch = (StoreWatch(limit, self._waiting_since, self._end_for_silent_store, self._stop)
+                           if limit is not None and world_size > 1 else None)  # Note: [store silence]
             self._publish()
             # Note: [watcher shutdown]
-            self._thread = threading.Thread(target=self._watch, args=(silence,), name="zeroshard-comm-watch",
-                                            daemon=_register_thread_exit is None)
+            self._thread = threading.Thread(target=self._watch, args=(silence, store_watch),
+                                            name="zeroshard-comm-watch", daemon=_register_thread_exit is None)
             self._thread.start()
+            if store_watch is not None:
+                store_watch.start()
             # Registered through a weak reference (Note: [groups die before finalization]): a
             # bound method would keep this tracker, and through it the process group and gloo's
             # threads, alive until the interpreter finalizes.
@@ -314,7 +319,7 @@ class CollectiveTracker:
             self._store.set(f"{_PREFIX}state/{self.rank}", payload)
         self._published_version = version
 
-    def _watch(self, silence: SilenceWatch) -> None:
+    def _watch(self, silence: SilenceWatch, store_watch: StoreWatch | None) -> None:
         failures, next_beat = 0, 0.0
         while not self._stop.wait(_poll_s(self.world_size)):
             try:
@@ -336,6 +341,8 @@ class CollectiveTracker:
                     if silent:
                         self._end_for_silent_peers(silent, silence.limit_s or 0.0)
                 failures = 0
+                if store_watch is not None:
+                    store_watch.answered()
             except Exception:  # the store's host is gone: nothing left to tell anyone
                 failures += 1
                 if failures >= 5:
@@ -375,6 +382,17 @@ class CollectiveTracker:
             self._publish()  # what the others' reports say about this rank
         except Exception:
             pass
+        sys.stdout.flush()
+        os._exit(1)
+
+    def _end_for_silent_store(self, waited_s: float, quiet_s: float, limit_s: float) -> None:
+        """Name the silent store and end (Note: [store silence]); on the store watch's thread: no store calls."""
+        rec, lines = self._waiting, describe_states({self.rank: self.snapshot()}, self.world_size)
+        call = "" if rec is None else f" in {rec.op} (seq {rec.seq}) at {record_dict(rec)['where']}"
+        self.broken = "\n".join([store_silence_report(self.rank, waited_s, call, quiet_s, self._store,
+                                                       f"{PEER_SILENCE_ENV}={limit_s:g}"),
+                                  lines[0], lines[1 + self.rank]])
+        print(f"CommError: {self.broken}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
 

@@ -15,12 +15,23 @@ groups); a counter unchanged for ``ZEROSHARD_PEER_SILENCE_S`` seconds (default 6
 makes this rank print the peers' names, hosts and pids and end, so the launcher (torchrun's
 agent, `zeroshard launch --max-restarts`) restarts the job without them and auto-resume reloads
 the last good checkpoint. Silence is measured on this host's clock from the first reading, so
-clocks need not agree across hosts. Not covered: the host of the store itself dropping off the
-network (every rank's store calls then fail or block; the collective timeout still ends them).
+clocks need not agree across hosts.
+
+Note: [store silence] The counters live in the c10d store, so the host that runs it (the
+launcher's rendezvous: torchrun's agent on the first node, usually beside rank 0) is the one
+peer the counters cannot watch: when it stops or drops off the network, every rank's store
+calls block (or fail), the watcher thread blocks with them, and the ranks would wait out the
+collective timeout. So a second thread (``StoreWatch``), which never touches the store, checks
+every ``BEAT_S`` when the watcher's store calls last answered; while this rank waits in a
+collective, silence from the store for the same ``ZEROSHARD_PEER_SILENCE_S`` ends the rank with
+the store's address. Such a job cannot restart by itself (torchrun's rendezvous lived on that
+host): the message says to start it again, and auto-resume loads the last good checkpoint.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -75,3 +86,59 @@ def silence_report(rank: int, waited_s: float, call: str, gone: list[tuple[int, 
     return (f"rank {rank}: waited {waited_s:.0f} s{call}; {named} ({limit}): no heartbeat, so its process is "
             "stopped or hung outside Python, or its machine is off the network. This rank ends now (exit "
             "status 1) so the launcher can restart the job without it.")
+
+
+class StoreWatch:
+    """Ends this rank when the c10d store stops answering while it waits (Note: [store silence]).
+
+    Args:
+        limit_s: how long the store may be silent during a wait (the peer-silence limit).
+        waiting_since: when this rank's current wait began, None when it waits for nothing.
+        on_silent: called once, on this watch's thread, with (seconds waited, seconds silent,
+            the limit); it is expected to end the process.
+        stop: set when the tracker closes; the watch ends with it.
+    """
+
+    def __init__(self, limit_s: float, waiting_since: Callable[[], float | None],
+                 on_silent: Callable[[float, float, float], None], stop: threading.Event) -> None:
+        self.limit_s = limit_s
+        self._waiting_since, self._on_silent, self._stop = waiting_since, on_silent, stop
+        self._answered_at = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="zeroshard-store-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def answered(self) -> None:
+        """The watcher's store calls of one round came back (called by the watcher thread)."""
+        self._answered_at = time.monotonic()
+
+    def silent_for(self, now: float) -> float | None:
+        """How long the store has been silent during this rank's wait, once that reaches the
+        limit; None before (or while this rank waits for nothing)."""
+        since = self._waiting_since()
+        quiet = now - self._answered_at
+        if since is None or now - since < self.limit_s or quiet < self.limit_s:
+            return None
+        return quiet
+
+    def _run(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            now = time.monotonic()
+            quiet = self.silent_for(now)
+            if quiet is not None:
+                self._on_silent(now - (self._waiting_since() or now), quiet, self.limit_s)
+                return
+
+
+def store_silence_report(rank: int, waited_s: float, call: str, quiet_s: float, store: Any, limit: str) -> str:
+    """The first line a rank prints before it ends because the c10d store `store` fell silent."""
+    base = store
+    for _ in range(8):  # PrefixStores over the launcher's TCPStore
+        base = getattr(base, "underlying_store", None) or base
+    where = f"{getattr(base, 'host', '?')}:{getattr(base, 'port', '?')}"
+    return (f"rank {rank}: waited {waited_s:.0f} s{call}; the c10d store at {where} has not answered for "
+            f"{quiet_s:.0f} s ({limit}): the host that runs it (the launcher's rendezvous, usually the first "
+            "node) is stopped or off the network, so no peer can be heard from. This rank ends now (exit status "
+            "1). The job cannot restart by itself without that host: start it again, and auto-resume loads the "
+            "last good checkpoint.")

@@ -21,6 +21,11 @@ under a 60 s timeout; rank 0 must fail within seconds, naming the dead rank.
 MODE "stop": rank 1 stops itself (SIGSTOP: a frozen node; its sockets and pid stay) after the first
 barrier, under a 60 s timeout with ZEROSHARD_PEER_SILENCE_S=3; rank 0 must end within seconds,
 naming rank 1's host and pid (Note: [peer silence] in comm/silence.py).
+MODE "storestop": the host of the c10d store goes silent: rank 1 stops torchrun's agent (SIGSTOP;
+the agent hosts the store its workers use) and then waits in an all_reduce rank 0 does not reach
+for 40 s, under a 60 s timeout with ZEROSHARD_PEER_SILENCE_S=3; rank 1 must end within seconds,
+naming the store's address (Note: [store silence]). A helper process continues the agent 15 s
+later, so torchrun sees rank 1's exit and ends the job.
 
 Each rank prints the route of its signature checks after the first barrier ("board": shared
 memory, the default on one host; "side group": ZEROSHARD_COMM_CHECK_BOARD=0; Note: [signature
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -41,10 +47,10 @@ from zeroshard.comm.divergence import tracker_of
 
 
 def main(mode: str) -> None:
-    if mode == "stop":
+    if mode in ("stop", "storestop"):
         os.environ["ZEROSHARD_PEER_SILENCE_S"] = "3"
     groups = init_distributed(timeout_s=60)
-    comm = Comm(groups, timeout_s=60 if mode in ("kill", "stop") else 3)
+    comm = Comm(groups, timeout_s=60 if mode in ("kill", "stop", "storestop") else 3)
     comm.barrier()  # seq 1 on both ranks
     tracker = tracker_of(groups.dp_group)
     route = "board" if tracker.checks_on_board else "side group" if tracker._check_pg is not None else "none"
@@ -54,6 +60,17 @@ def main(mode: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "stop" and groups.rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # torchrun's SIGKILL ends it after rank 0 left
+    if mode == "storestop":
+        print(f"rank {groups.rank}: agent store {os.environ.get('TORCHELASTIC_USE_AGENT_STORE')}", flush=True)
+        if groups.rank == 0:
+            time.sleep(40)  # in Python, waiting in no collective: this rank has nothing to report
+        else:
+            agent = os.getppid()
+            subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time; time.sleep(15); "
+                              "os.kill(int(sys.argv[1]), signal.SIGCONT)", str(agent)], start_new_session=True)
+            os.kill(agent, signal.SIGSTOP)
+            comm.all_reduce(torch.ones(4))  # seq 2: rank 0 is asleep, the store silent
+            raise SystemExit("rank 1: the all_reduce completed without rank 0")
     if mode == "size":
         comm.all_reduce(torch.ones(4 if groups.rank == 0 else 1000))  # seq 2: sizes differ
     if mode == "extra":
