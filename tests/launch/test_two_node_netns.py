@@ -3,7 +3,11 @@ joined by a veth pair. Skips (with the reason) where the machine cannot make nam
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
-from two_node import TwoNodeCluster, unavailable  # noqa: E402  bench/two_node.py loads after the sys.path insert
+from two_node import TwoNodeCluster, _sh, unavailable  # noqa: E402  bench/two_node.py loads after the sys.path insert
 
 WHY = unavailable()
 
@@ -31,7 +35,6 @@ def test_four_ranks_on_two_namespaced_nodes_all_reduce_over_the_veth() -> None:
     # The nodes really talked over the link (rendezvous + the all-reduce), both ways.
     assert tx[0] > 0 and tx[1] > 0, tx
     # Teardown removed what it made.
-    import subprocess
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(ns in listed for ns in namespaces), listed
 
@@ -52,3 +55,60 @@ def test_zeropp_node_layout_from_the_launcher() -> None:
     assert fields["world"] == "4" and fields["node"] == "2", line
     assert float(fields["gather_MB_inter_node"]) == 0.0 and float(fields["gather_MB_inter_cross"]) > 0, line
     assert float(fields["grad_MB_inter"]) < float(fields["grad_MB_intra"]), line
+
+
+def _read_lines(proc: subprocess.Popen[str], into: list[tuple[float, str]]) -> threading.Thread:
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            into.append((time.monotonic(), line))
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"two-node cluster: {WHY}")
+def test_a_node_cut_off_the_network_is_named_on_both_sides() -> None:
+    """Node 1's link goes down while both nodes' ranks all-reduce (a 120 s collective timeout):
+    nothing closes, so gloo alone would wait the whole timeout. Rank 0 (beside the store) names
+    rank 1 silent; rank 1, which cannot reach the store on node 0 any more, names the store
+    (Note: [peer silence], Note: [store silence] in comm/silence.py); each within seconds. The two
+    namespaces share this machine's /dev/shm and host name, so the shared-memory routes that real
+    nodes could not use are switched off: every byte and check goes over the link, as between hosts."""
+    script = str(REPO / "tests" / "launch" / "scripts" / "link_drop.py")
+    env = {"ZEROSHARD_PEER_SILENCE_S": "3", "ZEROSHARD_COMM_SHM": "0", "ZEROSHARD_COMM_CHECK_BOARD": "0"}
+    with TwoNodeCluster(rate=None) as cluster:
+        procs = [cluster.launch(r, [script], nproc_per_node=1, env=env) for r in (0, 1)]
+        outputs: list[list[tuple[float, str]]] = [[], []]
+        readers = [_read_lines(p, out) for p, out in zip(procs, outputs)]
+        try:
+            deadline = time.monotonic() + 180
+            while not all(any("READY" in line for _, line in out) for out in outputs):
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), outputs
+                time.sleep(0.2)
+            time.sleep(1.0)  # a few all-reduces over the link
+            _sh("ip", "-n", cluster.namespaces[1], "link", "set", cluster.devices[1], "down")
+            dropped = time.monotonic()
+
+            def named(node: int, pattern: str) -> re.Match[str] | None:
+                return next((m for _, line in outputs[node] if (m := re.search(pattern, line))), None)
+
+            silent_peer = (r"CommError: rank 0: waited (\d+) s in all_reduce .*rank 1 \(host \S+, pid \d+\) "
+                           r"silent for (\d+) s")
+            silent_store = (rf"CommError: rank 1: waited (\d+) s in all_reduce .*the c10d store at "
+                            rf"{re.escape(cluster.addresses[0])}:\d+ has not answered for (\d+) s")
+            while not (named(0, silent_peer) and named(1, silent_store)):
+                assert time.monotonic() < dropped + 60, ["".join(x for _, x in out)[-6000:] for out in outputs]
+                time.sleep(0.2)
+            took = max(t for out in outputs for t, line in out if "CommError" in line) - dropped
+        finally:
+            for p in procs:
+                p.kill()
+            for r in readers:
+                r.join(timeout=10)
+    for node, pattern in ((0, silent_peer), (1, silent_store)):
+        m = named(node, pattern)
+        assert m is not None and 3 <= int(m.group(2)) < 30 and int(m.group(1)) < 40, m and m.group(0)
+    assert took < 40, f"named {took:.0f} s after the link went down (collective timeout 120 s)"
+    print(f"both sides named within {took:.1f} s of the link going down")
