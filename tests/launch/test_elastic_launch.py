@@ -87,6 +87,11 @@ def test_restarts_and_ranges_use_the_c10d_rendezvous(here: Path) -> None:
     assert argv[argv.index("--rdzv_endpoint") + 1] == "10.0.0.1:29500"
     assert argv[argv.index("--rdzv_conf") + 1] == "last_call_timeout=5,is_host=false"
     assert argv[argv.index("--max_restarts") + 1] == "0" and argv[argv.index("--rdzv_id") + 1] == "job-7"
+    assert "--local_addr" not in argv  # torchrun then uses this host's name
+    named = plan_launch(["--dry_run", "--nnodes", "1:2", "--nproc_per_node", "1", "--master_addr", "10.0.0.1",
+                         "--local_addr", "10.0.0.2", "train.py"]).commands[0].argv
+    at = named.index("--local_addr")
+    assert named[at + 1] == "10.0.0.2" and at < named.index("train.py")
     static = plan_launch(["--dry_run", "--nnodes", "1", "--nproc_per_node", "1", "train.py"]).commands[0].argv
     assert "--master_addr" in static and static[static.index("--max_restarts") + 1] == "0"
     (hostfile := here / "hosts").write_text("worker-0 slots=2\nworker-1 slots=2\n")
@@ -105,6 +110,9 @@ def test_restarts_and_ranges_use_the_c10d_rendezvous(here: Path) -> None:
     (["--nnodes", "1:2", "--hostfile", "hosts"], "--nnodes 1:2 with --hostfile: a hostfile names a fixed set"),
     (["--launcher", "slurm", "--max_restarts", "1"], "--max_restarts 1 with --launcher slurm"),
     (["--rdzv_conf", "a=1"], "--rdzv_conf without --max_restarts N or --nnodes MIN:MAX"),
+    (["--local_addr", "10.0.0.2"], "--local_addr without --max_restarts N or --nnodes MIN:MAX"),
+    (["--max_restarts", "1", "--hostfile", "hosts", "--local_addr", "10.0.0.2"],
+     "--local_addr 10.0.0.2 with --hostfile: each host is reached by its hostfile name"),
     (["--max_restarts", "1", "--rdzv_conf", "timeout"], "--rdzv_conf 'timeout': expected key=value pairs"),
 ])
 def test_refusals_name_the_flag_first(here: Path, args: list[str], first_line: str) -> None:

@@ -112,3 +112,54 @@ def test_a_node_cut_off_the_network_is_named_on_both_sides() -> None:
         assert m is not None and 3 <= int(m.group(2)) < 30 and int(m.group(1)) < 40, m and m.group(0)
     assert took < 40, f"named {took:.0f} s after the link went down (collective timeout 120 s)"
     print(f"both sides named within {took:.1f} s of the link going down")
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"two-node cluster: {WHY}")
+def test_a_node_cut_off_the_network_leaves_and_the_job_finishes_without_it(tmp_path: Path) -> None:
+    """test_elastic_launch's lost node over a real link: two `zeroshard launch --nnodes 1:2
+    --max-restarts 1` nodes in the namespaces, one rank each, training scripts/elastic_train.py at
+    ZeRO 2 with auto-resume; both hold before step 6, node 1's link goes down, training goes on.
+    Node 0's rank names rank 1 silent and exits; its agent gives the lost node's heartbeat up and
+    restarts its worker at world size 1, which resumes from step 4 with gradient accumulation 2 and
+    equals an uninterrupted world-1 run from that checkpoint (1e-6 relative). Node 1's rank, cut off,
+    names the store instead of waiting out the collective timeout."""
+    import test_elastic_launch as el  # its helpers (and its torch import) for this case only
+
+    env = {**el._env(), "ZEROSHARD_PEER_SILENCE_S": "3", "ZEROSHARD_COMM_SHM": "0",
+           "ZEROSHARD_COMM_CHECK_BOARD": "0", "ZS_HOLD": "6"}
+    with TwoNodeCluster(rate=None) as cluster:
+        jobs = []
+        try:
+            for node, host in ((0, "true"), (1, "false")):
+                argv = ["ip", "netns", "exec", cluster.namespaces[node], sys.executable, "-m", "zeroshard.cli.main",
+                        "launch", "--nnodes", "1:2", "--nproc_per_node", "1", "--max-restarts", "1",
+                        "--master_addr", cluster.addresses[0], "--master_port", "29612", "--rdzv_id", "cut",
+                        "--local_addr", cluster.addresses[node],  # both namespaces have this host's name
+                        "--rdzv_conf", f"{el.RDZV_CONF},is_host={host}", str(el.SCRIPT), str(tmp_path), "2"]
+                jobs.append(el._Job(subprocess.Popen(
+                    argv, cwd=REPO, env={**env, "GLOO_SOCKET_IFNAME": cluster.devices[node]}, text=True,
+                    start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)))
+            for job in jobs:
+                job.wait_for(r"^HOLD rank \d world 2 ")
+            _sh("ip", "-n", cluster.namespaces[1], "link", "set", cluster.devices[1], "down")
+            cut = time.time()
+            (tmp_path / "go").touch()
+            code, out = jobs[0].finish()
+            lost_out = jobs[1].out
+        finally:
+            for job in jobs:
+                job.kill()
+    assert code == 0, out[-6000:]
+    assert re.search(r"CommError: rank 0: waited \d+ s in \S+ .*rank 1 \(host \S+, pid \d+\) silent for \d+ s", out), (
+        out[-6000:])
+    assert re.search(rf"CommError: rank 1: waited \d+ s .*the c10d store at {re.escape(cluster.addresses[0])}:\d+ "
+                     r"has not answered", lost_out), lost_out[-6000:]
+    resumed = r"^START rank 0/1 attempt 1 step 4 gas 2 "
+    assert re.search(resumed, out, re.M), out[-4000:]
+    assert ("zeroshard launch: 1 restart (--max_restarts 1): attempt 0 failed, attempt 1 finished. "
+            "Exit status 0.") in out, out[-3000:]
+    lost_steps = el._record(lost_out + out, 2, 1, 4)
+    assert lost_steps == [5], lost_steps
+    back = el._stamp(out, resumed[1:].rstrip()) - cut
+    el._report("node cut off the network", 2, "2 -> 1", 4, lost_steps, f"training again {back:.1f} s after the "
+               "link went down", el._step_losses(out, 1), el._reference(tmp_path, 2, 1, "global_step4", 2))

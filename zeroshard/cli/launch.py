@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--rdzv_conf", "--rdzv-conf", default=None, metavar="K=V,...",
       help="with --max_restarts or --nnodes MIN:MAX: torchrun's rendezvous settings, e.g. "
       "'last_call_timeout=10,join_timeout=300'")
+    a("--local_addr", "--local-addr", default=None, metavar="ADDR",
+      help="with --max_restarts or --nnodes MIN:MAX: this node's address as the other nodes reach it "
+      "(torchrun's --local-addr; default: this host's name, which must then resolve on every node)")
     a("--node_rank", "--node-rank", type=int, default=None, metavar="R",
       help="this node's rank: run only this node's workers, torchrun style")
     a("-H", "--hostfile", default=None, metavar="FILE", help="'HOST slots=N' lines")
@@ -220,10 +223,14 @@ def _check_restarts(args: argparse.Namespace) -> tuple[int, int] | None:
         raise LaunchError(f"{flag} with --launcher slurm: srun starts the workers itself, with no agent to restart "
                           "them; requeue the job instead (sbatch --requeue, or on exit status 75).")
     if span is None and args.max_restarts == 0:
-        for flag, value in (("--rdzv_id", args.rdzv_id), ("--rdzv_conf", args.rdzv_conf)):
+        for flag, value in (("--rdzv_id", args.rdzv_id), ("--rdzv_conf", args.rdzv_conf),
+                            ("--local_addr", args.local_addr)):
             if value is not None:
                 raise LaunchError(f"{flag} without --max_restarts N or --nnodes MIN:MAX: only the c10d "
                                   "rendezvous uses it.")
+    if args.local_addr is not None and args.hostfile is not None:
+        raise LaunchError(f"--local_addr {args.local_addr} with --hostfile: each host is reached by its hostfile "
+                          "name; drop --local_addr, or write the addresses into the hostfile.")
     if args.rdzv_conf is not None and not _RDZV_CONF.fullmatch(args.rdzv_conf):
         raise LaunchError(f"--rdzv_conf {args.rdzv_conf!r}: expected key=value pairs joined by commas, e.g. "
                           "'last_call_timeout=10,join_timeout=300'.")
@@ -302,7 +309,7 @@ def _rendezvous(args: argparse.Namespace, span: tuple[int, int] | None, num_node
     host = master_addr or "127.0.0.1"
     endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return Rendezvous(low, high, endpoint, args.rdzv_id or f"zeroshard-{port}", args.max_restarts,
-                      args.rdzv_conf or "")
+                      args.rdzv_conf or "", args.local_addr or "")
 
 
 def _plan_node(args: argparse.Namespace, worker: WorkerSpec, hosts: HostSlots | None,

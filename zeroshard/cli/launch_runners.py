@@ -106,7 +106,10 @@ class Rendezvous:
     ``min_nodes`` agents have joined and, for a range, ``last_call_timeout`` more seconds have
     passed or ``max_nodes`` joined. A failed worker makes its agent stop the node's workers and
     join a new round, up to ``max_restarts`` times; the other agents see it waiting and join too.
-    ``conf`` is torchrun's ``--rdzv_conf`` text (``key=value,...``), passed as given.
+    ``conf`` is torchrun's ``--rdzv_conf`` text (``key=value,...``), passed as given;
+    ``local_addr`` this node's address as the others reach it (torchrun's ``--local-addr``; empty:
+    torchrun uses the host name, so in containers or namespaces whose names do not resolve across
+    nodes the workers would look for the store at the wrong address).
     """
 
     min_nodes: int
@@ -115,6 +118,7 @@ class Rendezvous:
     run_id: str
     max_restarts: int
     conf: str = ""
+    local_addr: str = ""
 
     @property
     def nnodes(self) -> str:
@@ -144,6 +148,8 @@ def torchrun_command(
     """
     if rendezvous is not None:
         conf = ["--rdzv_conf", rendezvous.conf] if rendezvous.conf else []
+        if rendezvous.local_addr:
+            conf += ["--local_addr", rendezvous.local_addr]
         argv = [
             python, "-m", "torch.distributed.run",
             "--nnodes", rendezvous.nnodes,
