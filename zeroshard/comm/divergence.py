@@ -166,8 +166,12 @@ class CollectiveTracker:
         if store is not None:
             limit = resolve_peer_silence_s(os.environ)  # a bad value: raised here
             silence = SilenceWatch(rank, world_size, limit)
-            store_watch = (StoreWatch(limit, self._waiting_since, self._end_for_silent_store, self._stop)
-                           if limit is not None and world_size > 1 else None)  # Note: [store silence]
+            # Note: [store silence]; through a weak reference, as the exit hook below (a thread holding
+            # this tracker would keep the group alive into finalization: Note: [groups die before finalization])
+            me = weakref.ref(self)
+            store_watch = (StoreWatch(limit, lambda: (t._waiting_since() if (t := me()) is not None else None),
+                                      lambda *how: None if (t := me()) is None else t._end_for_silent_store(*how),
+                                      self._stop) if limit is not None and world_size > 1 else None)
             self._publish()
             # Note: [watcher shutdown]
             self._thread = threading.Thread(target=self._watch, args=(silence, store_watch),
