@@ -143,6 +143,10 @@ def _check_experts_config(cfg: "Config", params: list[nn.Parameter]) -> None:
     if zero.offload_optimizer.ratio < 1.0:
         raise NotSupportedError("zero_optimization.offload_optimizer.ratio below 1 with MoE layers is not "
                                 "implemented: remove the key (the CPU offload itself works)")
+    if zero.zenflow.enabled:  # ExpertSplitStrategy.wrap_optimizer would drop its selective step unsaid
+        raise NotSupportedError("zero_optimization.zenflow with MoE layers is not implemented: "
+                                "the dense parameters and each expert group are separate strategies, and ZenFlow's "
+                                "step is built for one; remove the zenflow section (the CPU offload itself works)")
     if zero.stage != 3:
         return
     if int(zero.zero_hpz_partition_size) > 1:

@@ -191,7 +191,7 @@ class ExpertSplitStrategy(ZeroStrategy):
         raise IndexError(f"fragment index past the last fragment ({len(self.checkpoint_fragments())})")
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return optimizer  # offload (the only wrapper) is refused with experts (zero/build.py)
+        return optimizer  # the wrappers (an NVMe home's swap, ZenFlow's step) are refused with experts (zero/build.py)
 
     def parameter_offload(self) -> "ParameterOffload | None":
         return None
