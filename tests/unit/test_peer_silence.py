@@ -5,6 +5,7 @@ when; the launch test (tests/launch/test_comm_divergence.py, "stop") stops a rea
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -70,8 +71,11 @@ def test_a_silent_store_counts_only_while_this_rank_waits(monkeypatch: pytest.Mo
     clock = [100.0]
     monkeypatch.setattr("zeroshard.comm.silence.time.monotonic", lambda: clock[0])
     waiting: list[float | None] = [None]
-    watch = StoreWatch(5.0, lambda: waiting[0], lambda waited, quiet, limit: pytest.fail("runs on its thread only"),
-                       threading.Event())
+    stopped = threading.Event()
+    stopped.set()  # its thread ends at once: the readings below are the test's
+    ended: list[tuple[float, float, float]] = []
+    watch = StoreWatch(5.0, lambda: waiting[0], lambda *how: ended.append(how), stopped)
+    watch.join()
     clock[0] = 120.0  # the store silent for 20 s, but this rank waits for nothing: no hang to end
     assert watch.silent_for(clock[0]) is None
     waiting[0] = 117.0  # a wait of 3 s: under the limit
@@ -83,6 +87,21 @@ def test_a_silent_store_counts_only_while_this_rank_waits(monkeypatch: pytest.Mo
     assert watch.silent_for(clock[0]) is None
     clock[0] = 127.0
     assert watch.silent_for(clock[0]) == 5.0
+    assert ended == []
+
+
+def test_the_store_watch_ends_the_rank_once_from_its_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("zeroshard.comm.silence.BEAT_S", 0.01)
+    start = time.monotonic()
+    ended: list[tuple[float, float, float]] = []
+    stop = threading.Event()
+    watch = StoreWatch(0.05, lambda: start, lambda *how: ended.append(how), stop)  # waiting, never answered
+    deadline = time.monotonic() + 10
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    watch.join()
+    assert len(ended) == 1 and ended[0][1] >= 0.05 and ended[0][2] == 0.05, ended
 
 
 def test_the_silent_store_is_named_by_its_address() -> None:

@@ -164,10 +164,8 @@ class CollectiveTracker:
         self._lock = threading.Lock()  # serialises this object's store traffic
         self._thread: threading.Thread | None = None
         if store is not None:
-            limit = resolve_peer_silence_s(os.environ)  # a bad value: raised here
-            silence = SilenceWatch(rank, world_size, limit)
-            # Note: [store silence]; through a weak reference, as the exit hook below (a thread holding
-            # this tracker would keep the group alive into finalization: Note: [groups die before finalization])
+            silence = SilenceWatch(rank, world_size, limit := resolve_peer_silence_s(os.environ))  # bad: raised here
+            # Note: [store silence]; a weak reference, as the exit hook's (Note: [groups die before finalization])
             me = weakref.ref(self)
             store_watch = (StoreWatch(limit, lambda: (t._waiting_since() if (t := me()) is not None else None),
                                       lambda *how: None if (t := me()) is None else t._end_for_silent_store(*how),
@@ -177,8 +175,6 @@ class CollectiveTracker:
             self._thread = threading.Thread(target=self._watch, args=(silence, store_watch),
                                             name="zeroshard-comm-watch", daemon=_register_thread_exit is None)
             self._thread.start()
-            if store_watch is not None:
-                store_watch.start()
             # Registered through a weak reference (Note: [groups die before finalization]): a
             # bound method would keep this tracker, and through it the process group and gloo's
             # threads, alive until the interpreter finalizes.
@@ -324,6 +320,13 @@ class CollectiveTracker:
         self._published_version = version
 
     def _watch(self, silence: SilenceWatch, store_watch: StoreWatch | None) -> None:
+        try:
+            self._watch_store(silence, store_watch)
+        finally:  # the store watch outlives a dead store's watcher; both end at close, before atexit
+            if store_watch is not None:
+                store_watch.join()
+
+    def _watch_store(self, silence: SilenceWatch, store_watch: StoreWatch | None) -> None:
         failures, next_beat = 0, 0.0
         while not self._stop.wait(_poll_s(self.world_size)):
             try:

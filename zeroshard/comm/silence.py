@@ -89,7 +89,8 @@ def silence_report(rank: int, waited_s: float, call: str, gone: list[tuple[int, 
 
 
 class StoreWatch:
-    """Ends this rank when the c10d store stops answering while it waits (Note: [store silence]).
+    """Ends this rank when the c10d store stops answering while it waits (Note: [store silence]);
+    its thread starts at once.
 
     Args:
         limit_s: how long the store may be silent during a wait (the peer-silence limit).
@@ -105,9 +106,12 @@ class StoreWatch:
         self._waiting_since, self._on_silent, self._stop = waiting_since, on_silent, stop
         self._answered_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="zeroshard-store-watch", daemon=True)
-
-    def start(self) -> None:
         self._thread.start()
+
+    def join(self) -> None:
+        """Wait until `stop` is set, then for the thread (which wakes at once)."""
+        self._stop.wait()
+        self._thread.join()
 
     def answered(self) -> None:
         """The watcher's store calls of one round came back (called by the watcher thread)."""
