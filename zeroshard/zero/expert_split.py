@@ -16,7 +16,7 @@ With tensor parallelism (a norm group, Note: [norm groups] in zero/strategy.py) 
 sums its squares over the norm group itself; the experts, held whole and equal by every
 tensor-parallel rank, are counted by the rank whose norm group does not list them as duplicates
 (tensor-parallel rank 0), summed over the norm group once; the rule is then always "global".
-Imports torch and zero/strategy.py (and `zeroshard.comm`, zero/parameter_offload.py for types).
+Imports torch, `zeroshard.errors` and zero/strategy.py (and `zeroshard.comm`, zero/parameter_offload.py for types).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
+from zeroshard.errors import NotSupportedError
 from zeroshard.zero.strategy import (
     GradStats,
     MasterFragment,
@@ -191,7 +192,16 @@ class ExpertSplitStrategy(ZeroStrategy):
         raise IndexError(f"fragment index past the last fragment ({len(self.checkpoint_fragments())})")
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return optimizer  # the wrappers (an NVMe home's swap, ZenFlow's step) are refused with experts (zero/build.py)
+        """`optimizer` itself: the parts share it, and a part's own wrapper (an NVMe home's swap,
+        ZenFlow's step, the delayed update) would step it alone. zero/build.py refuses those
+        settings by name at initialize; a part that still wraps is an error here, never dropped."""
+        for part, _ in self._parts:
+            wrapped = part.wrap_optimizer(optimizer)
+            if wrapped is not optimizer:
+                raise NotSupportedError(f"{type(wrapped).__name__} around the optimizer of one expert-split part is "
+                                        "not implemented beside MoE layers; zero/build.py should have refused its "
+                                        "setting by name")
+        return optimizer
 
     def parameter_offload(self) -> "ParameterOffload | None":
         return None
